@@ -1,0 +1,212 @@
+"""Input signatures: what must match for a captured graph to apply to a call.
+
+A signature covers every tensor in the call's arguments (shape, stride, dtype, device,
+requires_grad, and the address of inputs that are read in place), every non-tensor argument by
+value, the nesting of the arguments, and the global state that changes what ``forward`` computes
+(training flags, grad mode, inference mode, autocast). Pure: nothing here touches CUDA.
+"""
+
+from __future__ import annotations
+
+import enum
+import operator
+import weakref
+from typing import Any, Hashable, NamedTuple, Sequence
+
+import torch
+import torch.utils._pytree as pytree
+
+__all__ = [
+    "Signature",
+    "Unkeyable",
+    "build_signature",
+    "global_state",
+    "is_constant",
+    "mark_static",
+    "is_marked_static",
+]
+
+_Tensor = torch.Tensor
+_Parameter = torch.nn.Parameter
+_strided = torch.strided
+
+# Types whose instances are immutable values: safe to key on, and safe to return as they are.
+_CONSTANT_TYPES = (
+    int, float, bool, complex, str, bytes, type(None), type(Ellipsis), type(NotImplemented),
+    torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, range, enum.Enum,
+)
+
+# id -> weak reference of each tensor marked static. (A WeakSet would compare tensors with ``==``.)
+_static_tensors: dict[int, weakref.ref] = {}
+
+
+def mark_static(tensor: torch.Tensor) -> torch.Tensor:
+    """Mark ``tensor`` as living at a fixed address: graphs read and write it in place.
+
+    A marked tensor passed to a graphed callable is never copied into a static buffer; the graph
+    is captured against its memory, and its address becomes part of the signature (another
+    tensor in that position captures another graph). Use it for state that the caller keeps and
+    updates between calls, such as a KV cache. Returns ``tensor`` so it can be used inline.
+    """
+    if not isinstance(tensor, torch.Tensor):
+        from ._errors import CudagraphifyUsageError
+
+        raise CudagraphifyUsageError(
+            f"mark_static expects a torch.Tensor, got {type(tensor).__name__}"
+        )
+    key = id(tensor)
+    _static_tensors[key] = weakref.ref(tensor, lambda _ref: _static_tensors.pop(key, None))
+    return tensor
+
+
+def is_marked_static(tensor: torch.Tensor) -> bool:
+    ref = _static_tensors.get(id(tensor))
+    return ref is not None and ref() is tensor
+
+
+def is_constant(value: Any) -> bool:
+    """True for immutable values that may be keyed on by value and returned as they are."""
+    if isinstance(value, _CONSTANT_TYPES):
+        return True
+    if isinstance(value, (tuple, frozenset)):
+        return all(is_constant(v) for v in value)
+    # A user type with value semantics: it defines __eq__ and __hash__ of its own (a frozen
+    # dataclass, a NamedTuple handled above). Objects hashed by identity can change behind the
+    # key's back, so they are not constants.
+    tp = type(value)
+    return tp.__hash__ is not None and tp.__hash__ is not object.__hash__ and tp.__eq__ is not object.__eq__
+
+
+class Unkeyable(NamedTuple):
+    """A call that cannot be keyed; ``reason`` says why (the call then runs eagerly)."""
+
+    reason: str
+
+
+class Signature(NamedTuple):
+    """The parts of a call's signature, before a cache policy turns it into a key.
+
+    ``tensors`` and ``state`` are always part of the key (a graph must never see memory of another
+    layout); a :class:`~cudagraphify.CachePolicy` decides what to make of ``spec`` and
+    ``constants``.
+    """
+
+    spec: Hashable
+    tensors: tuple
+    constants: tuple
+    state: tuple
+
+
+def tensor_meta(t: torch.Tensor, static: bool) -> tuple:
+    if static:
+        return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr())
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+
+
+_training = operator.attrgetter("training")
+
+
+def global_state(modules: Sequence[torch.nn.Module]) -> tuple:
+    """Global and module state that changes what a forward computes."""
+    return (
+        tuple(map(_training, modules)),
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
+        torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
+    )
+
+
+def _unsupported_tensor(t: torch.Tensor) -> str | None:
+    if type(t) is not _Tensor and type(t) is not _Parameter:
+        return f"tensor subclass {type(t).__name__} is not supported"
+    if t.layout is not torch.strided:
+        return f"{t.layout} tensors are not supported (only strided)"
+    if t.is_nested:
+        return "nested tensors are not supported"
+    return None
+
+
+def build_signature(
+    args: tuple,
+    kwargs: dict,
+    modules: Sequence[torch.nn.Module],
+    static_positions: frozenset[int],
+    static_names: frozenset[str],
+) -> tuple[Signature | Unkeyable, list, list[bool]]:
+    """Flatten a call and describe it.
+
+    Returns ``(signature, leaves, static_flags)``: the flat leaves of ``(args, kwargs)`` in the
+    order the capture layer uses them, and per leaf whether it is read in place (marked static
+    or named in ``static_argnames``) rather than copied.
+    """
+    state = global_state(modules)
+    # Fast path: positional tensors only, no statics: no pytree work at all.
+    if not kwargs and not static_positions and not _static_tensors:
+        if all(type(a) is _Tensor and a.layout is _strided and not a.is_nested for a in args):
+            metas = tuple([(a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args])
+            return Signature(len(args), metas, (), state), list(args), [False] * len(args)
+
+    leaves: list = []
+    static_flags: list[bool] = []
+    specs: list = []
+    for i, arg in enumerate(args):
+        flat, spec = pytree.tree_flatten(arg)
+        leaves.extend(flat)
+        static_flags.extend([i in static_positions] * len(flat))
+        specs.append(spec)
+    names = tuple(kwargs)
+    for name in names:
+        flat, spec = pytree.tree_flatten(kwargs[name])
+        leaves.extend(flat)
+        static_flags.extend([name in static_names] * len(flat))
+        specs.append(spec)
+
+    metas = []
+    constants = []
+    for idx, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            bad = _unsupported_tensor(leaf)
+            if bad:
+                return Unkeyable(f"argument leaf {idx}: {bad}"), leaves, static_flags
+            static = static_flags[idx] or is_marked_static(leaf)
+            static_flags[idx] = static
+            metas.append(tensor_meta(leaf, static))
+        elif static_flags[idx]:
+            # Declared static by name: the caller promises the object keeps its tensors in
+            # place, so it is keyed by identity.
+            constants.append((idx, "static-object", id(leaf)))
+        elif is_constant(leaf):
+            constants.append((idx, type(leaf), leaf))
+        else:
+            return (
+                Unkeyable(
+                    f"argument leaf {idx} of type {type(leaf).__name__} is not a tensor or an "
+                    "immutable value; name its argument in static_argnames=... if its tensors "
+                    "stay in place, or register its type with torch.utils._pytree"
+                ),
+                leaves,
+                static_flags,
+            )
+    spec = (tuple(specs), names)
+    try:
+        sig = Signature(spec, tuple(metas), tuple(constants), state)
+        hash(sig)
+    except TypeError as e:
+        return Unkeyable(f"an argument is not hashable: {e}"), leaves, static_flags
+    return sig, leaves, static_flags
+
+
+def unflatten_call(leaves: list, sig: Signature) -> tuple[tuple, dict]:
+    """Rebuild ``(args, kwargs)`` from leaves, with the structure recorded in ``sig``."""
+    if isinstance(sig.spec, int):
+        return tuple(leaves), {}
+    specs, names = sig.spec
+    out = []
+    start = 0
+    for spec in specs:
+        n = spec.num_leaves
+        out.append(pytree.tree_unflatten(leaves[start:start + n], spec))
+        start += n
+    nargs = len(specs) - len(names)
+    return tuple(out[:nargs]), dict(zip(names, out[nargs:]))

@@ -1,0 +1,130 @@
+"""Static state of a module: parameters and buffers read in place, and the guard that keeps them valid.
+
+A captured graph reads parameters and buffers at the addresses they had at capture. The guard
+re-reads every parameter and buffer from its module on each call and compares addresses with the
+capture's. Address equality means storage identity here because the guard keeps the captured
+tensors alive: their memory cannot be freed and handed to another tensor while the guard holds
+them, so a new storage always shows a new address. Structural edits (a submodule, parameter or
+buffer assigned through ``setattr``, as ``load_state_dict(assign=True)`` does) bump a global
+generation counter through PyTorch's module registration hooks and force a full re-scan.
+
+Not detected: ``p.data = t`` where ``t`` reuses ``p``'s exact memory with another shape or
+stride, and tensors a forward reads that are neither parameters, buffers nor arguments (plain
+tensor attributes, globals). Register such tensors as buffers.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import torch
+from torch.nn.modules import module as _module_mod
+
+__all__ = ["StaticState", "generation"]
+
+_generation = 0
+_hooks_installed = False
+_hooks_lock = threading.Lock()
+
+
+def _bump(*_args) -> None:
+    global _generation
+    _generation += 1
+
+
+def generation() -> int:
+    """Counter bumped whenever any module registers or replaces a submodule, parameter or buffer."""
+    return _generation
+
+
+def _install_hooks() -> None:
+    global _hooks_installed
+    with _hooks_lock:
+        if _hooks_installed:
+            return
+        _module_mod.register_module_parameter_registration_hook(_bump)
+        _module_mod.register_module_buffer_registration_hook(_bump)
+        _module_mod.register_module_module_registration_hook(_bump)
+        _hooks_installed = True
+
+
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+class StaticState:
+    """The parameters and buffers of one module tree, and the guard on their identity."""
+
+    def __init__(self, root: torch.nn.Module | None):
+        _install_hooks()
+        self.root = root
+        self.modules: list[torch.nn.Module] = []
+        self._slots: list[tuple[dict, str]] = []
+        self.tensors: list[torch.Tensor] = []
+        self.ptrs: list[int] = []
+        self._indices: list[int] = []
+        self._held: list = []
+        self._generation = -1
+        self.rescan()
+
+    def rescan(self) -> None:
+        """Re-read the module tree (after a structural change)."""
+        self._generation = _generation
+        if self.root is None:
+            return
+        self.modules = list(self.root.modules())
+        slots = []
+        seen = set()
+        for m in self.modules:
+            for d in (m._parameters, m._buffers):
+                for name, t in d.items():
+                    if t is None or id(t) in seen:
+                        continue
+                    seen.add(id(t))
+                    slots.append((d, name))
+        self._slots = slots
+        self.tensors = [d[n] for d, n in slots]
+        self.ptrs = [t.data_ptr() for t in self.tensors]
+        # Holding the storages (not only the tensors, whose ``.data`` can be swapped) is what
+        # makes an equal address mean the same memory.
+        self._held = [t.untyped_storage() for t in self.tensors]
+        self._indices = list(range(len(self.tensors)))
+
+    def devices(self) -> set[torch.device]:
+        return {t.device for t in self.tensors}
+
+    def requires_grad(self) -> bool:
+        return any(t.requires_grad for t in self.tensors)
+
+    def storage_ptrs(self) -> set[int]:
+        return {t.untyped_storage().data_ptr() for t in self.tensors}
+
+    def changed(self) -> str | None:
+        """Why the statics differ from the last scan, or None. Cheap: called on every call."""
+        if self._generation != _generation:
+            old = self.ptrs
+            self.rescan()
+            if self.ptrs != old:
+                return "a submodule, parameter or buffer was replaced"
+            return None
+        try:
+            current = [d[n] for d, n in self._slots]
+            if _ptrs_equal is not None:
+                same = _ptrs_equal(current, self.ptrs, self._indices)
+            else:
+                same = [t.data_ptr() for t in current] == self.ptrs
+        except (KeyError, AttributeError, TypeError):
+            self.rescan()
+            return "a parameter or buffer was removed"
+        if same:
+            return None
+        names = _first_moved(self._slots, current, self.ptrs)
+        self.rescan()
+        return f"parameter or buffer {names} moved to new memory"
+
+
+def _first_moved(slots: Sequence[tuple[dict, str]], current: list, ptrs: list[int]) -> str:
+    for (d, name), t, p in zip(slots, current, ptrs):
+        if t is None or t.data_ptr() != p:
+            return repr(name)
+    return "?"
