@@ -1,0 +1,162 @@
+"""How a graph is made: warm-up and capture on a side stream. The only module that drives CUDA.
+
+The engine talks to a backend object with five verbs (``supports``, ``in_capture``, ``warmup``,
+``capture``, ``stream_token``/``order_after``); :class:`CudaBackend` is the real one. Tests on a
+machine without a GPU substitute a simulated backend to exercise the engine's bookkeeping.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+
+from ._errors import CaptureFailed, CudagraphifyError
+
+__all__ = ["CudaBackend", "RawGraph", "default_backend", "set_backend"]
+
+
+class RawGraph:
+    """One captured CUDA graph and its private memory pool."""
+
+    __slots__ = ("_graph", "pool_bytes", "capture_seconds")
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, pool_bytes: int, capture_seconds: float):
+        self._graph = graph
+        self.pool_bytes = pool_bytes
+        self.capture_seconds = capture_seconds
+
+    @property
+    def replay(self) -> Callable[[], None]:
+        return self._graph.replay
+
+    def release(self) -> None:
+        graph, self._graph = self._graph, None
+        if graph is not None:
+            graph.reset()
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"
+
+
+class CudaBackend:
+    """Warm-up and capture with ``torch.cuda``: one side stream per device, reused."""
+
+    def __init__(self):
+        self._side: dict[int, torch.cuda.Stream] = {}
+        self._lock = threading.Lock()
+
+    def available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def supports(self, device: torch.device) -> bool:
+        return device.type == "cuda" and torch.cuda.is_available()
+
+    def in_capture(self) -> bool:
+        """True while the caller's stream is being captured (someone else's graph)."""
+        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            s = self._side.get(idx)
+            if s is None:
+                s = self._side[idx] = torch.cuda.Stream(device=idx)
+        return s
+
+    def warmup(self, fn: Callable[[], Any], device: torch.device) -> Any:
+        """Run ``fn`` eagerly on the side stream that capture will use.
+
+        Lazy initialisation (cuBLAS handles and workspaces, which are per stream; autotuning)
+        then happens on the capture stream, outside the capture. The caller's stream waits for
+        the side stream afterwards, so results are ordered as if ``fn`` ran on the caller's stream.
+        """
+        with torch.cuda.device(device):
+            cur = torch.cuda.current_stream()
+            side = self._side_stream(device)
+            side.wait_stream(cur)
+            try:
+                with torch.cuda.stream(side):
+                    return fn()
+            finally:
+                cur.wait_stream(side)
+
+    def capture(self, fn: Callable[[], Any], device: torch.device, pool=None) -> tuple[RawGraph, Any]:
+        """Capture ``fn`` into a new graph; returns the graph and ``fn``'s (static) outputs.
+
+        Raises :class:`CaptureFailed` when the capture itself fails (an operation that is not
+        allowed while capturing, such as a host sync). The stream capture is always ended and
+        the caller's stream restored, so later CUDA work runs normally.
+        """
+        with torch.cuda.device(device):
+            cur = torch.cuda.current_stream()
+            side = self._side_stream(device)
+            torch.cuda.synchronize()
+            reserved = torch.cuda.memory_reserved()
+            graph = torch.cuda.CUDAGraph()
+            # Autocast caches casted weights; a cache entry made inside the capture would live in
+            # the graph's pool and be reused outside it. Casts are recomputed inside the graph.
+            autocast_cache = torch.is_autocast_cache_enabled()
+            torch.clear_autocast_cache()
+            torch.set_autocast_cache_enabled(False)
+            side.wait_stream(cur)
+            t0 = time.perf_counter()
+            failure: BaseException | None = None
+            try:
+                with torch.cuda.stream(side):
+                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                    try:
+                        out = fn()
+                    except BaseException as e:  # noqa: BLE001 - re-raised below, after cleanup
+                        failure = e
+                    try:
+                        graph.capture_end()
+                    except RuntimeError as e:
+                        failure = failure or e
+            finally:
+                torch.set_autocast_cache_enabled(autocast_cache)
+                cur.wait_stream(side)
+            if failure is not None:
+                del graph
+                _check_healthy(failure)
+                if not isinstance(failure, Exception):
+                    raise failure  # KeyboardInterrupt, SystemExit: after cleanup, unchanged
+                raise CaptureFailed(_first_line(failure)) from failure
+            seconds = time.perf_counter() - t0
+            pool_bytes = max(0, torch.cuda.memory_reserved() - reserved)
+            return RawGraph(graph, pool_bytes, seconds), out
+
+    def stream_token(self, device: torch.device) -> int:
+        return torch._C._cuda_getCurrentRawStream(device.index)
+
+    def order_after(self, device: torch.device, token: int) -> None:
+        """Make the caller's current stream wait for work queued on stream ``token``."""
+        torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(token, device=device))
+
+
+def _check_healthy(cause: BaseException) -> None:
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:  # a sticky CUDA error: nothing on this process can recover it
+        raise CudagraphifyError(
+            f"CUDA is unusable after a failed capture ({_first_line(e)}); the capture failed "
+            f"with {_first_line(cause)}"
+        ) from cause
+
+
+_backend: Any = CudaBackend()
+
+
+def default_backend():
+    return _backend
+
+
+def set_backend(backend) -> Any:
+    """Swap the backend (tests); returns the previous one."""
+    global _backend
+    old, _backend = _backend, backend
+    return old

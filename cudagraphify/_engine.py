@@ -1,0 +1,294 @@
+"""The per-callable state machine: key a call, then replay, capture, or run eagerly.
+
+One :class:`GraphedState` exists per graphed module instance (or graphed function). A call:
+
+1. checks the statics guard (parameters and buffers still where the graphs read them);
+2. builds the signature and looks it up in the cache (the active region's, else the state's own);
+3. on a hit, replays; on an eager decision, runs eagerly; on a miss, runs the call eagerly on the
+   capture stream (the warm-up: that is this call's result), then captures a graph for the
+   signature. A capture that fails marks the signature eager with the reason.
+
+Nothing here touches ``torch.cuda``: the backend (``_capture``) does.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import _capture, _region
+from ._cache import CachePolicy, EagerEntry, GraphCache
+from ._errors import CaptureFailed, warn_once
+from ._replay import CapturedGraph, OutputPlanError, StaticInputs, plan_outputs
+from ._signature import Unkeyable, build_signature, unflatten_call
+from ._statics import StaticState
+
+__all__ = ["GraphedState", "Options", "Stats", "in_graphed_call"]
+
+_tls = threading.local()
+
+
+def in_graphed_call() -> bool:
+    """True while this thread warms up or captures a graphed callable (nested calls run eagerly)."""
+    return getattr(_tls, "depth", 0) > 0
+
+
+class _Nested:
+    def __enter__(self):
+        _tls.depth = getattr(_tls, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        _tls.depth -= 1
+
+
+@dataclass(frozen=True)
+class Options:
+    """Options of one graphed callable (see :func:`cudagraphify.graphify`)."""
+
+    num_warmup_iters: int = 1
+    static_argnames: tuple[str, ...] = ()
+    max_graphs: int = 16
+    enabled: bool | Callable[[], bool] = True
+    copy_outputs: bool = True
+    cache_policy: CachePolicy | None = None
+
+
+@dataclass
+class Stats:
+    """Counters of one graphed callable (or one region). A snapshot: it does not update."""
+
+    captures: int = 0
+    replays: int = 0
+    eager_calls: dict[str, int] = field(default_factory=dict)
+    capture_seconds: float = 0.0
+    graph_pool_bytes: int = 0
+    graphs: int = 0
+    evictions: int = 0
+    invalidations: int = 0
+    input_copies: int = 0
+
+    @property
+    def eager(self) -> int:
+        return sum(self.eager_calls.values())
+
+
+class GraphedState:
+    """Caches, counters and the lock of one graphed callable."""
+
+    def __init__(self, module: torch.nn.Module | None, options: Options, name: str,
+                 static_positions: frozenset[int], static_names: frozenset[str]):
+        self.name = name
+        self.options = options
+        self.policy = options.cache_policy or CachePolicy(max_graphs=options.max_graphs)
+        self.cache = GraphCache(self.policy)
+        self.statics = StaticState(module)
+        self.static_positions = static_positions
+        self.static_names = static_names
+        self.lock = threading.RLock()
+        self.captures = 0
+        self.capture_seconds = 0.0
+        self.eager_calls: collections.Counter[str] = collections.Counter()
+        self.invalidations = 0
+        self._warned: set[str] = set()
+        self.replays = 0
+        self._retired_copies = 0
+        self._stream_token: int | None = None
+
+    # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return (_no_state, ())
+
+    # -- the call path ---------------------------------------------------------------------
+
+    def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Call ``fn(*args, **kwargs)`` through the graphs of this state."""
+        enabled = self.options.enabled
+        if enabled is not True and not (enabled() if callable(enabled) else enabled):
+            return self._eager("disabled (enabled=False)", fn, args, kwargs, warn=False)
+        region = _region.current()
+        if region is not None and not region.enabled:
+            return self._eager("disabled by graph_region(enabled=False)", fn, args, kwargs,
+                               warn=False)
+        backend = _capture.default_backend()
+        if in_graphed_call() or backend.in_capture():
+            # Inside another graphed callable's warm-up or capture: become part of it.
+            return fn(*args, **kwargs)
+        with self.lock:
+            return self._call(backend, region, fn, args, kwargs)
+
+    def _call(self, backend, region, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        moved = self.statics.changed()
+        if moved is not None:
+            self.invalidate(moved)
+        sig, leaves, static_flags = build_signature(
+            args, kwargs, self.statics.modules, self.static_positions, self.static_names)
+        if isinstance(sig, Unkeyable):
+            return self._eager(sig.reason, fn, args, kwargs)
+        cache = region.cache_for(self) if region is not None else self.cache
+        key = self.policy.full_key(sig)
+        entry = cache.get(key)
+        if entry is not None:
+            if type(entry) is CapturedGraph:
+                return self._replay(backend, region, entry, leaves, fn, args, kwargs)
+            return self._eager(entry.reason, fn, args, kwargs)
+        reason = self._ineligible(backend, leaves, cache)
+        if reason is not None:
+            cache.put(key, EagerEntry(reason))
+            return self._eager(reason, fn, args, kwargs)
+        return self._warmup_and_capture(backend, region, cache, key, sig, leaves, static_flags,
+                                        fn, args, kwargs)
+
+    def _replay(self, backend, region, entry: CapturedGraph, leaves: list, fn, args,
+                kwargs) -> Any:
+        if entry.mutated and _inputs_alias(leaves):
+            return self._eager("inputs share memory and forward writes to them", fn, args,
+                               kwargs)
+        device = entry.device
+        token = backend.stream_token(device)
+        if token != self._stream_token:
+            if self._stream_token is not None:
+                # Another stream replayed last: its copies may still be in flight.
+                backend.order_after(device, self._stream_token)
+            self._stream_token = token
+        self.replays += 1
+        if region is not None:
+            region.replays += 1
+        return entry.run(leaves)
+
+    def _eager(self, reason: str, fn: Callable, args: tuple, kwargs: dict,
+               warn: bool = True) -> Any:
+        self.eager_calls[reason] += 1
+        if warn:
+            warn_once(self._warned, self.name, reason)
+        return fn(*args, **kwargs)
+
+    # -- deciding and capturing ------------------------------------------------------------
+
+    def _ineligible(self, backend, leaves: list, cache: GraphCache) -> str | None:
+        devices = {leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)}
+        devices |= self.statics.devices()
+        if not devices:
+            return "no tensors to graph (no tensor arguments, parameters or buffers)"
+        if len(devices) > 1:
+            return f"tensors on several devices: {sorted(map(str, devices))}"
+        (device,) = devices
+        if not backend.supports(device):
+            if device.type == "cuda":
+                return "CUDA is not available"
+            return f"tensors are on {device}, not on a CUDA device"
+        if torch.is_grad_enabled() and (
+            self.statics.requires_grad()
+            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
+        ):
+            return ("autograd is recording (grad mode on and a tensor requires grad); graphs "
+                    "cover inference for now: call under torch.no_grad() or "
+                    "torch.inference_mode()")
+        if cache.eviction_budget_spent():
+            return (f"more than {self.policy.max_evictions} evictions: too many distinct "
+                    f"signatures for max_graphs={self.policy.max_graphs}; raise max_graphs or "
+                    "make the shapes static (pad)")
+        self._device = device
+        return None
+
+    def _warmup_and_capture(self, backend, region, cache, key, sig, leaves, static_flags,
+                            fn, args, kwargs) -> Any:
+        device = self._device
+        tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        versions = [x._version for _, x in tensors]
+        with _Nested():
+            result = backend.warmup(lambda: fn(*args, **kwargs), device)
+        mutated = [i for (i, x), v in zip(tensors, versions) if x._version != v]
+        if mutated and _inputs_alias(leaves):
+            reason = "inputs share memory and forward writes to them"
+            cache.put(key, EagerEntry(reason))
+            self.eager_calls[reason] += 1
+            warn_once(self._warned, self.name, reason)
+            return result
+        for _ in range(self.options.num_warmup_iters - 1):
+            extra = StaticInputs(leaves, [False] * len(leaves))
+            a, kw = unflatten_call(extra.leaves, sig)
+            with _Nested():
+                backend.warmup(lambda: fn(*a, **kw), device)
+            del extra
+        inputs = StaticInputs(leaves, static_flags)
+        a, kw = unflatten_call(inputs.leaves, sig)
+        try:
+            with _Nested():
+                raw, out = backend.capture(lambda: fn(*a, **kw), device)
+        except CaptureFailed as e:
+            reason = f"capture failed: {e}"
+            cache.put(key, EagerEntry(reason))
+            self.eager_calls[reason] += 1
+            warn_once(self._warned, self.name, reason)
+            return result
+        try:
+            actions, spec = plan_outputs(out, inputs, leaves, self.statics.storage_ptrs(),
+                                         self.options.copy_outputs)
+        except OutputPlanError as e:
+            raw.release()
+            cache.put(key, EagerEntry(str(e)))
+            self.eager_calls[str(e)] += 1
+            warn_once(self._warned, self.name, str(e))
+            return result
+        entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out], device=device)
+        self.captures += 1
+        self.capture_seconds += raw.capture_seconds
+        if region is not None:
+            region.record_capture(raw)
+        evicted = cache.put(key, entry)
+        self._retired_copies += sum(e.input_copies for e in evicted)
+        if evicted:
+            warn_once(self._warned, self.name,
+                      f"more distinct signatures than max_graphs={self.policy.max_graphs}; "
+                      "least recently used graphs are released and re-captured when needed")
+        self._stream_token = backend.stream_token(device)
+        return result
+
+    # -- upkeep ----------------------------------------------------------------------------
+
+    def invalidate(self, why: str) -> None:
+        """Drop every graph (they read memory that is no longer the module's)."""
+        self.invalidations += 1
+        self.release()
+        for region in _region.all_open():
+            region.forget(self)
+
+    def release(self) -> None:
+        """Release every graph of this callable's own cache."""
+        self._retired_copies += sum(g.input_copies for g in self.cache.graphs())
+        self.cache.clear()
+
+    def stats(self) -> Stats:
+        graphs = self.cache.graphs()
+        return Stats(
+            captures=self.captures,
+            replays=self.replays,
+            eager_calls=dict(self.eager_calls),
+            capture_seconds=self.capture_seconds,
+            graph_pool_bytes=sum(g.pool_bytes for g in graphs),
+            graphs=len(graphs),
+            evictions=self.cache.evictions,
+            invalidations=self.invalidations,
+            input_copies=self._retired_copies + sum(g.input_copies for g in graphs),
+        )
+
+    def decisions(self) -> list[tuple[Any, str]]:
+        """(key, 'graphed' | 'eager: reason') for each cached signature."""
+        return [(k, "graphed" if type(e) is CapturedGraph else f"eager: {e.reason}")
+                for k, e in self.cache.items()]
+
+
+def _no_state() -> None:
+    return None
+
+
+def _inputs_alias(leaves: list) -> bool:
+    ptrs = [x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor)]
+    return len(set(ptrs)) != len(ptrs)

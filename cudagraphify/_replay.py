@@ -1,0 +1,174 @@
+"""How a captured graph runs: static input buffers, copy-in, replay, copy-back, outputs.
+
+Everything that can be decided at capture time is decided there (which leaves are copied, which
+are read in place, what each output leaf becomes); :meth:`CapturedGraph.run` only executes that
+plan. Outputs that live in the graph's pool are cloned by default, so a later replay never
+overwrites a tensor the caller holds; ``copy_outputs=False`` returns the static tensors
+themselves (zero copy, overwritten by the next call).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._errors import CudagraphifyError
+from ._signature import is_constant
+
+__all__ = ["StaticInputs", "CapturedGraph", "plan_outputs", "OutputPlanError"]
+
+
+class OutputPlanError(CudagraphifyError):
+    """An output cannot be returned safely from a graph (the signature then runs eagerly)."""
+
+
+class StaticInputs:
+    """Static buffers for the copied tensor leaves of one signature.
+
+    Marked-static leaves and non-tensor leaves are used as they are. A copied leaf gets a buffer
+    with its exact strides when its memory does not overlap itself; an overlapping view (from
+    ``expand``) gets a contiguous buffer, since a copy cannot write into overlapping memory.
+    """
+
+    def __init__(self, leaves: list, static_flags: list[bool]):
+        self.leaves: list = []
+        self.copy: list[tuple[int, torch.Tensor]] = []
+        self.same_layout: dict[int, bool] = {}
+        for i, (leaf, static) in enumerate(zip(leaves, static_flags)):
+            if isinstance(leaf, torch.Tensor) and not static:
+                if torch._debug_has_internal_overlap(leaf) == 0:
+                    buf = torch.empty_strided(leaf.size(), leaf.stride(), dtype=leaf.dtype,
+                                              device=leaf.device)
+                    self.same_layout[i] = True
+                else:
+                    buf = torch.empty(leaf.size(), dtype=leaf.dtype, device=leaf.device)
+                    self.same_layout[i] = False
+                buf.copy_(leaf)
+                self.copy.append((i, buf))
+                self.leaves.append(buf)
+            else:
+                self.leaves.append(leaf)
+
+    def storage_index(self) -> dict[int, int]:
+        """Map storage address → leaf index, for every tensor leaf (copied or read in place)."""
+        out = {}
+        for i, leaf in enumerate(self.leaves):
+            if isinstance(leaf, torch.Tensor):
+                out.setdefault(leaf.untyped_storage().data_ptr(), i)
+        return out
+
+
+def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[[list], Any]:
+    size, stride = out.size(), out.stride()
+    delta = out.storage_offset() - static.storage_offset()
+    whole = size == static.size() and stride == static.stride() and delta == 0
+
+    if whole:
+        return lambda leaves: leaves[i]
+    return lambda leaves: leaves[i].as_strided(size, stride, leaves[i].storage_offset() + delta)
+
+
+def plan_outputs(
+    out: Any,
+    inputs: StaticInputs,
+    call_leaves: list,
+    persistent_storages: set[int],
+    copy_outputs: bool,
+) -> tuple[list[Callable[[list], Any]], Any]:
+    """Decide, once, how each output leaf of the capture is produced on replay.
+
+    - a tensor in the graph's pool: cloned (or returned as is with ``copy_outputs=False``);
+    - a tensor aliasing an input: the same view of the caller's input;
+    - a tensor in persistent memory (a parameter, a buffer): returned as is;
+    - an immutable value: returned as is; an argument object: the caller's object.
+    Anything else raises :class:`OutputPlanError`.
+    """
+    flat, spec = pytree.tree_flatten(out)
+    by_storage = inputs.storage_index()
+    by_id = {id(leaf): i for i, leaf in enumerate(call_leaves) if not isinstance(leaf, torch.Tensor)}
+    actions: list[Callable[[list], Any]] = []
+    seen: dict[int, int] = {}
+    for k, leaf in enumerate(flat):
+        if isinstance(leaf, torch.Tensor):
+            if id(leaf) in seen:  # the same tensor twice: one copy, returned twice
+                j = seen[id(leaf)]
+                actions.append(lambda leaves, outs, j=j: outs[j])
+                continue
+            seen[id(leaf)] = k
+            ptr = leaf.untyped_storage().data_ptr()
+            i = by_storage.get(ptr)
+            if i is not None and inputs.same_layout.get(i, True):
+                f = _view_of_input(i, leaf, inputs.leaves[i])
+                actions.append(lambda leaves, outs, f=f: f(leaves))
+            elif ptr in persistent_storages:
+                actions.append(lambda leaves, outs, t=leaf: t)
+            elif copy_outputs:
+                actions.append(lambda leaves, outs, t=leaf: t.clone())
+            else:
+                actions.append(lambda leaves, outs, t=leaf: t)
+        elif id(leaf) in by_id:
+            i = by_id[id(leaf)]
+            actions.append(lambda leaves, outs, i=i: leaves[i])
+        elif is_constant(leaf):
+            actions.append(lambda leaves, outs, v=leaf: v)
+        else:
+            raise OutputPlanError(
+                f"forward returns an object of type {type(leaf).__name__} that is not a tensor, "
+                "an immutable value or an argument; a graph cannot tell what it holds (register "
+                "its type with torch.utils._pytree to make it transparent)"
+            )
+    return actions, spec
+
+
+class CapturedGraph:
+    """A captured graph with its input and output plan. :meth:`run` is the replay fast path."""
+
+    def __init__(self, raw, inputs: StaticInputs, mutated: list[int], actions: list, spec,
+                 keep: list, device: torch.device):
+        self.raw = raw
+        self.device = device
+        self.input_copies = 0
+        self._replay = raw.replay
+        self._copy = inputs.copy
+        self._copy_back = [(i, buf) for i, buf in inputs.copy if i in set(mutated)]
+        self.mutated = list(mutated)
+        self._actions = actions
+        self._spec = spec
+        self._single = spec.is_leaf() and len(actions) == 1
+        self._inputs = inputs
+        self._keep = keep  # static outputs: owned here so the pool outlives nothing it needs
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.raw.pool_bytes
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.raw.capture_seconds
+
+    def run(self, leaves: list) -> Any:
+        for i, buf in self._copy:
+            x = leaves[i]
+            if x.data_ptr() != buf.data_ptr():
+                buf.copy_(x)
+                self.input_copies += 1
+        self._replay()
+        for i, buf in self._copy_back:
+            leaves[i].copy_(buf)
+        if self._single:
+            return self._actions[0](leaves, None)
+        outs: list = []
+        for act in self._actions:
+            outs.append(act(leaves, outs))
+        return pytree.tree_unflatten(outs, self._spec)
+
+    def release(self) -> None:
+        raw, self.raw = self.raw, None
+        self._keep = []
+        self._inputs = None
+        self._copy = self._copy_back = []
+        self._actions = []
+        if raw is not None:
+            raw.release()
