@@ -1,0 +1,363 @@
+"""The public entry points: ``graphify``, ``ungraphify``, ``stats``, ``explain``, ``share_graph``.
+
+``graphify`` wraps ``forward`` (of a Module class, or of one instance) or a plain function with a
+wrapt ``FunctionWrapper``; the wrapper hands each call to the callable's
+:class:`~cudagraphify._engine.GraphedState`. Module hooks keep working: they run around the
+wrapped ``forward`` as usual.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Hashable
+
+import torch
+import wrapt
+
+from ._cache import CachePolicy, KeyFnPolicy
+from ._engine import GraphedState, Options, Stats
+from ._errors import CudagraphifyError, CudagraphifyUsageError
+from ._region import GraphRegion
+from ._signature import Signature
+
+__all__ = ["graphify", "ungraphify", "stats", "explain", "share_graph"]
+
+_STATE = "_cudagraphify_state"
+
+
+class _Dispatch:
+    """The wrapt wrapper function of one ``graphify``: finds the state for a call and runs it."""
+
+    def __init__(self, options: Options, kind: str, owner: Any, had_own: bool):
+        self.options = options
+        self.kind = kind  # "class", "instance" or "function"
+        self.owner = owner
+        self.had_own = had_own
+        self.state: GraphedState | None = None  # for plain functions
+        self._bindings: dict[bool, tuple[frozenset[int], frozenset[str]]] = {}
+
+    def binding(self, fn: Callable, skip_self: bool) -> tuple[frozenset[int], frozenset[str]]:
+        b = self._bindings.get(skip_self)
+        if b is None:
+            b = self._bindings[skip_self] = _static_binding(fn, self.options.static_argnames,
+                                                            skip_self)
+        return b
+
+    def __call__(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if isinstance(instance, torch.nn.Module):
+            state = instance.__dict__.get(_STATE)
+            if state is None:
+                state = self._new_state(instance, wrapped)
+            return state(wrapped, args, kwargs)
+        if instance is not None:
+            raise CudagraphifyUsageError(
+                "graphify wraps functions and torch.nn.Module forwards; "
+                f"{type(instance).__name__} is not a Module. Graphify a function that takes its "
+                "tensors as arguments instead")
+        state = self.state
+        if state is None:
+            positions, names = self.binding(wrapped, skip_self=False)
+            name = getattr(wrapped, "__qualname__", repr(wrapped))
+            state = self.state = GraphedState(None, self.options, name, positions, names)
+        return state(wrapped, args, kwargs)
+
+    def _new_state(self, module: torch.nn.Module, wrapped: Callable) -> GraphedState:
+        if self.kind == "instance":
+            positions, names = self.binding(wrapped, skip_self=False)
+        else:
+            positions, names = self.binding(getattr(wrapped, "__func__", wrapped), skip_self=True)
+        state = GraphedState(module, self.options, f"{type(module).__name__}.forward",
+                             positions, names)
+        module.__dict__[_STATE] = state
+        return state
+
+
+class _GraphedForward(wrapt.FunctionWrapper):
+    """The wrapper ``graphify`` installs. Its ``_self_`` state never leaks onto the wrapped."""
+
+    def __init__(self, wrapped: Callable, dispatch: _Dispatch):
+        super().__init__(wrapped, dispatch)
+        self._self_dispatch = dispatch
+
+    def __deepcopy__(self, memo):
+        # A deep-copied module gets the same options and a fresh, empty graph cache.
+        import copy
+
+        d = self._self_dispatch
+        return _GraphedForward(copy.deepcopy(self.__wrapped__, memo),
+                               _Dispatch(d.options, d.kind, None, d.had_own))
+
+    def __reduce_ex__(self, protocol):
+        raise CudagraphifyUsageError(
+            "a graphified forward cannot be pickled; call cudagraphify.ungraphify(...) first, "
+            "or graphify the class instead of the instance")
+
+
+def _static_binding(fn: Callable, static_argnames: tuple[str, ...],
+                    skip_self: bool) -> tuple[frozenset[int], frozenset[str]]:
+    """Positions and names of the arguments declared static, checked against ``fn``'s signature."""
+    if not static_argnames:
+        return frozenset(), frozenset()
+    fn = getattr(fn, "__wrapped__", fn) if isinstance(fn, _GraphedForward) else fn
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return frozenset(), frozenset(static_argnames)
+    if skip_self and params:
+        params = params[1:]
+    names = [p.name for p in params]
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    unknown = [n for n in static_argnames if n not in names]
+    if unknown and not takes_kwargs:
+        raise CudagraphifyUsageError(
+            f"static_argnames names {unknown} that {getattr(fn, '__qualname__', fn)} does not "
+            f"take; its arguments are {names}"
+        )
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positions = frozenset(i for i, p in enumerate(params)
+                          if p.name in static_argnames and p.kind in positional)
+    return positions, frozenset(static_argnames)
+
+
+def _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_outputs, cache_policy,
+             key_fn) -> Options:
+    if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool) \
+            or num_warmup_iters < 1:
+        raise CudagraphifyUsageError(
+            f"num_warmup_iters must be an int >= 1, got {num_warmup_iters!r}")
+    if isinstance(static_argnames, str):
+        static_argnames = (static_argnames,)
+    static_argnames = tuple(static_argnames)
+    if not all(isinstance(n, str) for n in static_argnames):
+        raise CudagraphifyUsageError(f"static_argnames must be names, got {static_argnames!r}")
+    if not (isinstance(enabled, bool) or callable(enabled)):
+        raise CudagraphifyUsageError(f"enabled must be a bool or a callable, got {enabled!r}")
+    if cache_policy is not None and key_fn is not None:
+        raise CudagraphifyUsageError("give cache_policy or key_fn, not both")
+    if cache_policy is not None and not isinstance(cache_policy, CachePolicy):
+        raise CudagraphifyUsageError(
+            f"cache_policy must be a cudagraphify.CachePolicy, got {type(cache_policy).__name__}")
+    if key_fn is not None:
+        if not callable(key_fn):
+            raise CudagraphifyUsageError(f"key_fn must be callable, got {key_fn!r}")
+        cache_policy = KeyFnPolicy(key_fn, max_graphs=max_graphs)
+    elif cache_policy is None:
+        cache_policy = CachePolicy(max_graphs=max_graphs)
+    return Options(num_warmup_iters=num_warmup_iters, static_argnames=static_argnames,
+                   max_graphs=cache_policy.max_graphs, enabled=enabled,
+                   copy_outputs=bool(copy_outputs), cache_policy=cache_policy)
+
+
+def _graphed_forward_of(cls: type) -> _GraphedForward | None:
+    attr = inspect.getattr_static(cls, "forward", None)
+    return attr if isinstance(attr, _GraphedForward) else None
+
+
+def graphify(
+    target: Any = None,
+    /,
+    *,
+    num_warmup_iters: int = 1,
+    static_argnames: tuple[str, ...] | str = (),
+    max_graphs: int = 16,
+    enabled: bool | Callable[[], bool] = True,
+    copy_outputs: bool = True,
+    cache_policy: CachePolicy | None = None,
+    key_fn: Callable[[Signature], Hashable] | None = None,
+):
+    """Run a module's ``forward`` (or a function) through CUDA graphs, one per input signature.
+
+    Forms, each bare or with options::
+
+        @graphify                       # every instance of the class
+        class Block(nn.Module): ...
+
+        model = graphify(model)         # this instance, in place; returns it
+
+        @graphify(max_graphs=4)         # a plain function
+        def step(x, y): ...
+
+    The first call with a new signature runs eagerly on a side stream (its result is that call's
+    result; ``num_warmup_iters - 1`` more warm-up runs go on copies of the inputs), then a graph
+    is captured. Later calls with the same signature copy tensor arguments into the graph's
+    static inputs, replay, and return the outputs.
+
+    Args:
+        num_warmup_iters: eager runs before capture (the first is the real call).
+        static_argnames: arguments read in place instead of copied: their tensors' addresses
+            become part of the signature (see :func:`mark_static`).
+        max_graphs: graphs kept per callable; the least recently used is released beyond it.
+        enabled: ``False`` (or a callable returning ``False``) runs eagerly.
+        copy_outputs: ``True`` (default) returns fresh copies of outputs that live in the graph's
+            memory, so a later call never overwrites them. ``False`` returns the graph's own
+            output tensors: zero copy, but **the next call overwrites them** — copy what you
+            keep.
+        cache_policy: a :class:`CachePolicy` (subclass it to change keys or bounds).
+        key_fn: shorthand for a policy whose ``key(signature)`` is ``key_fn``.
+
+    .. warning::
+        Graphs replay GPU work only. Python side effects inside ``forward`` (prints, counters,
+        hooks on submodules, changing non-tensor attributes) happen during the first call of a
+        signature only. Parameters and buffers are read in place and guarded; other tensors the
+        forward reads from outside its arguments (globals, plain attributes) are read at the
+        address they had at capture.
+    """
+    options = _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_outputs,
+                       cache_policy, key_fn)
+    if target is None:
+        return lambda t: _graphify(t, options)
+    return _graphify(target, options)
+
+
+def _graphify(target: Any, options: Options) -> Any:
+    if isinstance(target, type):
+        if not issubclass(target, torch.nn.Module):
+            raise CudagraphifyUsageError(
+                f"graphify on a class needs a torch.nn.Module subclass, got {target.__name__}")
+        if _graphed_forward_of(target) is not None:
+            raise CudagraphifyUsageError(f"{target.__name__} is already graphified")
+        had_own = "forward" in target.__dict__
+        _install(target, target.forward, options, "class", had_own)
+        return target
+    if isinstance(target, torch.nn.Module):
+        if isinstance(target.__dict__.get("forward"), _GraphedForward):
+            raise CudagraphifyUsageError(
+                f"this {type(target).__name__} instance is already graphified; "
+                "call cudagraphify.ungraphify(module) first to change its options")
+        if _graphed_forward_of(type(target)) is not None:
+            raise CudagraphifyUsageError(
+                f"{type(target).__name__} is graphified as a class already; its instances are "
+                "graphed without graphify(instance)")
+        _install(target, target.forward, options, "instance", False)
+        return target
+    if isinstance(target, _GraphedForward):
+        raise CudagraphifyUsageError("this function is already graphified")
+    if callable(target):
+        return _wrap(target, options, "function", None, True)
+    raise CudagraphifyUsageError(
+        f"graphify expects a Module subclass, a Module instance or a function, got "
+        f"{type(target).__name__}")
+
+
+def _wrap(fn: Callable, options: Options, kind: str, owner: Any, had_own: bool) -> _GraphedForward:
+    dispatch = _Dispatch(options, kind, owner, had_own)
+    # Check static_argnames against the signature now, not at the first call.
+    dispatch.binding(fn, skip_self=(kind == "class"))
+    return _GraphedForward(fn, dispatch)
+
+
+def _install(obj: Any, fn: Callable, options: Options, kind: str, had_own: bool) -> None:
+    proxy = _wrap(fn, options, kind, obj, had_own)
+    if kind == "class":
+        setattr(obj, "forward", proxy)
+    else:
+        obj.__dict__["forward"] = proxy
+
+
+def ungraphify(target: Any) -> Any:
+    """Undo :func:`graphify`: restore the original ``forward`` (or function) and free the graphs.
+
+    Returns the class, the module, or the original function.
+    """
+    if isinstance(target, type):
+        proxy = _graphed_forward_of(target)
+        if proxy is None or proxy._self_dispatch.owner is not target:
+            raise CudagraphifyUsageError(f"{target.__name__} is not graphified")
+        if proxy._self_dispatch.had_own:
+            setattr(target, "forward", proxy.__wrapped__)
+        else:
+            delattr(target, "forward")
+        return target
+    if isinstance(target, torch.nn.Module):
+        if not isinstance(target.__dict__.get("forward"), _GraphedForward):
+            how = ("through its class; call ungraphify(type(module))"
+                   if _graphed_forward_of(type(target)) is not None else "")
+            raise CudagraphifyUsageError(
+                f"this {type(target).__name__} instance is not graphified {how}".rstrip())
+        del target.__dict__["forward"]
+        state = target.__dict__.pop(_STATE, None)
+        if state is not None:
+            state.release()
+        return target
+    if isinstance(target, _GraphedForward):
+        if target._self_dispatch.state is not None:
+            target._self_dispatch.state.release()
+        return target.__wrapped__
+    raise CudagraphifyUsageError(f"{target!r} is not graphified")
+
+
+def _state_of(target: Any) -> GraphedState | None:
+    if isinstance(target, torch.nn.Module):
+        state = target.__dict__.get(_STATE)
+        if state is None and not isinstance(target.__dict__.get("forward"), _GraphedForward) \
+                and _graphed_forward_of(type(target)) is None:
+            raise CudagraphifyUsageError(f"this {type(target).__name__} is not graphified")
+        return state
+    if isinstance(target, _GraphedForward):
+        return target._self_dispatch.state
+    raise CudagraphifyUsageError(
+        f"expected a graphified module, function or graph_region, got {type(target).__name__}")
+
+
+def stats(target: Any) -> Stats:
+    """Counters of a graphified module, function, or a :class:`graph_region`.
+
+    captures, replays, eager calls by reason, capture seconds, graph pool bytes (reserved by the
+    live graphs' pools), live graphs, evictions, invalidations (parameters moved).
+    """
+    if isinstance(target, GraphRegion):
+        return target.stats()
+    state = _state_of(target)
+    return state.stats() if state is not None else Stats()
+
+
+def explain(target: Any, *example_args: Any, **example_kwargs: Any) -> "Explanation":
+    """What cudagraphify decided for ``target``: each signature seen, graphed or eager and why.
+
+    Planning from example inputs (the per-op safety probe) is not implemented yet: passing
+    example arguments raises ``NotImplementedError``.
+    """
+    if example_args or example_kwargs:
+        raise NotImplementedError(
+            "explain(target, *example_args) plans from example inputs, which needs the op-safety "
+            "probe (not implemented yet); call explain(target) after running it instead")
+    state = _state_of(target)
+    name = state.name if state is not None else getattr(target, "__qualname__",
+                                                        type(target).__name__)
+    return Explanation(name, state.decisions() if state else [],
+                       state.stats() if state else Stats())
+
+
+class Explanation:
+    """The report :func:`explain` returns: ``str()`` for people, :meth:`to_dict` for programs."""
+
+    def __init__(self, name: str, decisions: list, stats: Stats):
+        self.name = name
+        self.decisions = decisions
+        self.stats = stats
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "signatures": [{"key": repr(k), "decision": d} for k, d in self.decisions],
+            "stats": {**self.stats.__dict__},
+        }
+
+    def __str__(self) -> str:
+        s = self.stats
+        lines = [f"{self.name}: {s.captures} captures, {s.replays} replays, {s.eager} eager calls, "
+                 f"{s.graph_pool_bytes / 2**20:.1f} MB in graph pools, "
+                 f"{s.capture_seconds * 1e3:.1f} ms capturing"]
+        for i, (_, d) in enumerate(self.decisions):
+            lines.append(f"  signature {i}: {d}")
+        for reason, n in s.eager_calls.items():
+            lines.append(f"  eager x{n}: {reason}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def share_graph(layers: Any, **options: Any) -> Any:
+    """Capture once and replay across identical layers. Not implemented yet."""
+    raise NotImplementedError(
+        "share_graph is not implemented yet; graphify each layer (or the whole model) instead")
