@@ -1,0 +1,71 @@
+"""Reference models for the demo, the tests and the benchmark (the GPT stack of the design notes).
+
+Pre-LN transformer blocks: LayerNorm, fused qkv Linear, causal ``scaled_dot_product_attention``,
+output projection, LayerNorm, 4x MLP with GELU; a final LayerNorm. Inputs are hidden states of
+shape (batch, time, dim).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["GPTConfig", "Block", "GPT", "WORKLOADS"]
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    dim: int = 768
+    heads: int = 12
+    layers: int = 12
+    batch: int = 1
+    seq: int = 16
+    dtype: torch.dtype = torch.bfloat16
+
+
+# The workloads of the design notes (A, B, C).
+WORKLOADS = {
+    "A": GPTConfig(768, 12, 12, 1, 16, torch.bfloat16),
+    "B": GPTConfig(256, 4, 24, 1, 8, torch.float32),
+    "C": GPTConfig(2048, 16, 8, 8, 512, torch.bfloat16),
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int, dropout: float = 0.0):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.fc = nn.Linear(dim, 4 * dim)
+        self.out = nn.Linear(4 * dim, dim)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
+
+
+class GPT(nn.Module):
+    def __init__(self, dim: int = 768, heads: int = 12, layers: int = 12, dropout: float = 0.0):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(dim, heads, dropout) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+
+    @classmethod
+    def from_config(cls, cfg: GPTConfig, device: str | torch.device = "cpu") -> "GPT":
+        return cls(cfg.dim, cfg.heads, cfg.layers).to(device=device, dtype=cfg.dtype).eval()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x)

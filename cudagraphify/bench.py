@@ -1,0 +1,132 @@
+"""Benchmark: eager vs ``graphify`` vs a manual whole-model CUDA graph, in one process and run.
+
+    python -m cudagraphify.bench [--workloads A B C] [--quick] [--json out.json]
+
+Reports the median µs per call over repeated timed loops, ratios to eager and to the manual
+graph (the floor), time to the first graphed call, and the max abs error against eager. On a
+machine without a GPU it says so and exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+
+from ._models import GPT, WORKLOADS, GPTConfig
+
+__all__ = ["main", "time_per_call"]
+
+# "T" is one tiny block: GPU time is negligible, so it shows the Python cost of the replay path.
+BENCH_WORKLOADS = {**WORKLOADS, "T": GPTConfig(64, 2, 1, 1, 4, torch.float32)}
+
+
+def time_per_call(fn, x, calls: int, repeats: int) -> float:
+    """Median µs per call of ``fn(x)`` over ``repeats`` loops of ``calls`` calls."""
+    samples = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def _manual_graph(model, x):
+    """The floor: one hand-made CUDAGraph of the whole model (copy in, replay, no copy out)."""
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = model(static_x)
+
+    def run(inp):
+        static_x.copy_(inp)
+        g.replay()
+        return static_y
+
+    return run
+
+
+def bench_workload(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
+    import cudagraphify as cg
+
+    torch.manual_seed(0)
+    model = GPT.from_config(cfg, "cuda")
+    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, device="cuda", dtype=cfg.dtype)
+    row: dict = {"workload": name, "config": repr(cfg)}
+    with torch.no_grad():
+        ref = model(x)
+        row["eager_us"] = time_per_call(model, x, calls, repeats)
+
+        manual = _manual_graph(model, x)
+        row["manual_graph_us"] = time_per_call(manual, x, calls, repeats)
+
+        for label, copy_outputs in (("graphify", True), ("graphify_nocopy", False)):
+            graphed = GPT.from_config(cfg, "cuda")
+            graphed.load_state_dict(model.state_dict())
+            cg.graphify(graphed, copy_outputs=copy_outputs)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graphed(x)  # warm-up (eager, the real first call) + capture
+            graphed(x)  # first replay
+            torch.cuda.synchronize()
+            row[f"{label}_first_call_s"] = time.perf_counter() - t0
+            row[f"{label}_us"] = time_per_call(graphed, x, calls, repeats)
+            row[f"{label}_max_abs_err"] = (graphed(x).float() - ref.float()).abs().max().item()
+            s = cg.stats(graphed)
+            row[f"{label}_captures"], row[f"{label}_replays"] = s.captures, s.replays
+            row[f"{label}_pool_mb"] = s.graph_pool_bytes / 2**20
+            cg.ungraphify(graphed)
+            del graphed
+    for col in ("manual_graph_us", "graphify_us", "graphify_nocopy_us"):
+        row[col.replace("_us", "_vs_eager")] = row[col] / row["eager_us"]
+    row["graphify_vs_manual"] = row["graphify_us"] / row["manual_graph_us"]
+    row["graphify_nocopy_vs_manual"] = row["graphify_nocopy_us"] / row["manual_graph_us"]
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m cudagraphify.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", nargs="+", default=["A", "B", "C"], choices=sorted(BENCH_WORKLOADS))
+    p.add_argument("--quick", action="store_true", help="fewer calls and repeats")
+    p.add_argument("--json", help="write the rows as JSON to this file")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("cudagraphify.bench: no CUDA GPU here; nothing to measure (graphs need a GPU).")
+        return 0
+    calls, repeats = (20, 5) if args.quick else (100, 11)
+    warnings.simplefilter("ignore")
+    rows = []
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+          f"{calls} calls x {repeats} repeats, median µs per call")
+    header = ("workload", "eager", "manual", "graphify", "nocopy", "g/manual", "g/eager",
+              "first call s")
+    print("{:<9}{:>9}{:>9}{:>9}{:>9}{:>10}{:>9}{:>14}".format(*header))
+    for name in args.workloads:
+        r = bench_workload(name, BENCH_WORKLOADS[name], calls, repeats)
+        rows.append(r)
+        print(f"{name:<9}{r['eager_us']:>9.0f}{r['manual_graph_us']:>9.0f}{r['graphify_us']:>9.0f}"
+              f"{r['graphify_nocopy_us']:>9.0f}{r['graphify_vs_manual']:>10.3f}"
+              f"{r['graphify_vs_eager']:>9.3f}{r['graphify_first_call_s']:>14.3f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(),
+                       "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
