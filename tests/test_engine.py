@@ -1,0 +1,314 @@
+"""The engine's state machine on a CPU, through the simulated capture backend of conftest.py.
+
+Keys → capture/replay counts, static buffers, output copies, in-place mutation, invalidation,
+eviction, eager fallbacks with reasons, threads, nesting, regions.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._models import GPT
+
+
+@pytest.fixture(autouse=True)
+def _no_warnings_leak():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+        yield
+
+
+def counts(m):
+    s = cg.stats(m)
+    return s.captures, s.replays, s.eager
+
+
+def test_five_calls_one_capture_four_replays_equal_eager(sim):
+    torch.manual_seed(0)
+    ref = GPT(32, 2, 2).eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(1, 4, 32)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+    assert counts(g) == (1, 4, 0)
+    assert sim.captures == 1 and sim.replays == 4 and sim.warmups == 1
+
+
+def test_warmup_iters_run_on_copies_so_side_effects_happen_once(sim):
+    @cg.graphify(num_warmup_iters=3)
+    def bump(x):
+        x.add_(1)
+        return x * 2
+
+    x = torch.zeros(3)
+    with torch.no_grad():
+        bump(x)
+    assert torch.equal(x, torch.ones(3)) and sim.warmups == 3
+
+
+def test_outputs_are_copies_unless_zero_copy(sim):
+    lin = nn.Linear(3, 3)
+    safe = cg.graphify(copy.deepcopy(lin))
+    fast = cg.graphify(copy.deepcopy(lin), copy_outputs=False)
+    with torch.no_grad():
+        xs = [torch.randn(2, 3) for _ in range(4)]
+        outs = [safe(x) for x in xs]
+        for x, o in zip(xs, outs):
+            torch.testing.assert_close(o, lin(x), rtol=0, atol=0)
+        fast(xs[0])  # capture (eager result)
+        a, b = fast(xs[1]), fast(xs[2])
+        assert a is b  # the static output, overwritten by the second call
+        torch.testing.assert_close(a, lin(xs[2]))
+
+
+def test_inplace_mutation_is_copied_back_and_aliases_map_to_the_input(sim):
+    @cg.graphify
+    def f(x):
+        x.mul_(2)
+        return x, x[1:], x + 1
+
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.arange(4.0)
+            same, view, plus = f(x)
+            assert torch.equal(x, torch.arange(4.0) * 2)
+            assert same is x and view.data_ptr() == x[1:].data_ptr()
+            assert torch.equal(plus, x + 1)
+    assert counts(f)[:2] == (1, 2)
+
+
+def test_aliased_inputs_with_writes_run_eagerly(sim):
+    @cg.graphify
+    def f(a, b):
+        a.add_(1)
+        return b * 1
+
+    x = torch.zeros(3)
+    with torch.no_grad():
+        out = f(x, x)
+    assert torch.equal(out, torch.ones(3))
+    assert "share memory" in next(iter(cg.stats(f).eager_calls))
+
+
+def test_marked_static_input_is_read_in_place(sim):
+    @cg.graphify
+    def f(x, cache):
+        return x + cache
+
+    cache = cg.mark_static(torch.zeros(3))
+    with torch.no_grad():
+        f(torch.ones(3), cache)
+        for i in range(3):
+            cache.fill_(i)
+            assert torch.equal(f(torch.ones(3), cache), torch.full((3,), i + 1.0))
+    s = cg.stats(f)
+    assert (s.captures, s.replays, s.input_copies) == (1, 3, 3)  # x copied, cache never
+    other = cg.mark_static(torch.zeros(3))
+    with torch.no_grad():
+        f(torch.ones(3), other)
+    assert cg.stats(f).captures == 2  # another address: another graph
+
+
+def test_parameter_change_invalidates_and_recaptures(sim):
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 4)
+    g = cg.graphify(copy.deepcopy(ref))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        g(x), g(x)
+        g.weight.data = ref.weight.data * 3
+        ref.weight.data = ref.weight.data * 3
+        torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+        g(x)
+    s = cg.stats(g)
+    assert (s.captures, s.replays, s.invalidations) == (2, 2, 1)
+    assert all(gr.released for gr in sim.graphs[:1])
+
+
+def test_lru_eviction_and_then_eager_past_the_budget(sim):
+    g = cg.graphify(nn.Identity(), cache_policy=cg.CachePolicy(max_graphs=2, max_evictions=2))
+    with torch.no_grad():
+        for n in (1, 2, 3, 4):
+            g(torch.zeros(n))
+            g(torch.zeros(n))
+        g(torch.zeros(5))
+    s = cg.stats(g)
+    assert (s.captures, s.evictions, s.graphs) == (4, 2, 2)
+    assert any("evictions" in r for r in s.eager_calls)
+    assert sum(gr.released for gr in sim.graphs) == 2
+
+
+def test_key_fn_lets_signatures_share_a_graph(sim):
+    @cg.graphify(key_fn=lambda sig: sig.spec)
+    def f(x, step):
+        return x * 2
+
+    with torch.no_grad():
+        for step in range(4):
+            f(torch.ones(2), step)
+    assert counts(f)[:2] == (1, 3)
+
+
+def test_unhashable_argument_runs_eagerly_with_reason(sim):
+    @cg.graphify
+    def f(x, opts):
+        return x * max(opts)
+
+    with pytest.warns(cg.CudagraphifyWarning, match="set is not a tensor or an immutable value"):
+        warnings.simplefilter("always")
+        assert torch.equal(f(torch.ones(2), {3}), torch.full((2,), 3.0))
+    assert cg.stats(f).captures == 0
+
+
+def test_grad_mode_runs_eagerly(sim):
+    lin = nn.Linear(2, 2)
+    g = cg.graphify(copy.deepcopy(lin))
+    x = torch.ones(1, 2)
+    y = g(x)
+    assert y.requires_grad
+    assert "autograd" in next(iter(cg.stats(g).eager_calls))
+    with torch.no_grad():
+        g(x), g(x)
+    assert counts(g) == (1, 1, 1)
+
+
+def test_capture_failure_marks_the_signature_eager_and_returns_the_right_answer(sim):
+    @cg.graphify
+    def f(x):
+        if sim.capturing:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        return x + 1
+
+    with torch.no_grad():
+        outs = [f(torch.zeros(2)) for _ in range(3)]
+    assert all(torch.equal(o, torch.ones(2)) for o in outs)
+    s = cg.stats(f)
+    assert s.captures == 0 and s.eager_calls == {
+        "capture failed: RuntimeError: operation not permitted when stream is capturing": 3}
+
+
+def test_unknown_output_object_runs_eagerly(sim):
+    class Box:
+        def __init__(self, t):
+            self.t = t
+
+    @cg.graphify
+    def f(x):
+        return Box(x + 1)
+
+    with torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(f(torch.zeros(1)).t, torch.ones(1))
+    assert "Box" in next(iter(cg.stats(f).eager_calls))
+
+
+def test_warmup_exception_propagates_and_nothing_is_cached(sim):
+    calls = []
+
+    @cg.graphify
+    def f(x):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("first call fails")
+        return x
+
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="first call fails"):
+            f(torch.zeros(1))
+        f(torch.zeros(1)), f(torch.zeros(1))
+    assert counts(f)[:2] == (1, 1)
+
+
+def test_enabled_callable_is_read_per_call(sim):
+    on = [False]
+    g = cg.graphify(nn.Identity(), enabled=lambda: on[0])
+    with torch.no_grad():
+        g(torch.zeros(1))
+        on[0] = True
+        g(torch.zeros(1)), g(torch.zeros(1))
+    assert counts(g) == (1, 1, 1)
+
+
+def test_nested_graphified_modules_become_part_of_the_outer_graph(sim):
+    torch.manual_seed(0)
+    ref = GPT(16, 2, 2).eval()
+    m = copy.deepcopy(ref)
+    for b in m.blocks:
+        cg.graphify(b)
+    cg.graphify(m)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 2, 16)
+            torch.testing.assert_close(m(x), ref(x), rtol=0, atol=0)
+    assert counts(m) == (1, 2, 0)
+    assert all(cg.stats(b).captures == 0 for b in m.blocks)
+
+
+def test_threads_get_their_own_results(sim):
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 8)
+    g = cg.graphify(copy.deepcopy(ref))
+    errors = []
+
+    def work(seed):
+        gen = torch.Generator().manual_seed(seed)
+        try:
+            with torch.no_grad():
+                for _ in range(50):
+                    x = torch.randn(4, 8, generator=gen)
+                    torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+        except Exception as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+    [t.start() for t in ts]
+    [t.join() for t in ts]
+    assert not errors and cg.stats(g).replays == 149
+
+
+def test_region_owns_and_releases_its_graphs(sim):
+    g = cg.graphify(nn.Linear(2, 2))
+    x = torch.ones(1, 2)
+    with torch.no_grad():
+        g(x), g(x)
+        with cg.graph_region() as r:
+            g(x), g(x), g(x)
+            assert (r.stats().captures, r.stats().replays, r.stats().graphs) == (1, 2, 1)
+            with cg.graph_region(enabled=False):
+                g(x)
+        assert r.closed and r.stats().graphs == 0
+        g(x)
+    s = cg.stats(g)
+    assert (s.captures, s.replays, s.graphs) == (2, 4, 1)
+    assert s.eager_calls == {"disabled by graph_region(enabled=False)": 1}
+    assert sum(gr.released for gr in sim.graphs) == 1
+    with pytest.raises(cg.CudagraphifyError, match="closed"):
+        with r:
+            pass
+
+
+def test_ungraphify_releases_graphs_and_restores_eager(sim):
+    m = cg.graphify(nn.Linear(2, 2))
+    with torch.no_grad():
+        m(torch.ones(1, 2)), m(torch.ones(1, 2))
+    cg.ungraphify(m)
+    assert all(gr.released for gr in sim.graphs)
+    with torch.no_grad():
+        m(torch.ones(1, 2))
+    assert sim.captures == 1
+
+
+def test_cpu_tensors_without_a_backend_run_eagerly():
+    m = cg.graphify(nn.Linear(2, 2))
+    with torch.no_grad():
+        y = m(torch.ones(1, 2))
+    torch.testing.assert_close(y, m.__dict__["forward"].__wrapped__(torch.ones(1, 2)))
+    assert cg.stats(m).eager_calls == {"tensors are on cpu, not on a CUDA device": 1}

@@ -1,0 +1,142 @@
+"""Signatures: every field that changes what a graph computes changes the key, nothing else does."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import pytest
+import torch
+from torch import nn
+
+from cudagraphify import CachePolicy, mark_static
+from cudagraphify._signature import Unkeyable, build_signature, is_constant, unflatten_call
+
+NONE = frozenset()
+
+
+def key(*args, modules=(), static_pos=NONE, static_names=NONE, **kwargs):
+    sig, _, _ = build_signature(args, kwargs, list(modules), static_pos, static_names)
+    return sig if isinstance(sig, Unkeyable) else CachePolicy().full_key(sig)
+
+
+def test_same_metadata_same_key_new_values_irrelevant():
+    assert key(torch.zeros(2, 3)) == key(torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("other", [
+    torch.zeros(2, 4),                       # shape
+    torch.zeros(2, 3, dtype=torch.float64),  # dtype
+    torch.zeros(3, 2).t(),                   # stride
+    torch.zeros(2, 3).requires_grad_(),      # requires_grad
+    torch.zeros(2, 3, device="meta"),        # device
+])
+def test_each_tensor_field_changes_the_key(other):
+    assert key(torch.zeros(2, 3)) != key(other)
+
+
+def test_global_state_changes_the_key():
+    x = torch.zeros(2)
+    base = key(x)
+    with torch.no_grad():
+        assert key(x) != base
+    with torch.inference_mode():
+        assert key(x) != base
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert key(x) != base
+    m = nn.Sequential(nn.Linear(2, 2), nn.Dropout())
+    train = key(x, modules=list(m.modules()))
+    m[1].eval()  # one submodule's flag alone
+    assert key(x, modules=list(m.modules())) != train
+
+
+def test_constants_by_type_and_value():
+    x = torch.zeros(1)
+    assert key(x, 1) == key(x, 1)
+    assert key(x, 1) != key(x, 2)
+    assert key(x, 1) != key(x, True)
+    assert key(x, 1) != key(x, 1.0)
+    assert key(x, scale=2.0) != key(x, scale=3.0)
+    assert key(x, scale=2.0) != key(x, factor=2.0)
+
+
+def test_structure_changes_the_key():
+    a, b = torch.zeros(1), torch.zeros(1)
+    assert key((a, b)) != key([a, b])
+    assert key({"p": a}) != key({"q": a})
+    assert key(a, b) != key((a, b))
+
+
+def test_unhashable_or_opaque_arguments_are_unkeyable_with_a_reason():
+    class Opaque:
+        pass
+
+    r = key(torch.zeros(1), Opaque())
+    assert isinstance(r, Unkeyable) and "Opaque" in r.reason and "static_argnames" in r.reason
+
+
+def test_sparse_tensor_is_unkeyable():
+    r = key(torch.zeros(2, 2).to_sparse())
+    assert isinstance(r, Unkeyable) and "sparse" in r.reason
+
+
+def test_value_types_count_as_constants():
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        n: int
+
+    class Color(enum.Enum):
+        RED = 1
+
+    assert all(is_constant(v) for v in (1, "s", None, torch.float16, Cfg(2), Color.RED, (1, "a")))
+    assert not is_constant([1]) and not is_constant(object()) and not is_constant({"a": 1})
+    assert key(torch.zeros(1), Cfg(1)) != key(torch.zeros(1), Cfg(2))
+
+
+def test_marked_static_tensors_are_keyed_by_address():
+    a = mark_static(torch.zeros(4))
+    b = mark_static(torch.zeros(4))
+    assert key(a) == key(a)
+    assert key(a) != key(b)
+    sig, leaves, flags = build_signature((a, torch.zeros(4)), {}, [], NONE, NONE)
+    assert flags == [True, False]
+
+
+def test_static_argnames_flag_their_leaves():
+    c = torch.zeros(3)
+    sig, leaves, flags = build_signature((torch.zeros(1), (c, c)), {"k": c}, [],
+                                         frozenset({1}), frozenset({"k"}))
+    assert flags == [False, True, True, True]
+
+
+def test_a_static_object_is_keyed_by_identity():
+    class Cache:
+        pass
+
+    c1, c2 = Cache(), Cache()
+    k1 = key(torch.zeros(1), c1, static_pos=frozenset({1}))
+    assert k1 == key(torch.zeros(1), c1, static_pos=frozenset({1}))
+    assert k1 != key(torch.zeros(1), c2, static_pos=frozenset({1}))
+
+
+def test_unflatten_rebuilds_the_call():
+    a, b = torch.zeros(1), torch.ones(1)
+    args, kwargs = (a, [b, 3]), {"z": {"q": a}}
+    sig, leaves, _ = build_signature(args, kwargs, [], NONE, NONE)
+    args2, kwargs2 = unflatten_call(leaves, sig)
+    assert args2[0] is a and args2[1][0] is b and args2[1][1] == 3 and kwargs2["z"]["q"] is a
+    fast, leaves, _ = build_signature((a, b), {}, [], NONE, NONE)
+    assert unflatten_call(leaves, fast) == ((a, b), {})
+
+
+def test_policy_can_merge_constants():
+    class IgnoreStep(CachePolicy):
+        def key(self, signature):
+            return signature.spec  # constants ignored
+
+    s1, _, _ = build_signature((torch.zeros(1), 1), {}, [], NONE, NONE)
+    s2, _, _ = build_signature((torch.zeros(1), 2), {}, [], NONE, NONE)
+    s3, _, _ = build_signature((torch.zeros(2), 2), {}, [], NONE, NONE)
+    p = IgnoreStep()
+    assert p.full_key(s1) == p.full_key(s2)
+    assert p.full_key(s1) != p.full_key(s3)  # tensor layout is always in the key
