@@ -121,6 +121,7 @@ class CudaBackend:
                 torch.set_autocast_cache_enabled(autocast_cache)
                 cur.wait_stream(side)
             if failure is not None:
+                self._recover(graph, side, device)
                 del graph
                 _check_healthy(failure)
                 if not isinstance(failure, Exception):
@@ -129,6 +130,31 @@ class CudaBackend:
             seconds = time.perf_counter() - t0
             pool_bytes = max(0, torch.cuda.memory_reserved() - reserved)
             return RawGraph(graph, pool_bytes, seconds), out
+
+    def _recover(self, graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream,
+                 device: torch.device) -> None:
+        """Undo what a failed capture leaves behind.
+
+        ``capture_end`` raises before it ends the CUDA generator's capture mode, after which every
+        random op outside a graph fails ("Offset increment outside graph capture"). A tiny
+        capture that succeeds runs the generator's prologue and epilogue and restores it. The
+        failed capture's private memory pool is released too (PyTorch releases it only for
+        captures that ended).
+        """
+        try:
+            pool = graph.pool()
+            torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
+        except (AttributeError, RuntimeError, TypeError):
+            pass
+        scratch = torch.zeros(1, device=device)
+        fix = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fix.capture_begin(capture_error_mode="thread_local")
+            scratch.add_(1)
+            fix.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        fix.reset()
 
     def stream_token(self, device: torch.device) -> int:
         return torch._C._cuda_getCurrentRawStream(device.index)

@@ -276,18 +276,29 @@ def test_item_in_forward_falls_back_and_stays_correct():
     assert s.captures == 0 and s.replays == 0
     (reason,) = s.eager_calls
     assert reason.startswith("capture failed") and s.eager_calls[reason] == 3
-    # CUDA is still healthy
+    # CUDA is still healthy, the default generator too (a failed capture leaves it in capture mode)
     torch.cuda.synchronize()
     assert (torch.ones(3, device=DEV) * 2).sum().item() == 6
+    torch.randn(4, device=DEV)
+    torch.nn.functional.dropout(torch.ones(8, device=DEV), 0.5, training=True)
+
+
+def _reserved_baseline() -> int:
+    """Reserved bytes after the capture stream's one-time cuBLAS workspaces exist."""
+    warm = cg.graphify(nn.Linear(64, 64).to(DEV))
+    with torch.no_grad():
+        warm(torch.randn(8, 64, device=DEV)), warm(torch.randn(8, 64, device=DEV))
+    cg.ungraphify(warm)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_reserved()
 
 
 def test_eviction_frees_graph_memory():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(DEV)
     g = cg.graphify(m, max_graphs=1)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved()
+    base = _reserved_baseline()
     with torch.no_grad():
         for b in (512, 1024, 1536, 2048):
             g(torch.randn(b, 1024, device=DEV))
@@ -381,9 +392,7 @@ def test_region_releases_its_graphs():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(DEV)
     g = cg.graphify(copy.deepcopy(m))
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_reserved()
+    base = _reserved_baseline()
     with torch.no_grad():
         with cg.graph_region() as region:
             for _ in range(3):
@@ -398,3 +407,16 @@ def test_region_releases_its_graphs():
     with torch.no_grad(), cg.graph_region(enabled=False):
         g(x)
     assert cg.stats(g).eager_calls["disabled by graph_region(enabled=False)"] == 1
+
+
+def test_dropout_masks_are_fresh_on_every_replay():
+    m = nn.Dropout(0.5).to(DEV).train()
+    g = cg.graphify(m)
+    x = torch.ones(4096, device=DEV)
+    with torch.no_grad():
+        masks = [g(x) != 0 for _ in range(4)]
+    assert cg.stats(g).replays == 3
+    for a, b in zip(masks, masks[1:]):
+        assert not torch.equal(a, b)
+    for mask in masks:
+        assert 0.45 < mask.float().mean().item() < 0.55
