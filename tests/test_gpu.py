@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import warnings
 
@@ -275,7 +276,7 @@ def test_item_in_forward_falls_back_and_stays_correct():
     s = cg.stats(g)
     assert s.captures == 0 and s.replays == 0
     (reason,) = s.eager_calls
-    assert reason.startswith("capture failed") and s.eager_calls[reason] == 3
+    assert reason.startswith("capture failed") and s.eager_calls[reason] == 4  # every call
     # CUDA is still healthy, the default generator too (a failed capture leaves it in capture mode)
     torch.cuda.synchronize()
     assert (torch.ones(3, device=DEV) * 2).sum().item() == 6
@@ -283,36 +284,30 @@ def test_item_in_forward_falls_back_and_stays_correct():
     torch.nn.functional.dropout(torch.ones(8, device=DEV), 0.5, training=True)
 
 
-def _reserved_baseline() -> int:
-    """Reserved bytes after the capture stream's one-time cuBLAS workspaces exist."""
-    warm = cg.graphify(nn.Linear(64, 64).to(DEV))
-    with torch.no_grad():
-        warm(torch.randn(8, 64, device=DEV)), warm(torch.randn(8, 64, device=DEV))
-    cg.ungraphify(warm)
+def _graph_pool_bytes() -> int:
+    """Bytes reserved by private (graph) memory pools, after freeing what can be freed."""
     torch.cuda.synchronize()
+    gc.collect()
     torch.cuda.empty_cache()
-    return torch.cuda.memory_reserved()
+    segments = torch.cuda.memory._snapshot()["segments"]
+    return sum(s["total_size"] for s in segments if tuple(s["segment_pool_id"]) != (0, 0))
 
 
 def test_eviction_frees_graph_memory():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(DEV)
     g = cg.graphify(m, max_graphs=1)
-    base = _reserved_baseline()
+    assert _graph_pool_bytes() == 0
     with torch.no_grad():
         for b in (512, 1024, 1536, 2048):
             g(torch.randn(b, 1024, device=DEV))
             g(torch.randn(b, 1024, device=DEV))
     s = cg.stats(g)
     assert (s.captures, s.evictions, s.graphs) == (4, 3, 1)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    one_graph = torch.cuda.memory_reserved() - base
-    assert one_graph <= 2 * s.graph_pool_bytes + (64 << 20), (one_graph, s.graph_pool_bytes)
+    # only the live graph's pool is left, and stats reports it
+    assert _graph_pool_bytes() == s.graph_pool_bytes > 0
     cg.ungraphify(g)
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    assert torch.cuda.memory_reserved() - base <= (32 << 20)
+    assert _graph_pool_bytes() == 0
 
 
 def test_grad_mode_runs_eagerly_with_a_reason():
@@ -392,7 +387,7 @@ def test_region_releases_its_graphs():
     torch.manual_seed(0)
     m = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).to(DEV)
     g = cg.graphify(copy.deepcopy(m))
-    base = _reserved_baseline()
+    assert _graph_pool_bytes() == 0
     with torch.no_grad():
         with cg.graph_region() as region:
             for _ in range(3):
@@ -400,10 +395,9 @@ def test_region_releases_its_graphs():
                 torch.testing.assert_close(g(x), m(x), rtol=0, atol=0)
             inside = region.stats()
             assert (inside.captures, inside.replays, inside.graphs) == (1, 2, 1)
+            assert _graph_pool_bytes() == inside.graph_pool_bytes > 0
         assert cg.stats(g).graphs == 0  # the region owned the graph, not the module
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    assert torch.cuda.memory_reserved() - base <= (32 << 20)
+    assert _graph_pool_bytes() == 0
     with torch.no_grad(), cg.graph_region(enabled=False):
         g(x)
     assert cg.stats(g).eager_calls["disabled by graph_region(enabled=False)"] == 1
