@@ -98,6 +98,10 @@ class CudaBackend:
             torch.cuda.synchronize()
             reserved = torch.cuda.memory_reserved()
             graph = torch.cuda.CUDAGraph()
+            # An explicit pool id, so that a failed capture's pool can be released by id
+            # (``graph.pool()`` is only available after a successful capture).
+            if pool is None:
+                pool = torch.cuda.graph_pool_handle()
             # Autocast caches casted weights; a cache entry made inside the capture would live in
             # the graph's pool and be reused outside it. Casts are recomputed inside the graph.
             autocast_cache = torch.is_autocast_cache_enabled()
@@ -121,7 +125,7 @@ class CudaBackend:
                 torch.set_autocast_cache_enabled(autocast_cache)
                 cur.wait_stream(side)
             if failure is not None:
-                self._recover(graph, side, device)
+                self._recover(pool, side, device)
                 del graph
                 _check_healthy(failure)
                 if not isinstance(failure, Exception):
@@ -131,8 +135,7 @@ class CudaBackend:
             pool_bytes = max(0, torch.cuda.memory_reserved() - reserved)
             return RawGraph(graph, pool_bytes, seconds), out
 
-    def _recover(self, graph: torch.cuda.CUDAGraph, side: torch.cuda.Stream,
-                 device: torch.device) -> None:
+    def _recover(self, pool, side: torch.cuda.Stream, device: torch.device) -> None:
         """Undo what a failed capture leaves behind.
 
         ``capture_end`` raises before it ends the CUDA generator's capture mode, after which every
@@ -141,11 +144,7 @@ class CudaBackend:
         failed capture's private memory pool is released too (PyTorch releases it only for
         captures that ended).
         """
-        try:
-            pool = graph.pool()
-            torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
-        except (AttributeError, RuntimeError, TypeError):
-            pass
+        torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
         scratch = torch.zeros(1, device=device)
         fix = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())

@@ -282,6 +282,7 @@ def test_item_in_forward_falls_back_and_stays_correct():
     assert (torch.ones(3, device=DEV) * 2).sum().item() == 6
     torch.randn(4, device=DEV)
     torch.nn.functional.dropout(torch.ones(8, device=DEV), 0.5, training=True)
+    assert _graph_pool_bytes() == 0  # the failed capture's pool was released
 
 
 def _graph_pool_bytes() -> int:
