@@ -23,9 +23,14 @@ class CachePolicy:
     ``max_graphs``: at most this many graphs are kept; the least recently used one is released
     when another is captured. ``max_evictions``: after this many evictions, new signatures run
     eagerly (a workload with unbounded shapes should not capture forever).
+
+    ``shared=True``: every callable graphified with this policy object uses one cache, so
+    modules you know are interchangeable (same computation, and you accept the capturing
+    module's parameters) replay one graph. The capturing module's parameters stay guarded: if
+    they move, its graphs are dropped for everyone.
     """
 
-    def __init__(self, max_graphs: int = 16, max_evictions: int = 64):
+    def __init__(self, max_graphs: int = 16, max_evictions: int = 64, shared: bool = False):
         if not isinstance(max_graphs, int) or isinstance(max_graphs, bool) or max_graphs < 1:
             raise CudagraphifyUsageError(f"max_graphs must be a positive int, got {max_graphs!r}")
         if not isinstance(max_evictions, int) or max_evictions < 0:
@@ -34,6 +39,16 @@ class CachePolicy:
             )
         self.max_graphs = max_graphs
         self.max_evictions = max_evictions
+        self.shared = bool(shared)
+        self._shared_cache: GraphCache | None = None
+
+    def new_cache(self) -> "GraphCache":
+        """The cache for one more callable: its own, or the policy's one when ``shared``."""
+        if not self.shared:
+            return GraphCache(self)
+        if self._shared_cache is None:
+            self._shared_cache = GraphCache(self)
+        return self._shared_cache
 
     def key(self, signature: Signature) -> Hashable:
         """The part of the key a policy controls. Default: argument structure and constants.
@@ -61,10 +76,11 @@ class KeyFnPolicy(CachePolicy):
 class EagerEntry:
     """A signature decided eager, with the reason."""
 
-    __slots__ = ("reason",)
+    __slots__ = ("reason", "owner")
 
-    def __init__(self, reason: str):
+    def __init__(self, reason: str, owner=None):
         self.reason = reason
+        self.owner = owner
 
     def release(self) -> None:
         pass
@@ -101,17 +117,23 @@ class GraphCache:
     def eviction_budget_spent(self) -> bool:
         return self.evictions >= self.policy.max_evictions
 
-    def clear(self) -> None:
-        entries = list(self._entries.values())
-        self._entries.clear()
+    def clear(self, owner=None) -> None:
+        """Release every entry, or only those whose ``owner`` is ``owner``."""
+        if owner is None:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        else:
+            keys = [k for k, e in self._entries.items() if e.owner is owner]
+            entries = [self._entries.pop(k) for k in keys]
         for e in entries:
             e.release()
 
-    def graphs(self) -> list:
-        return [e for e in self._entries.values() if not isinstance(e, EagerEntry)]
+    def graphs(self, owner=None) -> list:
+        return [e for e in self._entries.values() if not isinstance(e, EagerEntry)
+                and (owner is None or e.owner is owner)]
 
-    def items(self):
-        return list(self._entries.items())
+    def items(self, owner=None):
+        return [(k, e) for k, e in self._entries.items() if owner is None or e.owner is owner]
 
     def __len__(self) -> int:
         return len(self._entries)

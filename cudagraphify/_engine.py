@@ -84,7 +84,7 @@ class GraphedState:
         self.name = name
         self.options = options
         self.policy = options.cache_policy or CachePolicy(max_graphs=options.max_graphs)
-        self.cache = GraphCache(self.policy)
+        self.cache = self.policy.new_cache()
         self.statics = StaticState(module)
         self.static_positions = static_positions
         self.static_names = static_names
@@ -134,13 +134,19 @@ class GraphedState:
         cache = region.cache_for(self) if region is not None else self.cache
         key = self.policy.full_key(sig)
         entry = cache.get(key)
+        if entry is not None and entry.owner is not self and entry.owner is not None:
+            # A graph of another module (a shared policy): it reads that module's statics.
+            moved = entry.owner.statics.changed()
+            if moved is not None:
+                entry.owner.invalidate(moved)
+                entry = None
         if entry is not None:
             if type(entry) is CapturedGraph:
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
             return self._eager(entry.reason, fn, args, kwargs)
         reason = self._ineligible(backend, leaves, cache)
         if reason is not None:
-            cache.put(key, EagerEntry(reason))
+            cache.put(key, EagerEntry(reason, self))
             return self._eager(reason, fn, args, kwargs)
         return self._warmup_and_capture(backend, region, cache, key, sig, leaves, static_flags,
                                         fn, args, kwargs)
@@ -207,7 +213,7 @@ class GraphedState:
         mutated = [i for (i, x), v in zip(tensors, versions) if x._version != v]
         if mutated and _inputs_alias(leaves):
             reason = "inputs share memory and forward writes to them"
-            cache.put(key, EagerEntry(reason))
+            cache.put(key, EagerEntry(reason, self))
             self.eager_calls[reason] += 1
             warn_once(self._warned, self.name, reason)
             return result
@@ -224,7 +230,7 @@ class GraphedState:
                 raw, out = backend.capture(lambda: fn(*a, **kw), device)
         except CaptureFailed as e:
             reason = f"capture failed: {e}"
-            cache.put(key, EagerEntry(reason))
+            cache.put(key, EagerEntry(reason, self))
             self.eager_calls[reason] += 1
             warn_once(self._warned, self.name, reason)
             return result
@@ -233,11 +239,12 @@ class GraphedState:
                                          self.options.copy_outputs)
         except OutputPlanError as e:
             raw.release()
-            cache.put(key, EagerEntry(str(e)))
+            cache.put(key, EagerEntry(str(e), self))
             self.eager_calls[str(e)] += 1
             warn_once(self._warned, self.name, str(e))
             return result
         entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out], device=device)
+        entry.owner = self
         self.captures += 1
         self.capture_seconds += raw.capture_seconds
         if region is not None:
@@ -262,11 +269,11 @@ class GraphedState:
 
     def release(self) -> None:
         """Release every graph of this callable's own cache."""
-        self._retired_copies += sum(g.input_copies for g in self.cache.graphs())
-        self.cache.clear()
+        self._retired_copies += sum(g.input_copies for g in self.cache.graphs(self))
+        self.cache.clear(owner=self)
 
     def stats(self) -> Stats:
-        graphs = self.cache.graphs()
+        graphs = self.cache.graphs(self)
         return Stats(
             captures=self.captures,
             replays=self.replays,
@@ -282,7 +289,7 @@ class GraphedState:
     def decisions(self) -> list[tuple[Any, str]]:
         """(key, 'graphed' | 'eager: reason') for each cached signature."""
         return [(k, "graphed" if type(e) is CapturedGraph else f"eager: {e.reason}")
-                for k, e in self.cache.items()]
+                for k, e in self.cache.items(self)]
 
 
 def _no_state() -> None:

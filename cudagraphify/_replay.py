@@ -129,6 +129,7 @@ class CapturedGraph:
                  keep: list, device: torch.device):
         self.raw = raw
         self.device = device
+        self.owner = None  # the engine state that captured it
         self.input_copies = 0
         self._replay = raw.replay
         self._copy = inputs.copy

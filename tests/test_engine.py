@@ -312,3 +312,23 @@ def test_cpu_tensors_without_a_backend_run_eagerly():
         y = m(torch.ones(1, 2))
     torch.testing.assert_close(y, m.__dict__["forward"].__wrapped__(torch.ones(1, 2)))
     assert cg.stats(m).eager_calls == {"tensors are on cpu, not on a CUDA device": 1}
+
+
+def test_a_shared_policy_lets_interchangeable_modules_replay_one_graph(sim):
+    torch.manual_seed(0)
+    policy = cg.CachePolicy(shared=True)
+    lin = nn.Linear(4, 4)
+    a = cg.graphify(lin, cache_policy=policy)
+    b = copy.deepcopy(a)  # a deep copy is graphified with the same options (the same policy)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        want = a(x)
+        for _ in range(3):
+            torch.testing.assert_close(b(x), want, rtol=0, atol=0)
+        assert counts(a) == (1, 0, 0) and counts(b) == (0, 3, 0)
+        # the capturing module's parameters move: its graph is dropped, b captures its own
+        a.weight.data = a.weight.data * 2
+        torch.testing.assert_close(b(x), b.__dict__["forward"].__wrapped__(x), rtol=0, atol=0)
+    assert cg.stats(a).invalidations == 1 and cg.stats(b).captures == 1
+    cg.ungraphify(b)  # releases only b's graphs
+    assert cg.stats(a).graphs == 0 and len(policy.new_cache()) == 0
