@@ -21,10 +21,11 @@ __all__ = ["CudaBackend", "RawGraph", "default_backend", "set_backend"]
 class RawGraph:
     """One captured CUDA graph and its private memory pool."""
 
-    __slots__ = ("_graph", "pool_bytes", "capture_seconds")
+    __slots__ = ("_graph", "pool", "pool_bytes", "capture_seconds")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, pool_bytes: int, capture_seconds: float):
+    def __init__(self, graph: torch.cuda.CUDAGraph, pool, pool_bytes: int, capture_seconds: float):
         self._graph = graph
+        self.pool = pool
         self.pool_bytes = pool_bytes
         self.capture_seconds = capture_seconds
 
@@ -133,7 +134,7 @@ class CudaBackend:
                 raise CaptureFailed(_first_line(failure)) from failure
             seconds = time.perf_counter() - t0
             pool_bytes = max(0, torch.cuda.memory_reserved() - reserved)
-            return RawGraph(graph, pool_bytes, seconds), out
+            return RawGraph(graph, pool, pool_bytes, seconds), out
 
     def _recover(self, pool, side: torch.cuda.Stream, device: torch.device) -> None:
         """Undo what a failed capture leaves behind.

@@ -24,6 +24,7 @@ from . import _capture, _region
 from ._cache import CachePolicy, EagerEntry, GraphCache
 from ._errors import CaptureFailed, warn_once
 from ._replay import CapturedGraph, OutputPlanError, StaticInputs, plan_outputs
+from ._training import TrainingGraph, capture_training, warmup_backward
 from ._signature import Unkeyable, build_signature, unflatten_call
 from ._statics import StaticState
 
@@ -133,6 +134,8 @@ class GraphedState:
             return self._eager(sig.reason, fn, args, kwargs)
         cache = region.cache_for(self) if region is not None else self.cache
         key = self.policy.full_key(sig)
+        if sig.state[1] and self.statics.current:  # grad mode: which parameters require grad
+            key = (key, self.statics.grad_pattern())
         entry = cache.get(key)
         if entry is not None and entry.owner is not self and entry.owner is not None:
             # A graph of another module (a shared policy): it reads that module's statics.
@@ -141,21 +144,25 @@ class GraphedState:
                 entry.owner.invalidate(moved)
                 entry = None
         if entry is not None:
-            if type(entry) is CapturedGraph:
+            kind = type(entry)
+            if kind is CapturedGraph or kind is TrainingGraph:
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
             return self._eager(entry.reason, fn, args, kwargs)
         reason = self._ineligible(backend, leaves, cache)
         if reason is not None:
-            cache.put(key, EagerEntry(reason, self))
-            return self._eager(reason, fn, args, kwargs)
+            return self._decide_eager(cache, key, reason, lambda: fn(*args, **kwargs))
         return self._warmup_and_capture(backend, region, cache, key, sig, leaves, static_flags,
                                         fn, args, kwargs)
 
-    def _replay(self, backend, region, entry: CapturedGraph, leaves: list, fn, args,
-                kwargs) -> Any:
+    def _replay(self, backend, region, entry, leaves: list, fn, args, kwargs) -> Any:
         if entry.mutated and _inputs_alias(leaves):
             return self._eager("inputs share memory and forward writes to them", fn, args,
                                kwargs)
+        training = type(entry) is TrainingGraph
+        if training and entry.pending():
+            return self._eager("the backward of an earlier call with this signature has not run "
+                               "yet (its activations would be overwritten); call under "
+                               "torch.no_grad() when no backward follows", fn, args, kwargs)
         device = entry.device
         token = backend.stream_token(device)
         if token != self._stream_token:
@@ -166,6 +173,8 @@ class GraphedState:
         self.replays += 1
         if region is not None:
             region.replays += 1
+        if training:
+            return entry.run(leaves, self.statics.grad_params())
         return entry.run(leaves)
 
     def _eager(self, reason: str, fn: Callable, args: tuple, kwargs: dict,
@@ -174,6 +183,13 @@ class GraphedState:
         if warn:
             warn_once(self._warned, self.name, reason)
         return fn(*args, **kwargs)
+
+    def _decide_eager(self, cache: GraphCache, key, reason: str, call: Callable[[], Any]) -> Any:
+        """Remember that ``key`` runs eagerly, count and warn; return ``call()``."""
+        cache.put(key, EagerEntry(reason, self))
+        self.eager_calls[reason] += 1
+        warn_once(self._warned, self.name, reason)
+        return call()
 
     # -- deciding and capturing ------------------------------------------------------------
 
@@ -189,13 +205,6 @@ class GraphedState:
             if device.type == "cuda":
                 return "CUDA is not available"
             return f"tensors are on {device}, not on a CUDA device"
-        if torch.is_grad_enabled() and (
-            self.statics.requires_grad()
-            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves)
-        ):
-            return ("autograd is recording (grad mode on and a tensor requires grad); graphs "
-                    "cover inference for now: call under torch.no_grad() or "
-                    "torch.inference_mode()")
         if cache.eviction_budget_spent():
             return (f"more than {self.policy.max_evictions} evictions: too many distinct "
                     f"signatures for max_graphs={self.policy.max_graphs}; raise max_graphs or "
@@ -206,49 +215,43 @@ class GraphedState:
     def _warmup_and_capture(self, backend, region, cache, key, sig, leaves, static_flags,
                             fn, args, kwargs) -> Any:
         device = self._device
+        training = torch.is_grad_enabled() and (
+            bool(self.statics.grad_params())
+            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         versions = [x._version for _, x in tensors]
+        static_versions = self.statics.versions()
         with _Nested():
             result = backend.warmup(lambda: fn(*args, **kwargs), device)
         mutated = [i for (i, x), v in zip(tensors, versions) if x._version != v]
+        done = lambda: result  # noqa: E731 - the warm-up was this call
         if mutated and _inputs_alias(leaves):
-            reason = "inputs share memory and forward writes to them"
-            cache.put(key, EagerEntry(reason, self))
-            self.eager_calls[reason] += 1
-            warn_once(self._warned, self.name, reason)
-            return result
-        for _ in range(self.options.num_warmup_iters - 1):
-            extra = StaticInputs(leaves, [False] * len(leaves))
-            a, kw = unflatten_call(extra.leaves, sig)
-            with _Nested():
-                backend.warmup(lambda: fn(*a, **kw), device)
-            del extra
-        inputs = StaticInputs(leaves, static_flags)
-        a, kw = unflatten_call(inputs.leaves, sig)
+            return self._decide_eager(cache, key, "inputs share memory and forward writes to "
+                                      "them", done)
+        if mutated and training:
+            return self._decide_eager(cache, key, "forward writes to its tensor arguments while "
+                                      "autograd records", done)
+        moved_statics = [t for t, v in zip(self.statics.current, static_versions)
+                         if t._version != v]
+        self._extra_warmups(backend, device, fn, sig, leaves, training, moved_statics)
         try:
             with _Nested():
-                raw, out = backend.capture(lambda: fn(*a, **kw), device)
+                if training:
+                    entry = capture_training(backend, fn, sig, leaves, static_flags,
+                                             self.statics.grad_params(), device,
+                                             self.statics.storage_ptrs())
+                else:
+                    entry = self._capture_inference(backend, fn, sig, leaves, static_flags,
+                                                    mutated, device)
         except CaptureFailed as e:
-            reason = f"capture failed: {e}"
-            cache.put(key, EagerEntry(reason, self))
-            self.eager_calls[reason] += 1
-            warn_once(self._warned, self.name, reason)
-            return result
-        try:
-            actions, spec = plan_outputs(out, inputs, leaves, self.statics.storage_ptrs(),
-                                         self.options.copy_outputs)
+            return self._decide_eager(cache, key, f"capture failed: {e}", done)
         except OutputPlanError as e:
-            raw.release()
-            cache.put(key, EagerEntry(str(e), self))
-            self.eager_calls[str(e)] += 1
-            warn_once(self._warned, self.name, str(e))
-            return result
-        entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out], device=device)
+            return self._decide_eager(cache, key, str(e), done)
         entry.owner = self
         self.captures += 1
-        self.capture_seconds += raw.capture_seconds
+        self.capture_seconds += entry.capture_seconds
         if region is not None:
-            region.record_capture(raw)
+            region.record_capture(entry)
         evicted = cache.put(key, entry)
         self._retired_copies += sum(e.input_copies for e in evicted)
         if evicted:
@@ -257,6 +260,45 @@ class GraphedState:
                       "least recently used graphs are released and re-captured when needed")
         self._stream_token = backend.stream_token(device)
         return result
+
+    def _extra_warmups(self, backend, device, fn, sig, leaves, training: bool,
+                       moved_statics: list[torch.Tensor]) -> None:
+        """Warm-up runs beyond the real call: on copies of the inputs; buffers the forward
+        updates (running statistics) are restored, so only the real call's effect remains."""
+        n = self.options.num_warmup_iters - 1
+        if training:
+            n = max(n, 1)  # the backward needs a warm-up of its own
+        if n == 0:
+            return
+        with torch.no_grad():
+            saved = [t.clone() for t in moved_statics]
+        for _ in range(n):
+            copies = StaticInputs(leaves, [False] * len(leaves))
+            for i, buf in copies.copy:
+                buf.requires_grad_(training and leaves[i].requires_grad)
+            a, kw = unflatten_call(copies.leaves, sig)
+            with _Nested():
+                if training:
+                    wrt = self.statics.grad_params() + [b for _, b in copies.copy]
+                    backend.warmup(lambda: warmup_backward(lambda: fn(*a, **kw), wrt), device)
+                else:
+                    backend.warmup(lambda: fn(*a, **kw), device)
+        with torch.no_grad():
+            for t, v in zip(moved_statics, saved):
+                t.copy_(v)
+
+    def _capture_inference(self, backend, fn, sig, leaves, static_flags, mutated,
+                           device) -> CapturedGraph:
+        inputs = StaticInputs(leaves, static_flags)
+        a, kw = unflatten_call(inputs.leaves, sig)
+        raw, out = backend.capture(lambda: fn(*a, **kw), device)
+        try:
+            actions, spec = plan_outputs(out, inputs, leaves, self.statics.storage_ptrs(),
+                                         self.options.copy_outputs)
+        except OutputPlanError:
+            raw.release()
+            raise
+        return CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out], device=device)
 
     # -- upkeep ----------------------------------------------------------------------------
 

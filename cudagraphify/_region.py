@@ -69,9 +69,9 @@ class GraphRegion:
         if cache is not None:
             cache.clear()
 
-    def record_capture(self, raw) -> None:
+    def record_capture(self, entry) -> None:
         self.captures += 1
-        self.capture_seconds += raw.capture_seconds
+        self.capture_seconds += entry.capture_seconds
 
     def stats(self) -> "Stats":
         from ._engine import Stats

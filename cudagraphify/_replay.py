@@ -33,6 +33,10 @@ class StaticInputs:
     """
 
     def __init__(self, leaves: list, static_flags: list[bool]):
+        with torch.no_grad():
+            self._build(leaves, static_flags)
+
+    def _build(self, leaves: list, static_flags: list[bool]) -> None:
         self.leaves: list = []
         self.copy: list[tuple[int, torch.Tensor]] = []
         self.same_layout: dict[int, bool] = {}
@@ -143,7 +147,7 @@ class CapturedGraph:
 
     @property
     def pool_bytes(self) -> int:
-        return self.raw.pool_bytes
+        return self.raw.pool_bytes if self.raw is not None else 0
 
     @property
     def capture_seconds(self) -> float:

@@ -64,6 +64,7 @@ class StaticState:
         self.ptrs: list[int] = []
         self._indices: list[int] = []
         self._held: list = []
+        self.current: list[torch.Tensor] = []
         self._generation = -1
         self.rescan()
 
@@ -88,7 +89,18 @@ class StaticState:
         # Holding the storages (not only the tensors, whose ``.data`` can be swapped) is what
         # makes an equal address mean the same memory.
         self._held = [t.untyped_storage() for t in self.tensors]
+        self.current = list(self.tensors)
         self._indices = list(range(len(self.tensors)))
+
+    def grad_params(self) -> list[torch.Tensor]:
+        """The parameters and buffers that require grad now (as of the last ``changed()``)."""
+        return [t for t in self.current if t.requires_grad]
+
+    def grad_pattern(self) -> tuple[bool, ...]:
+        return tuple([t.requires_grad for t in self.current])
+
+    def versions(self) -> list[int]:
+        return [t._version for t in self.current]
 
     def devices(self) -> set[torch.device]:
         return {t.device for t in self.tensors}
@@ -117,6 +129,7 @@ class StaticState:
             self.rescan()
             return "a parameter or buffer was removed"
         if same:
+            self.current = current
             return None
         names = _first_moved(self._slots, current, self.ptrs)
         self.rescan()

@@ -98,11 +98,72 @@ def bench_workload(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
     return row
 
 
+def _peak_extra_mb(fn, x, steps: int = 3) -> float:
+    """Peak memory above what was allocated before, over a few calls (MB)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        fn(x)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
+    """A training step (forward, ``.sum().backward()``): eager, graphify, make_graphed_callables."""
+    import cudagraphify as cg
+
+    torch.manual_seed(0)
+    base = GPT.from_config(cfg, "cuda").train()
+    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, device="cuda", dtype=cfg.dtype)
+    row: dict = {"workload": f"{name}-train", "config": repr(cfg)}
+
+    def step(model):
+        def run(inp):
+            model(inp).sum().backward()
+        return run
+
+    def fresh():
+        m = GPT.from_config(cfg, "cuda").train()
+        m.load_state_dict(base.state_dict())
+        return m
+
+    row["eager_us"] = time_per_call(step(base), x, calls, repeats)
+    row["eager_peak_mb"] = _peak_extra_mb(step(base), x)
+
+    g = cg.graphify(fresh())
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(g)(x), step(g)(x)
+    torch.cuda.synchronize()
+    row["graphify_first_call_s"] = time.perf_counter() - t0
+    row["graphify_us"] = time_per_call(step(g), x, calls, repeats)
+    row["graphify_peak_mb"] = _peak_extra_mb(step(g), x)
+    s = cg.stats(g)
+    row["graphify_captures"], row["graphify_replays"] = s.captures, s.replays
+    row["graphify_eager_calls"] = s.eager
+
+    mgc_model = fresh()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    mgc = torch.cuda.make_graphed_callables(mgc_model, (x,))
+    step(mgc)(x)
+    torch.cuda.synchronize()
+    row["make_graphed_callables_first_call_s"] = time.perf_counter() - t0
+    row["make_graphed_callables_us"] = time_per_call(step(mgc), x, calls, repeats)
+    row["make_graphed_callables_peak_mb"] = _peak_extra_mb(step(mgc), x)
+    row["graphify_vs_eager"] = row["graphify_us"] / row["eager_us"]
+    row["graphify_vs_make_graphed_callables"] = row["graphify_us"] / row["make_graphed_callables_us"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cudagraphify.bench", description=__doc__.split("\n")[0])
     p.add_argument("--workloads", nargs="+", default=["A", "B", "C"], choices=sorted(BENCH_WORKLOADS))
     p.add_argument("--quick", action="store_true", help="fewer calls and repeats")
     p.add_argument("--json", help="write the rows as JSON to this file")
+    p.add_argument("--train", nargs="*", default=[], choices=sorted(WORKLOADS),
+                   help="also time a training step (forward + .sum().backward()) of these")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("cudagraphify.bench: no CUDA GPU here; nothing to measure (graphs need a GPU).")
@@ -121,6 +182,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name:<9}{r['eager_us']:>9.0f}{r['manual_graph_us']:>9.0f}{r['graphify_us']:>9.0f}"
               f"{r['graphify_nocopy_us']:>9.0f}{r['graphify_vs_manual']:>10.3f}"
               f"{r['graphify_vs_eager']:>9.3f}{r['graphify_first_call_s']:>14.3f}", flush=True)
+    for name in args.train:
+        r = bench_training(name, WORKLOADS[name], calls, repeats)
+        rows.append(r)
+        print(f"{name}-train: eager {r['eager_us']:.0f} µs ({r['eager_peak_mb']:.0f} MB peak), "
+              f"graphify {r['graphify_us']:.0f} µs ({r['graphify_peak_mb']:.0f} MB), "
+              f"make_graphed_callables {r['make_graphed_callables_us']:.0f} µs "
+              f"({r['make_graphed_callables_peak_mb']:.0f} MB); graphify/mgc "
+              f"{r['graphify_vs_make_graphed_callables']:.3f}, first call "
+              f"{r['graphify_first_call_s']:.3f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(),

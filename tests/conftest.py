@@ -32,6 +32,7 @@ class SimGraph:
         self._fn = fn
         self._static = [t for t in pytree.tree_leaves(static_out) if isinstance(t, torch.Tensor)]
         self.pool_bytes = sum(t.numel() * t.element_size() for t in self._static)
+        self.pool = None
         self.capture_seconds = 0.001
         self._backend = backend
         self.released = False

@@ -168,16 +168,22 @@ def test_unhashable_argument_runs_eagerly_with_reason(sim):
     assert cg.stats(f).captures == 0
 
 
-def test_grad_mode_runs_eagerly(sim):
+def test_grad_mode_gets_its_own_training_graph(sim):
+    torch.manual_seed(0)
     lin = nn.Linear(2, 2)
     g = cg.graphify(copy.deepcopy(lin))
     x = torch.ones(1, 2)
-    y = g(x)
-    assert y.requires_grad
-    assert "autograd" in next(iter(cg.stats(g).eager_calls))
+    y = g(x)  # the real (eager) first call: backward works as eagerly
+    y.sum().backward()
+    lin(x).sum().backward()
+    torch.testing.assert_close(g.weight.grad, lin.weight.grad, rtol=0, atol=0)
+    assert counts(g) == (1, 0, 0) and sim.captures == 2  # forward and backward graphs
     with torch.no_grad():
         g(x), g(x)
-    assert counts(g) == (1, 1, 1)
+    assert counts(g) == (2, 1, 0)  # grad mode is part of the key
+    g.weight.requires_grad_(False)
+    g(x)
+    assert counts(g) == (3, 1, 0)  # and so is which parameters require grad
 
 
 def test_capture_failure_marks_the_signature_eager_and_returns_the_right_answer(sim):

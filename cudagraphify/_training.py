@@ -1,0 +1,222 @@
+"""Training through graphs: a forward and a backward graph per signature, in an autograd.Function.
+
+When autograd records (grad mode on and a tensor requires grad), a signature gets two graphs
+captured in one memory pool: the forward, and the backward computed by ``torch.autograd.grad``
+from the forward's outputs to the tensor arguments and parameters that require grad. On replay,
+an autograd.Function runs the forward graph; its backward copies the incoming gradients into
+static buffers, replays the backward graph and hands the gradients to autograd, which
+accumulates parameter gradients into ``.grad`` exactly as eagerly (micro-batches, hooks, DDP).
+
+Never a wrong gradient: a backward whose forward's saved activations were overwritten by a
+later replay of the same graph raises; so does a second backward through the same call
+(``retain_graph=True``) and double backward. A call made while an earlier call of the same
+signature still waits for its backward runs eagerly instead.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+from torch.autograd.function import once_differentiable
+
+from ._errors import CudagraphifyError
+from ._replay import OutputPlanError, StaticInputs
+from ._signature import is_constant, unflatten_call
+
+__all__ = ["TrainingGraph", "capture_training", "warmup_backward"]
+
+
+def _diff_outputs(out: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def warmup_backward(fn: Callable[[], Any], params: list[torch.Tensor]) -> None:
+    """One forward and backward on copies, without touching ``.grad`` (lazy init of backward)."""
+    out = fn()
+    outs = _diff_outputs(out)
+    inputs = [p for p in params if p.requires_grad]
+    if outs and inputs:
+        torch.autograd.grad(outs, inputs, grad_outputs=[torch.ones_like(o) for o in outs],
+                            allow_unused=True)
+
+
+class TrainingGraph:
+    """The forward and backward graphs of one signature, and their static buffers."""
+
+    def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
+                 out_tensors: list[torch.Tensor], out_diff: list[bool], rebuild, spec,
+                 grad_out: list[torch.Tensor], grad_in: list, n_params: int,
+                 device: torch.device):
+        self.raw = fwd_raw
+        self._bwd_raw = bwd_raw
+        self.device = device
+        self.owner = None
+        self.input_copies = 0
+        self.mutated: list[int] = []
+        self.gen = 0
+        self._inputs = inputs
+        self._copy = [(tensor_idx.index(i), buf) for i, buf in inputs.copy]
+        self._n_user = len(tensor_idx)
+        self._outs = out_tensors
+        self.out_diff = out_diff
+        self._rebuild = rebuild
+        self._spec = spec
+        self._grad_out = grad_out
+        self._grad_in = grad_in  # per Function input (user tensors, then params): tensor or None
+        self._n_params = n_params
+        self._held: tuple = ()
+        self._last_ctx: weakref.ref | None = None
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.raw.pool_bytes + self._bwd_raw.pool_bytes
+
+    @property
+    def capture_seconds(self) -> float:
+        return self.raw.capture_seconds + self._bwd_raw.capture_seconds
+
+    def pending(self) -> bool:
+        """An earlier call's backward has not run and its autograd graph is still alive."""
+        ctx = self._last_ctx() if self._last_ctx is not None else None
+        return ctx is not None and not getattr(ctx, "done", True)
+
+    def run(self, leaves: list, params: list[torch.Tensor]) -> Any:
+        tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
+        outs = _GraphedFunction.apply(self, *tensors, *params)
+        return pytree.tree_unflatten(self._rebuild(leaves, outs), self._spec)
+
+    def forward(self, tensors: tuple) -> list[torch.Tensor]:
+        for j, buf in self._copy:
+            x = tensors[j]
+            if x.data_ptr() != buf.data_ptr():
+                buf.copy_(x)
+                self.input_copies += 1
+        self.raw.replay()
+        self.gen += 1
+        return [o.clone() for o in self._outs]
+
+    def backward(self, ctx, grads: tuple) -> tuple:
+        if getattr(ctx, "done", False):
+            raise CudagraphifyError(
+                "backward ran twice through one graphed call (retain_graph=True); graphs do "
+                "not keep activations for that: run this module eagerly (enabled=False) for it")
+        if ctx.gen != self.gen:
+            raise CudagraphifyError(
+                "backward of a graphed call after a later call with the same signature "
+                "overwrote its saved activations; run backward before calling the module again, "
+                "or call it under torch.no_grad() when no backward follows")
+        ctx.done = True
+        k = 0
+        for diff, g in zip(self.out_diff, grads):
+            if diff:
+                buf = self._grad_out[k]
+                k += 1
+                if g is None:
+                    buf.zero_()
+                elif g.data_ptr() != buf.data_ptr():
+                    buf.copy_(g)
+        self._bwd_raw.replay()
+        n = self._n_user
+        user = tuple(None if g is None else g.clone() for g in self._grad_in[:n])
+        # Parameter gradients are handed over as aliases of the static buffers. Holding them
+        # here keeps autograd from adopting the static memory as ``.grad`` (it copies or adds
+        # instead), so the next backward cannot overwrite a ``.grad``.
+        params = tuple(None if g is None else g.detach() for g in self._grad_in[n:])
+        self._held = params
+        return user + params
+
+    def release(self) -> None:
+        for raw in (self.raw, self._bwd_raw):
+            if raw is not None:
+                raw.release()
+        self._outs = self._grad_out = self._grad_in = []
+        self._held = ()
+        self._inputs = None
+        self._copy = []
+
+
+class _GraphedFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, graph: TrainingGraph, *tensors):
+        outs = graph.forward(tensors)
+        ctx.graph, ctx.gen, ctx.done = graph, graph.gen, False
+        graph._last_ctx = weakref.ref(ctx)
+        ctx.mark_non_differentiable(*[o for o, d in zip(outs, graph.out_diff) if not d])
+        return tuple(outs)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        return (None,) + ctx.graph.backward(ctx, grads)
+
+
+def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
+    """Which output leaves are graph tensors, and how to rebuild the rest."""
+    flat, spec = pytree.tree_flatten(out)
+    by_id = {id(x): i for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+    tensors: list[torch.Tensor] = []
+    slots: list[tuple[str, Any]] = []
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor):
+            slots.append(("t", len(tensors)))
+            tensors.append(leaf)
+        elif id(leaf) in by_id:
+            slots.append(("arg", by_id[id(leaf)]))
+        elif is_constant(leaf):
+            slots.append(("const", leaf))
+        else:
+            raise OutputPlanError(
+                f"forward returns an object of type {type(leaf).__name__} that is not a tensor, "
+                "an immutable value or an argument")
+
+    def rebuild(call_leaves: list, outs: tuple) -> list:
+        return [outs[v] if kind == "t" else call_leaves[v] if kind == "arg" else v
+                for kind, v in slots]
+
+    return tensors, rebuild, spec
+
+
+def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: list[bool],
+                     params: list[torch.Tensor], device: torch.device,
+                     persistent: set[int]) -> TrainingGraph:
+    """Capture the forward and backward graphs of one signature (grad mode must be on)."""
+    # Inputs that require grad are always copied: their gradient flows through the Function.
+    flags = [f and not (isinstance(x, torch.Tensor) and x.requires_grad)
+             for x, f in zip(leaves, static_flags)]
+    inputs = StaticInputs(leaves, flags)
+    for i, buf in inputs.copy:
+        buf.requires_grad_(leaves[i].requires_grad)
+    a, kw = unflatten_call(inputs.leaves, sig)
+    fwd_raw, out = backend.capture(lambda: fn(*a, **kw), device)
+    try:
+        out_tensors, rebuild, spec = _plan(out, leaves)
+        for t in out_tensors:
+            ptr = t.untyped_storage().data_ptr()
+            if ptr in persistent or ptr in inputs.storage_index():
+                raise OutputPlanError("forward returns a parameter, a buffer or an input (or a "
+                                      "view of one) while autograd records")
+        diff = [t.requires_grad for t in out_tensors]
+        diff_outs = [t for t in out_tensors if t.requires_grad]
+        tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        wrt = [inputs.leaves[i] for i in tensor_idx] + list(params)
+        wants = [t.requires_grad for t in wrt]
+        grad_out = [torch.empty_like(t) for t in diff_outs]
+        targets = [t for t, w in zip(wrt, wants) if w]
+
+        def backward():
+            if not diff_outs or not targets:
+                return []
+            return list(torch.autograd.grad(diff_outs, targets, grad_outputs=grad_out,
+                                            allow_unused=True))
+
+        bwd_raw, grads = backend.capture(backward, device, pool=fwd_raw.pool)
+    except BaseException:
+        fwd_raw.release()
+        raise
+    it = iter(grads)
+    grad_in = [next(it, None) if w else None for w in wants]
+    return TrainingGraph(fwd_raw, bwd_raw, inputs, tensor_idx, out_tensors, diff, rebuild, spec,
+                         grad_out, grad_in, len(params), device)

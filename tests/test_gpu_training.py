@@ -1,0 +1,133 @@
+"""GPU tests of training through graphs: gradients, optimizers, dropout, autocast, refusals."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._models import GPT
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+TOL = dict(rtol=2e-5, atol=2e-6)
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+        yield
+    torch.cuda.synchronize()
+
+
+def _gpt(seed=0, dropout=0.0):
+    torch.manual_seed(seed)
+    return GPT(256, 4, 4, dropout=dropout).to(DEV)
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_ten_training_steps_match_eager(opt):
+    ref = _gpt()
+    g = cg.graphify(copy.deepcopy(ref))
+    make = {"sgd": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+            "adamw": lambda p: torch.optim.AdamW(p, lr=1e-3)}[opt]
+    o_ref, o_g = make(ref.parameters()), make(g.parameters())
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    for _ in range(10):
+        x = torch.randn(2, 16, 256, device=DEV, generator=gen)
+        for model, o in ((ref, o_ref), (g, o_g)):
+            o.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            o.step()
+    for (name, p), q in zip(ref.named_parameters(), g.parameters()):
+        torch.testing.assert_close(q, p, **TOL, msg=name)
+    s = cg.stats(g)
+    assert (s.captures, s.replays, s.eager) == (1, 9, 0), s
+
+
+def test_gradient_accumulation_and_input_grads_match_eager():
+    ref = _gpt()
+    g = cg.graphify(copy.deepcopy(ref))
+    for model in (ref, g):
+        torch.manual_seed(3)
+        for _ in range(4):
+            x = torch.randn(2, 8, 256, device=DEV, requires_grad=True)
+            model(x).sum().backward()
+            model._last_x_grad = x.grad
+    for p, q in zip(ref.parameters(), g.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **TOL)
+    torch.testing.assert_close(g._last_x_grad, ref._last_x_grad, **TOL)
+    assert cg.stats(g).replays == 3
+
+
+def test_dropout_masks_are_fresh_and_gradients_follow_them():
+    torch.manual_seed(0)
+    lin = nn.Linear(512, 512).to(DEV)
+    model = nn.Sequential(lin, nn.Dropout(0.25)).to(DEV).train()
+    g = cg.graphify(model)
+    x = torch.randn(64, 512, device=DEV)
+    masks = []
+    for _ in range(4):
+        lin.zero_grad(set_to_none=True)
+        y = g(x)
+        y.sum().backward()
+        mask = y != 0
+        masks.append(mask)
+        # the gradient must follow this call's mask: dL/db = sum over rows of mask / keep
+        torch.testing.assert_close(lin.bias.grad, mask.float().sum(0) / 0.75, rtol=1e-5, atol=1e-5)
+    assert cg.stats(g).replays == 3
+    for a, b in zip(masks, masks[1:]):
+        assert not torch.equal(a, b)
+    keep = torch.stack(masks).float().mean().item()
+    assert 0.73 < keep < 0.77
+    model.eval()  # eval: dropout off, another graph
+    with torch.no_grad():
+        torch.testing.assert_close(g(x), lin(x), rtol=0, atol=0)
+
+
+def test_autocast_bf16_training_matches_eager():
+    ref = _gpt()
+    g = cg.graphify(copy.deepcopy(ref))
+    for _ in range(3):
+        x = torch.randn(2, 16, 256, device=DEV)
+        for model in (ref, g):
+            model.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = model(x)
+            out.float().square().mean().backward()
+        torch.testing.assert_close(g.blocks[0].qkv.weight.grad, ref.blocks[0].qkv.weight.grad,
+                                   rtol=1e-2, atol=1e-4)
+    assert out.dtype == torch.bfloat16
+    assert cg.stats(g).replays == 2
+
+
+def test_unsupported_backward_patterns_fail_clearly_or_run_eagerly():
+    ref = _gpt()
+    g = cg.graphify(copy.deepcopy(ref))
+    x = torch.randn(1, 8, 256, device=DEV)
+    g(x).sum().backward()  # warm-up + capture
+    # retain_graph re-use: a clear error, not a wrong gradient
+    y = g(x).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(cg.CudagraphifyError, match="retain_graph"):
+        y.backward()
+    # double backward: refused
+    xr = x.clone().requires_grad_()
+    g(xr).sum().backward()  # another signature (x requires grad): warm-up + capture
+    (gx,) = torch.autograd.grad(g(xr).sum(), xr, create_graph=True)
+    with pytest.raises(RuntimeError, match="differentiate twice"):
+        gx.sum().backward()
+    # two forwards, then one backward: the second call runs eagerly, gradients stay right
+    g.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
+    x2 = torch.randn(1, 8, 256, device=DEV)
+    (g(x).sum() + g(x2).sum()).backward()
+    (ref(x).sum() + ref(x2).sum()).backward()
+    for p, q in zip(ref.parameters(), g.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **TOL)
+    assert any("has not run yet" in r for r in cg.stats(g).eager_calls)
