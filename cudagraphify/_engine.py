@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -66,6 +67,7 @@ class Stats:
     replays: int = 0
     eager_calls: dict[str, int] = field(default_factory=dict)
     capture_seconds: float = 0.0
+    warmup_seconds: float = 0.0
     graph_pool_bytes: int = 0
     graphs: int = 0
     evictions: int = 0
@@ -92,6 +94,7 @@ class GraphedState:
         self.lock = threading.RLock()
         self.captures = 0
         self.capture_seconds = 0.0
+        self.warmup_seconds = 0.0
         self.eager_calls: collections.Counter[str] = collections.Counter()
         self.invalidations = 0
         self._warned: set[str] = set()
@@ -221,6 +224,7 @@ class GraphedState:
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         versions = [x._version for _, x in tensors]
         static_versions = self.statics.versions()
+        t0 = time.perf_counter()
         with _Nested():
             result = backend.warmup(lambda: fn(*args, **kwargs), device)
         mutated = [i for (i, x), v in zip(tensors, versions) if x._version != v]
@@ -234,6 +238,7 @@ class GraphedState:
         moved_statics = [t for t, v in zip(self.statics.current, static_versions)
                          if t._version != v]
         self._extra_warmups(backend, device, fn, sig, leaves, training, moved_statics)
+        self.warmup_seconds += time.perf_counter() - t0
         try:
             with _Nested():
                 if training:
@@ -321,6 +326,7 @@ class GraphedState:
             replays=self.replays,
             eager_calls=dict(self.eager_calls),
             capture_seconds=self.capture_seconds,
+            warmup_seconds=self.warmup_seconds,
             graph_pool_bytes=sum(g.pool_bytes for g in graphs),
             graphs=len(graphs),
             evictions=self.cache.evictions,

@@ -9,7 +9,7 @@ accumulates parameter gradients into ``.grad`` exactly as eagerly (micro-batches
 
 Never a wrong gradient: a backward whose forward's saved activations were overwritten by a
 later replay of the same graph raises; so does a second backward through the same call
-(``retain_graph=True``) and double backward. A call made while an earlier call of the same
+(``retain_graph=True``) and double backward (``create_graph=True``). A call made while an earlier call of the same
 signature still waits for its backward runs eagerly instead.
 """
 
@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
-from torch.autograd.function import once_differentiable
 
 from ._errors import CudagraphifyError
 from ._replay import OutputPlanError, StaticInputs
@@ -60,7 +59,9 @@ class TrainingGraph:
         self._inputs = inputs
         self._copy = [(tensor_idx.index(i), buf) for i, buf in inputs.copy]
         self._n_user = len(tensor_idx)
-        self._outs = out_tensors
+        # Detached: the capture's autograd graph (and the parameters' AccumulateGrad nodes it
+        # holds, created on the capture stream) must not outlive the capture.
+        self._outs = [t.detach() for t in out_tensors]
         self.out_diff = out_diff
         self._rebuild = rebuild
         self._spec = spec
@@ -148,8 +149,12 @@ class _GraphedFunction(torch.autograd.Function):
         return tuple(outs)
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, *grads):
+        if torch.is_grad_enabled():
+            raise CudagraphifyError(
+                "double backward (create_graph=True) through a graphed call is not supported: "
+                "the backward graph records no autograd history; run this module eagerly "
+                "(graphify(..., enabled=False)) where you need higher-order gradients")
         return (None,) + ctx.graph.backward(ctx, grads)
 
 

@@ -142,6 +142,7 @@ def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
     s = cg.stats(g)
     row["graphify_captures"], row["graphify_replays"] = s.captures, s.replays
     row["graphify_eager_calls"] = s.eager
+    row["graphify_warmup_s"], row["graphify_capture_s"] = s.warmup_seconds, s.capture_seconds
 
     mgc_model = fresh()
     torch.cuda.synchronize()
@@ -190,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
               f"make_graphed_callables {r['make_graphed_callables_us']:.0f} µs "
               f"({r['make_graphed_callables_peak_mb']:.0f} MB); graphify/mgc "
               f"{r['graphify_vs_make_graphed_callables']:.3f}, first call "
-              f"{r['graphify_first_call_s']:.3f} s", flush=True)
+              f"{r['graphify_first_call_s']:.3f} s (warm-up {r['graphify_warmup_s']:.3f} s, "
+              f"capture {r['graphify_capture_s']:.3f} s)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(),

@@ -101,9 +101,11 @@ def test_autocast_bf16_training_matches_eager():
             with torch.autocast("cuda", dtype=torch.bfloat16):
                 out = model(x)
             out.float().square().mean().backward()
+            if model is ref:
+                want = out
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
         torch.testing.assert_close(g.blocks[0].qkv.weight.grad, ref.blocks[0].qkv.weight.grad,
                                    rtol=1e-2, atol=1e-4)
-    assert out.dtype == torch.bfloat16
     assert cg.stats(g).replays == 2
 
 
@@ -120,9 +122,8 @@ def test_unsupported_backward_patterns_fail_clearly_or_run_eagerly():
     # double backward: refused
     xr = x.clone().requires_grad_()
     g(xr).sum().backward()  # another signature (x requires grad): warm-up + capture
-    (gx,) = torch.autograd.grad(g(xr).sum(), xr, create_graph=True)
-    with pytest.raises(RuntimeError, match="differentiate twice"):
-        gx.sum().backward()
+    with pytest.raises(cg.CudagraphifyError, match="create_graph"):
+        torch.autograd.grad(g(xr).sum(), xr, create_graph=True)
     # two forwards, then one backward: the second call runs eagerly, gradients stay right
     g.zero_grad(set_to_none=True), ref.zero_grad(set_to_none=True)
     x2 = torch.randn(1, 8, 256, device=DEV)
