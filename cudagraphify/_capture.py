@@ -156,6 +156,11 @@ class CudaBackend:
         torch.cuda.current_stream().wait_stream(side)
         fix.reset()
 
+    def new_pool(self, device: torch.device):
+        """A fresh memory pool id that several captures can share."""
+        with torch.cuda.device(device):
+            return torch.cuda.graph_pool_handle()
+
     def stream_token(self, device: torch.device) -> int:
         return torch._C._cuda_getCurrentRawStream(device.index)
 

@@ -24,7 +24,8 @@ import torch
 from . import _capture, _region
 from ._cache import CachePolicy, EagerEntry, GraphCache
 from ._errors import CaptureFailed, warn_once
-from ._replay import CapturedGraph, OutputPlanError, StaticInputs, plan_outputs
+from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
+                      static_output)
 from ._training import TrainingGraph, capture_training, warmup_backward
 from ._signature import Unkeyable, build_signature, unflatten_call
 from ._statics import StaticState
@@ -73,6 +74,7 @@ class Stats:
     evictions: int = 0
     invalidations: int = 0
     input_copies: int = 0
+    moved_outputs: int = 0  # region outputs still held at the next replay, moved to a copy
 
     @property
     def eager(self) -> int:
@@ -124,6 +126,9 @@ class GraphedState:
         if in_graphed_call() or backend.in_capture():
             # Inside another graphed callable's warm-up or capture: become part of it.
             return fn(*args, **kwargs)
+        if region is not None:
+            with region.lock, self.lock:
+                return self._call(backend, region, fn, args, kwargs)
         with self.lock:
             return self._call(backend, region, fn, args, kwargs)
 
@@ -166,13 +171,18 @@ class GraphedState:
             return self._eager("the backward of an earlier call with this signature has not run "
                                "yet (its activations would be overwritten); call under "
                                "torch.no_grad() when no backward follows", fn, args, kwargs)
+        if not training and entry.seq is not None and not region.protect_before(entry, leaves):
+            return self._eager("an output of an earlier call in this graph_region is still "
+                               "referenced through a view; running eagerly so it is not "
+                               "overwritten (clone outputs you keep)", fn, args, kwargs)
         device = entry.device
+        holder = region if region is not None else self  # who replayed last, on which stream
         token = backend.stream_token(device)
-        if token != self._stream_token:
-            if self._stream_token is not None:
+        if token != holder._stream_token:
+            if holder._stream_token is not None:
                 # Another stream replayed last: its copies may still be in flight.
-                backend.order_after(device, self._stream_token)
-            self._stream_token = token
+                backend.order_after(device, holder._stream_token)
+            holder._stream_token = token
         self.replays += 1
         if region is not None:
             region.replays += 1
@@ -246,8 +256,8 @@ class GraphedState:
                                              self.statics.grad_params(), device,
                                              self.statics.storage_ptrs())
                 else:
-                    entry = self._capture_inference(backend, fn, sig, leaves, static_flags,
-                                                    mutated, device)
+                    entry = self._capture_inference(backend, region, fn, sig, leaves,
+                                                    static_flags, mutated, device)
         except CaptureFailed as e:
             return self._decide_eager(cache, key, f"capture failed: {e}", done)
         except OutputPlanError as e:
@@ -263,7 +273,13 @@ class GraphedState:
             warn_once(self._warned, self.name,
                       f"more distinct signatures than max_graphs={self.policy.max_graphs}; "
                       "least recently used graphs are released and re-captured when needed")
-        self._stream_token = backend.stream_token(device)
+        (region or self)._stream_token = backend.stream_token(device)
+        if region is not None and region.chain and entry.seq is not None and not mutated \
+                and not moved_statics:
+            # In a chaining region the first call returns the graph's own (aliased) outputs, so
+            # the next graphed call is captured reading them in place. Nothing was mutated, so
+            # replaying once more has no effect beyond its outputs.
+            return self._replay(backend, region, entry, leaves, fn, args, kwargs)
         return result
 
     def _extra_warmups(self, backend, device, fn, sig, leaves, training: bool,
@@ -292,18 +308,36 @@ class GraphedState:
             for t, v in zip(moved_statics, saved):
                 t.copy_(v)
 
-    def _capture_inference(self, backend, fn, sig, leaves, static_flags, mutated,
+    def _capture_inference(self, backend, region, fn, sig, leaves, static_flags, mutated,
                            device) -> CapturedGraph:
-        inputs = StaticInputs(leaves, static_flags)
+        chain = region is not None and region.chain
+        borrow = region.borrowable(leaves) if chain else {}
+        borrow = {i: s for i, s in borrow.items() if not static_flags[i] and i not in mutated}
+        inputs = StaticInputs(leaves, static_flags, {i: s.tensor for i, s in borrow.items()})
         a, kw = unflatten_call(inputs.leaves, sig)
-        raw, out = backend.capture(lambda: fn(*a, **kw), device)
+        pool = region.pool(backend, device) if region is not None else None
+        raw, out = backend.capture(lambda: fn(*a, **kw), device, pool=pool)
+        seq, forget = None, None
+        if chain:
+            seq, pool_output, forget = region.adopt()
+        elif self.options.copy_outputs:
+            pool_output = clone_output
+        else:
+            pool_output = static_output
         try:
             actions, spec = plan_outputs(out, inputs, leaves, self.statics.storage_ptrs(),
-                                         self.options.copy_outputs)
+                                         pool_output)
         except OutputPlanError:
+            if forget is not None:
+                forget()
             raw.release()
             raise
-        return CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out], device=device)
+        entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out], device=device)
+        entry.seq = seq
+        entry.borrowed = list(borrow.items())
+        if forget is not None:
+            entry.on_release.append(forget)
+        return entry
 
     # -- upkeep ----------------------------------------------------------------------------
 

@@ -5,14 +5,26 @@ graphs captured there are the region's: leaving the region (or :meth:`GraphRegio
 releases them and their memory. ``enabled=False`` runs every graphed callable inside eagerly.
 Regions nest; the innermost one is in effect. Outside any region, callables keep their own
 caches.
+
+Inference graphs of a region share one memory pool, and chain: a graph's outputs are handed out
+without a copy (as aliases of its static output, a :class:`Slot`), and a graph whose input is
+such an alias, captured while it was one, reads it in place. Aliases stay safe: before a replay
+that may overwrite a slot's memory (its own graph's, or one captured after it, which may have
+reused that memory while it was free), the region checks the storage's use count; if the caller
+still holds the last alias, it is moved to a copy (``set_``); if a view of it is held, the call
+runs eagerly. So nobody's tensor changes under them, and nothing is copied when nobody kept it.
+Training graphs get pools of their own (their saved activations must survive other replays).
 """
 
 from __future__ import annotations
 
 import contextvars
 import copy
+import threading
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
+
+import torch
 
 from ._cache import CachePolicy, GraphCache
 from ._errors import CudagraphifyError, CudagraphifyUsageError
@@ -35,10 +47,54 @@ def all_open() -> list["GraphRegion"]:
     return list(_open)
 
 
+_use_count = torch._C._storage_Use_Count
+
+
+class Slot:
+    """A static output of a region graph, handed out as an alias instead of a copy."""
+
+    __slots__ = ("region", "tensor", "storage", "seq", "baseline", "alias")
+
+    def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int):
+        self.region = region
+        self.tensor = tensor
+        self.storage = tensor.untyped_storage()  # held: reading its use count is then cheap
+        self.seq = seq
+        self.baseline: int | None = None
+        self.alias: weakref.ref | None = None
+
+    def extra_users(self) -> int:
+        """Tensors sharing this memory beyond cudagraphify's own."""
+        return _use_count(self.storage._cdata) - self.baseline
+
+    def hand_out(self, leaves, outs) -> torch.Tensor:
+        if self.baseline is None:
+            self.baseline = _use_count(self.storage._cdata)
+        alias = self.tensor.detach()
+        self.alias = weakref.ref(alias)
+        self.region._live[self] = None
+        return alias
+
+    def protect(self) -> bool:
+        """Before this memory is overwritten: move a held alias to a copy. False if impossible."""
+        extra = self.extra_users()
+        if extra > 0:
+            alias = self.alias() if self.alias is not None else None
+            if alias is None or extra > 1:
+                return False  # a view or a detached copy of the alias: cannot be moved
+            try:
+                alias.set_(self.tensor.clone())
+            except RuntimeError:
+                return False
+            self.region.moved_outputs += 1
+        self.region._live.pop(self, None)
+        return True
+
+
 class GraphRegion:
     """The scope object that ``with graph_region(...) as region`` binds."""
 
-    def __init__(self, enabled: bool = True, max_graphs: int | None = None):
+    def __init__(self, enabled: bool = True, max_graphs: int | None = None, chain: bool = True):
         if not isinstance(enabled, bool):
             raise CudagraphifyUsageError(f"enabled must be a bool, got {enabled!r}")
         if max_graphs is not None and (not isinstance(max_graphs, int) or max_graphs < 1):
@@ -48,9 +104,69 @@ class GraphRegion:
         self._caches: dict[GraphedState, GraphCache] = {}
         self._token = None
         self.closed = False
+        self.chain = bool(chain)
+        self.input_copies = 0
+        self.moved_outputs = 0
         self.captures = 0
         self.capture_seconds = 0.0
         self.replays = 0
+        self.lock = threading.RLock()  # region graphs share memory: one call at a time
+        self._stream_token: int | None = None
+        self._pools: dict = {}
+        self._seq = 0
+        self._slots: dict[int, Slot] = {}  # data_ptr of a static output -> its slot
+        self._live: dict[Slot, None] = {}  # slots whose last alias may still be held
+
+    # -- chaining ------------------------------------------------------------------------
+
+    def pool(self, backend, device):
+        """The memory pool shared by this region's inference graphs on ``device``."""
+        if device not in self._pools:
+            self._pools[device] = backend.new_pool(device)
+        return self._pools[device]
+
+    def borrowable(self, leaves: list) -> dict[int, Slot]:
+        """Leaves that are exactly a slot's tensor (an alias handed out): read them in place."""
+        out = {}
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                slot = self._slots.get(x.data_ptr())
+                if slot is not None and x.untyped_storage().data_ptr() == \
+                        slot.tensor.untyped_storage().data_ptr() and x.shape == slot.tensor.shape \
+                        and x.stride() == slot.tensor.stride() and x.dtype == slot.tensor.dtype:
+                    out[i] = slot
+        return out
+
+    def adopt(self) -> tuple[int, Callable, Callable[[], None]]:
+        """For a new inference graph: its capture order, the factory of its output actions
+        (protected aliases), and the hook that forgets its slots when it is released."""
+        seq = self._seq
+        self._seq += 1
+        slots: list[Slot] = []
+
+        def pool_output(t: torch.Tensor):
+            slot = Slot(self, t, seq)
+            slots.append(slot)
+            self._slots[t.data_ptr()] = slot
+            return slot.hand_out
+
+        def forget():
+            for slot in slots:
+                self._live.pop(slot, None)
+                if self._slots.get(slot.tensor.data_ptr()) is slot:
+                    del self._slots[slot.tensor.data_ptr()]
+
+        return seq, pool_output, forget
+
+    def protect_before(self, entry, leaves: list) -> bool:
+        """Protect the slots a replay of ``entry`` may overwrite; False if one cannot be."""
+        for slot in [s for s in self._live if s.seq >= entry.seq]:
+            if not slot.protect():
+                return False
+        for i, slot in entry.borrowed:
+            if leaves[i].data_ptr() != slot.tensor.data_ptr() and not slot.protect():
+                return False
+        return True
 
     def cache_for(self, state: "GraphedState") -> GraphCache:
         if self.closed:
@@ -80,14 +196,18 @@ class GraphRegion:
         return Stats(captures=self.captures, replays=self.replays,
                      capture_seconds=self.capture_seconds,
                      graph_pool_bytes=sum(g.pool_bytes for g in graphs), graphs=len(graphs),
-                     evictions=sum(c.evictions for c in self._caches.values()))
+                     evictions=sum(c.evictions for c in self._caches.values()),
+                     input_copies=self.input_copies + sum(g.input_copies for g in graphs),
+                     moved_outputs=self.moved_outputs)
 
     def close(self) -> None:
         """Release every graph of this region (idempotent)."""
         caches = list(self._caches.values())
         self._caches.clear()
         for cache in caches:
+            self.input_copies += sum(g.input_copies for g in cache.graphs())
             cache.clear()
+        self._pools.clear()
         self.closed = True
         _open.discard(self)
 
@@ -106,11 +226,15 @@ class GraphRegion:
         self.close()
 
 
-def graph_region(*, enabled: bool = True, max_graphs: int | None = None) -> GraphRegion:
+def graph_region(*, enabled: bool = True, max_graphs: int | None = None,
+                 chain: bool = True) -> GraphRegion:
     """A scope that owns the graphs captured inside it and releases them when it ends.
 
     ``enabled=False`` runs every graphed callable inside eagerly (for debugging).
     ``max_graphs`` overrides the callables' own bound inside the region.
+    ``chain=True`` (default): inference outputs are handed out without a copy and read in place
+    by the next graphed call (see the module docs for how they stay safe); ``chain=False``
+    copies outputs as outside a region.
 
     Example::
 
@@ -119,4 +243,4 @@ def graph_region(*, enabled: bool = True, max_graphs: int | None = None) -> Grap
                 model(batch)
         print(region.stats())   # graphs released here
     """
-    return GraphRegion(enabled=enabled, max_graphs=max_graphs)
+    return GraphRegion(enabled=enabled, max_graphs=max_graphs, chain=chain)

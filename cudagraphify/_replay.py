@@ -17,7 +17,8 @@ import torch.utils._pytree as pytree
 from ._errors import CudagraphifyError
 from ._signature import is_constant
 
-__all__ = ["StaticInputs", "CapturedGraph", "plan_outputs", "OutputPlanError"]
+__all__ = ["StaticInputs", "CapturedGraph", "plan_outputs", "OutputPlanError", "clone_output",
+           "static_output"]
 
 
 class OutputPlanError(CudagraphifyError):
@@ -32,16 +33,22 @@ class StaticInputs:
     ``expand``) gets a contiguous buffer, since a copy cannot write into overlapping memory.
     """
 
-    def __init__(self, leaves: list, static_flags: list[bool]):
+    def __init__(self, leaves: list, static_flags: list[bool],
+                 borrow: dict[int, torch.Tensor] | None = None):
         with torch.no_grad():
-            self._build(leaves, static_flags)
+            self._build(leaves, static_flags, borrow or {})
 
-    def _build(self, leaves: list, static_flags: list[bool]) -> None:
+    def _build(self, leaves: list, static_flags: list[bool],
+               borrow: dict[int, torch.Tensor]) -> None:
         self.leaves: list = []
         self.copy: list[tuple[int, torch.Tensor]] = []
         self.same_layout: dict[int, bool] = {}
         for i, (leaf, static) in enumerate(zip(leaves, static_flags)):
-            if isinstance(leaf, torch.Tensor) and not static:
+            if i in borrow:  # another graph's static output, with this leaf's layout: no buffer
+                self.copy.append((i, borrow[i]))
+                self.leaves.append(borrow[i])
+                self.same_layout[i] = True
+            elif isinstance(leaf, torch.Tensor) and not static:
                 if torch._debug_has_internal_overlap(leaf) == 0:
                     buf = torch.empty_strided(leaf.size(), leaf.stride(), dtype=leaf.dtype,
                                               device=leaf.device)
@@ -74,16 +81,25 @@ def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[
     return lambda leaves: leaves[i].as_strided(size, stride, leaves[i].storage_offset() + delta)
 
 
+def clone_output(t: torch.Tensor) -> Callable:
+    return lambda leaves, outs: t.clone()
+
+
+def static_output(t: torch.Tensor) -> Callable:
+    return lambda leaves, outs: t
+
+
 def plan_outputs(
     out: Any,
     inputs: StaticInputs,
     call_leaves: list,
     persistent_storages: set[int],
-    copy_outputs: bool,
+    pool_output: Callable[[torch.Tensor], Callable],
 ) -> tuple[list[Callable[[list], Any]], Any]:
     """Decide, once, how each output leaf of the capture is produced on replay.
 
-    - a tensor in the graph's pool: cloned (or returned as is with ``copy_outputs=False``);
+    - a tensor in the graph's pool: ``pool_output(t)`` says (a clone, the static tensor itself,
+      or a region's protected alias);
     - a tensor aliasing an input: the same view of the caller's input;
     - a tensor in persistent memory (a parameter, a buffer): returned as is;
     - an immutable value: returned as is; an argument object: the caller's object.
@@ -108,10 +124,8 @@ def plan_outputs(
                 actions.append(lambda leaves, outs, f=f: f(leaves))
             elif ptr in persistent_storages:
                 actions.append(lambda leaves, outs, t=leaf: t)
-            elif copy_outputs:
-                actions.append(lambda leaves, outs, t=leaf: t.clone())
             else:
-                actions.append(lambda leaves, outs, t=leaf: t)
+                actions.append(pool_output(leaf))
         elif id(leaf) in by_id:
             i = by_id[id(leaf)]
             actions.append(lambda leaves, outs, i=i: leaves[i])
@@ -134,6 +148,9 @@ class CapturedGraph:
         self.raw = raw
         self.device = device
         self.owner = None  # the engine state that captured it
+        self.seq: int | None = None  # capture order inside a graph_region (None outside)
+        self.borrowed: list = []  # (leaf index, region slot) read in place from another graph
+        self.on_release: list[Callable[[], None]] = []
         self.input_copies = 0
         self._replay = raw.replay
         self._copy = inputs.copy
@@ -170,6 +187,9 @@ class CapturedGraph:
         return pytree.tree_unflatten(outs, self._spec)
 
     def release(self) -> None:
+        for hook in self.on_release:
+            hook()
+        self.on_release = []
         raw, self.raw = self.raw, None
         self._keep = []
         self._inputs = None

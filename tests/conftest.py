@@ -85,6 +85,9 @@ class SimBackend:
         self.graphs.append(g)
         return g, out
 
+    def new_pool(self, device):
+        return None
+
     def stream_token(self, device):
         return 0
 

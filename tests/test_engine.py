@@ -285,7 +285,7 @@ def test_region_owns_and_releases_its_graphs(sim):
     x = torch.ones(1, 2)
     with torch.no_grad():
         g(x), g(x)
-        with cg.graph_region() as r:
+        with cg.graph_region(chain=False) as r:
             g(x), g(x), g(x)
             assert (r.stats().captures, r.stats().replays, r.stats().graphs) == (1, 2, 1)
             with cg.graph_region(enabled=False):
@@ -338,3 +338,65 @@ def test_a_shared_policy_lets_interchangeable_modules_replay_one_graph(sim):
     assert cg.stats(a).invalidations == 1 and cg.stats(b).captures == 1
     cg.ungraphify(b)  # releases only b's graphs
     assert cg.stats(a).graphs == 0 and len(policy.new_cache()) == 0
+
+
+def _chain(n=4, seed=0):
+    torch.manual_seed(seed)
+    ref = nn.Sequential(*[nn.Linear(8, 8) for _ in range(n)])
+    g = copy.deepcopy(ref)
+    for blk in g:
+        cg.graphify(blk)
+    return ref, g
+
+
+def test_region_chains_blocks_without_copies_between_them(sim):
+    ref, g = _chain()
+    with torch.no_grad(), cg.graph_region() as r:
+        for _ in range(5):
+            x = torch.randn(2, 8)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+        s = r.stats()
+        assert s.moved_outputs == 0  # nobody kept an output: nothing was copied out
+        # one copy per forward (the first block's input), none between blocks
+        assert (s.captures, s.replays, s.input_copies) == (4, 20, 5)
+        assert all(e.borrowed for e in r._caches[g[1].__dict__["_cudagraphify_state"]].graphs())
+    assert r.stats().graphs == 0 and all(gr.released for gr in sim.graphs)
+
+
+def test_region_outputs_kept_by_the_caller_are_not_overwritten(sim):
+    ref, g = _chain()
+    with torch.no_grad(), cg.graph_region() as r:
+        g(torch.randn(2, 8))  # capture
+        xs = [torch.randn(2, 8) for _ in range(3)]
+        kept = [g(x) for x in xs]  # each kept output is moved to a copy before the next replay
+        for x, y in zip(xs, kept):
+            torch.testing.assert_close(y, ref(x), rtol=0, atol=0)
+        assert r.stats().moved_outputs == 2  # kept[0] and kept[1], before the next replays
+        y = g(xs[0])
+        y.add_(1)  # mutating an output is fine: it is the caller's
+        torch.testing.assert_close(y, ref(xs[0]) + 1, rtol=0, atol=0)
+        torch.testing.assert_close(g(xs[1]), ref(xs[1]), rtol=0, atol=0)
+
+
+def test_region_output_held_through_a_view_forces_eager_not_corruption(sim):
+    ref, g = _chain(n=2)
+    with torch.no_grad(), cg.graph_region():
+        g(torch.randn(2, 8))
+        x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+        view = g(x1)[0]  # only a view of the output survives
+        want = ref(x1)[0].clone()
+        out2 = g(x2)
+        torch.testing.assert_close(view, want, rtol=0, atol=0)
+        torch.testing.assert_close(out2, ref(x2), rtol=0, atol=0)
+    assert any("through a view" in r for r in cg.stats(g[1]).eager_calls)
+
+
+def test_region_input_from_elsewhere_into_a_borrowed_buffer_protects_the_alias(sim):
+    ref, g = _chain(n=2)
+    with torch.no_grad(), cg.graph_region():
+        g(torch.randn(2, 8))
+        h = g[0](torch.randn(2, 8))  # an alias of block 0's output, kept
+        h_want = h.clone()
+        other = torch.randn(2, 8)
+        torch.testing.assert_close(g[1](other), ref[1](other), rtol=0, atol=0)
+        torch.testing.assert_close(h, h_want, rtol=0, atol=0)
