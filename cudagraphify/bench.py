@@ -91,7 +91,21 @@ def bench_workload(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
             row[f"{label}_pool_mb"] = s.graph_pool_bytes / 2**20
             cg.ungraphify(graphed)
             del graphed
-    for col in ("manual_graph_us", "graphify_us", "graphify_nocopy_us"):
+        # per-layer graphs: each block graphified, outside a region and in a chaining region
+        layered = GPT.from_config(cfg, "cuda")
+        layered.load_state_dict(model.state_dict())
+        for blk in layered.blocks:
+            cg.graphify(blk)
+        layered(x), layered(x)
+        row["per_layer_us"] = time_per_call(layered, x, calls, repeats)
+        with cg.graph_region() as region:
+            layered(x), layered(x)
+            row["per_layer_region_us"] = time_per_call(layered, x, calls, repeats)
+            row["per_layer_region_input_copies"] = region.stats().input_copies
+            row["per_layer_region_max_abs_err"] = (layered(x).float() - ref.float()).abs().max().item()
+        del layered
+    for col in ("manual_graph_us", "graphify_us", "graphify_nocopy_us", "per_layer_us",
+                "per_layer_region_us"):
         row[col.replace("_us", "_vs_eager")] = row[col] / row["eager_us"]
     row["graphify_vs_manual"] = row["graphify_us"] / row["manual_graph_us"]
     row["graphify_nocopy_vs_manual"] = row["graphify_nocopy_us"] / row["manual_graph_us"]
@@ -174,14 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
           f"{calls} calls x {repeats} repeats, median µs per call")
-    header = ("workload", "eager", "manual", "graphify", "nocopy", "g/manual", "g/eager",
-              "first call s")
-    print("{:<9}{:>9}{:>9}{:>9}{:>9}{:>10}{:>9}{:>14}".format(*header))
+    header = ("workload", "eager", "manual", "graphify", "nocopy", "layers", "region",
+              "g/manual", "g/eager", "first call s")
+    print("{:<9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>10}{:>9}{:>14}".format(*header))
     for name in args.workloads:
         r = bench_workload(name, BENCH_WORKLOADS[name], calls, repeats)
         rows.append(r)
         print(f"{name:<9}{r['eager_us']:>9.0f}{r['manual_graph_us']:>9.0f}{r['graphify_us']:>9.0f}"
-              f"{r['graphify_nocopy_us']:>9.0f}{r['graphify_vs_manual']:>10.3f}"
+              f"{r['graphify_nocopy_us']:>9.0f}{r['per_layer_us']:>9.0f}"
+              f"{r['per_layer_region_us']:>9.0f}{r['graphify_vs_manual']:>10.3f}"
               f"{r['graphify_vs_eager']:>9.3f}{r['graphify_first_call_s']:>14.3f}", flush=True)
     for name in args.train:
         r = bench_training(name, WORKLOADS[name], calls, repeats)

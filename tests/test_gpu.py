@@ -396,7 +396,8 @@ def test_region_releases_its_graphs():
                 x = torch.randn(1024, 1024, device=DEV)
                 torch.testing.assert_close(g(x), m(x), rtol=0, atol=0)
             inside = region.stats()
-            assert (inside.captures, inside.replays, inside.graphs) == (1, 2, 1)
+            # in a chaining region the first call returns the graph's own output: 3 replays
+            assert (inside.captures, inside.replays, inside.graphs) == (1, 3, 1)
             assert _graph_pool_bytes() == inside.graph_pool_bytes > 0
         assert cg.stats(g).graphs == 0  # the region owned the graph, not the module
     assert _graph_pool_bytes() == 0
@@ -416,3 +417,27 @@ def test_dropout_masks_are_fresh_on_every_replay():
         assert not torch.equal(a, b)
     for mask in masks:
         assert 0.45 < mask.float().mean().item() < 0.55
+
+
+def test_region_chains_twelve_blocks_with_zero_copies_between_them():
+    ref = _gpt(GPTConfig(768, 12, 12, 1, 16, torch.bfloat16))
+    g = copy.deepcopy(ref)
+    for blk in g.blocks:
+        cg.graphify(blk)
+    assert _graph_pool_bytes() == 0
+    with torch.no_grad():
+        with cg.graph_region() as region:
+            for _ in range(5):
+                x = torch.randn(1, 16, 768, device=DEV, dtype=torch.bfloat16)
+                torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+            s = region.stats()
+            assert (s.captures, s.replays, s.eager) == (12, 60, 0)
+            assert s.input_copies == 5  # the first block's input, once per forward
+            assert s.moved_outputs == 0
+            kept = g.blocks[0](x)  # a kept output survives the next replays
+            want = ref.blocks[0](x)
+            g(torch.randn_like(x))
+            torch.testing.assert_close(kept, want, rtol=0, atol=0)
+            assert region.stats().moved_outputs == 1
+            assert _graph_pool_bytes() > 0
+    assert _graph_pool_bytes() == 0
