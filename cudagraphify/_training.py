@@ -28,6 +28,23 @@ from ._signature import is_constant, unflatten_call
 __all__ = ["TrainingGraph", "capture_training", "warmup_backward"]
 
 
+_run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+
+
+def _grads(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+           grad_outputs: list[torch.Tensor]) -> tuple:
+    """``torch.autograd.grad(..., allow_unused=True)``, straight to the engine when possible.
+
+    ``autograd.grad`` validates ``grad_outputs`` through an import of torch's symbolic-shape
+    machinery (sympy) that costs seconds on first use; our grad outputs are made with
+    ``empty_like``/``ones_like`` of the outputs, so there is nothing to validate.
+    """
+    if _run_backward is None:
+        return torch.autograd.grad(outputs, inputs, grad_outputs=grad_outputs, allow_unused=True)
+    return _run_backward(tuple(outputs), tuple(grad_outputs), False, False, tuple(inputs), True,
+                         accumulate_grad=False)
+
+
 def _diff_outputs(out: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
@@ -38,8 +55,7 @@ def warmup_backward(fn: Callable[[], Any], params: list[torch.Tensor]) -> None:
     outs = _diff_outputs(out)
     inputs = [p for p in params if p.requires_grad]
     if outs and inputs:
-        torch.autograd.grad(outs, inputs, grad_outputs=[torch.ones_like(o) for o in outs],
-                            allow_unused=True)
+        _grads(outs, inputs, [torch.ones_like(o) for o in outs])
 
 
 class TrainingGraph:
@@ -214,8 +230,7 @@ def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: lis
         def backward():
             if not diff_outs or not targets:
                 return []
-            return list(torch.autograd.grad(diff_outs, targets, grad_outputs=grad_out,
-                                            allow_unused=True))
+            return list(_grads(diff_outs, targets, grad_out))
 
         bwd_raw, grads = backend.capture(backward, device, pool=fwd_raw.pool)
     except BaseException:

@@ -122,6 +122,7 @@ def test_unsupported_backward_patterns_fail_clearly_or_run_eagerly():
     # double backward: refused
     xr = x.clone().requires_grad_()
     g(xr).sum().backward()  # another signature (x requires grad): warm-up + capture
+    assert cg.stats(g).captures == 2, cg.stats(g)
     with pytest.raises(cg.CudagraphifyError, match="create_graph"):
         torch.autograd.grad(g(xr).sum(), xr, create_graph=True)
     # two forwards, then one backward: the second call runs eagerly, gradients stay right
