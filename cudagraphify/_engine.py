@@ -26,6 +26,8 @@ from ._cache import CachePolicy, EagerEntry, GraphCache
 from ._errors import CaptureFailed, warn_once
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
+from ._piecewise import go_piecewise, new_probe, probed, sequence_findings
+from ._probe import Finding
 from ._training import TrainingGraph, capture_training, warmup_backward
 from ._signature import Unkeyable, build_signature, unflatten_call
 from ._statics import StaticState
@@ -58,6 +60,8 @@ class Options:
     enabled: bool | Callable[[], bool] = True
     copy_outputs: bool = True
     cache_policy: CachePolicy | None = None
+    probe: str | bool = "auto"
+    op_policy: Any = None
 
 
 @dataclass
@@ -102,6 +106,11 @@ class GraphedState:
         self._warned: set[str] = set()
         self.replays = 0
         self._retired_copies = 0
+        # piecewise graphing: set by the API (it graphifies submodules); what it installed
+        self.install_pieces: Callable[[list[str]], list] | None = None
+        self.pieces: list = []
+        self.last_plan: tuple | None = None
+        self.accel = frozenset({"cuda"})  # device types whose work graphs capture
         self._stream_token: int | None = None
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
@@ -223,6 +232,7 @@ class GraphedState:
                     f"signatures for max_graphs={self.policy.max_graphs}; raise max_graphs or "
                     "make the shapes static (pad)")
         self._device = device
+        self.accel = frozenset({device.type})
         return None
 
     def _warmup_and_capture(self, backend, region, cache, key, sig, leaves, static_flags,
@@ -235,10 +245,14 @@ class GraphedState:
         versions = [x._version for _, x in tensors]
         static_versions = self.statics.versions()
         t0 = time.perf_counter()
+        probe = new_probe(self)
         with _Nested():
-            result = backend.warmup(lambda: fn(*args, **kwargs), device)
+            result = backend.warmup(probed(probe, lambda: fn(*args, **kwargs)), device)
         mutated = [i for (i, x), v in zip(tensors, versions) if x._version != v]
         done = lambda: result  # noqa: E731 - the warm-up was this call
+        if probe is not None and probe.findings:
+            return go_piecewise(self, cache, key, probe.unsafe_paths(), set(probe.sequences),
+                                result)
         if mutated and _inputs_alias(leaves):
             return self._decide_eager(cache, key, "inputs share memory and forward writes to "
                                       "them", done)
@@ -249,19 +263,29 @@ class GraphedState:
                          if t._version != v]
         self._extra_warmups(backend, device, fn, sig, leaves, training, moved_statics)
         self.warmup_seconds += time.perf_counter() - t0
+        second = new_probe(self, thunder=False)
+        run = probed(second, fn)
         try:
             with _Nested():
                 if training:
-                    entry = capture_training(backend, fn, sig, leaves, static_flags,
+                    entry = capture_training(backend, run, sig, leaves, static_flags,
                                              self.statics.grad_params(), device,
                                              self.statics.storage_ptrs())
                 else:
-                    entry = self._capture_inference(backend, region, fn, sig, leaves,
+                    entry = self._capture_inference(backend, region, run, sig, leaves,
                                                     static_flags, mutated, device)
         except CaptureFailed as e:
+            if probe is not None and self.statics.root is not None:
+                failed = {"": [Finding("", "capture", (), f"capture failed: {e}")]}
+                return go_piecewise(self, cache, key, failed, set(probe.sequences), result)
             return self._decide_eager(cache, key, f"capture failed: {e}", done)
         except OutputPlanError as e:
             return self._decide_eager(cache, key, str(e), done)
+        if probe is not None and second is not None:
+            differs = sequence_findings(probe, second)
+            if differs:
+                entry.release()
+                return go_piecewise(self, cache, key, differs, set(probe.sequences), result)
         entry.owner = self
         self.captures += 1
         self.capture_seconds += entry.capture_seconds

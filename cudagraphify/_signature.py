@@ -39,6 +39,9 @@ _CONSTANT_TYPES = (
 # id -> weak reference of each tensor marked static. (A WeakSet would compare tensors with ``==``.)
 _static_tensors: dict[int, weakref.ref] = {}
 
+_LEAF = pytree.tree_flatten(torch.empty(0))[1]
+_LEAF_SPECS = [(_LEAF,) * n for n in range(9)]
+
 
 def mark_static(tensor: torch.Tensor) -> torch.Tensor:
     """Mark ``tensor`` as living at a fixed address: graphs read and write it in place.
@@ -145,7 +148,10 @@ def build_signature(
     if not kwargs and not static_positions and not _static_tensors:
         if all(type(a) is _Tensor and a.layout is _strided and not a.is_nested for a in args):
             metas = tuple([(a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args])
-            return Signature(len(args), metas, (), state), list(args), [False] * len(args)
+            # the same spec the general path builds, so a call keys alike on either path
+            spec = (_LEAF_SPECS[len(args)] if len(args) < len(_LEAF_SPECS)
+                    else (_LEAF,) * len(args), ())
+            return Signature(spec, metas, (), state), list(args), [False] * len(args)
 
     leaves: list = []
     static_flags: list[bool] = []
@@ -199,8 +205,6 @@ def build_signature(
 
 def unflatten_call(leaves: list, sig: Signature) -> tuple[tuple, dict]:
     """Rebuild ``(args, kwargs)`` from leaves, with the structure recorded in ``sig``."""
-    if isinstance(sig.spec, int):
-        return tuple(leaves), {}
     specs, names = sig.spec
     out = []
     start = 0

@@ -119,6 +119,14 @@ def test_a_static_object_is_keyed_by_identity():
     assert k1 != key(torch.zeros(1), c2, static_pos=frozenset({1}))
 
 
+def test_fast_and_general_paths_key_a_call_alike():
+    x = torch.zeros(2)
+    fast = key(x, x)
+    keep = mark_static(torch.zeros(1))  # any marked tensor alive forces the general path
+    assert key(x, x) == fast
+    del keep
+
+
 def test_unflatten_rebuilds_the_call():
     a, b = torch.zeros(1), torch.ones(1)
     args, kwargs = (a, [b, 3]), {"z": {"q": a}}

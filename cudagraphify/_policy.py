@@ -1,0 +1,243 @@
+"""Which calls are safe to capture: op tags from rules, PyTorch's op tags and Thunder's.
+
+:class:`OpPolicy` gives every call (a torch function or method, as a ``TorchFunctionMode`` sees
+it, or a non-op call such as ``torch.cuda.synchronize``) a set of tag names, from, in order:
+
+1. the user's overrides (``tag_op``, ``mark_safe``);
+2. cudagraphify's rules: Python protocol calls on accelerator tensors (``item``, ``tolist``,
+   ``bool``, printing), data-dependent shapes (``nonzero``, boolean-mask indexing), random ops
+   and their generator (CPU generator or CPU device: ``CPU_RNG``; the default CUDA generator:
+   ``RNG``, which graphs replay correctly), ``pin_memory``, copies between devices, non-op calls
+   (syncs, seeding, collectives);
+3. PyTorch's ``torch.Tag`` on the matching aten ops (``dynamic_output_shape``,
+   ``data_dependent_output``, ``nondeterministic_seeded``);
+4. Thunder's symbol tags over the op's decomposition, when asked (``thunder=True``).
+
+:meth:`OpPolicy.can_graph` turns tags into a decision; subclass it to change the decision.
+Pure: runs and is tested on a CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ._tags import UNSAFE, tag_name, thunder_tags
+
+__all__ = ["OpPolicy", "default_policy", "op_name", "NON_OP_CALLS"]
+
+T = torch.Tensor
+
+_PROTOCOL_SYNC = {T.item, T.tolist, T.__bool__, T.__int__, T.__float__, T.__index__,
+                  T.__complex__, T.__repr__, T.__format__, T.numpy, T.__array__, torch.equal,
+                  T.equal, torch.allclose, T.allclose, torch.is_nonzero, T.is_nonzero}
+_DYNAMIC = {torch.nonzero, T.nonzero, torch.argwhere, T.argwhere, torch.masked_select,
+            T.masked_select, torch.unique, T.unique, torch.unique_consecutive,
+            T.unique_consecutive, torch.bincount, T.bincount}
+_INDEXING = {T.__getitem__, T.__setitem__, T.index_put, T.index_put_, torch.index_put}
+_DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
+            F.feature_alpha_dropout}
+_FACTORY_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy}
+
+# Non-op calls a TorchFunctionMode does not see; the probe wraps them while it runs.
+NON_OP_CALLS: dict[str, tuple[str, ...]] = {
+    "torch.cuda.synchronize": ("HOST_SYNC",),
+    "torch.cuda.Stream.synchronize": ("HOST_SYNC",),
+    "torch.cuda.Event.synchronize": ("HOST_SYNC",),
+    "torch.cuda.Event.query": ("HOST_SYNC",),
+    "torch.cuda.Stream.query": ("HOST_SYNC",),
+    "torch.manual_seed": ("CPU_RNG",),
+    "torch.seed": ("CPU_RNG",),
+    "torch.set_rng_state": ("CPU_RNG",),
+    "torch.cuda.manual_seed": ("CPU_RNG",),
+    "torch.cuda.manual_seed_all": ("CPU_RNG",),
+    "torch.cuda.set_rng_state": ("CPU_RNG",),
+    **{f"torch.distributed.{n}": ("COLLECTIVE",) for n in (
+        "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+        "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv", "isend", "irecv",
+        "all_to_all", "all_to_all_single", "reduce", "gather", "scatter")},
+}
+
+
+def op_name(func: Any) -> str:
+    if isinstance(func, str):
+        return func
+    name = getattr(func, "__name__", None) or repr(func)
+    if name == "__get__" and hasattr(getattr(func, "__self__", None), "__name__"):
+        return f"Tensor.{func.__self__.__name__}"  # a property read, such as Tensor.shape
+    owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
+    qual = getattr(func, "__qualname__", "")
+    if owner is torch._C.TensorBase or qual.startswith(("Tensor.", "TensorBase.")):
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith(("torch.nn.functional", "torch._C._nn")) or func in _DROPOUT:
+        return f"F.{name}"
+    return f"torch.{name}" if module.startswith("torch") or owner is torch else name
+
+
+ACCEL = frozenset({"cuda"})
+
+
+def _on_device(t: Any, accel: frozenset) -> bool:
+    """True for a tensor on a device whose work a graph captures (``accel``: device types)."""
+    return isinstance(t, torch.Tensor) and t.device.type in accel
+
+
+def _device_of_factory(kwargs: dict) -> torch.device:
+    dev = kwargs.get("device")
+    return torch.device(dev) if dev is not None else torch.get_default_device()
+
+
+_aten_tag_cache: dict[Any, frozenset] = {}
+
+
+def torch_op_tags(func: Any) -> frozenset:
+    """Tag names from ``torch.Tag`` on the aten ops named like ``func`` (cached)."""
+    hit = _aten_tag_cache.get(func)
+    if hit is not None:
+        return hit
+    name = getattr(func, "__name__", "").rstrip("_")
+    found: set = set()
+    packet = getattr(torch.ops.aten, name, None) if name and not name.startswith("__") else None
+    if packet is not None:
+        try:
+            for ov in packet.overloads():
+                tags = getattr(packet, ov).tags
+                if torch.Tag.dynamic_output_shape in tags:
+                    found.add("DYNAMIC_SHAPE")
+                if torch.Tag.data_dependent_output in tags:
+                    found.add("HOST_SYNC")
+                if torch.Tag.nondeterministic_seeded in tags:
+                    found.add("RNG")
+        except (AttributeError, RuntimeError):
+            pass
+    result = frozenset(found)
+    _aten_tag_cache[func] = result
+    return result
+
+
+def _rng_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset) -> set:
+    gen = kwargs.get("generator")
+    if gen is not None:
+        if gen.device.type == "cpu":
+            return {"CPU_RNG"}
+        defaults = torch.cuda.default_generators if torch.cuda.is_available() else ()
+        index = gen.device.index or 0
+        # only the default CUDA generator is registered with graphs and advanced on replay
+        return {"RNG"} if index < len(defaults) and gen is defaults[index] else {"CPU_RNG"}
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    on_accel = (_on_device(tensors[0], accel) if tensors
+                else _device_of_factory(kwargs).type in accel)
+    return {"RNG"} if on_accel else {"CPU_RNG"}
+
+
+def _to_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset) -> set:
+    src = args[0]
+    if func is T.cpu:
+        return {"CROSS_DEVICE", "HOST_SYNC"} if _on_device(src, accel) else set()
+    if func is T.cuda:
+        return set() if _on_device(src, accel) else {"CROSS_DEVICE"}
+    if func is T.to:
+        try:
+            device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+        except (TypeError, RuntimeError):
+            return set()
+        if device is None:
+            return set()
+        src_on, dst_on = _on_device(src, accel), device.type in accel
+        if src_on and not dst_on:
+            return {"CROSS_DEVICE", "HOST_SYNC"}
+        return {"CROSS_DEVICE"} if dst_on and not src_on else set()
+    if func is T.copy_ and len(args) > 1 and isinstance(args[1], torch.Tensor):
+        if _on_device(args[0], accel) != _on_device(args[1], accel):
+            return {"CROSS_DEVICE"}
+    return set()
+
+
+def builtin_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset = ACCEL) -> set:
+    """cudagraphify's own rules for one call."""
+    tags: set = set()
+    first = args[0] if args else None
+    if func in _PROTOCOL_SYNC:
+        if _on_device(first, accel):
+            tags.add("HOST_SYNC")
+        return tags
+    if func in _DYNAMIC:
+        tags |= {"DYNAMIC_SHAPE", "HOST_SYNC"}
+    elif func in (torch.where, T.where) and len(args) == 1 and not kwargs:
+        tags |= {"DYNAMIC_SHAPE", "HOST_SYNC"}
+    elif func in (torch.repeat_interleave, T.repeat_interleave):
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
+            tags |= {"DYNAMIC_SHAPE", "HOST_SYNC"}
+    elif func in _INDEXING and len(args) > 1:
+        index = args[1]
+        parts = index if isinstance(index, (tuple, list)) else (index,)
+        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+            tags |= {"DYNAMIC_SHAPE", "HOST_SYNC"}
+    elif func in _DROPOUT:
+        training = kwargs.get("training", args[2] if len(args) > 2 else True)
+        p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+        if training and p > 0:
+            tags |= _rng_tags(func, args[:1], {}, accel)
+    elif func in (T.cpu, T.cuda, T.to, T.copy_):
+        tags |= _to_tags(func, args, kwargs, accel)
+    elif func in _FACTORY_FROM_DATA:
+        if _device_of_factory(kwargs).type in accel and not isinstance(first, torch.Tensor):
+            tags.add("CROSS_DEVICE")  # host data copied to the device: stale on replay
+    if func is T.pin_memory or kwargs.get("pin_memory") is True:
+        tags.add("HOST_ALLOC")
+    if ("generator" in kwargs or "RNG" in torch_op_tags(func)) and func not in _DROPOUT:
+        p = kwargs.get("dropout_p", args[3] if func is F.scaled_dot_product_attention
+                       and len(args) > 3 else None)
+        if p is None or p > 0:  # attention without dropout draws no random numbers
+            tags |= _rng_tags(func, args, kwargs, accel)
+    return tags
+
+
+class OpPolicy:
+    """Tags calls and decides whether they can be captured. Subclass to change the decision.
+
+    ``tag_op(fn, *tags)`` tags a function of yours (or a custom op) wherever it is called;
+    ``mark_safe(fn)`` overrides every other tag of ``fn``. Tags are ``Tag`` objects or names.
+    """
+
+    def __init__(self):
+        self._overrides: dict[Any, frozenset[str]] = {}
+
+    def tag_op(self, fn: Callable, *tags) -> None:
+        if not tags:
+            raise ValueError("tag_op needs at least one tag")
+        self._overrides[fn] = self._overrides.get(fn, frozenset()) | {tag_name(t) for t in tags}
+
+    def mark_safe(self, fn: Callable) -> None:
+        self._overrides[fn] = frozenset({"SAFE"})
+
+    def overrides(self, fn: Any) -> frozenset[str] | None:
+        return self._overrides.get(fn)
+
+    def tags(self, func: Any, args: tuple = (), kwargs: dict | None = None, *,
+             accel: frozenset = ACCEL, thunder: bool = False, thunder_key: Any = None) -> frozenset:
+        """Every tag name of one call (see the module docs for the sources, in order)."""
+        kwargs = kwargs or {}
+        own = self._overrides.get(func)
+        if own is not None and "SAFE" in own:
+            return own
+        found = set(own or ()) | builtin_tags(func, args, kwargs, accel)
+        if any(_on_device(a, accel) for a in args) or any(
+                _on_device(v, accel) for v in kwargs.values()):
+            # a sync or a data-dependent shape matters on an accelerator only; RNG is decided
+            # with the generator, above
+            found |= torch_op_tags(func) - {"RNG"}
+        if thunder and not isinstance(func, str):
+            found |= {t for t in thunder_tags(func, thunder_key, args, kwargs) if t != "RNG"}
+        return frozenset(found)
+
+    def can_graph(self, func: Any, tags: frozenset) -> bool:
+        """True when a call with these tags may be captured. Override to change the decision."""
+        return "SAFE" in tags or not (tags & UNSAFE)
+
+
+default_policy = OpPolicy()

@@ -1,0 +1,203 @@
+"""The probe: which ops each submodule runs during a warm-up, and the piecewise plan from it.
+
+While a :class:`Probe` is active (during warm-up and capture only, never on the replay path) a
+``TorchFunctionMode`` sees every torch function and tensor method call, module forward hooks
+keep the stack of running submodules, and the non-op calls a mode cannot see (syncs, seeding,
+collectives) are wrapped. Each call is tagged by an :class:`~cudagraphify._policy.OpPolicy`;
+calls it refuses become findings (module path, op, tags, file:line). :func:`plan_pieces` then
+picks the largest submodules with no finding: they are graphed, the rest runs eagerly.
+"""
+
+from __future__ import annotations
+
+import collections
+import importlib
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.nn.modules import module as _module_mod
+from torch.overrides import TorchFunctionMode
+
+from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
+
+__all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+# cudagraphify's own machinery; its reference models (_models.py) count as user code
+_OWN_MODELS = os.path.join(_HERE, "_models.py")
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A call the policy refused: where it ran and why."""
+
+    path: str  # module path inside the probed root ("" for the root itself)
+    op: str
+    tags: tuple[str, ...]
+    where: str  # file:line of the user's code that made the call
+
+    def __str__(self) -> str:
+        return f"{self.op} [{', '.join(self.tags)}] at {self.where}"
+
+
+def _user_frame() -> str:
+    frame = sys._getframe(2)
+    while frame is not None:
+        f = frame.f_code.co_filename
+        internal = (f.startswith(_HERE) and f != _OWN_MODELS) or f.startswith(_TORCH) \
+            or os.sep + "wrapt" + os.sep in f
+        if not internal:
+            return f"{os.path.basename(f)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, probe: "Probe"):
+        super().__init__()
+        self.probe = probe
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        caller = sys._getframe(1).f_code.co_filename
+        if not caller.startswith(_HERE) or caller == _OWN_MODELS:  # not cudagraphify's own calls
+            self.probe.record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _resolve(dotted: str) -> tuple[Any, str] | None:
+    parts = dotted.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        try:
+            for p in parts[i:-1]:
+                obj = getattr(obj, p)
+            getattr(obj, parts[-1])
+        except AttributeError:
+            return None
+        return obj, parts[-1]
+    return None
+
+
+class Probe:
+    """Records ops per submodule of ``root`` while active (a context manager)."""
+
+    def __init__(self, root: torch.nn.Module | None, policy: OpPolicy, *,
+                 accel: frozenset = ACCEL, thunder: bool = False):
+        self.policy = policy
+        self.accel = accel
+        self.thunder = thunder
+        self.names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
+        self.findings: list[Finding] = []
+        self.sequences: dict[str, list[str]] = collections.defaultdict(list)
+        self._stack: list[str] = []
+        self._undo: list = []
+
+    @property
+    def path(self) -> str:
+        return self._stack[-1] if self._stack else ""
+
+    def record(self, func: Any, args: tuple, kwargs: dict) -> None:
+        name = op_name(func)
+        self.sequences[self.path].append(name)
+        key = None
+        if self.thunder:
+            key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a)
+                        for a in args)
+        tags = self.policy.tags(func, args, kwargs, accel=self.accel,
+                                thunder=self.thunder, thunder_key=key)
+        if tags and not self.policy.can_graph(func, tags):
+            self.findings.append(Finding(self.path, name, tuple(sorted(tags)), _user_frame()))
+
+    def _record_non_op(self, name: str, tags: tuple[str, ...]) -> None:
+        self.sequences[self.path].append(name)
+        own = self.policy.overrides(name)
+        final = frozenset(own) if own is not None else frozenset(tags)
+        if not self.policy.can_graph(name, final):
+            self.findings.append(Finding(self.path, name, tuple(sorted(final)), _user_frame()))
+
+    def _pre(self, module, args):
+        name = self.names.get(id(module))
+        if name is not None:
+            self._stack.append(name)
+
+    def _post(self, module, args, output):
+        if self.names.get(id(module)) is not None and self._stack:
+            self._stack.pop()
+
+    def __enter__(self) -> "Probe":
+        if self.names:
+            self._undo.append(_module_mod.register_module_forward_pre_hook(self._pre).remove)
+            self._undo.append(
+                _module_mod.register_module_forward_hook(self._post, always_call=True).remove)
+        for dotted, tags in NON_OP_CALLS.items():
+            found = _resolve(dotted)
+            if found is None:
+                continue
+            owner, attr = found
+            own = attr in vars(owner)
+            original = vars(owner)[attr] if own else None
+
+            def wrapper(*a, _orig=getattr(owner, attr), _name=dotted, _tags=tags, **k):
+                self._record_non_op(_name, _tags)
+                return _orig(*a, **k)
+
+            setattr(owner, attr, wrapper)
+            self._undo.append(lambda o=owner, n=attr, v=original, own=own:
+                              setattr(o, n, v) if own else delattr(o, n))
+        mode = _Mode(self)
+        mode.__enter__()
+        self._undo.append(lambda: mode.__exit__(None, None, None))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        while self._undo:
+            self._undo.pop()()
+        self._stack.clear()
+
+    def unsafe_paths(self) -> dict[str, list[Finding]]:
+        out: dict[str, list[Finding]] = collections.defaultdict(list)
+        for f in self.findings:
+            out[f.path].append(f)
+        return dict(out)
+
+
+def differing_paths(a: Probe, b: Probe) -> set[str]:
+    """Module paths whose op sequence differs between two runs (data-dependent control flow)."""
+    return {p for p in set(a.sequences) | set(b.sequences)
+            if a.sequences.get(p) != b.sequences.get(p)}
+
+
+def _inside(path: str, other: str) -> bool:
+    """True when ``other`` is ``path`` or one of its descendants."""
+    return other == path or path == "" or other.startswith(path + ".")
+
+
+def plan_pieces(root: torch.nn.Module, unsafe: set[str], ran: set[str]) -> list[str]:
+    """The largest submodules (paths) that ran and contain no unsafe path: graph these.
+
+    An empty list with the root safe means: graph the whole root (``[""]``).
+    """
+    if not any(_inside("", u) for u in unsafe):
+        return [""]
+    pieces: list[str] = []
+
+    def visit(path: str, module: torch.nn.Module) -> None:
+        for name, child in module.named_children():
+            p = f"{path}.{name}" if path else name
+            if not any(_inside(p, r) for r in ran):
+                continue  # never ran: nothing to graph
+            if any(_inside(p, u) for u in unsafe):
+                visit(p, child)
+            else:
+                pieces.append(p)
+
+    visit("", root)
+    return pieces
