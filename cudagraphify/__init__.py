@@ -11,7 +11,8 @@ from ._engine import Stats
 from ._errors import CudagraphifyError, CudagraphifyUsageError, CudagraphifyWarning
 from ._region import GraphRegion, graph_region
 from ._signature import Signature, mark_static
-from .api import explain, graphify, share_graph, stats, ungraphify
+from ._policy import OpPolicy
+from .api import explain, graphify, mark_safe, share_graph, stats, tag_op, ungraphify
 
 __all__ = [
     "graphify",
@@ -21,6 +22,10 @@ __all__ = [
     "explain",
     "mark_static",
     "stats",
+    "tag_op",
+    "mark_safe",
+    "Tag",
+    "OpPolicy",
     "CachePolicy",
     "GraphRegion",
     "Signature",
@@ -31,3 +36,12 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    # ``Tag`` extends Thunder's TagBase, so it is built (and Thunder imported) on first use.
+    if name == "Tag":
+        from ._tags import tag_class
+
+        return tag_class()
+    raise AttributeError(f"module 'cudagraphify' has no attribute {name!r}")

@@ -190,8 +190,9 @@ def builtin_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset = ACCEL)
     if func is T.pin_memory or kwargs.get("pin_memory") is True:
         tags.add("HOST_ALLOC")
     if ("generator" in kwargs or "RNG" in torch_op_tags(func)) and func not in _DROPOUT:
-        p = kwargs.get("dropout_p", args[3] if func is F.scaled_dot_product_attention
-                       and len(args) > 3 else None)
+        p = kwargs.get("dropout_p")
+        if p is None and func is F.scaled_dot_product_attention:
+            p = args[3] if len(args) > 3 else 0.0
         if p is None or p > 0:  # attention without dropout draws no random numbers
             tags |= _rng_tags(func, args, kwargs, accel)
     return tags
@@ -226,8 +227,10 @@ class OpPolicy:
         if own is not None and "SAFE" in own:
             return own
         found = set(own or ()) | builtin_tags(func, args, kwargs, accel)
-        if any(_on_device(a, accel) for a in args) or any(
-                _on_device(v, accel) for v in kwargs.values()):
+        static_form = (func in (torch.repeat_interleave, T.repeat_interleave)
+                       and kwargs.get("output_size") is not None)  # aten tags all its forms
+        if not static_form and (any(_on_device(a, accel) for a in args) or any(
+                _on_device(v, accel) for v in kwargs.values())):
             # a sync or a data-dependent shape matters on an accelerator only; RNG is decided
             # with the generator, above
             found |= torch_op_tags(func) - {"RNG"}

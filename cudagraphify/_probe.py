@@ -99,6 +99,7 @@ class Probe:
         self.sequences: dict[str, list[str]] = collections.defaultdict(list)
         self._stack: list[str] = []
         self._undo: list = []
+        self._non_op_depth = 0
 
     @property
     def path(self) -> str:
@@ -146,8 +147,14 @@ class Probe:
             original = vars(owner)[attr] if own else None
 
             def wrapper(*a, _orig=getattr(owner, attr), _name=dotted, _tags=tags, **k):
+                if self._non_op_depth:  # called by another non-op call: already recorded
+                    return _orig(*a, **k)
                 self._record_non_op(_name, _tags)
-                return _orig(*a, **k)
+                self._non_op_depth += 1
+                try:
+                    return _orig(*a, **k)
+                finally:
+                    self._non_op_depth -= 1
 
             setattr(owner, attr, wrapper)
             self._undo.append(lambda o=owner, n=attr, v=original, own=own:

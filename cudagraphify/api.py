@@ -17,10 +17,11 @@ import wrapt
 from ._cache import CachePolicy, KeyFnPolicy
 from ._engine import GraphedState, Options, Stats
 from ._errors import CudagraphifyError, CudagraphifyUsageError
+from ._policy import OpPolicy, default_policy
 from ._region import GraphRegion
 from ._signature import Signature
 
-__all__ = ["graphify", "ungraphify", "stats", "explain", "share_graph"]
+__all__ = ["graphify", "ungraphify", "stats", "explain", "share_graph", "tag_op", "mark_safe"]
 
 _STATE = "_cudagraphify_state"
 
@@ -68,6 +69,7 @@ class _Dispatch:
             positions, names = self.binding(getattr(wrapped, "__func__", wrapped), skip_self=True)
         state = GraphedState(module, self.options, f"{type(module).__name__}.forward",
                              positions, names)
+        state.install_pieces = lambda paths: _install_pieces(module, paths, self.options)
         module.__dict__[_STATE] = state
         return state
 
@@ -119,8 +121,21 @@ def _static_binding(fn: Callable, static_argnames: tuple[str, ...],
     return positions, frozenset(static_argnames)
 
 
+def _install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -> list:
+    """Graphify the submodules at ``paths`` (a piecewise plan); returns those it wrapped."""
+    installed = []
+    for path in paths:
+        sub = root.get_submodule(path) if path else root
+        if sub is root or isinstance(sub.__dict__.get("forward"), _GraphedForward) \
+                or _graphed_forward_of(type(sub)) is not None:
+            continue  # graphed already (by the user, or an earlier plan)
+        _install(sub, sub.forward, options, "instance", False)
+        installed.append(sub)
+    return installed
+
+
 def _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_outputs, cache_policy,
-             key_fn) -> Options:
+             key_fn, probe="auto", op_policy=None) -> Options:
     if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool) \
             or num_warmup_iters < 1:
         raise CudagraphifyUsageError(
@@ -137,6 +152,11 @@ def _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_output
     if cache_policy is not None and not isinstance(cache_policy, CachePolicy):
         raise CudagraphifyUsageError(
             f"cache_policy must be a cudagraphify.CachePolicy, got {type(cache_policy).__name__}")
+    if probe not in ("auto", "thunder", False):
+        raise CudagraphifyUsageError(f'probe must be "auto", "thunder" or False, got {probe!r}')
+    if op_policy is not None and not isinstance(op_policy, OpPolicy):
+        raise CudagraphifyUsageError(
+            f"op_policy must be a cudagraphify.OpPolicy, got {type(op_policy).__name__}")
     if key_fn is not None:
         if not callable(key_fn):
             raise CudagraphifyUsageError(f"key_fn must be callable, got {key_fn!r}")
@@ -145,7 +165,8 @@ def _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_output
         cache_policy = CachePolicy(max_graphs=max_graphs)
     return Options(num_warmup_iters=num_warmup_iters, static_argnames=static_argnames,
                    max_graphs=cache_policy.max_graphs, enabled=enabled,
-                   copy_outputs=bool(copy_outputs), cache_policy=cache_policy)
+                   copy_outputs=bool(copy_outputs), cache_policy=cache_policy, probe=probe,
+                   op_policy=op_policy)
 
 
 def _graphed_forward_of(cls: type) -> _GraphedForward | None:
@@ -164,6 +185,8 @@ def graphify(
     copy_outputs: bool = True,
     cache_policy: CachePolicy | None = None,
     key_fn: Callable[[Signature], Hashable] | None = None,
+    probe: str | bool = "auto",
+    op_policy: OpPolicy | None = None,
 ):
     """Run a module's ``forward`` (or a function) through CUDA graphs, one per input signature.
 
@@ -194,6 +217,13 @@ def graphify(
             keep.
         cache_policy: a :class:`CachePolicy` (subclass it to change keys or bounds).
         key_fn: shorthand for a policy whose ``key(signature)`` is ``key_fn``.
+        probe: how the first call of a signature is screened for ops a graph cannot hold.
+            ``"auto"`` (default): cudagraphify's rules and PyTorch's op tags; Thunder's symbol
+            tags are used by ``explain``. ``"thunder"``: Thunder's tags on every op too (imports
+            Thunder: seconds, once). ``False``: no screen (a failed capture still falls back).
+            A module with unsafe ops runs eagerly while its largest safe submodules are graphed.
+        op_policy: an :class:`OpPolicy` (subclass it to change decisions); default: the global
+            one that ``tag_op``/``mark_safe`` update.
 
     .. warning::
         Graphs replay GPU work only. Python side effects inside ``forward`` (prints, counters,
@@ -203,7 +233,7 @@ def graphify(
         address they had at capture.
     """
     options = _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_outputs,
-                       cache_policy, key_fn)
+                       cache_policy, key_fn, probe, op_policy)
     if target is None:
         return lambda t: _graphify(t, options)
     return _graphify(target, options)
@@ -278,6 +308,9 @@ def ungraphify(target: Any) -> Any:
         state = target.__dict__.pop(_STATE, None)
         if state is not None:
             state.release()
+            for piece in state.pieces:  # submodules a piecewise plan graphified
+                if isinstance(piece.__dict__.get("forward"), _GraphedForward):
+                    ungraphify(piece)
         return target
     if isinstance(target, _GraphedForward):
         if target._self_dispatch.state is not None:
@@ -311,50 +344,53 @@ def stats(target: Any) -> Stats:
     return state.stats() if state is not None else Stats()
 
 
-def explain(target: Any, *example_args: Any, **example_kwargs: Any) -> "Explanation":
-    """What cudagraphify decided for ``target``: each signature seen, graphed or eager and why.
+def explain(target: Any, *example_args: Any, **example_kwargs: Any):
+    """What cudagraphify does with ``target``: a module tree, each node graphed or eager and why.
 
-    Planning from example inputs (the per-op safety probe) is not implemented yet: passing
-    example arguments raises ``NotImplementedError``.
+    With example inputs, the plan comes from a probe run of ``target`` on them (twice, to see
+    data-dependent control flow), with Thunder's tags too; this works on a CPU (CPU tensors
+    stand for CUDA ones) and leaves the module as it was (buffers and RNG state restored, no
+    graphs made). Without inputs, it reports the plan and counters of the calls made so far.
+    ``str()`` of the result is the tree; ``.to_dict()`` / ``.to_json()`` the same as data.
     """
+    from ._explain import build, probe_plan
+
+    module = target if isinstance(target, torch.nn.Module) else None
+    graphed = module is None or isinstance(module.__dict__.get("forward"), _GraphedForward) \
+        or _graphed_forward_of(type(module)) is not None
+    state = _state_of(target) if graphed else None
+    name = (state.name if state is not None else
+            type(target).__name__ if module is not None else
+            getattr(target, "__qualname__", repr(target)))
+    stats_ = state.stats() if state is not None else Stats()
+    decisions = state.decisions() if state is not None else []
     if example_args or example_kwargs:
-        raise NotImplementedError(
-            "explain(target, *example_args) plans from example inputs, which needs the op-safety "
-            "probe (not implemented yet); call explain(target) after running it instead")
-    state = _state_of(target)
-    name = state.name if state is not None else getattr(target, "__qualname__",
-                                                        type(target).__name__)
-    return Explanation(name, state.decisions() if state else [],
-                       state.stats() if state else Stats())
+        if module is None:
+            raise CudagraphifyUsageError("explain with example inputs needs a torch.nn.Module")
+        policy = state.options.op_policy if state is not None else None
+        plan = probe_plan(module, example_args, example_kwargs, policy)
+    elif state is not None and state.last_plan is not None:
+        findings, pieces = state.last_plan
+        plan = (findings, pieces, None)
+    elif state is not None and state.captures:
+        plan = ({}, [""], None)
+    else:
+        plan = None
+    return build(name, module, plan, stats_, decisions)
 
 
-class Explanation:
-    """The report :func:`explain` returns: ``str()`` for people, :meth:`to_dict` for programs."""
+def tag_op(fn: Callable, *tags) -> None:
+    """Tag ``fn`` (your function or custom op) for every graphed call that uses it.
 
-    def __init__(self, name: str, decisions: list, stats: Stats):
-        self.name = name
-        self.decisions = decisions
-        self.stats = stats
+    Tags are :class:`Tag` objects or their names (``"HOST_SYNC"``...); a call whose tags the
+    policy refuses runs eagerly while its safe neighbours stay graphed.
+    """
+    default_policy.tag_op(fn, *tags)
 
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "signatures": [{"key": repr(k), "decision": d} for k, d in self.decisions],
-            "stats": {**self.stats.__dict__},
-        }
 
-    def __str__(self) -> str:
-        s = self.stats
-        lines = [f"{self.name}: {s.captures} captures, {s.replays} replays, {s.eager} eager calls, "
-                 f"{s.graph_pool_bytes / 2**20:.1f} MB in graph pools, "
-                 f"{s.capture_seconds * 1e3:.1f} ms capturing"]
-        for i, (_, d) in enumerate(self.decisions):
-            lines.append(f"  signature {i}: {d}")
-        for reason, n in s.eager_calls.items():
-            lines.append(f"  eager x{n}: {reason}")
-        return "\n".join(lines)
-
-    __repr__ = __str__
+def mark_safe(fn: Callable) -> None:
+    """Declare ``fn`` safe to capture, whatever other tags it has."""
+    default_policy.mark_safe(fn)
 
 
 def share_graph(layers: Any, **options: Any) -> Any:

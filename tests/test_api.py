@@ -129,8 +129,10 @@ def test_usage_errors_are_clear():
         cg.stats(Net())
     with pytest.raises(NotImplementedError, match="share_graph"):
         cg.share_graph(nn.ModuleList([Net(), Net()]))
-    with pytest.raises(NotImplementedError, match="example"):
-        cg.explain(m, torch.zeros(1))
+    with pytest.raises(CudagraphifyError, match="probe"):
+        cg.graphify(probe="sometimes")
+    with pytest.raises(CudagraphifyError, match="OpPolicy"):
+        cg.graphify(op_policy=object())
 
 
 def test_instance_of_graphified_class_cannot_be_graphified_again():

@@ -122,9 +122,9 @@ def test_parameter_changes_recapture_and_stay_correct():
         assert cg.stats(graphed).captures == 3
 
         # p.data = ...: same Parameter object, new memory
-        w = torch.randn_like(ref.blocks[0].fc.weight)
-        ref.blocks[0].fc.weight.data = w
-        graphed.blocks[0].fc.weight.data = w.clone()
+        w = torch.randn_like(ref.blocks[0].mlp.fc.weight)
+        ref.blocks[0].mlp.fc.weight.data = w
+        graphed.blocks[0].mlp.fc.weight.data = w.clone()
         torch.testing.assert_close(graphed(xb), ref(xb), rtol=0, atol=0)
         assert cg.stats(graphed).captures == 4
 

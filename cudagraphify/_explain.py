@@ -1,0 +1,139 @@
+"""``explain``: the plan for a module as a tree, for people (``str``) and programs (``to_dict``).
+
+Each module node says: graphed (a graph of its own), part of a graph (inside a graphed
+ancestor), eager (and why: op, tags, file:line), or not run. Nodes with live graphs also show
+captures, replays, pool MB and capture ms. ``explain(module, *example_args)`` plans from a probe
+run on the example inputs (on a CPU too), restoring the module's buffers and the RNG state after.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from ._engine import Stats, _Nested
+from ._policy import default_policy
+from ._probe import Finding, Probe, differing_paths, plan_pieces
+
+__all__ = ["Explanation", "probe_plan", "build"]
+
+_STATE = "_cudagraphify_state"
+
+
+class Explanation:
+    """The report :func:`cudagraphify.explain` returns."""
+
+    def __init__(self, name: str, nodes: list[dict], stats: Stats, decisions: list):
+        self.name = name
+        self.nodes = nodes
+        self.stats = stats
+        self.decisions = decisions
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "modules": self.nodes,
+                "signatures": [{"key": repr(k), "decision": d} for k, d in self.decisions],
+                "stats": dict(self.stats.__dict__)}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, default=str)
+
+    def __str__(self) -> str:
+        lines = []
+        for node in self.nodes:
+            depth = node["path"].count(".") + (1 if node["path"] else 0)
+            label = node["path"] or self.name
+            line = f"{'  ' * depth}{label} ({node['type']}): {node['status']}"
+            live = node.get("stats")
+            if live:
+                line += (f" [captures={live['captures']} replays={live['replays']} "
+                         f"pool={live['graph_pool_bytes'] / 2**20:.1f}MB "
+                         f"capture={live['capture_seconds'] * 1e3:.1f}ms]")
+            lines.append(line)
+            for reason in node.get("reasons", []):
+                lines.append(f"{'  ' * depth}  - {reason}")
+        s = self.stats
+        if s.captures or s.replays or s.eager:
+            lines.append(f"calls: {s.captures} captures, {s.replays} replays, {s.eager} eager")
+            for reason, n in s.eager_calls.items():
+                lines.append(f"  eager x{n}: {reason}")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
+    """Run ``module`` twice on the example inputs under a probe; restore its state after.
+
+    Returns (findings by path, pieces, paths that ran).
+    """
+    policy = policy or default_policy
+    on_gpu = any(t.is_cuda for t in list(module.parameters()) + list(module.buffers())) or any(
+        isinstance(a, torch.Tensor) and a.is_cuda for a in list(args) + list(kwargs.values()))
+    # planned as if on a GPU: on a CPU, CPU tensors stand for CUDA tensors
+    accel = frozenset({"cuda"}) if on_gpu else frozenset({"cuda", "cpu"})
+    saved = [(b, b.detach().clone()) for b in module.buffers()]
+    rng = torch.random.get_rng_state()
+    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    probes = []
+    try:
+        for _ in range(2):
+            probe = Probe(module, policy, accel=accel, thunder=True)
+            with torch.no_grad(), _Nested(), probe:
+                module(*args, **kwargs)
+            probes.append(probe)
+            with torch.no_grad():
+                for b, v in saved:
+                    b.copy_(v)
+    finally:
+        with torch.no_grad():
+            for b, v in saved:
+                b.copy_(v)
+        torch.random.set_rng_state(rng)
+        if cuda_rng is not None:
+            torch.cuda.set_rng_state_all(cuda_rng)
+    findings = probes[0].unsafe_paths()
+    for p in differing_paths(*probes):
+        findings.setdefault(p, []).append(Finding(
+            p, "control flow", (), "the op sequence differs between two runs"))
+    ran = set(probes[0].sequences)
+    return findings, plan_pieces(module, set(findings), ran), ran
+
+
+def _live(module: torch.nn.Module) -> dict | None:
+    state = module.__dict__.get(_STATE)
+    if state is None:
+        return None
+    return dict(state.stats().__dict__)
+
+
+def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
+          decisions: list) -> Explanation:
+    """The report for ``module`` under ``plan`` = (findings, pieces, ran) or None."""
+    nodes: list[dict] = []
+    if module is None:
+        return Explanation(name, nodes, stats, decisions)
+    findings, pieces, ran = plan if plan is not None else ({}, None, None)
+    graphed = set(pieces or ())
+    for path, sub in module.named_modules():
+        node: dict[str, Any] = {"path": path, "type": type(sub).__name__}
+        inside = next((g for g in graphed if g and path.startswith(g + ".")), None)
+        if inside is not None or ("" in graphed and path):
+            continue  # part of an ancestor's graph: not listed
+        if plan is None:
+            node["status"] = "no plan yet (call it, or explain it with example inputs)"
+        elif path in graphed or (path == "" and "" in graphed):
+            node["status"] = "graphed"
+        elif path in findings or any(f.startswith(path + ".") or path == "" for f in findings):
+            node["status"] = "eager"
+            node["reasons"] = [str(f) for f in findings.get(path, [])]
+        elif ran is not None and not any(r == path or r.startswith(path + ".") for r in ran):
+            node["status"] = "not run"
+        else:
+            node["status"] = "eager (no ops of its own)"
+        live = _live(sub)
+        if live and (live["captures"] or live["replays"]):
+            node["stats"] = live
+        nodes.append(node)
+    return Explanation(name, nodes, stats, decisions)

@@ -1,0 +1,95 @@
+"""explain(): the plan as a tree that names unsafe ops and their lines; the module is left alone."""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._models import GPT
+
+
+class Logger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        y = self.drop(self.bn(self.lin(x)))
+        print_me = f"{y.mean():.3f}"  # LINE_FORMAT
+        return y + len(print_me) * 0
+
+
+def test_explain_names_the_op_its_tags_and_its_line():
+    model = Logger().train()
+    line = next(i for i, t in enumerate(open(__file__), 1) if "LINE_FORMAT" in t)
+    report = cg.explain(model, torch.randn(8, 4))
+    text = str(report)
+    assert f"Tensor.__format__ [HOST_SYNC] at test_explain.py:{line}" in text
+    assert "Logger (Logger): eager" in text
+    assert "lin (Linear): graphed" in text and "bn (BatchNorm1d): graphed" in text
+    data = report.to_dict()
+    statuses = {m["path"]: m["status"] for m in data["modules"]}
+    assert statuses == {"": "eager", "lin": "graphed", "bn": "graphed", "drop": "graphed"}
+    json.loads(report.to_json())
+
+
+def test_explain_leaves_the_module_and_rng_as_they_were():
+    model = Logger().train()
+    before = copy.deepcopy(model.state_dict())
+    x = torch.randn(8, 4)
+    rng = torch.random.get_rng_state()
+    cg.explain(model, x)
+    assert model.training
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert "_cudagraphify_state" not in model.__dict__
+
+
+def test_explain_gpt_with_item_keeps_attention_and_mlp_graphed():
+    text = str(cg.explain(GPT(32, 2, 2, sync="item").eval(), torch.randn(1, 4, 32)))
+    assert "blocks.0 (SyncBlock): eager" in text
+    assert "Tensor.item [HOST_SYNC] at _models.py:" in text
+    assert "blocks.1.attn (Attention): graphed" in text
+    assert text.count("(Attention): graphed") == 2 and text.count("(MLP): graphed") == 2
+
+
+def test_explain_a_safe_model_is_graphed_whole():
+    report = cg.explain(GPT(32, 2, 1).eval(), torch.randn(1, 4, 32))
+    assert [(m["path"], m["status"]) for m in report.to_dict()["modules"]] == [("", "graphed")]
+
+
+def test_explain_after_calls_shows_the_plan_and_live_counters(sim):
+    torch.manual_seed(0)
+    ref = GPT(32, 2, 2, sync="item").eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            x = torch.randn(1, 4, 32)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+    text = str(cg.explain(g))
+    assert "captures=1 replays=2" in text  # the attention and MLP pieces
+    assert "piecewise: 9 submodule(s) graphed" in text
+    assert cg.stats(g.blocks[1].mlp).replays == 2
+    cg.ungraphify(g)
+    assert "forward" not in g.blocks[0].attn.__dict__  # pieces are undone with their root
+
+
+def test_explain_without_a_plan_and_of_functions():
+    @cg.graphify
+    def f(x):
+        return x + 1
+
+    assert "no plan" not in str(cg.explain(f))
+    assert "no plan yet" in str(cg.explain(cg.graphify(nn.Linear(2, 2))))
+    with pytest.raises(cg.CudagraphifyError, match="Module"):
+        cg.explain(f, torch.ones(1))

@@ -1,0 +1,132 @@
+"""Op classification: every tag, from every source, on a CPU (CPU tensors stand for CUDA ones)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import cudagraphify as cg
+from cudagraphify._policy import OpPolicy, op_name
+
+ACC = frozenset({"cuda", "cpu"})  # plan as if these CPU tensors were on the GPU
+x = torch.randn(4, 4)
+s0 = torch.randn(())
+mask = x > 0
+idx = torch.tensor([0, 2])
+cpu_gen = torch.Generator()
+
+SYNC, DYN, CPU_RNG, RNG = {"HOST_SYNC"}, {"DYNAMIC_SHAPE", "HOST_SYNC"}, {"CPU_RNG"}, {"RNG"}
+CASES = [
+    # Python protocol calls on device tensors: host syncs
+    (torch.Tensor.item, (s0,), {}, SYNC),
+    (torch.Tensor.tolist, (x,), {}, SYNC),
+    (torch.Tensor.__bool__, (s0,), {}, SYNC),
+    (torch.Tensor.__int__, (s0,), {}, SYNC),
+    (torch.Tensor.__float__, (s0,), {}, SYNC),
+    (torch.Tensor.__index__, (idx[0],), {}, SYNC),
+    (torch.Tensor.__repr__, (x,), {}, SYNC),
+    (torch.Tensor.__format__, (s0, ".2f"), {}, SYNC),
+    (torch.Tensor.numpy, (x,), {}, SYNC),
+    (torch.equal, (x, x), {}, SYNC),
+    (torch.allclose, (x, x), {}, SYNC),
+    (torch.is_nonzero, (s0,), {}, SYNC),
+    # data-dependent output shapes
+    (torch.nonzero, (x,), {}, DYN),
+    (torch.Tensor.nonzero, (x,), {}, DYN),
+    (torch.argwhere, (x,), {}, DYN),
+    (torch.masked_select, (x, mask), {}, DYN),
+    (torch.unique, (x,), {}, DYN),
+    (torch.unique_consecutive, (x,), {}, DYN),
+    (torch.bincount, (idx,), {}, DYN),
+    (torch.where, (mask,), {}, DYN),
+    (torch.repeat_interleave, (x, idx), {}, DYN),
+    (torch.Tensor.__getitem__, (x, mask), {}, DYN),        # boolean-mask indexing
+    (torch.Tensor.__setitem__, (x, mask, 0.0), {}, DYN),
+    # ... but not their static forms
+    (torch.Tensor.__getitem__, (x, idx), {}, set()),       # integer indexing
+    (torch.repeat_interleave, (x, idx), {"output_size": 2}, set()),
+    (torch.where, (mask, x, x), {}, set()),
+    # random numbers: the default CUDA generator is graph-safe, CPU ones are not
+    (F.dropout, (x, 0.1, True), {}, RNG),
+    (F.dropout, (x, 0.1, False), {}, set()),               # eval: no randomness at all
+    (torch.randn, (3,), {"device": "cuda"}, RNG),
+    (torch.randn, (3,), {"generator": cpu_gen}, CPU_RNG),
+    (torch.rand_like, (x,), {}, RNG),
+    (torch.bernoulli, (x.sigmoid(),), {}, RNG),
+    (torch.multinomial, (x.softmax(-1), 1), {}, RNG),
+    (F.scaled_dot_product_attention, (x[None], x[None], x[None]), {}, set()),  # dropout_p=0
+    (F.scaled_dot_product_attention, (x[None], x[None], x[None]), {"dropout_p": 0.1}, RNG),
+    # host memory and copies between devices
+    (torch.Tensor.pin_memory, (torch.zeros(2, device="meta"),), {}, {"HOST_ALLOC"}),
+    (torch.empty, (4,), {"pin_memory": True}, {"HOST_ALLOC"}),
+    (torch.Tensor.to, (x, "meta"), {}, {"CROSS_DEVICE", "HOST_SYNC"}),
+    (torch.Tensor.to, (x, torch.float16), {}, set()),
+    (torch.tensor, ([1.0, 2.0],), {"device": "cuda"}, {"CROSS_DEVICE"}),
+    # safe ordinary ops
+    (torch.add, (x, x), {}, set()),
+    (F.linear, (x, x), {}, set()),
+    (F.layer_norm, (x, (4,)), {}, set()),
+    (torch.Tensor.view, (x, 16), {}, set()),
+    (torch.softmax, (x, -1), {}, set()),
+]
+
+
+@pytest.mark.parametrize("func,args,kwargs,want", CASES,
+                         ids=[f"{i}-{op_name(c[0])}" for i, c in enumerate(CASES)])
+def test_classification(func, args, kwargs, want):
+    assert set(OpPolicy().tags(func, args, kwargs, accel=ACC)) == want
+
+
+def test_cpu_tensors_of_a_gpu_module_are_not_syncs():
+    # .item() of a genuinely CPU tensor inside a CUDA forward waits for nothing
+    assert OpPolicy().tags(torch.Tensor.item, (s0,), {}) == frozenset()
+    assert OpPolicy().tags(torch.randn, (3,), {}) == frozenset({"CPU_RNG"})
+
+
+def test_user_tags_and_safe_override():
+    def my_op(t):
+        return t
+
+    pol = OpPolicy()
+    pol.tag_op(my_op, "HOST_SYNC")
+    assert not pol.can_graph(my_op, pol.tags(my_op, (x,), {}, accel=ACC))
+    pol.mark_safe(torch.Tensor.item)
+    tags = pol.tags(torch.Tensor.item, (s0,), {}, accel=ACC)
+    assert tags == {"SAFE"} and pol.can_graph(torch.Tensor.item, tags)
+    with pytest.raises(ValueError, match="unknown tag"):
+        pol.tag_op(my_op, "NOT_A_TAG")
+
+
+def test_subclassed_policy_decides():
+    class AllowRandomOnCpu(OpPolicy):
+        def can_graph(self, func, tags):
+            return super().can_graph(func, tags - {"CPU_RNG"})
+
+    pol = AllowRandomOnCpu()
+    assert pol.can_graph(torch.randn, pol.tags(torch.randn, (3,), {}))
+    assert not pol.can_graph(torch.nonzero, pol.tags(torch.nonzero, (x,), {}, accel=ACC))
+
+
+def test_thunder_tags_join_in_when_asked():
+    pol = OpPolicy()
+    # Thunder finds the sync in .item() by itself (prims.item carries DEVICE_SYNC_OP)
+    from cudagraphify._tags import thunder_tags
+    assert "HOST_SYNC" in thunder_tags(torch.Tensor.item, "k1", (s0,), {})
+    assert "DYNAMIC_SHAPE" in thunder_tags(torch.nonzero, "k2", (x,), {})
+    assert thunder_tags(torch.add, "k3", (x, x), {}) == frozenset()
+    assert pol.tags(torch.add, (x, x), {}, accel=ACC, thunder=True, thunder_key="k3") == set()
+
+
+def test_public_tag_objects_extend_thunders_tagbase():
+    from thunder.core.baseutils import TagBase
+
+    assert issubclass(cg.Tag, TagBase)
+    assert isinstance(cg.Tag.HOST_SYNC, TagBase)
+    pol = OpPolicy()
+
+    def f(t):
+        return t
+
+    pol.tag_op(f, cg.Tag.COLLECTIVE)
+    assert pol.tags(f, (x,), {}) == {"COLLECTIVE"}

@@ -1,0 +1,106 @@
+"""The probe and the piecewise plan: findings per submodule, control flow, non-op calls."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import nn
+
+from cudagraphify._models import GPT
+from cudagraphify._policy import OpPolicy
+from cudagraphify._probe import Probe, differing_paths, plan_pieces
+
+ACC = frozenset({"cuda", "cpu"})
+
+
+def run(model, *args, policy=None):
+    probe = Probe(model, policy or OpPolicy(), accel=ACC)
+    with torch.no_grad(), probe:
+        model(*args)
+    return probe
+
+
+def test_item_in_a_block_keeps_attention_and_mlp_graphed():
+    model = GPT(32, 2, 2, sync="item").eval()
+    probe = run(model, torch.randn(1, 4, 32))
+    found = probe.unsafe_paths()
+    assert set(found) == {"blocks.0", "blocks.1"}
+    (f,) = found["blocks.0"]
+    assert f.op == "Tensor.item" and f.tags == ("HOST_SYNC",) and f.where.startswith("_models.py:")
+    pieces = plan_pieces(model, set(found), set(probe.sequences))
+    assert pieces == ["blocks.0.ln1", "blocks.0.attn", "blocks.0.ln2", "blocks.0.mlp",
+                      "blocks.1.ln1", "blocks.1.attn", "blocks.1.ln2", "blocks.1.mlp", "ln_f"]
+
+
+def test_nonzero_is_found_too_and_a_safe_model_is_graphed_whole():
+    found = run(GPT(32, 2, 1, sync="nonzero").eval(), torch.randn(1, 4, 32)).unsafe_paths()
+    assert [f.op for f in found["blocks.0"]][:1] == ["Tensor.nonzero"]
+    model = GPT(32, 2, 2).eval()
+    probe = run(model, torch.randn(1, 4, 32))
+    assert probe.findings == [] and plan_pieces(model, set(), set(probe.sequences)) == [""]
+
+
+class Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        self.b = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x):
+        x = self.a(x)
+        if x.sum() > 0:  # Tensor.__bool__: a sync in the root's own code
+            x = x * 2
+        return self.b(x)
+
+
+def test_plan_for_nested_modules_skips_what_never_ran():
+    model = Deep()
+    probe = run(model, torch.randn(2, 4))
+    assert set(probe.unsafe_paths()) == {""}
+    assert plan_pieces(model, {""}, set(probe.sequences)) == ["a", "b"]
+    # a sync deep inside: only its ancestors run eagerly
+    assert plan_pieces(model, {"a.1.1"}, {"a.0", "a.1.0", "a.1.1", "b"}) == ["a.0", "a.1.0", "b"]
+
+
+def test_data_dependent_control_flow_shows_as_differing_sequences():
+    class Coin(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x).relu() if random.random() < 0.5 else self.lin(x).tanh()
+
+    model = nn.Sequential(Coin(), nn.Linear(4, 4))
+    random.seed(1)
+    runs = [run(model, torch.randn(1, 4)) for _ in range(6)]
+    diffs = set().union(*(differing_paths(runs[0], r) for r in runs[1:]))
+    assert diffs == {"0"}
+
+
+def test_non_op_calls_are_seen_and_restored():
+    original = torch.manual_seed
+    sync = vars(torch.cuda.Stream).get("synchronize")
+
+    class Seeds(nn.Module):
+        def forward(self, x):
+            torch.manual_seed(0)
+            return x + 1
+
+    probe = run(Seeds(), torch.ones(1))
+    assert [(f.op, f.tags) for f in probe.findings] == [("torch.manual_seed", ("CPU_RNG",))]
+    assert torch.manual_seed is original
+    assert vars(torch.cuda.Stream).get("synchronize") is sync
+
+
+def test_probe_hooks_are_removed_and_overrides_apply():
+    from torch.nn.modules import module as M
+
+    before = (len(M._global_forward_pre_hooks), len(M._global_forward_hooks))
+    pol = OpPolicy()
+    pol.mark_safe(torch.Tensor.__bool__)
+    probe = run(Deep(), torch.randn(2, 4), policy=pol)
+    assert probe.findings == []
+    assert (len(M._global_forward_pre_hooks), len(M._global_forward_hooks)) == before
