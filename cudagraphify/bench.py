@@ -172,11 +172,43 @@ def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
     return row
 
 
+def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -> dict:
+    """A GPT with a host sync in every block: eager vs graphify (piecewise) vs graphify of the
+    same GPT without the sync."""
+    import cudagraphify as cg
+
+    torch.manual_seed(0)
+    model = GPT.from_config(cfg, "cuda", sync=sync)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, device="cuda", dtype=cfg.dtype)
+    row: dict = {"workload": f"{name}-{sync}", "config": repr(cfg)}
+    with torch.no_grad():
+        ref = model(x)
+        row["eager_us"] = time_per_call(model, x, calls, repeats)
+        graphed = GPT.from_config(cfg, "cuda", sync=sync)
+        graphed.load_state_dict(model.state_dict())
+        cg.graphify(graphed)
+        for _ in range(3):
+            graphed(x)
+        row["graphify_us"] = time_per_call(graphed, x, calls, repeats)
+        row["graphify_max_abs_err"] = (graphed(x).float() - ref.float()).abs().max().item()
+        row["explain"] = str(cg.explain(graphed))
+        plain = GPT.from_config(cfg, "cuda")
+        plain.load_state_dict(model.state_dict())
+        cg.graphify(plain)
+        plain(x), plain(x)
+        row["graphify_without_sync_us"] = time_per_call(plain, x, calls, repeats)
+    row["graphify_vs_eager"] = row["graphify_us"] / row["eager_us"]
+    row["graphify_vs_graphify_without_sync"] = row["graphify_us"] / row["graphify_without_sync_us"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cudagraphify.bench", description=__doc__.split("\n")[0])
     p.add_argument("--workloads", nargs="+", default=["A", "B", "C"], choices=sorted(BENCH_WORKLOADS))
     p.add_argument("--quick", action="store_true", help="fewer calls and repeats")
     p.add_argument("--json", help="write the rows as JSON to this file")
+    p.add_argument("--sync", nargs="*", default=[], choices=["item", "nonzero"],
+                   help="also time workload A with this host sync in every block")
     p.add_argument("--train", nargs="*", default=[], choices=sorted(WORKLOADS),
                    help="also time a training step (forward + .sum().backward()) of these")
     args = p.parse_args(argv)
@@ -198,6 +230,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['graphify_nocopy_us']:>9.0f}{r['per_layer_us']:>9.0f}"
               f"{r['per_layer_region_us']:>9.0f}{r['graphify_vs_manual']:>10.3f}"
               f"{r['graphify_vs_eager']:>9.3f}{r['graphify_first_call_s']:>14.3f}", flush=True)
+    for sync in args.sync:
+        r = bench_sync("A", WORKLOADS["A"], sync, calls, repeats)
+        rows.append(r)
+        print(f"A-{sync}: eager {r['eager_us']:.0f} µs, graphify (piecewise) "
+              f"{r['graphify_us']:.0f} µs ({r['graphify_vs_eager']:.3f} of eager), graphify "
+              f"without the sync {r['graphify_without_sync_us']:.0f} µs; max abs err "
+              f"{r['graphify_max_abs_err']:.2e}\n{r['explain']}", flush=True)
     for name in args.train:
         r = bench_training(name, WORKLOADS[name], calls, repeats)
         rows.append(r)

@@ -442,3 +442,22 @@ def test_region_chains_twelve_blocks_with_zero_copies_between_them():
             assert region.stats().moved_outputs == 1
             assert _graph_pool_bytes() > 0
     assert _graph_pool_bytes() == 0
+
+
+@pytest.mark.parametrize("sync", ["item", "nonzero"])
+def test_gpt_with_a_sync_in_every_block_keeps_the_rest_graphed(sync):
+    torch.manual_seed(0)
+    ref = GPT.from_config(GPTConfig(256, 4, 12, 1, 8, torch.float32), DEV, sync=sync)
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(1, 8, 256, device=DEV)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+    (reason,) = cg.stats(g).eager_calls
+    assert reason.startswith("piecewise: 49 submodule(s) graphed"), reason
+    for blk in g.blocks:
+        for piece in (blk.ln1, blk.attn, blk.ln2, blk.mlp):
+            s = cg.stats(piece)
+            assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
+    text = str(cg.explain(g))
+    assert f"Tensor.{sync}" in text and "_models.py:" in text
