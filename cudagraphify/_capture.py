@@ -131,7 +131,11 @@ class CudaBackend:
                 _check_healthy(failure)
                 if not isinstance(failure, Exception):
                     raise failure  # KeyboardInterrupt, SystemExit: after cleanup, unchanged
-                raise CaptureFailed(_first_line(failure)) from failure
+                # An autograd graph kept alive from an earlier call holds parameters'
+                # AccumulateGrad nodes made on the default stream; the engine then syncs that
+                # stream with the capture. Worth retrying once that graph is gone.
+                transient = "legacy stream depend on a capturing" in str(failure)
+                raise CaptureFailed(_first_line(failure), transient) from failure
             seconds = time.perf_counter() - t0
             pool_bytes = max(0, torch.cuda.memory_reserved() - reserved)
             return RawGraph(graph, pool, pool_bytes, seconds), out

@@ -35,6 +35,7 @@ from ._statics import StaticState
 __all__ = ["GraphedState", "Options", "Stats", "in_graphed_call"]
 
 _tls = threading.local()
+_MAX_DEFERRED = 8  # transient capture failures before a signature is decided for good
 
 
 def in_graphed_call() -> bool:
@@ -111,6 +112,7 @@ class GraphedState:
         self.pieces: list = []
         self.last_plan: tuple | None = None
         self.accel = frozenset({"cuda"})  # device types whose work graphs capture
+        self._deferred = 0  # captures put off by a transient failure
         self._stream_token: int | None = None
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
@@ -275,6 +277,12 @@ class GraphedState:
                     entry = self._capture_inference(backend, region, run, sig, leaves,
                                                     static_flags, mutated, device)
         except CaptureFailed as e:
+            if e.transient and self._deferred < _MAX_DEFERRED:
+                self._deferred += 1
+                reason = f"capture deferred (retried on a later call): {e}"
+                self.eager_calls[reason] += 1
+                warn_once(self._warned, self.name, reason)
+                return result
             if probe is not None and self.statics.root is not None:
                 failed = {"": [Finding("", "capture", (), f"capture failed: {e}")]}
                 return go_piecewise(self, cache, key, failed, set(probe.sequences), result)

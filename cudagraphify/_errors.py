@@ -28,8 +28,14 @@ class CudagraphifyWarning(UserWarning):
 class CaptureFailed(CudagraphifyError):
     """The CUDA graph capture itself failed; the signature falls back to eager.
 
-    Internal: the engine catches it, marks the signature eager and warns once.
+    Internal: the engine catches it, marks the signature eager and warns once. ``transient``
+    failures depend on state outside the forward (an earlier call's autograd graph still alive)
+    and are retried on a later call.
     """
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
 
 
 def warn_once(seen: set, owner: str, reason: str) -> None:

@@ -14,6 +14,7 @@ import collections
 import importlib
 import os
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,6 +101,7 @@ class Probe:
         self._stack: list[str] = []
         self._undo: list = []
         self._non_op_depth = 0
+        self._thread: int | None = None
 
     @property
     def path(self) -> str:
@@ -124,16 +126,19 @@ class Probe:
         if not self.policy.can_graph(name, final):
             self.findings.append(Finding(self.path, name, tuple(sorted(final)), _user_frame()))
 
+    # Module hooks and the non-op wrappers are process-wide: only the probing thread counts.
     def _pre(self, module, args):
         name = self.names.get(id(module))
-        if name is not None:
+        if name is not None and threading.get_ident() == self._thread:
             self._stack.append(name)
 
     def _post(self, module, args, output):
-        if self.names.get(id(module)) is not None and self._stack:
+        if self.names.get(id(module)) is not None and self._stack \
+                and threading.get_ident() == self._thread:
             self._stack.pop()
 
     def __enter__(self) -> "Probe":
+        self._thread = threading.get_ident()
         if self.names:
             self._undo.append(_module_mod.register_module_forward_pre_hook(self._pre).remove)
             self._undo.append(
@@ -147,8 +152,8 @@ class Probe:
             original = vars(owner)[attr] if own else None
 
             def wrapper(*a, _orig=getattr(owner, attr), _name=dotted, _tags=tags, **k):
-                if self._non_op_depth:  # called by another non-op call: already recorded
-                    return _orig(*a, **k)
+                if self._non_op_depth or threading.get_ident() != self._thread:
+                    return _orig(*a, **k)  # nested in a recorded call, or another thread
                 self._record_non_op(_name, _tags)
                 self._non_op_depth += 1
                 try:

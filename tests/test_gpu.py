@@ -265,10 +265,23 @@ class ItemModule(nn.Module):
         return y
 
 
-def test_item_in_forward_falls_back_and_stays_correct():
+def test_item_in_forward_goes_piecewise():
     torch.manual_seed(0)
     m = ItemModule().to(DEV)
     g = cg.graphify(copy.deepcopy(m))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 16, device=DEV)
+            torch.testing.assert_close(g(x), m(x), rtol=0, atol=0)
+    (reason,) = cg.stats(g).eager_calls
+    assert reason.startswith("piecewise: 1 submodule(s)") and "Tensor.item" in reason
+    assert (cg.stats(g.lin).captures, cg.stats(g.lin).replays) == (1, 2)
+
+
+def test_item_in_forward_without_the_probe_fails_capture_cleanly():
+    torch.manual_seed(0)
+    m = ItemModule().to(DEV)
+    g = cg.graphify(copy.deepcopy(m), probe=False)
     with torch.no_grad():
         for _ in range(4):
             x = torch.randn(4, 16, device=DEV)

@@ -119,10 +119,11 @@ def test_unsupported_backward_patterns_fail_clearly_or_run_eagerly():
     y.backward(retain_graph=True)
     with pytest.raises(cg.CudagraphifyError, match="retain_graph"):
         y.backward()
+    del y  # its autograd graph would make the next capture wait (see the test below)
     # double backward: refused
     xr = x.clone().requires_grad_()
     g(xr).sum().backward()  # another signature (x requires grad): warm-up + capture
-    assert cg.stats(g).captures == 2, cg.stats(g)
+    assert cg.stats(g).captures == 2, list(cg.stats(g).eager_calls)
     with pytest.raises(cg.CudagraphifyError, match="create_graph"):
         torch.autograd.grad(g(xr).sum(), xr, create_graph=True)
     # two forwards, then one backward: the second call runs eagerly, gradients stay right
@@ -133,3 +134,20 @@ def test_unsupported_backward_patterns_fail_clearly_or_run_eagerly():
     for p, q in zip(ref.parameters(), g.parameters()):
         torch.testing.assert_close(q.grad, p.grad, **TOL)
     assert any("has not run yet" in r for r in cg.stats(g).eager_calls)
+
+
+def test_capture_while_an_earlier_graph_is_alive_is_deferred_not_given_up():
+    ref = _gpt()
+    g = cg.graphify(copy.deepcopy(ref))
+    x = torch.randn(1, 8, 256, device=DEV)
+    g(x).sum().backward()  # warm-up + capture
+    keep = g(x)  # a replay whose autograd graph stays alive (never backwarded)
+    x2 = torch.randn(1, 16, 256, device=DEV)  # a new signature: warm-up + capture now
+    torch.testing.assert_close(g(x2), ref(x2), **TOL)
+    deferred = [r for r in cg.stats(g).eager_calls if r.startswith("capture deferred")]
+    assert deferred and cg.stats(g).captures == 1
+    del keep
+    g(x2).sum().backward()  # retried: captured now
+    g(x2).sum().backward()
+    s = cg.stats(g)
+    assert s.captures == 2 and s.replays == 2, s

@@ -104,3 +104,33 @@ def test_probe_hooks_are_removed_and_overrides_apply():
     probe = run(Deep(), torch.randn(2, 4), policy=pol)
     assert probe.findings == []
     assert (len(M._global_forward_pre_hooks), len(M._global_forward_hooks)) == before
+
+
+def test_another_threads_modules_do_not_enter_the_probe():
+    import threading
+
+    model = GPT(16, 2, 1).eval()
+    probe = Probe(model, OpPolicy(), accel=ACC)
+    go, done = threading.Event(), threading.Event()
+
+    def other():
+        go.wait()
+        with torch.no_grad():
+            model(torch.randn(1, 2, 16))
+            torch.manual_seed(0)
+        done.set()
+
+    t = threading.Thread(target=other)
+    t.start()
+    with torch.no_grad(), probe:
+        go.set()
+        done.wait()
+        model(torch.randn(1, 2, 16))
+    t.join()
+    assert probe.findings == [] and probe._stack == []
+    assert set(probe.sequences) == {
+        "", "blocks.0", "blocks.0.ln1", "blocks.0.attn", "blocks.0.attn.qkv", "blocks.0.attn.proj",
+        "blocks.0.ln2", "blocks.0.mlp", "blocks.0.mlp.fc", "blocks.0.mlp.out", "blocks.0.drop",
+        "ln_f"}
+    # the other thread's torch.manual_seed was not recorded, and its ops were not counted twice
+    assert probe.sequences["blocks.0.mlp.fc"] == ["F.linear"]
