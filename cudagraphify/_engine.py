@@ -244,13 +244,14 @@ class GraphedState:
             bool(self.statics.grad_params())
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        versions = [x._version for _, x in tensors]
-        static_versions = self.statics.versions()
+        marks = _marks([x for _, x in tensors])
+        statics = self.statics.watchable()
+        static_marks = _marks(statics)
         t0 = time.perf_counter()
         probe = new_probe(self)
         with _Nested():
             result = backend.warmup(probed(probe, lambda: fn(*args, **kwargs)), device)
-        mutated = [i for (i, x), v in zip(tensors, versions) if x._version != v]
+        mutated = [tensors[j][0] for j in _written([x for _, x in tensors], marks)]
         done = lambda: result  # noqa: E731 - the warm-up was this call
         if probe is not None and probe.findings:
             return go_piecewise(self, cache, key, probe.unsafe_paths(), set(probe.sequences),
@@ -261,8 +262,7 @@ class GraphedState:
         if mutated and training:
             return self._decide_eager(cache, key, "forward writes to its tensor arguments while "
                                       "autograd records", done)
-        moved_statics = [t for t, v in zip(self.statics.current, static_versions)
-                         if t._version != v]
+        moved_statics = [statics[j] for j in _written(statics, static_marks)]
         self._extra_warmups(backend, device, fn, sig, leaves, training, moved_statics)
         self.warmup_seconds += time.perf_counter() - t0
         second = new_probe(self, thunder=False)
@@ -402,8 +402,19 @@ class GraphedState:
 
     def decisions(self) -> list[tuple[Any, str]]:
         """(key, 'graphed' | 'eager: reason') for each cached signature."""
-        return [(k, "graphed" if type(e) is CapturedGraph else f"eager: {e.reason}")
-                for k, e in self.cache.items(self)]
+        return [(k, "graphed" if isinstance(e, (CapturedGraph, TrainingGraph))
+                 else f"eager: {e.reason}") for k, e in self.cache.items(self)]
+
+
+def _marks(tensors: list[torch.Tensor]) -> list:
+    """What tells, after a call, whether it wrote each tensor: its version counter, or (for
+    inference tensors, which have none) a copy of its contents."""
+    return [t.clone() if t.is_inference() else t._version for t in tensors]
+
+
+def _written(tensors: list[torch.Tensor], marks: list) -> list[int]:
+    return [j for j, (t, m) in enumerate(zip(tensors, marks))
+            if (not torch.equal(t, m) if isinstance(m, torch.Tensor) else t._version != m)]
 
 
 def _no_state() -> None:

@@ -191,9 +191,9 @@ def builtin_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset = ACCEL)
         tags.add("HOST_ALLOC")
     if ("generator" in kwargs or "RNG" in torch_op_tags(func)) and func not in _DROPOUT:
         p = kwargs.get("dropout_p")
-        if p is None and func is F.scaled_dot_product_attention:
-            p = args[3] if len(args) > 3 else 0.0
-        if p is None or p > 0:  # attention without dropout draws no random numbers
+        if p is None and func is F.scaled_dot_product_attention:  # (q, k, v, mask, dropout_p)
+            p = args[4] if len(args) > 4 else 0.0
+        if not isinstance(p, (int, float)) or p > 0:  # no dropout: no random numbers
             tags |= _rng_tags(func, args, kwargs, accel)
     return tags
 

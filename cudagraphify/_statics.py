@@ -1,12 +1,15 @@
 """Static state of a module: parameters and buffers read in place, and the guard that keeps them valid.
 
-A captured graph reads parameters and buffers at the addresses they had at capture. The guard
-re-reads every parameter and buffer from its module on each call and compares addresses with the
-capture's. Address equality means storage identity here because the guard keeps the captured
-tensors alive: their memory cannot be freed and handed to another tensor while the guard holds
-them, so a new storage always shows a new address. Structural edits (a submodule, parameter or
-buffer assigned through ``setattr``, as ``load_state_dict(assign=True)`` does) bump a global
-generation counter through PyTorch's module registration hooks and force a full re-scan.
+A captured graph reads parameters and buffers at the addresses they had at capture. On each call
+the guard compares the addresses of the scanned tensors with the capture's (one C++ call on CUDA
+builds). Address equality means storage identity here because the guard keeps the captured
+storages alive: their memory cannot be freed and handed to another tensor while the guard holds
+them, so a new storage always shows a new address. Structural edits bump a global generation
+counter and force a full re-scan: ``setattr`` of a submodule, parameter or buffer (as
+``load_state_dict(assign=True)`` does) through PyTorch's module registration hooks, and direct
+writes into ``_parameters``/``_buffers``/``_modules`` (as ``.to()`` does for buffers) because the
+guard replaces those dicts by watched ones. A replaced submodule invalidates too, even without
+parameters.
 
 Not detected: ``p.data = t`` where ``t`` reuses ``p``'s exact memory with another shape or
 stride, and tensors a forward reads that are neither parameters, buffers nor arguments (plain
@@ -52,6 +55,52 @@ def _install_hooks() -> None:
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
+class _WatchedDict(dict):
+    """A module's ``_parameters``/``_buffers``/``_modules`` dict that reports every write.
+
+    ``Module._apply`` (``.to()``, ``.half()``...) writes buffers straight into ``_buffers``,
+    bypassing the registration hooks; with these dicts every structural write bumps the
+    generation, so the per-call guard only has to compare addresses. Pickles and copies as a
+    plain dict.
+    """
+
+    __slots__ = ()
+
+    def __setitem__(self, key, value):
+        _bump()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key):
+        _bump()
+        super().__delitem__(key)
+
+    def _mutator(name):  # noqa: N805 - builds methods below
+        def method(self, *args, **kwargs):
+            _bump()
+            return getattr(dict, name)(self, *args, **kwargs)
+
+        method.__name__ = name
+        return method
+
+    pop = _mutator("pop")
+    popitem = _mutator("popitem")
+    clear = _mutator("clear")
+    update = _mutator("update")
+    setdefault = _mutator("setdefault")
+    __ior__ = _mutator("__ior__")
+    del _mutator
+
+    def __reduce__(self):
+        return (dict, (dict(self),))
+
+
+def _watch(module: torch.nn.Module) -> None:
+    for attr in ("_parameters", "_buffers", "_modules"):
+        d = module.__dict__.get(attr)
+        if type(d) is dict:
+            module.__dict__[attr] = _WatchedDict(d)
+
+
 class StaticState:
     """The parameters and buffers of one module tree, and the guard on their identity."""
 
@@ -65,6 +114,7 @@ class StaticState:
         self._indices: list[int] = []
         self._held: list = []
         self.current: list[torch.Tensor] = []
+        self._is_buffer: list[bool] = []
         self._generation = -1
         self.rescan()
 
@@ -74,6 +124,8 @@ class StaticState:
         if self.root is None:
             return
         self.modules = list(self.root.modules())
+        for m in self.modules:
+            _watch(m)
         slots = []
         seen = set()
         for m in self.modules:
@@ -85,6 +137,7 @@ class StaticState:
                     slots.append((d, name))
         self._slots = slots
         self.tensors = [d[n] for d, n in slots]
+        self._is_buffer = [any(d is m._buffers for m in self.modules) for d, _ in slots]
         self.ptrs = [t.data_ptr() for t in self.tensors]
         # Holding the storages (not only the tensors, whose ``.data`` can be swapped) is what
         # makes an equal address mean the same memory.
@@ -99,8 +152,10 @@ class StaticState:
     def grad_pattern(self) -> tuple[bool, ...]:
         return tuple([t.requires_grad for t in self.current])
 
-    def versions(self) -> list[int]:
-        return [t._version for t in self.current]
+    def watchable(self) -> list[torch.Tensor]:
+        """The statics a forward may write: buffers, and parameters unless they are inference
+        tensors (whose writes could only be seen by copying every weight)."""
+        return [t for t, buf in zip(self.current, self._is_buffer) if buf or not t.is_inference()]
 
     def devices(self) -> set[torch.device]:
         return {t.device for t in self.tensors}
@@ -114,22 +169,22 @@ class StaticState:
     def changed(self) -> str | None:
         """Why the statics differ from the last scan, or None. Cheap: called on every call."""
         if self._generation != _generation:
-            old = self.ptrs
+            old_ptrs, old_modules = self.ptrs, self.modules
             self.rescan()
-            if self.ptrs != old:
-                return "a submodule, parameter or buffer was replaced"
+            if self.ptrs != old_ptrs:
+                return "a parameter or buffer was replaced or moved"
+            if len(self.modules) != len(old_modules) or any(
+                    a is not b for a, b in zip(self.modules, old_modules)):
+                return "a submodule was replaced"
             return None
-        try:
-            current = [d[n] for d, n in self._slots]
-            if _ptrs_equal is not None:
-                same = _ptrs_equal(current, self.ptrs, self._indices)
-            else:
-                same = [t.data_ptr() for t in current] == self.ptrs
-        except (KeyError, AttributeError, TypeError):
-            self.rescan()
-            return "a parameter or buffer was removed"
+        # No structural write since the scan (the dicts are watched): the scanned tensor objects
+        # are still the module's; only ``.data`` swaps can have moved them.
+        current = self.current
+        if _ptrs_equal is not None:
+            same = _ptrs_equal(current, self.ptrs, self._indices)
+        else:
+            same = [t.data_ptr() for t in current] == self.ptrs
         if same:
-            self.current = current
             return None
         names = _first_moved(self._slots, current, self.ptrs)
         self.rescan()

@@ -69,6 +69,7 @@ class TrainingGraph:
         self._bwd_raw = bwd_raw
         self.device = device
         self.owner = None
+        self.seq = None  # training graphs never chain in a region
         self.input_copies = 0
         self.mutated: list[int] = []
         self.gen = 0

@@ -400,3 +400,25 @@ def test_region_input_from_elsewhere_into_a_borrowed_buffer_protects_the_alias(s
         other = torch.randn(2, 8)
         torch.testing.assert_close(g[1](other), ref[1](other), rtol=0, atol=0)
         torch.testing.assert_close(h, h_want, rtol=0, atol=0)
+
+
+def test_inference_mode_calls_are_graphed_and_writes_still_seen(sim):
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        m = nn.BatchNorm1d(4).train()  # writes its running statistics in forward
+        ref = copy.deepcopy(m)
+        g = cg.graphify(m)
+
+        @cg.graphify
+        def bump(x):
+            x.add_(1)
+            return x * 2
+
+        for _ in range(3):
+            x = torch.randn(8, 4)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+            y = torch.zeros(2)
+            torch.testing.assert_close(bump(y), torch.full((2,), 2.0), rtol=0, atol=0)
+            assert torch.equal(y, torch.ones(2))  # the write reached the caller's tensor
+    # (running statistics: the simulated capture runs the forward once more; see test_gpu.py)
+    assert counts(g)[:2] == (1, 2) and counts(bump)[:2] == (1, 2)

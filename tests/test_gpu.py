@@ -474,3 +474,18 @@ def test_gpt_with_a_sync_in_every_block_keeps_the_rest_graphed(sync):
             assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
     text = str(cg.explain(g))
     assert f"Tensor.{sync}" in text and "_models.py:" in text
+
+
+def test_inference_mode_and_buffers_written_by_forward():
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        ref = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16)).to(DEV).train()
+        g = cg.graphify(copy.deepcopy(ref), num_warmup_iters=3)
+        for _ in range(5):
+            x = torch.randn(32, 16, device=DEV)
+            torch.testing.assert_close(g(x), ref(x), rtol=1e-6, atol=1e-6)
+        # running statistics advanced once per call, as eagerly (extra warm-ups restored them)
+        torch.testing.assert_close(g[1].running_mean, ref[1].running_mean, rtol=1e-6, atol=1e-6)
+        assert int(g[1].num_batches_tracked) == int(ref[1].num_batches_tracked) == 5
+    s = cg.stats(g)
+    assert (s.captures, s.replays) == (1, 4)

@@ -57,6 +57,8 @@ CASES = [
     (torch.multinomial, (x.softmax(-1), 1), {}, RNG),
     (F.scaled_dot_product_attention, (x[None], x[None], x[None]), {}, set()),  # dropout_p=0
     (F.scaled_dot_product_attention, (x[None], x[None], x[None]), {"dropout_p": 0.1}, RNG),
+    (F.scaled_dot_product_attention, (x[None], x[None], x[None], mask[None]), {}, set()),
+    (F.scaled_dot_product_attention, (x[None], x[None], x[None], None, 0.1), {}, RNG),
     # host memory and copies between devices
     (torch.Tensor.pin_memory, (torch.zeros(2, device="meta"),), {}, {"HOST_ALLOC"}),
     (torch.empty, (4,), {"pin_memory": True}, {"HOST_ALLOC"}),

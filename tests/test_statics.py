@@ -36,7 +36,7 @@ def test_static_detection_finds_every_parameter_and_buffer_once():
 def test_to_dtype_is_detected():
     m, s = make()
     m.to(torch.float64)
-    assert "moved to new memory" in s.changed()
+    assert "moved" in s.changed()
     assert s.changed() is None  # re-scanned
 
 
@@ -85,3 +85,24 @@ def test_freed_old_memory_cannot_alias_a_new_tensor():
 def test_function_state_has_no_statics():
     s = StaticState(None)
     assert s.tensors == [] and s.changed() is None and s.devices() == set()
+
+
+def test_replacing_a_submodule_without_parameters_is_detected():
+    m = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    s = StaticState(m)
+    m[1] = nn.Tanh()
+    assert s.changed() == "a submodule was replaced"
+    assert s.changed() is None
+
+
+def test_watched_dicts_pickle_and_copy_as_plain_dicts():
+    import copy
+    import pickle
+
+    m, s = make()
+    assert type(m._buffers).__name__ == "_WatchedDict"
+    assert type(pickle.loads(pickle.dumps(m._buffers))) is dict
+    m2 = copy.deepcopy(m)
+    torch.testing.assert_close(m2(torch.ones(2, 4)), m(torch.ones(2, 4)))
+    m._buffers["running_mean"] = torch.zeros(4)  # a direct write, as Module._apply does
+    assert s.changed() is not None
