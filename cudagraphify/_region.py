@@ -127,10 +127,12 @@ class GraphRegion:
 
     def borrowable(self, leaves: list) -> dict[int, Slot]:
         """Leaves that are exactly a slot's tensor (an alias handed out): read them in place."""
-        out = {}
+        out: dict[int, Slot] = {}
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor):
                 slot = self._slots.get(x.data_ptr())
+                if slot in out.values():
+                    continue  # the same alias twice: one leaf borrows it, the others copy
                 if slot is not None and x.untyped_storage().data_ptr() == \
                         slot.tensor.untyped_storage().data_ptr() and x.shape == slot.tensor.shape \
                         and x.stride() == slot.tensor.stride() and x.dtype == slot.tensor.dtype:

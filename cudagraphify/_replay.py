@@ -49,7 +49,7 @@ class StaticInputs:
                 self.leaves.append(borrow[i])
                 self.same_layout[i] = True
             elif isinstance(leaf, torch.Tensor) and not static:
-                if torch._debug_has_internal_overlap(leaf) == 0:
+                if not _overlaps(leaf):
                     buf = torch.empty_strided(leaf.size(), leaf.stride(), dtype=leaf.dtype,
                                               device=leaf.device)
                     self.same_layout[i] = True
@@ -69,6 +69,20 @@ class StaticInputs:
             if isinstance(leaf, torch.Tensor):
                 out.setdefault(leaf.untyped_storage().data_ptr(), i)
         return out
+
+
+def _overlaps(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` share memory (an ``expand``-ed view); gaps are fine."""
+    verdict = torch._debug_has_internal_overlap(t)  # 0 no, 1 yes, 2 "too hard to tell"
+    if verdict != 2:
+        return verdict == 1
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz > 1)
+    reach = 0  # the furthest element offset the smaller strides reach
+    for stride, size in dims:
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[[list], Any]:

@@ -85,15 +85,18 @@ class TrainingGraph:
         self._grad_out = grad_out
         self._grad_in = grad_in  # per Function input (user tensors, then params): tensor or None
         self._n_params = n_params
-        self._held: tuple = ()
         self._last_ctx: weakref.ref | None = None
 
     @property
     def pool_bytes(self) -> int:
+        if self._bwd_raw is None:
+            return 0
         return self.raw.pool_bytes + self._bwd_raw.pool_bytes
 
     @property
     def capture_seconds(self) -> float:
+        if self._bwd_raw is None:
+            return 0.0
         return self.raw.capture_seconds + self._bwd_raw.capture_seconds
 
     def pending(self) -> bool:
@@ -117,6 +120,11 @@ class TrainingGraph:
         return [o.clone() for o in self._outs]
 
     def backward(self, ctx, grads: tuple) -> tuple:
+        if self._bwd_raw is None:
+            raise CudagraphifyError(
+                "backward of a graphed call whose graph was released before the backward ran "
+                "(evicted by max_graphs, invalidated by a parameter change, or its graph_region "
+                "closed); run backward first, or raise max_graphs")
         if getattr(ctx, "done", False):
             raise CudagraphifyError(
                 "backward ran twice through one graphed call (retain_graph=True); graphs do "
@@ -137,21 +145,16 @@ class TrainingGraph:
                 elif g.data_ptr() != buf.data_ptr():
                     buf.copy_(g)
         self._bwd_raw.replay()
-        n = self._n_user
-        user = tuple(None if g is None else g.clone() for g in self._grad_in[:n])
-        # Parameter gradients are handed over as aliases of the static buffers. Holding them
-        # here keeps autograd from adopting the static memory as ``.grad`` (it copies or adds
-        # instead), so the next backward cannot overwrite a ``.grad``.
-        params = tuple(None if g is None else g.detach() for g in self._grad_in[n:])
-        self._held = params
-        return user + params
+        # Fresh copies: autograd adopts them as ``.grad`` (or adds them), and hooks or
+        # ``autograd.grad`` callers may keep them; the next replay overwrites the static buffers.
+        return tuple(None if g is None else g.clone() for g in self._grad_in)
 
     def release(self) -> None:
         for raw in (self.raw, self._bwd_raw):
             if raw is not None:
                 raw.release()
+        self._bwd_raw = None
         self._outs = self._grad_out = self._grad_in = []
-        self._held = ()
         self._inputs = None
         self._copy = []
 

@@ -422,3 +422,48 @@ def test_inference_mode_calls_are_graphed_and_writes_still_seen(sim):
             assert torch.equal(y, torch.ones(2))  # the write reached the caller's tensor
     # (running statistics: the simulated capture runs the forward once more; see test_gpu.py)
     assert counts(g)[:2] == (1, 2) and counts(bump)[:2] == (1, 2)
+
+
+def test_region_alias_passed_twice_is_borrowed_once(sim):
+    g = cg.graphify(nn.Identity())
+
+    @cg.graphify
+    def f(a, b):
+        return a - b
+
+    with torch.no_grad(), cg.graph_region():
+        g(torch.ones(3))
+        a = g(torch.ones(3))
+        f(a, a)
+        torch.testing.assert_close(f(torch.full((3,), 10.0), torch.full((3,), 3.0)),
+                                   torch.full((3,), 7.0), rtol=0, atol=0)
+
+
+def test_gapped_slices_keep_their_layout_and_aliases(sim):
+    @cg.graphify(copy_outputs=False)
+    def first_row(x):
+        return x[0]
+
+    @cg.graphify
+    def scale_(x):
+        return x.mul_(2)
+
+    with torch.no_grad():
+        base = torch.ones(4, 6)
+        for _ in range(3):
+            x = base[:, :2]  # not contiguous, with gaps: nothing overlaps
+            y = first_row(x)
+            assert y.data_ptr() == x.data_ptr()  # a view of the caller's tensor
+            assert scale_(x) is x
+    assert counts(first_row)[:2] == (1, 2) and counts(scale_)[:2] == (1, 2)
+    assert torch.equal(base[:, :2], torch.full((4, 2), 8.0))
+
+
+def test_backward_after_its_training_graph_was_evicted_is_a_clear_error(sim):
+    m = cg.graphify(nn.Linear(4, 4), max_graphs=1)
+    xa, xb = torch.randn(2, 4), torch.randn(3, 4)
+    m(xa)  # warm-up + capture of A
+    ya = m(xa)  # replay of A, backward pending
+    m(xb)  # B evicts A
+    with pytest.raises(cg.CudagraphifyError, match="released before the backward"):
+        ya.sum().backward()
