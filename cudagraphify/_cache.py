@@ -8,6 +8,7 @@ a graph must never read memory of another layout.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
@@ -15,6 +16,8 @@ from ._errors import CudagraphifyUsageError
 from ._signature import Signature
 
 __all__ = ["CachePolicy", "GraphCache", "EagerEntry"]
+
+_MAX_EAGER = 256  # eager decisions remembered per cache
 
 
 class CachePolicy:
@@ -41,6 +44,8 @@ class CachePolicy:
         self.max_evictions = max_evictions
         self.shared = bool(shared)
         self._shared_cache: GraphCache | None = None
+        # callables sharing a cache replay each other's graphs: one lock for all of them
+        self.shared_lock = threading.RLock() if self.shared else None
 
     def new_cache(self) -> "GraphCache":
         """The cache for one more callable: its own, or the policy's one when ``shared``."""
@@ -51,15 +56,16 @@ class CachePolicy:
         return self._shared_cache
 
     def key(self, signature: Signature) -> Hashable:
-        """The part of the key a policy controls. Default: argument structure and constants.
+        """The part of the key a policy controls. Default: the constants.
 
         Return the same value for two signatures to let them share a graph: the graph then
-        replays with the constants seen at capture.
+        replays with the constants seen at capture. Tensor layouts, global state and the
+        argument structure (which leaf is which argument) are always part of the key.
         """
-        return (signature.spec, signature.constants)
+        return signature.constants
 
     def full_key(self, signature: Signature) -> Hashable:
-        return (signature.tensors, signature.state, self.key(signature))
+        return (signature.tensors, signature.state, signature.spec, self.key(signature))
 
 
 class KeyFnPolicy(CachePolicy):
@@ -109,6 +115,10 @@ class GraphCache:
         while len(graphs) > self.policy.max_graphs:
             old = graphs.pop(0)
             evicted.append(self._entries.pop(old))
+        if len(self._entries) - len(graphs) > _MAX_EAGER:
+            # eager decisions are cheap to make again: forget the oldest
+            for k in [k for k, e in self._entries.items() if isinstance(e, EagerEntry)][:-_MAX_EAGER]:
+                del self._entries[k]
         for e in evicted:
             e.release()
         self.evictions += len(evicted)

@@ -98,7 +98,7 @@ class GraphedState:
         self.statics = StaticState(module)
         self.static_positions = static_positions
         self.static_names = static_names
-        self.lock = threading.RLock()
+        self.lock = self.policy.shared_lock or threading.RLock()
         self.captures = 0
         self.capture_seconds = 0.0
         self.warmup_seconds = 0.0
@@ -263,7 +263,10 @@ class GraphedState:
             return self._decide_eager(cache, key, "forward writes to its tensor arguments while "
                                       "autograd records", done)
         moved_statics = [statics[j] for j in _written(statics, static_marks)]
-        self._extra_warmups(backend, device, fn, sig, leaves, training, moved_statics)
+        # Objects named in static_argnames are passed as they are: extra runs would change them.
+        opaque = any(c[1] == "static-object" for c in sig.constants)
+        if not opaque:
+            self._extra_warmups(backend, device, fn, sig, leaves, training, moved_statics)
         self.warmup_seconds += time.perf_counter() - t0
         second = new_probe(self, thunder=False)
         run = probed(second, fn)
@@ -307,7 +310,7 @@ class GraphedState:
                       "least recently used graphs are released and re-captured when needed")
         (region or self)._stream_token = backend.stream_token(device)
         if region is not None and region.chain and entry.seq is not None and not mutated \
-                and not moved_statics:
+                and not moved_statics and not opaque:
             # In a chaining region the first call returns the graph's own (aliased) outputs, so
             # the next graphed call is captured reading them in place. Nothing was mutated, so
             # replaying once more has no effect beyond its outputs.
@@ -346,6 +349,7 @@ class GraphedState:
         borrow = region.borrowable(leaves) if chain else {}
         borrow = {i: s for i, s in borrow.items() if not static_flags[i] and i not in mutated}
         inputs = StaticInputs(leaves, static_flags, {i: s.tensor for i, s in borrow.items()})
+        held_before = [slot.users() for slot in borrow.values()]
         a, kw = unflatten_call(inputs.leaves, sig)
         pool = region.pool(backend, device) if region is not None else None
         raw, out = backend.capture(lambda: fn(*a, **kw), device, pool=pool)
@@ -369,6 +373,10 @@ class GraphedState:
         entry.borrowed = list(borrow.items())
         if forget is not None:
             entry.on_release.append(forget)
+        for slot, held in zip(borrow.values(), held_before):
+            # outputs that are views of a borrowed input are cudagraphify's own references
+            slot.own_more(slot.users() - held)
+            entry.on_release.append(lambda slot=slot, n=slot.users() - held: slot.own_more(-n))
         return entry
 
     # -- upkeep ----------------------------------------------------------------------------

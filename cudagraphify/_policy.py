@@ -198,10 +198,23 @@ def builtin_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset = ACCEL)
     return tags
 
 
+def _visible(fn: Any) -> bool:
+    """Can the probe see calls of ``fn``? (torch functions, Tensor methods, custom ops, names)"""
+    if isinstance(fn, str):
+        return True
+    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return True
+    module = getattr(fn, "__module__", None) or ""
+    owner = getattr(fn, "__objclass__", None)
+    return module.startswith("torch") or owner is torch._C.TensorBase or \
+        getattr(fn, "__self__", None) is torch._C._VariableFunctions
+
+
 class OpPolicy:
     """Tags calls and decides whether they can be captured. Subclass to change the decision.
 
-    ``tag_op(fn, *tags)`` tags a function of yours (or a custom op) wherever it is called;
+    ``tag_op(fn, *tags)`` tags a torch function, Tensor method or custom op wherever it is
+    called;
     ``mark_safe(fn)`` overrides every other tag of ``fn``. Tags are ``Tag`` objects or names.
     """
 
@@ -211,6 +224,12 @@ class OpPolicy:
     def tag_op(self, fn: Callable, *tags) -> None:
         if not tags:
             raise ValueError("tag_op needs at least one tag")
+        if not _visible(fn):
+            raise ValueError(
+                f"{getattr(fn, '__qualname__', fn)!r} is a plain Python function: the probe sees "
+                "torch functions, Tensor methods and custom ops (torch.library), not the Python "
+                "functions that call them. Tag the torch op it calls, or register it as a custom "
+                "op, or name a non-op call (e.g. 'torch.cuda.synchronize')")
         self._overrides[fn] = self._overrides.get(fn, frozenset()) | {tag_name(t) for t in tags}
 
     def mark_safe(self, fn: Callable) -> None:

@@ -87,6 +87,52 @@ def _resolve(dotted: str) -> tuple[Any, str] | None:
     return None
 
 
+_active: dict[int, "Probe"] = {}  # thread id -> the probe recording on that thread
+_patch_lock = threading.Lock()
+_patch_users = 0
+_patch_undo: list = []
+
+
+def _acquire_patches() -> None:
+    """Wrap the non-op calls (once for all probes); each call goes to its thread's probe."""
+    global _patch_users
+    with _patch_lock:
+        _patch_users += 1
+        if _patch_users > 1:
+            return
+        for dotted, tags in NON_OP_CALLS.items():
+            found = _resolve(dotted)
+            if found is None:
+                continue
+            owner, attr = found
+            own = attr in vars(owner)
+            original = vars(owner)[attr] if own else None
+
+            def wrapper(*a, _orig=getattr(owner, attr), _name=dotted, _tags=tags, **k):
+                probe = _active.get(threading.get_ident())
+                if probe is None or probe._non_op_depth:
+                    return _orig(*a, **k)  # another thread, or inside a recorded call
+                probe._record_non_op(_name, _tags)
+                probe._non_op_depth += 1
+                try:
+                    return _orig(*a, **k)
+                finally:
+                    probe._non_op_depth -= 1
+
+            setattr(owner, attr, wrapper)
+            _patch_undo.append(lambda o=owner, n=attr, v=original, own=own:
+                               setattr(o, n, v) if own else delattr(o, n))
+
+
+def _release_patches() -> None:
+    global _patch_users
+    with _patch_lock:
+        _patch_users -= 1
+        if _patch_users == 0:
+            while _patch_undo:
+                _patch_undo.pop()()
+
+
 class Probe:
     """Records ops per submodule of ``root`` while active (a context manager)."""
 
@@ -143,27 +189,12 @@ class Probe:
             self._undo.append(_module_mod.register_module_forward_pre_hook(self._pre).remove)
             self._undo.append(
                 _module_mod.register_module_forward_hook(self._post, always_call=True).remove)
-        for dotted, tags in NON_OP_CALLS.items():
-            found = _resolve(dotted)
-            if found is None:
-                continue
-            owner, attr = found
-            own = attr in vars(owner)
-            original = vars(owner)[attr] if own else None
-
-            def wrapper(*a, _orig=getattr(owner, attr), _name=dotted, _tags=tags, **k):
-                if self._non_op_depth or threading.get_ident() != self._thread:
-                    return _orig(*a, **k)  # nested in a recorded call, or another thread
-                self._record_non_op(_name, _tags)
-                self._non_op_depth += 1
-                try:
-                    return _orig(*a, **k)
-                finally:
-                    self._non_op_depth -= 1
-
-            setattr(owner, attr, wrapper)
-            self._undo.append(lambda o=owner, n=attr, v=original, own=own:
-                              setattr(o, n, v) if own else delattr(o, n))
+        _acquire_patches()
+        outer = _active.get(self._thread)
+        _active[self._thread] = self
+        self._undo.append(_release_patches)
+        self._undo.append(lambda: _active.__setitem__(self._thread, outer) if outer is not None
+                          else _active.pop(self._thread, None))
         mode = _Mode(self)
         mode.__enter__()
         self._undo.append(lambda: mode.__exit__(None, None, None))

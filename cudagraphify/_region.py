@@ -63,9 +63,17 @@ class Slot:
         self.baseline: int | None = None
         self.alias: weakref.ref | None = None
 
+    def users(self) -> int:
+        return _use_count(self.storage._cdata)
+
     def extra_users(self) -> int:
         """Tensors sharing this memory beyond cudagraphify's own."""
         return _use_count(self.storage._cdata) - self.baseline
+
+    def own_more(self, n: int) -> None:
+        """cudagraphify now holds ``n`` more (or fewer) tensors on this memory."""
+        if self.baseline is not None:
+            self.baseline += n
 
     def hand_out(self, leaves, outs) -> torch.Tensor:
         if self.baseline is None:

@@ -182,6 +182,8 @@ def build_signature(
             # Declared static by name: the caller promises the object keeps its tensors in
             # place, so it is keyed by identity.
             constants.append((idx, "static-object", id(leaf)))
+        elif type(leaf) is float:
+            constants.append((idx, float, leaf.hex()))  # -0.0 and 0.0 differ; nan equals nan
         elif is_constant(leaf):
             constants.append((idx, type(leaf), leaf))
         else:

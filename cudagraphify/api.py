@@ -122,7 +122,14 @@ def _static_binding(fn: Callable, static_argnames: tuple[str, ...],
 
 
 def _install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -> list:
-    """Graphify the submodules at ``paths`` (a piecewise plan); returns those it wrapped."""
+    """Graphify the submodules at ``paths`` (a piecewise plan); returns those it wrapped.
+
+    Pieces take the root's run options (warm-up, outputs, probe, op policy, enabled, bound) but
+    not its keying options: argument names and cache policies describe the root's forward.
+    """
+    options = Options(num_warmup_iters=options.num_warmup_iters, max_graphs=options.max_graphs,
+                      enabled=options.enabled, copy_outputs=options.copy_outputs,
+                      probe=options.probe, op_policy=options.op_policy)
     installed = []
     for path in paths:
         sub = root.get_submodule(path) if path else root

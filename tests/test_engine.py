@@ -467,3 +467,85 @@ def test_backward_after_its_training_graph_was_evicted_is_a_clear_error(sim):
     m(xb)  # B evicts A
     with pytest.raises(cg.CudagraphifyError, match="released before the backward"):
         ya.sum().backward()
+
+
+def test_region_graph_returning_a_view_of_a_borrowed_input_does_not_pin_it(sim):
+    @cg.graphify
+    def g(x):
+        return x * 2
+
+    @cg.graphify
+    def h(a):
+        return a[1:]
+
+    with torch.no_grad(), cg.graph_region():
+        for _ in range(4):
+            x = torch.randn(3)
+            torch.testing.assert_close(h(g(x)).clone(), x[1:] * 2, rtol=0, atol=0)
+    assert cg.stats(g).eager == 0 and cg.stats(h).eager == 0
+
+
+def test_static_objects_are_not_touched_by_extra_warmups(sim):
+    class State:
+        t = 0.0
+
+    @cg.graphify(num_warmup_iters=3, static_argnames=("state",))
+    def step(x, state):
+        state.t += 1
+        return x + 1
+
+    s = State()
+    with torch.no_grad():
+        step(torch.zeros(2), s)
+    assert s.t == 1.0  # the real call only
+
+
+def test_pieces_do_not_inherit_the_roots_argument_names_or_cache_policy(sim):
+    class Root(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Tanh()
+
+        def forward(self, x, cache=None):
+            y = self.a(x)
+            if y.sum() > 1e9:  # a host sync: the root runs piecewise
+                y = y * 0
+            return self.b(y)
+
+    torch.manual_seed(0)
+    ref = Root()
+    g = cg.graphify(copy.deepcopy(ref), static_argnames=("cache",),
+                    cache_policy=cg.CachePolicy(shared=True))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+    assert cg.stats(g.a).replays == 2 and cg.stats(g.b).replays == 2
+
+
+def test_a_policy_cannot_mix_up_keyword_arguments_or_signed_zeros(sim):
+    @cg.graphify(key_fn=lambda sig: sig.constants)
+    def f(x, y):
+        return x - y
+
+    @cg.graphify
+    def g(x, s):
+        return 1 / (x * s)
+
+    a, b = torch.full((2,), 5.0), torch.full((2,), -4.0)
+    with torch.no_grad():
+        f(x=a, y=b), f(x=a, y=b)
+        torch.testing.assert_close(f(y=b, x=a), a - b, rtol=0, atol=0)
+        g(torch.ones(1), 0.0), g(torch.ones(1), 0.0)
+        assert g(torch.ones(1), -0.0).item() == float("-inf")
+
+
+def test_eager_decisions_are_bounded():
+    @cg.graphify
+    def f(x, k):
+        return x * k
+
+    with torch.no_grad():
+        for k in range(600):
+            f(torch.ones(1), float(k))
+    assert len(f._self_dispatch.state.cache) <= 256

@@ -87,17 +87,23 @@ def test_cpu_tensors_of_a_gpu_module_are_not_syncs():
 
 
 def test_user_tags_and_safe_override():
-    def my_op(t):
-        return t
-
+    my_op = torch.Tensor.tanh
     pol = OpPolicy()
     pol.tag_op(my_op, "HOST_SYNC")
     assert not pol.can_graph(my_op, pol.tags(my_op, (x,), {}, accel=ACC))
+    assert OpPolicy().tags(my_op, (x,), {}, accel=ACC) == set()  # policies are independent
     pol.mark_safe(torch.Tensor.item)
     tags = pol.tags(torch.Tensor.item, (s0,), {}, accel=ACC)
     assert tags == {"SAFE"} and pol.can_graph(torch.Tensor.item, tags)
     with pytest.raises(ValueError, match="unknown tag"):
         pol.tag_op(my_op, "NOT_A_TAG")
+
+    def plain(t):  # the probe never sees a Python function: refused, with the way out
+        return t
+
+    with pytest.raises(ValueError, match="plain Python function.*custom op"):
+        pol.tag_op(plain, "HOST_SYNC")
+    pol.tag_op("torch.cuda.synchronize", "SAFE")  # non-op calls are tagged by name
 
 
 def test_subclassed_policy_decides():
@@ -126,9 +132,5 @@ def test_public_tag_objects_extend_thunders_tagbase():
     assert issubclass(cg.Tag, TagBase)
     assert isinstance(cg.Tag.HOST_SYNC, TagBase)
     pol = OpPolicy()
-
-    def f(t):
-        return t
-
-    pol.tag_op(f, cg.Tag.COLLECTIVE)
-    assert pol.tags(f, (x,), {}) == {"COLLECTIVE"}
+    pol.tag_op(torch.Tensor.cumsum, cg.Tag.COLLECTIVE)
+    assert pol.tags(torch.Tensor.cumsum, (x, 0), {}) == {"COLLECTIVE"}

@@ -134,3 +134,30 @@ def test_another_threads_modules_do_not_enter_the_probe():
         "ln_f"}
     # the other thread's torch.manual_seed was not recorded, and its ops were not counted twice
     assert probe.sequences["blocks.0.mlp.fc"] == ["F.linear"]
+
+
+def test_probes_on_two_threads_interleaved_restore_torch():
+    import threading
+
+    original = torch.manual_seed
+    a = Probe(None, OpPolicy(), accel=ACC)
+    b = Probe(None, OpPolicy(), accel=ACC)
+    b_in, a_out = threading.Event(), threading.Event()
+
+    def other():
+        with b:
+            b_in.set()
+            a_out.wait()  # A leaves first
+            torch.manual_seed(1)
+
+    t = threading.Thread(target=other)
+    a.__enter__()
+    t.start()
+    b_in.wait()
+    torch.manual_seed(0)
+    a.__exit__(None, None, None)
+    a_out.set()
+    t.join()
+    assert torch.manual_seed is original
+    assert [f.op for f in a.findings] == ["torch.manual_seed"]
+    assert [f.op for f in b.findings] == ["torch.manual_seed"]
