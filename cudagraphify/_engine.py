@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -280,6 +281,7 @@ class GraphedState:
                     entry = self._capture_inference(backend, region, run, sig, leaves,
                                                     static_flags, mutated, device)
         except CaptureFailed as e:
+            _forget_frames(e)
             if e.transient and self._deferred < _MAX_DEFERRED:
                 self._deferred += 1
                 reason = f"capture deferred (retried on a later call): {e}"
@@ -412,6 +414,14 @@ class GraphedState:
         """(key, 'graphed' | 'eager: reason') for each cached signature."""
         return [(k, "graphed" if isinstance(e, (CapturedGraph, TrainingGraph))
                  else f"eager: {e.reason}") for k, e in self.cache.items(self)]
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Clear the locals of a failed capture's frames: a traceback cycle would keep its tensors
+    (and their autograd graph, which blocks the next capture) alive until the GC runs."""
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
 
 
 def _marks(tensors: list[torch.Tensor]) -> list:
