@@ -151,3 +151,19 @@ def test_capture_while_an_earlier_graph_is_alive_is_deferred_not_given_up():
     g(x2).sum().backward()
     s = cg.stats(g)
     assert s.captures == 2 and s.replays == 2, s
+
+
+def test_gradients_kept_from_autograd_grad_survive_the_next_backward():
+    ref = _gpt()
+    g = cg.graphify(copy.deepcopy(ref))
+    pg, pr = list(g.parameters()), list(ref.parameters())
+    x1, x2 = (torch.randn(1, 8, 256, device=DEV) for _ in range(2))
+    g(x1).sum().backward()  # warm-up + capture
+    ga = torch.autograd.grad(g(x1).sum(), pg)  # replay: aliases of the static buffers
+    gb = torch.autograd.grad(g(x2).sum(), pg)  # the next replay must not change ga
+    ra = torch.autograd.grad(ref(x1).sum(), pr)
+    rb = torch.autograd.grad(ref(x2).sum(), pr)
+    for a, b, want_a, want_b in zip(ga, gb, ra, rb):
+        torch.testing.assert_close(a, want_a, **TOL)
+        torch.testing.assert_close(b, want_b, **TOL)
+    assert cg.stats(g).replays == 2
