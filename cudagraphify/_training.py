@@ -15,7 +15,6 @@ signature still waits for its backward runs eagerly instead.
 
 from __future__ import annotations
 
-import sys
 import weakref
 from typing import Any, Callable
 
@@ -86,7 +85,6 @@ class TrainingGraph:
         self._grad_out = grad_out
         self._grad_in = grad_in  # per Function input (user tensors, then params): tensor or None
         self._n_params = n_params
-        self._held: tuple = ()
         self._last_ctx: weakref.ref | None = None
 
     @property
@@ -146,16 +144,12 @@ class TrainingGraph:
                     buf.zero_()
                 elif g.data_ptr() != buf.data_ptr():
                     buf.copy_(g)
-        _move_kept(self._held)
         self._bwd_raw.replay()
-        n = self._n_user
-        user = tuple(None if g is None else g.clone() for g in self._grad_in[:n])
-        # Parameter gradients are handed over as aliases of the static buffers (no copy): while
-        # we hold them, autograd copies them into a new ``.grad`` or adds them to the existing
-        # one, never adopting our memory. A caller that keeps one (``autograd.grad``, a hook)
-        # gets it moved to a copy before the next replay overwrites the buffers.
-        self._held = tuple(None if g is None else g.detach() for g in self._grad_in[n:])
-        return user + self._held
+        # Fresh copies. With ``zero_grad(set_to_none=True)`` autograd adopts them as ``.grad``
+        # without another copy. Aliases of the static buffers would save a copy when ``.grad``
+        # accumulates, but a gradient an ``autograd.grad`` caller or a hook keeps would then be
+        # overwritten by the next replay (seen on the GPU): correctness first.
+        return tuple(None if g is None else g.clone() for g in self._grad_in)
 
     def release(self) -> None:
         for raw in (self.raw, self._bwd_raw):
@@ -163,22 +157,8 @@ class TrainingGraph:
                 raw.release()
         self._bwd_raw = None
         self._outs = self._grad_out = self._grad_in = []
-        _move_kept(self._held)  # their memory goes back to the pool: keep what callers hold
-        self._held = ()
         self._inputs = None
         self._copy = []
-
-
-def _move_kept(held: tuple) -> None:
-    """Move aliases that someone besides ``held`` still references to copies of their own."""
-    for alias in held:
-        # references of our own: the tuple slot, the loop variable, getrefcount's argument
-        if alias is not None and sys.getrefcount(alias) > _OWN_REFS:
-            with torch.no_grad():
-                alias.set_(alias.clone())
-
-
-_OWN_REFS = 3
 
 
 class _GraphedFunction(torch.autograd.Function):
