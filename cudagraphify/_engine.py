@@ -17,7 +17,6 @@ import collections
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -25,6 +24,7 @@ import torch
 from . import _capture, _region
 from ._cache import CachePolicy, EagerEntry, GraphCache
 from ._errors import CaptureFailed, warn_once
+from ._options import Options, Stats
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
 from ._piecewise import go_piecewise, new_probe, probed, sequence_findings
@@ -50,41 +50,6 @@ class _Nested:
 
     def __exit__(self, *exc):
         _tls.depth -= 1
-
-
-@dataclass(frozen=True)
-class Options:
-    """Options of one graphed callable (see :func:`cudagraphify.graphify`)."""
-
-    num_warmup_iters: int = 1
-    static_argnames: tuple[str, ...] = ()
-    max_graphs: int = 16
-    enabled: bool | Callable[[], bool] = True
-    copy_outputs: bool = True
-    cache_policy: CachePolicy | None = None
-    probe: str | bool = "auto"
-    op_policy: Any = None
-
-
-@dataclass
-class Stats:
-    """Counters of one graphed callable (or one region). A snapshot: it does not update."""
-
-    captures: int = 0
-    replays: int = 0
-    eager_calls: dict[str, int] = field(default_factory=dict)
-    capture_seconds: float = 0.0
-    warmup_seconds: float = 0.0
-    graph_pool_bytes: int = 0
-    graphs: int = 0
-    evictions: int = 0
-    invalidations: int = 0
-    input_copies: int = 0
-    moved_outputs: int = 0  # region outputs still held at the next replay, moved to a copy
-
-    @property
-    def eager(self) -> int:
-        return sum(self.eager_calls.values())
 
 
 class GraphedState:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ._cache import CachePolicy, GraphCache
+from ._cache import GraphCache
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 
 if TYPE_CHECKING:

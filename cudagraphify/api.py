@@ -16,7 +16,7 @@ import wrapt
 
 from ._cache import CachePolicy, KeyFnPolicy
 from ._engine import GraphedState, Options, Stats
-from ._errors import CudagraphifyError, CudagraphifyUsageError
+from ._errors import CudagraphifyUsageError
 from ._policy import OpPolicy, default_policy
 from ._region import GraphRegion
 from ._signature import Signature

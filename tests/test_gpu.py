@@ -9,7 +9,6 @@ import warnings
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import cudagraphify as cg
