@@ -173,6 +173,7 @@ def test_module_hooks_still_run_around_the_graphed_forward():
     assert seen == ["pre", "post"]
 
 
+@pytest.mark.filterwarnings("ignore::cudagraphify.CudagraphifyWarning")
 def test_user_exception_reaches_the_caller_unchanged():
     class Boom(Exception):
         pass
