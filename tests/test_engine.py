@@ -550,3 +550,32 @@ def test_eager_decisions_are_bounded():
         for k in range(600):
             f(torch.ones(1), float(k))
     assert len(f._self_dispatch.state.cache) <= 256
+
+
+def test_tensors_on_several_devices_run_eagerly_with_the_reason(sim):
+    @cg.graphify
+    def f(a, b):
+        return a.sum() + b.shape[0]
+
+    with torch.no_grad():
+        assert f(torch.ones(2), torch.empty(3, device="meta")).item() == 5.0
+    (reason,) = cg.stats(f).eager_calls
+    assert reason.startswith("tensors on several devices") and "meta" in reason
+
+
+def test_keyboard_interrupt_during_capture_reaches_the_caller_and_nothing_is_cached(sim):
+    interrupt = [True]
+
+    @cg.graphify
+    def f(x):
+        if sim.capturing and interrupt[0]:
+            raise KeyboardInterrupt
+        return x + 1
+
+    with torch.no_grad():
+        with pytest.raises(KeyboardInterrupt):
+            f(torch.zeros(1))
+        interrupt[0] = False
+        f(torch.zeros(1))  # the next call warms up and captures again
+        torch.testing.assert_close(f(torch.zeros(1)), torch.ones(1), rtol=0, atol=0)
+    assert counts(f) == (1, 1, 0)
