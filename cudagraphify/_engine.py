@@ -119,7 +119,7 @@ class GraphedState:
             return self._eager(sig.reason, fn, args, kwargs)
         cache = region.cache_for(self) if region is not None else self.cache
         key = self.policy.full_key(sig)
-        if sig.state[1] and self.statics.current:  # grad mode: which parameters require grad
+        if sig.state[1] and self.statics.tensors:  # grad mode: which parameters require grad
             key = (key, self.statics.grad_pattern())
         entry = cache.get(key)
         if entry is not None and entry.owner is not self and entry.owner is not None:

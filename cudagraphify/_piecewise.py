@@ -10,7 +10,6 @@ capture fails. The decision is remembered, so the next call does not try again.
 
 from __future__ import annotations
 
-import contextlib
 from typing import TYPE_CHECKING, Any, Callable
 
 from ._cache import EagerEntry
@@ -54,10 +53,6 @@ def probed(probe: Probe | None, fn: Callable) -> Callable:
             return fn(*args, **kwargs)
 
     return run
-
-
-def maybe(probe: Probe | None):
-    return probe if probe is not None else contextlib.nullcontext()
 
 
 def sequence_findings(first: Probe, second: Probe) -> dict[str, list[Finding]]:

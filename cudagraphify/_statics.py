@@ -113,7 +113,6 @@ class StaticState:
         self.ptrs: list[int] = []
         self._indices: list[int] = []
         self._held: list = []
-        self.current: list[torch.Tensor] = []
         self._is_buffer: list[bool] = []
         self._generation = -1
         self.rescan()
@@ -142,26 +141,22 @@ class StaticState:
         # Holding the storages (not only the tensors, whose ``.data`` can be swapped) is what
         # makes an equal address mean the same memory.
         self._held = [t.untyped_storage() for t in self.tensors]
-        self.current = list(self.tensors)
         self._indices = list(range(len(self.tensors)))
 
     def grad_params(self) -> list[torch.Tensor]:
         """The parameters and buffers that require grad now (as of the last ``changed()``)."""
-        return [t for t in self.current if t.requires_grad]
+        return [t for t in self.tensors if t.requires_grad]
 
     def grad_pattern(self) -> tuple[bool, ...]:
-        return tuple([t.requires_grad for t in self.current])
+        return tuple([t.requires_grad for t in self.tensors])
 
     def watchable(self) -> list[torch.Tensor]:
         """The statics a forward may write: buffers, and parameters unless they are inference
         tensors (whose writes could only be seen by copying every weight)."""
-        return [t for t, buf in zip(self.current, self._is_buffer) if buf or not t.is_inference()]
+        return [t for t, buf in zip(self.tensors, self._is_buffer) if buf or not t.is_inference()]
 
     def devices(self) -> set[torch.device]:
         return {t.device for t in self.tensors}
-
-    def requires_grad(self) -> bool:
-        return any(t.requires_grad for t in self.tensors)
 
     def storage_ptrs(self) -> set[int]:
         return {t.untyped_storage().data_ptr() for t in self.tensors}
@@ -179,7 +174,7 @@ class StaticState:
             return None
         # No structural write since the scan (the dicts are watched): the scanned tensor objects
         # are still the module's; only ``.data`` swaps can have moved them.
-        current = self.current
+        current = self.tensors
         if _ptrs_equal is not None:
             same = _ptrs_equal(current, self.ptrs, self._indices)
         else:

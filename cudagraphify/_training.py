@@ -63,7 +63,7 @@ class TrainingGraph:
 
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
                  out_tensors: list[torch.Tensor], out_diff: list[bool], rebuild, spec,
-                 grad_out: list[torch.Tensor], grad_in: list, n_params: int,
+                 grad_out: list[torch.Tensor], grad_in: list,
                  device: torch.device):
         self.raw = fwd_raw
         self._bwd_raw = bwd_raw
@@ -84,7 +84,6 @@ class TrainingGraph:
         self._spec = spec
         self._grad_out = grad_out
         self._grad_in = grad_in  # per Function input (user tensors, then params): tensor or None
-        self._n_params = n_params
         self._last_ctx: weakref.ref | None = None
 
     @property
@@ -245,4 +244,4 @@ def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: lis
     it = iter(grads)
     grad_in = [next(it, None) if w else None for w in wants]
     return TrainingGraph(fwd_raw, bwd_raw, inputs, tensor_idx, out_tensors, diff, rebuild, spec,
-                         grad_out, grad_in, len(params), device)
+                         grad_out, grad_in, device)

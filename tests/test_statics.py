@@ -30,7 +30,7 @@ def test_static_detection_finds_every_parameter_and_buffer_once():
     st = StaticState(tied)
     names = {id(t) for t in st.tensors}
     assert len(names) == len(st.tensors) == 2 + 5 + 1  # lin + bn(w, b, mean, var, count) + bias
-    assert st.requires_grad()
+    assert st.grad_params()
 
 
 def test_to_dtype_is_detected():
