@@ -6,6 +6,7 @@ from the forward's outputs to the tensor arguments and parameters that require g
 an autograd.Function runs the forward graph; its backward copies the incoming gradients into
 static buffers, replays the backward graph and hands the gradients to autograd, which
 accumulates parameter gradients into ``.grad`` exactly as eagerly (micro-batches, hooks, DDP).
+No gradient autograd or the caller keeps is ever a static buffer (see ``_hand_out``).
 
 Never a wrong gradient: a backward whose forward's saved activations were overwritten by a
 later replay of the same graph raises; so does a second backward through the same call
@@ -15,6 +16,7 @@ signature still waits for its backward runs eagerly instead.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import Any, Callable
 
@@ -29,6 +31,8 @@ __all__ = ["TrainingGraph", "capture_training", "warmup_backward"]
 
 
 _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_flatten = torch._C._nn.flatten_dense_tensors
+_unflatten = torch._C._nn.unflatten_dense_tensors
 
 
 def _grads(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -49,13 +53,31 @@ def _diff_outputs(out: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
+@contextlib.contextmanager
+def _hooks_silenced(tensors: list[torch.Tensor]):
+    """Tensor hooks (``register_hook``) of ``tensors`` do not fire inside the block.
+
+    Our extra warm-up and capture backwards are not the user's backwards: a hook must see the
+    gradient of each real backward once, never a capture's (whose buffers hold no values yet).
+    """
+    saved = [(d, dict(d)) for d in (getattr(t, "_backward_hooks", None) for t in tensors) if d]
+    for d, _ in saved:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, hooks in saved:
+            d.update(hooks)
+
+
 def warmup_backward(fn: Callable[[], Any], params: list[torch.Tensor]) -> None:
     """One forward and backward on copies, without touching ``.grad`` (lazy init of backward)."""
     out = fn()
     outs = _diff_outputs(out)
     inputs = [p for p in params if p.requires_grad]
     if outs and inputs:
-        _grads(outs, inputs, [torch.ones_like(o) for o in outs])
+        with _hooks_silenced(inputs):
+            _grads(outs, inputs, [torch.ones_like(o) for o in outs])
 
 
 class TrainingGraph:
@@ -85,6 +107,9 @@ class TrainingGraph:
         self._grad_out = grad_out
         self._grad_in = grad_in  # per Function input (user tensors, then params): tensor or None
         self._last_ctx: weakref.ref | None = None
+        # parameter gradients added into .grad straight from the static buffers, and those
+        # adopted as .grad from one flat copy
+        self.grads_aliased = self.grads_adopted = 0
 
     @property
     def pool_bytes(self) -> int:
@@ -144,11 +169,50 @@ class TrainingGraph:
                 elif g.data_ptr() != buf.data_ptr():
                     buf.copy_(g)
         self._bwd_raw.replay()
-        # Fresh copies. With ``zero_grad(set_to_none=True)`` autograd adopts them as ``.grad``
-        # without another copy. Aliases of the static buffers would save a copy when ``.grad``
-        # accumulates, but a gradient an ``autograd.grad`` caller or a hook keeps would then be
-        # overwritten by the next replay (seen on the GPU): correctness first.
-        return tuple(None if g is None else g.clone() for g in self._grad_in)
+        return self._hand_out(ctx)
+
+    def _hand_out(self, ctx) -> tuple:
+        """The gradients for autograd, without a copy per parameter where that is proven safe.
+
+        Only a parameter's AccumulateGrad node, run by this backward (not ``autograd.grad``,
+        which hands what we return to the caller) and with no tensor hook that could keep it,
+        gets special treatment:
+
+        - ``.grad`` is set: it gets the static buffer itself, which AccumulateGrad adds into
+          ``.grad`` in place and does not keep;
+        - ``.grad`` is None: it gets a fresh view into one new flat copy of all such buffers (one
+          kernel), which AccumulateGrad adopts as ``.grad``.
+
+        Everything else (inputs, hooked parameters, ``autograd.grad``) gets its own fresh copy.
+        """
+        grads = self._grad_in
+        n = self._n_user
+        kind = [None] * len(grads)  # "alias" | "adopt" | None (a copy of its own)
+        try:
+            edges = ctx.next_functions
+            will_run = torch._C._will_engine_execute_node
+            for i in range(n, len(grads)):
+                p = ctx.params[i - n]
+                if grads[i] is not None and edges[i][0] is not None \
+                        and not p._backward_hooks and will_run(edges[i][0]):
+                    kind[i] = "adopt" if p.grad is None else "alias"
+        except RuntimeError:  # autograd.grad asks for a parameter: it keeps what we return
+            kind = [None] * len(grads)
+        out = [None if g is None else g if k == "alias" else g.clone() if k is None else None
+               for g, k in zip(grads, kind)]
+        groups: dict[tuple, list[int]] = {}
+        for i, k in enumerate(kind):
+            if k == "adopt":
+                groups.setdefault((grads[i].dtype, grads[i].device), []).append(i)
+        for idx in groups.values():
+            bufs = [grads[i] for i in idx]
+            # flatten_dense_tensors of one tensor is a view of it, not a copy
+            views = _unflatten(_flatten(bufs), bufs) if len(bufs) > 1 else [bufs[0].clone()]
+            for i, v in zip(idx, views):
+                out[i] = v
+        self.grads_aliased += kind.count("alias")
+        self.grads_adopted += sum(len(idx) for idx in groups.values())
+        return tuple(out)
 
     def release(self) -> None:
         for raw in (self.raw, self._bwd_raw):
@@ -165,6 +229,7 @@ class _GraphedFunction(torch.autograd.Function):
     def forward(ctx, graph: TrainingGraph, *tensors):
         outs = graph.forward(tensors)
         ctx.graph, ctx.gen, ctx.done = graph, graph.gen, False
+        ctx.params = tensors[graph._n_user:]
         graph._last_ctx = weakref.ref(ctx)
         ctx.mark_non_differentiable(*[o for o, d in zip(outs, graph.out_diff) if not d])
         return tuple(outs)
@@ -237,7 +302,8 @@ def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: lis
                 return []
             return list(_grads(diff_outs, targets, grad_out))
 
-        bwd_raw, grads = backend.capture(backward, device, pool=fwd_raw.pool)
+        with _hooks_silenced(targets):
+            bwd_raw, grads = backend.capture(backward, device, pool=fwd_raw.pool)
     except BaseException:
         fwd_raw.release()
         raise

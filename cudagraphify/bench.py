@@ -124,7 +124,11 @@ def _peak_extra_mb(fn, x, steps: int = 3) -> float:
 
 
 def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
-    """A training step (forward, ``.sum().backward()``): eager, graphify, make_graphed_callables."""
+    """A training step (forward, ``.sum().backward()``): eager, graphify, make_graphed_callables.
+
+    Two ways to treat gradients: ``accumulate`` (``.grad`` adds up over steps, as in gradient
+    accumulation) and ``set_to_none`` (``zero_grad(set_to_none=True)`` before every step).
+    """
     import cudagraphify as cg
 
     torch.manual_seed(0)
@@ -132,9 +136,14 @@ def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
     x = torch.randn(cfg.batch, cfg.seq, cfg.dim, device="cuda", dtype=cfg.dtype)
     row: dict = {"workload": f"{name}-train", "config": repr(cfg)}
 
-    def step(model):
+    def step(fn, module, mode):
+        params = list(module.parameters())
+
         def run(inp):
-            model(inp).sum().backward()
+            if mode == "set_to_none":
+                for p in params:
+                    p.grad = None
+            fn(inp).sum().backward()
         return run
 
     def fresh():
@@ -142,33 +151,32 @@ def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
         m.load_state_dict(base.state_dict())
         return m
 
-    row["eager_us"] = time_per_call(step(base), x, calls, repeats)
-    row["eager_peak_mb"] = _peak_extra_mb(step(base), x)
-
     g = cg.graphify(fresh())
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    step(g)(x), step(g)(x)
+    step(g, g, "accumulate")(x), step(g, g, "accumulate")(x)
     torch.cuda.synchronize()
     row["graphify_first_call_s"] = time.perf_counter() - t0
-    row["graphify_us"] = time_per_call(step(g), x, calls, repeats)
-    row["graphify_peak_mb"] = _peak_extra_mb(step(g), x)
-    s = cg.stats(g)
-    row["graphify_captures"], row["graphify_replays"] = s.captures, s.replays
-    row["graphify_eager_calls"] = s.eager
-    row["graphify_warmup_s"], row["graphify_capture_s"] = s.warmup_seconds, s.capture_seconds
-
     mgc_model = fresh()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     mgc = torch.cuda.make_graphed_callables(mgc_model, (x,))
-    step(mgc)(x)
+    step(mgc, mgc_model, "accumulate")(x)
     torch.cuda.synchronize()
     row["make_graphed_callables_first_call_s"] = time.perf_counter() - t0
-    row["make_graphed_callables_us"] = time_per_call(step(mgc), x, calls, repeats)
-    row["make_graphed_callables_peak_mb"] = _peak_extra_mb(step(mgc), x)
-    row["graphify_vs_eager"] = row["graphify_us"] / row["eager_us"]
-    row["graphify_vs_make_graphed_callables"] = row["graphify_us"] / row["make_graphed_callables_us"]
+    for mode in ("accumulate", "set_to_none"):
+        for label, fn, module in (("eager", base, base), ("graphify", g, g),
+                                  ("make_graphed_callables", mgc, mgc_model)):
+            run = step(fn, module, mode)
+            row[f"{label}_{mode}_us"] = time_per_call(run, x, calls, repeats)
+            row[f"{label}_{mode}_peak_mb"] = _peak_extra_mb(run, x)
+        row[f"graphify_vs_eager_{mode}"] = row[f"graphify_{mode}_us"] / row[f"eager_{mode}_us"]
+        row[f"graphify_vs_make_graphed_callables_{mode}"] = (
+            row[f"graphify_{mode}_us"] / row[f"make_graphed_callables_{mode}_us"])
+    s = cg.stats(g)
+    row["graphify_captures"], row["graphify_replays"] = s.captures, s.replays
+    row["graphify_eager_calls"] = s.eager
+    row["graphify_warmup_s"], row["graphify_capture_s"] = s.warmup_seconds, s.capture_seconds
     return row
 
 
@@ -240,13 +248,17 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.train:
         r = bench_training(name, WORKLOADS[name], calls, repeats)
         rows.append(r)
-        print(f"{name}-train: eager {r['eager_us']:.0f} µs ({r['eager_peak_mb']:.0f} MB peak), "
-              f"graphify {r['graphify_us']:.0f} µs ({r['graphify_peak_mb']:.0f} MB), "
-              f"make_graphed_callables {r['make_graphed_callables_us']:.0f} µs "
-              f"({r['make_graphed_callables_peak_mb']:.0f} MB); graphify/mgc "
-              f"{r['graphify_vs_make_graphed_callables']:.3f}, first call "
-              f"{r['graphify_first_call_s']:.3f} s (warm-up {r['graphify_warmup_s']:.3f} s, "
-              f"capture {r['graphify_capture_s']:.3f} s)", flush=True)
+        for mode in ("accumulate", "set_to_none"):
+            print(f"{name}-train ({mode}): eager {r[f'eager_{mode}_us']:.0f} µs, graphify "
+                  f"{r[f'graphify_{mode}_us']:.0f} µs, make_graphed_callables "
+                  f"{r[f'make_graphed_callables_{mode}_us']:.0f} µs; graphify/mgc "
+                  f"{r[f'graphify_vs_make_graphed_callables_{mode}']:.3f}; peak MB eager "
+                  f"{r[f'eager_{mode}_peak_mb']:.0f} graphify {r[f'graphify_{mode}_peak_mb']:.0f} "
+                  f"mgc {r[f'make_graphed_callables_{mode}_peak_mb']:.0f}", flush=True)
+        print(f"{name}-train first call: graphify {r['graphify_first_call_s']:.3f} s (warm-up "
+              f"{r['graphify_warmup_s']:.3f} s, capture {r['graphify_capture_s']:.3f} s), "
+              f"make_graphed_callables {r['make_graphed_callables_first_call_s']:.3f} s",
+              flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(),

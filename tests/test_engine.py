@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import types
 import warnings
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 
 import cudagraphify as cg
 from cudagraphify._models import GPT
+from cudagraphify._training import TrainingGraph
 
 
 @pytest.fixture(autouse=True)
@@ -184,6 +186,19 @@ def test_grad_mode_gets_its_own_training_graph(sim):
     g.weight.requires_grad_(False)
     g(x)
     assert counts(g) == (3, 1, 0)  # and so is which parameters require grad
+
+
+def test_parameter_hooks_see_each_real_backward_once_not_the_capture(sim):
+    torch.manual_seed(0)
+    lin = nn.Linear(2, 2)
+    g = cg.graphify(copy.deepcopy(lin), num_warmup_iters=2)  # an extra warm-up backward, too
+    seen = {id(lin): [], id(g): []}
+    for m in (lin, g):
+        m.weight.register_hook(lambda grad, k=seen[id(m)]: k.append(grad.clone()))
+        m(torch.ones(1, 2)).sum().backward()
+    assert sim.captures == 2  # the forward and the backward graph: both ran backward code
+    assert len(seen[id(g)]) == 1
+    torch.testing.assert_close(seen[id(g)], seen[id(lin)], rtol=0, atol=0)
 
 
 def test_capture_failure_marks_the_signature_eager_and_returns_the_right_answer(sim):
@@ -579,3 +594,81 @@ def test_keyboard_interrupt_during_capture_reaches_the_caller_and_nothing_is_cac
         f(torch.zeros(1))  # the next call warms up and captures again
         torch.testing.assert_close(f(torch.zeros(1)), torch.ones(1), rtol=0, atol=0)
     assert counts(f) == (1, 1, 0)
+
+
+
+class _Replayed(torch.autograd.Function):
+    """y = x @ w + b whose backward, like a graph replay, writes fixed gradient buffers."""
+
+    @staticmethod
+    def forward(ctx, graph, x, w, b):
+        ctx.graph, ctx.params = graph, (w, b)
+        ctx.save_for_backward(x)
+        return x @ w + b
+
+    @staticmethod
+    def backward(ctx, gy):
+        (x,) = ctx.saved_tensors
+        gx, gw, gb = ctx.graph._grad_in
+        gx.copy_(gy @ ctx.params[0].T)
+        gw.copy_(x.T @ gy)
+        gb.copy_(gy.sum(0))
+        return (None,) + TrainingGraph._hand_out(ctx.graph, ctx)
+
+
+def test_parameter_gradients_are_static_buffers_only_where_autograd_keeps_nothing():
+    w, b = torch.randn(3, 2, requires_grad=True), torch.randn(2, requires_grad=True)
+    graph = types.SimpleNamespace(_grad_in=[torch.empty(4, 3), torch.empty(3, 2),
+                                            torch.empty(2)], _n_user=1, grads_aliased=0,
+                                  grads_adopted=0)
+    w_ref, b_ref = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    xs = [torch.randn(4, 3, requires_grad=True) for _ in range(6)]
+    kept, kept_ref = [], []
+    b.register_hook(kept.append)
+    b_ref.register_hook(kept_ref.append)
+    for i, x in enumerate(xs[:4]):
+        if i == 2:
+            w.grad = b.grad = w_ref.grad = b_ref.grad = None
+        _Replayed.apply(graph, x, w, b).square().sum().backward()
+        (x @ w_ref + b_ref).square().sum().backward()
+    torch.testing.assert_close((w.grad, b.grad), (w_ref.grad, b_ref.grad))
+    torch.testing.assert_close(kept, kept_ref)  # a hook's gradient is never a static buffer
+    # Calls 1 and 3 add w's buffer into an existing .grad; calls 0 and 2 (.grad None) adopt a
+    # flat copy; the hooked b and the input x get copies of their own.
+    assert (graph.grads_aliased, graph.grads_adopted) == (2, 2)
+    assert w.grad.data_ptr() != graph._grad_in[1].data_ptr()
+    # autograd.grad hands the gradients to the caller: copies the next backward leaves alone
+    got = [torch.autograd.grad(_Replayed.apply(graph, x, w, b).sum(), (w, b)) for x in xs[4:]]
+    want = [torch.autograd.grad((x @ w_ref + b_ref).sum(), (w_ref, b_ref)) for x in xs[4:]]
+    torch.testing.assert_close(got, want)
+    # backward(inputs=[x]) executes no AccumulateGrad: w.grad is untouched
+    before = w.grad.clone()
+    _Replayed.apply(graph, xs[0], w, b).sum().backward(inputs=[xs[0]])
+    assert torch.equal(w.grad, before) and (graph.grads_aliased, graph.grads_adopted) == (2, 2)
+
+
+def test_gradients_adopted_as_grad_come_from_one_flat_copy_grouped_by_dtype():
+    ps = [torch.randn(3, 2, requires_grad=True), torch.randn(2, requires_grad=True),
+          torch.randn(2, dtype=torch.float64, requires_grad=True)]
+    bufs = [torch.randn(3, 2), torch.randn(2), torch.randn(2, dtype=torch.float64)]
+    graph = types.SimpleNamespace(_grad_in=[torch.empty(0)] + bufs, _n_user=1,
+                                  grads_aliased=0, grads_adopted=0)
+
+    class Three(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, g, x, *params):
+            ctx.graph, ctx.params = g, params
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, gy):
+            return (None,) + TrainingGraph._hand_out(ctx.graph, ctx)
+
+    Three.apply(graph, torch.zeros(0, requires_grad=True), *ps).sum().backward()
+    assert all(torch.equal(p.grad, b) and p.grad.dtype == b.dtype for p, b in zip(ps, bufs))
+    assert all(p.grad.data_ptr() != b.data_ptr() for p, b in zip(ps, bufs))
+    storage = {p.grad.untyped_storage().data_ptr() for p in ps}
+    assert len(storage) == 2 and graph.grads_adopted == 3  # one flat copy per dtype
+    for b in bufs:  # the next "replay" leaves the adopted gradients alone
+        b.add_(1)
+    assert not any(torch.equal(p.grad, b) for p, b in zip(ps, bufs))

@@ -64,6 +64,37 @@ def test_gradient_accumulation_and_input_grads_match_eager():
         torch.testing.assert_close(q.grad, p.grad, **TOL)
     torch.testing.assert_close(g._last_x_grad, ref._last_x_grad, **TOL)
     assert cg.stats(g).replays == 3
+    # The three replays add the static gradient buffers into .grad without a copy.
+    assert _aliased(g) == 3 * len(list(g.parameters()))
+
+
+def _aliased(model, what="grads_aliased") -> int:
+    state = model.__dict__["_cudagraphify_state"]
+    return sum(getattr(e, what) for e in state.cache.graphs(state))
+
+
+def test_gradients_a_hook_keeps_and_set_to_none_grads_are_never_the_static_buffers():
+    ref = _gpt()
+    g = cg.graphify(copy.deepcopy(ref))
+    kept = {}
+    for model in (ref, g):
+        w = model.ln_f.weight
+        seen = kept.setdefault(id(model), [])
+        w.register_hook(lambda grad, seen=seen: seen.append(grad))
+        torch.manual_seed(4)
+        for step in range(4):
+            if step == 2:
+                model.zero_grad(set_to_none=True)
+            model(torch.randn(2, 8, 256, device=DEV)).sum().backward()
+    for a, b in zip(kept[id(g)], kept[id(ref)]):
+        torch.testing.assert_close(a, b, **TOL)
+    for p, q in zip(ref.parameters(), g.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **TOL)
+    # Replays 1 and 3 add the static buffers into .grad (all parameters but the hooked one);
+    # replay 2 follows zero_grad: those gradients are adopted from one flat copy.
+    n = len(list(g.parameters()))
+    assert (_aliased(g), _aliased(g, "grads_adopted")) == (2 * (n - 1), n - 1)
+    assert cg.stats(g).replays == 3
 
 
 def test_dropout_masks_are_fresh_and_gradients_follow_them():
@@ -114,6 +145,7 @@ def test_unsupported_backward_patterns_fail_clearly_or_run_eagerly():
     g = cg.graphify(copy.deepcopy(ref))
     x = torch.randn(1, 8, 256, device=DEV)
     g(x).sum().backward()  # warm-up + capture
+    assert cg.stats(g).captures == 1, cg.stats(g).eager_calls
     # retain_graph re-use: a clear error, not a wrong gradient
     y = g(x).sum()
     y.backward(retain_graph=True)
