@@ -168,10 +168,6 @@ def test_unsupported_backward_patterns_fail_clearly_or_run_eagerly():
     assert any("has not run yet" in r for r in cg.stats(g).eager_calls)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "on the last GPU run (torch 2.11, H200) the retry after `del keep` still failed: something "
-    "kept the failed capture's autograd graph alive; the frames of a failed capture are now "
-    "cleared (_forget_frames), not yet verified on a GPU"))
 def test_capture_while_an_earlier_graph_is_alive_is_deferred_not_given_up():
     ref = _gpt()
     g = cg.graphify(copy.deepcopy(ref))
