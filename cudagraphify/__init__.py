@@ -10,6 +10,7 @@ from ._cache import CachePolicy
 from ._engine import Stats
 from ._errors import CudagraphifyError, CudagraphifyUsageError, CudagraphifyWarning
 from ._region import GraphRegion, graph_region
+from ._share import ShareGroup
 from ._signature import Signature, mark_static
 from ._policy import OpPolicy
 from .api import explain, graphify, mark_safe, share_graph, stats, tag_op, ungraphify
@@ -19,6 +20,7 @@ __all__ = [
     "ungraphify",
     "graph_region",
     "share_graph",
+    "ShareGroup",
     "explain",
     "mark_static",
     "stats",

@@ -33,6 +33,10 @@ class RawGraph:
     def replay(self) -> Callable[[], None]:
         return self._graph.replay
 
+    def cuda_graph(self) -> int:
+        """The ``CUgraph`` handle (captures made with ``keep_graph=True`` only)."""
+        return int(self._graph.raw_cuda_graph())
+
     def release(self) -> None:
         graph, self._graph = self._graph, None
         if graph is not None:
@@ -86,8 +90,14 @@ class CudaBackend:
             finally:
                 cur.wait_stream(side)
 
-    def capture(self, fn: Callable[[], Any], device: torch.device, pool=None) -> tuple[RawGraph, Any]:
+    can_share = True  # captures can keep their CUgraph for share_graph to read
+
+    def capture(self, fn: Callable[[], Any], device: torch.device, pool=None,
+                keep_graph: bool = False) -> tuple[RawGraph, Any]:
         """Capture ``fn`` into a new graph; returns the graph and ``fn``'s (static) outputs.
+
+        ``keep_graph=True`` keeps the ``CUgraph`` readable (:meth:`RawGraph.cuda_graph`); the
+        graph is then instantiated on its first replay.
 
         Raises :class:`CaptureFailed` when the capture itself fails (an operation that is not
         allowed while capturing, such as a host sync). The stream capture is always ended and
@@ -98,7 +108,7 @@ class CudaBackend:
             side = self._side_stream(device)
             torch.cuda.synchronize()
             reserved = torch.cuda.memory_reserved()
-            graph = torch.cuda.CUDAGraph()
+            graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()
             # An explicit pool id, so that a failed capture's pool can be released by id
             # (``graph.pool()`` is only available after a successful capture).
             if pool is None:

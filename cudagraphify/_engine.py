@@ -80,6 +80,8 @@ class GraphedState:
         self.accel = frozenset({"cuda"})  # device types whose work graphs capture
         self._deferred = 0  # captures put off by a transient failure
         self._stream_token: int | None = None
+        self.share: tuple | None = None  # (ShareGroup, layer index) under share_graph
+        self.retargets = 0  # graphs made from a share_graph template instead of a capture
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
     def __deepcopy__(self, memo) -> None:
@@ -244,7 +246,7 @@ class GraphedState:
                                              self.statics.storage_ptrs())
                 else:
                     entry = self._capture_inference(backend, region, run, sig, leaves,
-                                                    static_flags, mutated, device)
+                                                    static_flags, mutated, device, key, result)
         except CaptureFailed as e:
             _forget_frames(e)
             if e.transient and self._deferred < _MAX_DEFERRED:
@@ -259,13 +261,16 @@ class GraphedState:
             return self._decide_eager(cache, key, f"capture failed: {e}", done)
         except OutputPlanError as e:
             return self._decide_eager(cache, key, str(e), done)
-        if probe is not None and second is not None:
+        if probe is not None and second is not None and not getattr(entry, "shared", False):
             differs = sequence_findings(probe, second)
             if differs:
                 entry.release()
                 return go_piecewise(self, cache, key, differs, set(probe.sequences), result)
         entry.owner = self
-        self.captures += 1
+        if getattr(entry, "shared", False):
+            self.retargets += 1
+        else:
+            self.captures += 1
         self.capture_seconds += entry.capture_seconds
         if region is not None:
             region.record_capture(entry)
@@ -311,7 +316,7 @@ class GraphedState:
                 t.copy_(v)
 
     def _capture_inference(self, backend, region, fn, sig, leaves, static_flags, mutated,
-                           device) -> CapturedGraph:
+                           device, key, expected) -> CapturedGraph:
         chain = region is not None and region.chain
         borrow = region.borrowable(leaves) if chain else {}
         borrow = {i: s for i, s in borrow.items() if not static_flags[i] and i not in mutated}
@@ -319,7 +324,13 @@ class GraphedState:
         held_before = [slot.users() for slot in borrow.values()]
         a, kw = unflatten_call(inputs.leaves, sig)
         pool = region.pool(backend, device) if region is not None else None
-        raw, out = backend.capture(lambda: fn(*a, **kw), device, pool=pool)
+        made = self._shared(backend, region, key, fn, a, kw, inputs, leaves, device, expected)
+        if made is not None:
+            raw, out, inputs = made
+        else:
+            if self.share is not None and region is None:
+                pool = self.share[0].pool(backend, device)
+            raw, out = backend.capture(lambda: fn(*a, **kw), device, pool=pool)
         seq, forget = None, None
         if chain:
             seq, pool_output, forget = region.adopt()
@@ -336,6 +347,7 @@ class GraphedState:
             raw.release()
             raise
         entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out], device=device)
+        entry.shared = made is not None
         entry.seq = seq
         entry.borrowed = list(borrow.items())
         if forget is not None:
@@ -345,6 +357,20 @@ class GraphedState:
             slot.own_more(slot.users() - held)
             entry.on_release.append(lambda slot=slot, n=slot.users() - held: slot.own_more(-n))
         return entry
+
+    def _shared(self, backend, region, key, fn, a, kw, inputs, leaves, device, expected):
+        """This layer's graph made from its share_graph group's template, or None."""
+        if self.share is None:
+            return None
+        group, k = self.share
+        if region is not None:
+            group.refuse("called inside a graph_region (per-layer graphs in the region's pool)")
+            return None
+        if not getattr(backend, "can_share", False) or not self.options.copy_outputs:
+            group.refuse("the capture backend cannot read graphs" if self.options.copy_outputs
+                         else "copy_outputs=False (layers share one set of output buffers)")
+            return None
+        return group.make(k, key, fn, a, kw, inputs, leaves, backend, device, expected)
 
     # -- upkeep ----------------------------------------------------------------------------
 
@@ -373,6 +399,7 @@ class GraphedState:
             evictions=self.cache.evictions,
             invalidations=self.invalidations,
             input_copies=self._retired_copies + sum(g.input_copies for g in graphs),
+            retargets=self.retargets,
         )
 
     def decisions(self) -> list[tuple[Any, str]]:

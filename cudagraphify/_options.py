@@ -39,6 +39,7 @@ class Stats:
     invalidations: int = 0
     input_copies: int = 0
     moved_outputs: int = 0  # region outputs still held at the next replay, moved to a copy
+    retargets: int = 0  # graphs made from a share_graph template (no capture of their own)
 
     @property
     def eager(self) -> int:

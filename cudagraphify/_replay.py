@@ -163,6 +163,7 @@ class CapturedGraph:
         self.device = device
         self.owner = None  # the engine state that captured it
         self.seq: int | None = None  # capture order inside a graph_region (None outside)
+        self.shared = False  # made from a share_graph template
         self.borrowed: list = []  # (leaf index, region slot) read in place from another graph
         self.on_release: list[Callable[[], None]] = []
         self.input_copies = 0

@@ -70,6 +70,7 @@ class _Dispatch:
         state = GraphedState(module, self.options, f"{type(module).__name__}.forward",
                              positions, names)
         state.install_pieces = lambda paths: _install_pieces(module, paths, self.options)
+        state.share = module.__dict__.get("_cudagraphify_share")
         module.__dict__[_STATE] = state
         return state
 
@@ -312,6 +313,7 @@ def ungraphify(target: Any) -> Any:
             raise CudagraphifyUsageError(
                 f"this {type(target).__name__} instance is not graphified {how}".rstrip())
         del target.__dict__["forward"]
+        target.__dict__.pop("_cudagraphify_share", None)  # leaves its share_graph group
         state = target.__dict__.pop(_STATE, None)
         if state is not None:
             state.release()
@@ -379,7 +381,7 @@ def explain(target: Any, *example_args: Any, **example_kwargs: Any):
     elif state is not None and state.last_plan is not None:
         findings, pieces = state.last_plan
         plan = (findings, pieces, None)
-    elif state is not None and state.captures:
+    elif state is not None and (state.captures or state.retargets):
         plan = ({}, [""], None)
     else:
         plan = None
@@ -400,7 +402,47 @@ def mark_safe(fn: Callable) -> None:
     default_policy.mark_safe(fn)
 
 
-def share_graph(layers: Any, **options: Any) -> Any:
-    """Capture once and replay across identical layers. Not implemented yet."""
-    raise NotImplementedError(
-        "share_graph is not implemented yet; graphify each layer (or the whole model) instead")
+def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), verify: bool = True,
+                **options: Any):
+    """Capture once and replay across identical layers, each with its own weights.
+
+    ``layers`` is an ``nn.ModuleList`` or a sequence of modules of one structure (class,
+    submodules, parameter and buffer shapes/dtypes/strides, plain attributes; a difference is an
+    error naming it). Each layer is graphified in place with ``options`` (those of
+    :func:`graphify`); calling any layer, as the parent's usual loop does, replays the shared
+    capture: per input signature the first layer called is captured once (plus one capture of
+    a second layer, to tell weight addresses from other bytes), and every layer gets a copy of
+    that graph whose weight addresses are its own, checked once against its eager output. No
+    weights are copied per call, and graph memory does not grow with the number of layers.
+
+    Where sharing cannot be proven (see ``group.stats()["reasons"]``: random ops, training,
+    calls inside a ``graph_region``, a kernel argument that is not a rebased address), each layer
+    captures its own graph in one memory pool shared by the group.
+
+    Args:
+        ignore_attrs: plain attributes allowed to differ between layers because forward does
+            not use them, as ``"self_attn.layer_idx"`` (path inside the layer) or a bare name.
+        verify: compare each layer's first shared replay with its eager output (default).
+
+    Returns the :class:`ShareGroup` (``stats()``, ``release()``, ``unshare()``).
+    """
+    from ._share import ShareGroup, check_layers
+
+    if isinstance(ignore_attrs, str):
+        ignore_attrs = (ignore_attrs,)
+    if options.get("copy_outputs", True) is False:
+        raise CudagraphifyUsageError(
+            "share_graph with copy_outputs=False: the layers share one set of output buffers, "
+            "so each layer's output would be overwritten by the next layer's call")
+    mods = check_layers(layers, tuple(ignore_attrs))
+    for i, layer in enumerate(mods):
+        if isinstance(layer.__dict__.get("forward"), _GraphedForward) \
+                or _graphed_forward_of(type(layer)) is not None:
+            raise CudagraphifyUsageError(
+                f"share_graph: layer {i} is graphified already; share_graph graphifies the "
+                "layers itself (ungraphify them first)")
+    group = ShareGroup(mods, tuple(ignore_attrs), verify)
+    for i, layer in enumerate(mods):
+        layer.__dict__["_cudagraphify_share"] = (group, i)
+        graphify(layer, **options)
+    return group

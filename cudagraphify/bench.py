@@ -180,6 +180,53 @@ def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
     return row
 
 
+def bench_share(name: str, cfg: GPTConfig, depths: list[int], calls: int, repeats: int) -> list:
+    """share_graph vs per-layer graphify over the blocks of a GPT of each depth: time to the
+    first graphed forward, capture seconds, µs per forward, graph pool MB, error vs eager."""
+    import dataclasses
+
+    import cudagraphify as cg
+
+    rows = []
+    for depth in depths:
+        c = dataclasses.replace(cfg, layers=depth)
+        torch.manual_seed(0)
+        ref = GPT.from_config(c, "cuda")
+        x = torch.randn(c.batch, c.seq, c.dim, device="cuda", dtype=c.dtype)
+        row: dict = {"workload": f"{name}-share-L{depth}", "config": repr(c)}
+        with torch.no_grad():
+            want = ref(x)
+            row["eager_us"] = time_per_call(ref, x, calls, repeats)
+            for label in ("per_layer", "share_graph"):
+                model = GPT.from_config(c, "cuda")
+                model.load_state_dict(ref.state_dict())
+                if label == "share_graph":
+                    group = cg.share_graph(model.blocks)
+                else:
+                    for blk in model.blocks:
+                        cg.graphify(blk)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(x)  # warm-up + capture (or retarget) of every block
+                torch.cuda.synchronize()
+                row[f"{label}_first_call_s"] = time.perf_counter() - t0
+                stats = [cg.stats(b) for b in model.blocks]
+                row[f"{label}_capture_s"] = sum(st.capture_seconds for st in stats)
+                row[f"{label}_us"] = time_per_call(model, x, calls, repeats)
+                row[f"{label}_max_abs_err"] = (model(x).float() - want.float()).abs().max().item()
+                pool = sum(st.graph_pool_bytes for st in stats)
+                if label == "share_graph":
+                    gs = group.stats()
+                    pool += gs["template_pool_bytes"]
+                    row["share_graph_stats"] = gs
+                    row["share_graph_capture_s"] = gs["capture_seconds"] + gs["build_seconds"]
+                row[f"{label}_pool_mb"] = pool / 2**20
+                del model
+        row["share_vs_per_layer_us"] = row["share_graph_us"] / row["per_layer_us"]
+        rows.append(row)
+    return rows
+
+
 def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -> dict:
     """A GPT with a host sync in every block: eager vs graphify (piecewise) vs graphify of the
     same GPT without the sync."""
@@ -219,6 +266,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time workload A with this host sync in every block")
     p.add_argument("--train", nargs="*", default=[], choices=sorted(WORKLOADS),
                    help="also time a training step (forward + .sum().backward()) of these")
+    p.add_argument("--share", nargs="*", type=int, default=[], metavar="L",
+                   help="also compare share_graph with per-layer graphs on workload A at these "
+                        "depths (e.g. 12 24 48)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("cudagraphify.bench: no CUDA GPU here; nothing to measure (graphs need a GPU).")
@@ -259,6 +309,21 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['graphify_warmup_s']:.3f} s, capture {r['graphify_capture_s']:.3f} s), "
               f"make_graphed_callables {r['make_graphed_callables_first_call_s']:.3f} s",
               flush=True)
+    if args.share:
+        print("share_graph vs per-layer graphify (workload A blocks): first call s, capture s, "
+              "µs per forward, pool MB")
+    for r in bench_share("A", WORKLOADS["A"], args.share, calls, repeats) if args.share else []:
+        rows.append(r)
+        gs = r["share_graph_stats"]
+        print(f"{r['workload']}: eager {r['eager_us']:.0f} µs | per-layer "
+              f"{r['per_layer_first_call_s']:.3f} s, {r['per_layer_capture_s']:.3f} s, "
+              f"{r['per_layer_us']:.0f} µs, {r['per_layer_pool_mb']:.1f} MB | share_graph "
+              f"{r['share_graph_first_call_s']:.3f} s, {r['share_graph_capture_s']:.3f} s "
+              f"(of it build {gs['build_seconds']:.3f} s), {r['share_graph_us']:.0f} µs, "
+              f"{r['share_graph_pool_mb']:.1f} MB | share/per-layer "
+              f"{r['share_vs_per_layer_us']:.3f}; captures {gs['captures']}, retargets "
+              f"{gs['retargets']}, per-layer {gs['per_layer']} {gs['reasons'] or ''}; err "
+              f"{r['share_graph_max_abs_err']:.1e}", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(),

@@ -127,8 +127,6 @@ def test_usage_errors_are_clear():
         cg.ungraphify(Net())
     with pytest.raises(CudagraphifyError, match="not graphified"):
         cg.stats(Net())
-    with pytest.raises(NotImplementedError, match="share_graph"):
-        cg.share_graph(nn.ModuleList([Net(), Net()]))
     with pytest.raises(CudagraphifyError, match="probe"):
         cg.graphify(probe="sometimes")
     with pytest.raises(CudagraphifyError, match="OpPolicy"):

@@ -1,0 +1,268 @@
+"""Reading and rewriting captured CUDA graphs through the driver API (ctypes on libcuda).
+
+Only :mod:`._share` uses this: it reads every node of a captured graph (kernel arguments as
+bytes, memset and memcpy parameters), clones the graph, writes new argument bytes into chosen
+kernel nodes, instantiates the clone and launches it on a stream. The struct layouts are those of
+``cuda.h`` (CUDA 12.4 and later: ``cuFuncGetParamInfo`` tells each argument's offset and size).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+from ._errors import CudagraphifyError
+
+__all__ = ["DriverError", "GraphNode", "read_graph", "RetargetedExec", "driver_available"]
+
+_c_size = ctypes.c_size_t
+_ptr = ctypes.c_void_p
+
+KERNEL, MEMCPY, MEMSET, EMPTY = 0, 1, 2, 5
+_NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph", 5: "empty",
+               6: "event wait", 7: "event record", 8: "semaphore signal", 9: "semaphore wait",
+               10: "memory alloc", 11: "memory free", 12: "batch memory op", 13: "conditional"}
+_PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE, _PARAM_END = 1, 2, 0
+
+
+class DriverError(CudagraphifyError):
+    """A CUDA driver call for graph retargeting failed (the caller falls back)."""
+
+
+class _KernelParams(ctypes.Structure):  # CUDA_KERNEL_NODE_PARAMS_v2
+    _fields_ = [("func", _ptr), ("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint),
+                ("gridDimZ", ctypes.c_uint), ("blockDimX", ctypes.c_uint),
+                ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("kernelParams", _ptr), ("extra", _ptr),
+                ("kern", _ptr), ("ctx", _ptr)]
+
+
+class _MemsetParams(ctypes.Structure):  # CUDA_MEMSET_NODE_PARAMS
+    _fields_ = [("dst", ctypes.c_uint64), ("pitch", _c_size), ("value", ctypes.c_uint),
+                ("elementSize", ctypes.c_uint), ("width", _c_size), ("height", _c_size)]
+
+
+class _Memcpy3D(ctypes.Structure):  # CUDA_MEMCPY3D
+    _fields_ = [("srcXInBytes", _c_size), ("srcY", _c_size), ("srcZ", _c_size),
+                ("srcLOD", _c_size), ("srcMemoryType", ctypes.c_int), ("srcHost", _ptr),
+                ("srcDevice", ctypes.c_uint64), ("srcArray", _ptr), ("reserved0", _ptr),
+                ("srcPitch", _c_size), ("srcHeight", _c_size),
+                ("dstXInBytes", _c_size), ("dstY", _c_size), ("dstZ", _c_size),
+                ("dstLOD", _c_size), ("dstMemoryType", ctypes.c_int), ("dstHost", _ptr),
+                ("dstDevice", ctypes.c_uint64), ("dstArray", _ptr), ("reserved1", _ptr),
+                ("dstPitch", _c_size), ("dstHeight", _c_size),
+                ("WidthInBytes", _c_size), ("Height", _c_size), ("Depth", _c_size)]
+
+
+_lib: Any = None
+
+
+def _driver():
+    global _lib
+    if _lib is None:
+        try:
+            _lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as e:
+            raise DriverError(f"the CUDA driver library cannot be loaded: {e}") from e
+    return _lib
+
+
+def driver_available() -> bool:
+    try:
+        _fn("cuFuncGetParamInfo")
+        return True
+    except DriverError:
+        return False
+
+
+def _fn(*names: str):
+    lib = _driver()
+    for name in names:
+        f = getattr(lib, name, None)
+        if f is not None:
+            return f
+    raise DriverError(f"the CUDA driver has none of {names} (CUDA 12.4 or later is needed)")
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        s = ctypes.c_char_p()
+        _driver().cuGetErrorName(rc, ctypes.byref(s))
+        raise DriverError(f"{what} failed: {s.value.decode() if s.value else rc}")
+
+
+@dataclass
+class GraphNode:
+    """What matters of one node, in the graph's node order.
+
+    ``key`` identifies the work (node type, kernel and launch shape); ``chunks`` are the bytes
+    that may hold addresses (each kernel argument, the ``extra`` argument blob, or the pointer
+    fields of a memset/memcpy).
+    """
+
+    kind: int
+    key: tuple
+    chunks: list[bytes]
+    name: str = ""
+    form: str = ""  # "params" | "extra" | "" (not a kernel)
+
+
+def _kernel_args(p: _KernelParams) -> tuple[str, list[bytes]]:
+    if p.kernelParams:
+        if p.func:
+            info, handle = _fn("cuFuncGetParamInfo"), p.func
+        else:
+            info, handle = _fn("cuKernelGetParamInfo"), p.kern
+        sizes = []
+        off, size = _c_size(), _c_size()
+        while info(_ptr(handle), _c_size(len(sizes)), ctypes.byref(off), ctypes.byref(size)) == 0:
+            sizes.append(size.value)
+        arr = ctypes.cast(p.kernelParams, ctypes.POINTER(_ptr))
+        return "params", [ctypes.string_at(arr[i], n) for i, n in enumerate(sizes)]
+    if p.extra:
+        arr = ctypes.cast(p.extra, ctypes.POINTER(_ptr))
+        blob = size_ptr = None
+        i = 0
+        while (arr[i] or 0) != _PARAM_END and i < 64:
+            if arr[i] == _PARAM_BUFFER_POINTER:
+                blob = arr[i + 1]
+            elif arr[i] == _PARAM_BUFFER_SIZE:
+                size_ptr = arr[i + 1]
+            i += 2
+        if blob is None or size_ptr is None:
+            raise DriverError("a kernel node's extra launch parameters have no argument buffer")
+        n = ctypes.cast(size_ptr, ctypes.POINTER(_c_size))[0]
+        return "extra", [ctypes.string_at(blob, n)]
+    return "params", []
+
+
+def _func_name(p: _KernelParams) -> str:
+    name = ctypes.c_char_p()
+    if p.func and _driver().cuFuncGetName(ctypes.byref(name), _ptr(p.func)) == 0 and name.value:
+        return name.value.decode(errors="replace")
+    return "kernel"
+
+
+def _nodes(graph: int) -> list[int]:
+    get = _fn("cuGraphGetNodes")
+    n = _c_size(0)
+    _check(get(_ptr(graph), None, ctypes.byref(n)), "cuGraphGetNodes")
+    arr = (_ptr * n.value)()
+    _check(get(_ptr(graph), arr, ctypes.byref(n)), "cuGraphGetNodes")
+    return [arr[i] for i in range(n.value)]
+
+
+def _edges(graph: int, index: dict[int, int]) -> frozenset[tuple[int, int]]:
+    n = _c_size(0)
+    v2 = getattr(_driver(), "cuGraphGetEdges_v2", None)
+    if v2 is not None:
+        _check(v2(_ptr(graph), None, None, None, ctypes.byref(n)), "cuGraphGetEdges")
+        a, b = (_ptr * n.value)(), (_ptr * n.value)()
+        _check(v2(_ptr(graph), a, b, None, ctypes.byref(n)), "cuGraphGetEdges")
+    else:
+        f = _fn("cuGraphGetEdges")
+        _check(f(_ptr(graph), None, None, ctypes.byref(n)), "cuGraphGetEdges")
+        a, b = (_ptr * n.value)(), (_ptr * n.value)()
+        _check(f(_ptr(graph), a, b, ctypes.byref(n)), "cuGraphGetEdges")
+    return frozenset((index[a[i]], index[b[i]]) for i in range(n.value))
+
+
+def read_graph(graph: int) -> tuple[list[GraphNode], frozenset[tuple[int, int]]]:
+    """Every node of ``graph`` (a ``CUgraph`` handle) and its edges as node-index pairs."""
+    handles = _nodes(graph)
+    out = []
+    kind = ctypes.c_int()
+    for h in handles:
+        _check(_fn("cuGraphNodeGetType")(_ptr(h), ctypes.byref(kind)), "cuGraphNodeGetType")
+        k = kind.value
+        if k == KERNEL:
+            p = _KernelParams()
+            _check(_fn("cuGraphKernelNodeGetParams_v2", "cuGraphKernelNodeGetParams")(
+                _ptr(h), ctypes.byref(p)), "cuGraphKernelNodeGetParams")
+            form, chunks = _kernel_args(p)
+            key = (k, p.func or p.kern, p.gridDimX, p.gridDimY, p.gridDimZ, p.blockDimX,
+                   p.blockDimY, p.blockDimZ, p.sharedMemBytes, form, tuple(map(len, chunks)))
+            out.append(GraphNode(k, key, chunks, _func_name(p), form))
+        elif k == MEMSET:
+            m = _MemsetParams()
+            _check(_fn("cuGraphMemsetNodeGetParams")(_ptr(h), ctypes.byref(m)),
+                   "cuGraphMemsetNodeGetParams")
+            out.append(GraphNode(k, (k, m.pitch, m.value, m.elementSize, m.width, m.height),
+                                 [m.dst.to_bytes(8, "little")], "memset"))
+        elif k == MEMCPY:
+            m = _Memcpy3D()
+            _check(_fn("cuGraphMemcpyNodeGetParams")(_ptr(h), ctypes.byref(m)),
+                   "cuGraphMemcpyNodeGetParams")
+            fields = tuple(getattr(m, f) for f, _ in _Memcpy3D._fields_
+                           if f not in ("srcDevice", "dstDevice", "srcHost", "dstHost"))
+            out.append(GraphNode(k, (k,) + fields, [m.srcDevice.to_bytes(8, "little"),
+                                                    m.dstDevice.to_bytes(8, "little")], "memcpy"))
+        elif k == EMPTY:
+            out.append(GraphNode(k, (k,), [], "empty"))
+        else:
+            raise DriverError(f"the graph has a {_NODE_TYPES.get(k, k)} node, which retargeting "
+                              "does not handle")
+    return out, _edges(graph, {h: i for i, h in enumerate(handles)})
+
+
+class RetargetedExec:
+    """A clone of a template graph whose kernel arguments were rewritten, instantiated.
+
+    ``patches`` maps node index to {chunk index: new bytes}; only kernel nodes are patched.
+    """
+
+    __slots__ = ("_graph", "_exec", "_launch", "_device")
+
+    def __init__(self, template: int, patches: dict[int, dict[int, bytes]], device_index: int):
+        self._graph = self._exec = None
+        self._device = device_index
+        clone = _ptr()
+        _check(_fn("cuGraphClone")(ctypes.byref(clone), _ptr(template)), "cuGraphClone")
+        self._graph = clone.value
+        originals = _nodes(template)
+        find = _fn("cuGraphNodeFindInClone")
+        get = _fn("cuGraphKernelNodeGetParams_v2", "cuGraphKernelNodeGetParams")
+        put = _fn("cuGraphKernelNodeSetParams_v2", "cuGraphKernelNodeSetParams")
+        for idx, chunks in patches.items():
+            node = _ptr()
+            _check(find(ctypes.byref(node), _ptr(originals[idx]), clone), "cuGraphNodeFindInClone")
+            p = _KernelParams()
+            _check(get(node, ctypes.byref(p)), "cuGraphKernelNodeGetParams")
+            form, old = _kernel_args(p)
+            new = [chunks.get(i, b) for i, b in enumerate(old)]
+            keep = [ctypes.create_string_buffer(b, len(b)) for b in new]
+            if form == "params":
+                arr = (_ptr * len(keep))(*[ctypes.addressof(b) for b in keep])
+                p.kernelParams, p.extra = ctypes.addressof(arr), None
+            else:
+                size = _c_size(len(new[0]))
+                arr = (_ptr * 5)(_PARAM_BUFFER_POINTER, ctypes.addressof(keep[0]),
+                                 _PARAM_BUFFER_SIZE, ctypes.addressof(size), _PARAM_END)
+                p.kernelParams, p.extra = None, ctypes.addressof(arr)
+            _check(put(node, ctypes.byref(p)), "cuGraphKernelNodeSetParams")
+        exe = _ptr()
+        _check(_fn("cuGraphInstantiateWithFlags")(ctypes.byref(exe), clone, ctypes.c_ulonglong(0)),
+               "cuGraphInstantiate")
+        self._exec = exe.value
+        launch = _fn("cuGraphLaunch")
+        launch.argtypes = [_ptr, _ptr]
+        self._launch = launch
+
+    def launch(self, stream: int) -> None:
+        rc = self._launch(self._exec, stream)
+        if rc != 0:
+            _check(rc, "cuGraphLaunch")
+
+    def destroy(self) -> None:
+        exe, graph, self._exec, self._graph = self._exec, self._graph, None, None
+        if exe is not None:
+            _fn("cuGraphExecDestroy")(_ptr(exe))
+        if graph is not None:
+            _fn("cuGraphDestroy")(_ptr(graph))
+
+    def __del__(self):
+        try:
+            self.destroy()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass

@@ -1,0 +1,452 @@
+"""share_graph: capture a block once, replay it for every identical layer with its own weights.
+
+For one input signature, the first layer called is captured (the template) and so is a second
+layer, on the same static inputs. Diffing the two graphs node by node tells which 8-byte argument
+slots hold an address inside the layer's own parameters and buffers (the same storage and offset
+in both layers); every other difference must be between two addresses of memory the captures
+allocated (their intermediates), which the template's values stand for. Anything else (another
+kernel, another launch shape, a scalar that differs, an address of other memory) refuses
+sharing. Each layer then gets a clone of the template with those slots rebased to its own
+storages, instantiated, and checked once against the layer's eager output of that call. All
+layers read the template's static inputs and write its outputs and intermediates: graph memory
+does not grow with depth, and no weight is copied.
+
+Where sharing is refused or unsupported (training, inside a ``graph_region``, random ops), each
+layer captures its own graph in the group's one memory pool, and the reason is recorded.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._errors import CudagraphifyError, CudagraphifyUsageError
+
+__all__ = ["ShareGroup", "first_difference", "plan_rebase", "Refused", "Storages"]
+
+_SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_cudagraphify_state",
+               "_cudagraphify_share", "forward", "_forward_hooks", "_forward_pre_hooks",
+               "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+               "_state_dict_pre_hooks", "_forward_hooks_with_kwargs",
+               "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs",
+               "_non_persistent_buffers_set", "_is_full_backward_hook"}
+
+
+class Refused(Exception):
+    """Sharing is not proven for this signature; the reason says why."""
+
+
+def _describe(t: torch.Tensor | None) -> Any:
+    if t is None:
+        return None
+    return (tuple(t.shape), t.dtype, t.stride(), t.device, t.requires_grad, t.storage_offset(),
+            t.untyped_storage().nbytes())
+
+
+def _plain(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)) or (
+        isinstance(v, tuple) and all(_plain(x) for x in v))
+
+
+def first_difference(a: torch.nn.Module, b: torch.nn.Module,
+                     ignore: Iterable[str] = ()) -> str | None:
+    """The first structural difference between two layers, in words (None if identical).
+
+    Compared: classes and submodule names, ``training``, every parameter and buffer's shape,
+    dtype, stride, device, requires_grad and storage layout, and plain attributes (numbers,
+    strings, dtypes, tuples of them) except those named in ``ignore`` (``"self_attn.layer_idx"``
+    or a bare attribute name). Other attribute types cannot be compared and are not.
+    """
+    ignore = set(ignore)
+    if type(a) is not type(b):
+        return f"class {type(a).__name__} vs {type(b).__name__}"
+    ma, mb = dict(a.named_modules()), dict(b.named_modules())
+    if list(ma) != list(mb):
+        extra = [n for n in ma if n not in mb] + [n for n in mb if n not in ma]
+        return f"submodules differ ({', '.join(extra[:3]) or 'order'})"
+    for name, sa in ma.items():
+        sb = mb[name]
+        where = name or "the layer"
+        if type(sa) is not type(sb):
+            return f"{where}: class {type(sa).__name__} vs {type(sb).__name__}"
+        if sa.training != sb.training:
+            return f"{where}: training={sa.training} vs {sb.training}"
+        for kind in ("_parameters", "_buffers"):
+            da, db = sa.__dict__[kind], sb.__dict__[kind]
+            if list(da) != list(db):
+                return f"{where}: {kind[1:]} {list(da)} vs {list(db)}"
+            for n in da:
+                x, y = _describe(da[n]), _describe(db[n])
+                if x != y:
+                    return f"{where}.{n}: {x} vs {y}"
+        for attr, va in sa.__dict__.items():
+            if attr in _SKIP_ATTRS or attr in ignore or f"{name}.{attr}" in ignore:
+                continue
+            vb = sb.__dict__.get(attr, _Missing)
+            if vb is _Missing:
+                return f"{where}: attribute {attr} only on the first layer"
+            if _plain(va) and _plain(vb) and va != vb:
+                path = f"{name}.{attr}" if name else attr
+                return (f"{path}: {va!r} vs {vb!r} (if it does not change what forward "
+                        f"computes, pass ignore_attrs=({path!r},))")
+    return None
+
+
+class _Missing:
+    pass
+
+
+@dataclass(frozen=True)
+class Storages:
+    """A layer's parameter and buffer storages, in a canonical order: (start, nbytes) each."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> "Storages":
+        seen: dict[int, int] = {}
+        for t in list(layer.parameters()) + list(layer.buffers()):
+            s = t.untyped_storage()
+            seen.setdefault(s.data_ptr(), s.nbytes())
+        return cls(tuple(seen.items()))
+
+    def find(self, value: int) -> tuple[int, int] | None:
+        for j, (start, n) in enumerate(self.ranges):
+            if start <= value < start + n:
+                return j, value - start
+        return None
+
+
+@dataclass
+class RebasePlan:
+    """Which slots to rewrite: node index -> chunk index -> [(byte offset, storage j, offset)]."""
+
+    slots: dict[int, dict[int, list[tuple[int, int, int]]]] = field(default_factory=dict)
+    count: int = 0
+
+    def patches(self, chunks_of: dict[int, list[bytes]], storages: Storages) -> dict:
+        out: dict[int, dict[int, bytes]] = {}
+        for node, per_chunk in self.slots.items():
+            for c, slots in per_chunk.items():
+                buf = bytearray(chunks_of[node][c])
+                for pos, j, off in slots:
+                    buf[pos:pos + 8] = (storages.ranges[j][0] + off).to_bytes(8, "little")
+                out.setdefault(node, {})[c] = bytes(buf)
+        return out
+
+
+def _in(ranges: list[tuple[int, int]], v: int) -> bool:
+    return any(start <= v < start + n for start, n in ranges)
+
+
+def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Storages,
+                pool: list[tuple[int, int]]) -> RebasePlan:
+    """Diff two captures of identical layers (``a`` then ``b``); raise :class:`Refused` unless
+    every difference is a rebased address of the layer's storages or a pair of addresses in
+    graph-owned memory (``pool``)."""
+    if len(nodes0) != len(nodes1):
+        raise Refused(f"the two captures have {len(nodes0)} and {len(nodes1)} nodes")
+    if edges0 != edges1:
+        raise Refused("the two captures' node dependencies differ")
+    if len(a.ranges) != len(b.ranges) or any(
+            na != nb for (_, na), (_, nb) in zip(a.ranges, b.ranges)):
+        raise Refused("the layers' storages differ in number or size")
+    shared = {j for j, (sa, sb) in enumerate(zip(a.ranges, b.ranges)) if sa[0] == sb[0]}
+    plan = RebasePlan()
+    for i, (n0, n1) in enumerate(zip(nodes0, nodes1)):
+        if n0.key != n1.key:
+            raise Refused(f"node {i} ({n0.name}) is different work in the two captures")
+        for c, (x, y) in enumerate(zip(n0.chunks, n1.chunks)):
+            if x == y:
+                continue
+            if len(x) % 8:
+                raise Refused(f"node {i} ({n0.name}): argument {c} differs in an unaligned size")
+            for pos in range(0, len(x), 8):
+                v0 = int.from_bytes(x[pos:pos + 8], "little")
+                v1 = int.from_bytes(y[pos:pos + 8], "little")
+                if v0 == v1:
+                    continue
+                hit = a.find(v0)
+                if hit is not None and hit[0] not in shared \
+                        and b.ranges[hit[0]][0] + hit[1] == v1:
+                    if n0.kind != 0:
+                        raise Refused(f"node {i} ({n0.name}) copies or sets a parameter's memory")
+                    plan.slots.setdefault(i, {}).setdefault(c, []).append((pos, *hit))
+                    plan.count += 1
+                elif hit is None and b.find(v1) is None and _in(pool, v0) and _in(pool, v1):
+                    continue  # intermediates: the template's own stand for every layer
+                else:
+                    raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "
+                                  f"({v0:#x} vs {v1:#x}) and is not a rebased parameter address")
+    return plan
+
+
+def pool_ranges(pool) -> list[tuple[int, int]]:
+    """Address ranges of the memory segments of a graph memory pool."""
+    want = tuple(pool)
+    return [(s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot()
+            if tuple(s.get("segment_pool_id", ())) == want]
+
+
+@dataclass
+class _Template:
+    raw: Any  # the RawGraph of the first capture (owned here: every clone reads its memory)
+    layer: int
+    nodes: list
+    plan: RebasePlan | None
+    storages: Storages
+    layout: list  # the template layer's parameter/buffer descriptions
+    inputs: Any  # StaticInputs shared by every layer
+    out: Any
+    reason: str | None = None  # why sharing was refused for this signature
+
+
+class _SharedRaw:
+    """The raw-graph face of one layer's retargeted clone (a CapturedGraph's ``raw``)."""
+
+    pool_bytes = 0
+
+    def __init__(self, exe, device: torch.device, seconds: float, pool):
+        self._exe = exe
+        self.pool = pool
+        self.capture_seconds = seconds
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        get_stream = torch._C._cuda_getCurrentRawStream
+        launch = exe.launch
+        self.replay = lambda: launch(get_stream(idx))
+
+    def release(self) -> None:
+        exe, self._exe = self._exe, None
+        if exe is not None:
+            exe.destroy()
+
+
+class ShareGroup:
+    """Layers that share captures; made by :func:`cudagraphify.share_graph`."""
+
+    def __init__(self, layers: list[torch.nn.Module], ignore_attrs: tuple[str, ...] = (),
+                 verify: bool = True):
+        self.layers = layers
+        self.ignore_attrs = ignore_attrs
+        self.verify = verify
+        self._lock = threading.RLock()
+        self._templates: dict[Any, _Template] = {}
+        self._pools: dict[int, Any] = {}
+        self.captures = 0  # real captures (templates, and the second capture of each diff)
+        self.retargets = 0  # layer graphs made from a template
+        self.per_layer = 0  # layer graphs captured on their own (sharing refused)
+        self.reasons: dict[str, int] = {}
+        self.capture_seconds = 0.0  # of the template captures and their diff captures
+        self.build_seconds = 0.0  # of the layers' retargeted graphs (clone, rewrite, instantiate)
+        self.released = False
+
+    # -- what the engine calls -------------------------------------------------------------
+
+    def pool(self, backend, device: torch.device):
+        idx = device.index or 0
+        if idx not in self._pools:
+            self._pools[idx] = backend.new_pool(device)
+        return self._pools[idx]
+
+    def refuse(self, reason: str) -> None:
+        self.per_layer += 1
+        self.reasons[reason] = self.reasons.get(reason, 0) + 1
+
+    def make(self, k: int, key, fn, a: tuple, kw: dict, inputs, leaves: list, backend,
+             device: torch.device, expected: Any):
+        """Layer ``k``'s graph for ``key``: (raw, static outputs, static inputs) or None when
+        sharing is refused (the reason is recorded; the caller captures per layer)."""
+        with self._lock:
+            if self.released:
+                return None
+            t = self._templates.get(key)
+            if t is None:
+                t = self._new_template(k, key, fn, a, kw, inputs, backend, device)
+            if t.reason is not None:
+                self.refuse(t.reason)
+                return None
+            try:
+                return self._retarget(t, k, leaves, device, expected)
+            except Refused as e:
+                self.refuse(str(e))
+                return None
+
+    # -- templates ---------------------------------------------------------------------------
+
+    def _new_template(self, k: int, key, fn, a, kw, inputs, backend, device) -> _Template:
+        from ._cugraph import DriverError, driver_available, read_graph
+
+        layer = self.layers[k]
+        pool = self.pool(backend, device)
+        raw, out = backend.capture(lambda: fn(*a, **kw), device, pool=pool, keep_graph=True)
+        self.captures += 1
+        self.capture_seconds += raw.capture_seconds
+        t = _Template(raw, k, [], None, Storages.of(layer), _layout(layer), inputs, out)
+        self._templates[key] = t
+        try:
+            if len(self.layers) < 2:
+                raise Refused("one layer: nothing to share")
+            if not driver_available():
+                raise Refused("the CUDA driver cannot report kernel argument sizes "
+                              "(CUDA 12.4 or later is needed)")
+            self._check_outputs(out, inputs, t.storages)
+            self._check_no_rng(raw, device)
+            other = self._partner(k)
+            raw_b, _ = backend.capture(lambda: self._forward_of(other)(*a, **kw), device,
+                                       pool=pool, keep_graph=True)
+            self.captures += 1
+            self.capture_seconds += raw_b.capture_seconds
+            try:
+                nodes0, edges0 = read_graph(raw.cuda_graph())
+                nodes1, edges1 = read_graph(raw_b.cuda_graph())
+                t.nodes = nodes0
+                t.plan = plan_rebase(nodes0, nodes1, edges0, edges1, t.storages,
+                                     Storages.of(self.layers[other]), pool_ranges(pool))
+            finally:
+                raw_b.release()
+        except Refused as e:
+            t.reason = str(e)
+        except DriverError as e:
+            t.reason = f"reading the captured graph failed: {e}"
+        if t.reason is not None:
+            raw.release()  # each layer captures its own graph instead
+        return t
+
+    def _partner(self, k: int) -> int:
+        for j in list(range(k + 1, len(self.layers))) + list(range(k)):
+            layer = self.layers[j]
+            if Storages.of(layer).ranges != Storages.of(self.layers[k]).ranges \
+                    and _layout(layer) == _layout(self.layers[k]):
+                return j
+        raise Refused("no second layer with its own storages and the same layout to diff with")
+
+    @staticmethod
+    def _forward_of(layer: torch.nn.Module):
+        fwd = layer.__dict__.get("forward")
+        return getattr(fwd, "__wrapped__", None) or type(layer).forward.__get__(layer)
+
+    @staticmethod
+    def _check_outputs(out, inputs, storages: Storages) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and storages.find(t.untyped_storage().data_ptr()):
+                raise Refused("forward returns a parameter or buffer (or a view of one)")
+
+    @staticmethod
+    def _check_no_rng(raw, device) -> None:
+        gen = torch.cuda.default_generators[device.index or 0]
+        before = gen.get_offset()
+        raw.replay()  # a replay advances the generator by what the graph draws
+        if gen.get_offset() != before:
+            raise Refused("random ops (dropout in train mode): one shared graph cannot draw "
+                          "fresh numbers per layer")
+
+    # -- clones ------------------------------------------------------------------------------
+
+    def _retarget(self, t: _Template, k: int, leaves: list, device, expected):
+        from ._cugraph import DriverError, RetargetedExec
+
+        layer = self.layers[k]
+        if _layout(layer) != t.layout:
+            raise Refused(f"layer {k}'s parameters no longer match the template layer's")
+        mine = Storages.of(layer)
+        for j, (start, _) in enumerate(mine.ranges):
+            if (start - t.storages.ranges[j][0]) % 256:
+                raise Refused(f"layer {k}'s storage {j} is aligned differently from the template's")
+        t0 = time.perf_counter()
+        chunks = {i: n.chunks for i, n in enumerate(t.nodes)}
+        try:
+            exe = RetargetedExec(t.raw.cuda_graph(), t.plan.patches(chunks, mine),
+                                 device.index or 0)
+        except DriverError as e:
+            raise Refused(f"rewriting the graph failed: {e}") from e
+        raw = _SharedRaw(exe, device, time.perf_counter() - t0, t.raw.pool)
+        if self.verify:
+            for i, buf in t.inputs.copy:
+                buf.copy_(leaves[i])
+            raw.replay()
+            got = [x for x in pytree.tree_leaves(t.out) if isinstance(x, torch.Tensor)]
+            want = [x for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)]
+            try:
+                torch.testing.assert_close(got, want)
+            except AssertionError as e:
+                raw.release()
+                first = str(e).strip().splitlines()[0]
+                raise Refused(f"layer {k}'s retargeted graph does not match its eager output "
+                              f"({first})") from None
+        self.retargets += 1
+        self.build_seconds += raw.capture_seconds
+        return raw, t.out, t.inputs
+
+    # -- reporting and release ---------------------------------------------------------------
+
+    def stats(self) -> dict:
+        return {"layers": len(self.layers), "captures": self.captures,
+                "retargets": self.retargets, "per_layer": self.per_layer,
+                "rebased_slots": {str(k): t.plan.count for k, t in self._templates.items()
+                                  if t.plan is not None},
+                "template_pool_bytes": sum(t.raw.pool_bytes for t in self._templates.values()),
+                "capture_seconds": self.capture_seconds, "build_seconds": self.build_seconds,
+                "reasons": dict(self.reasons)}
+
+    def release(self) -> None:
+        """Release every layer's graphs and the templates (the layers stay graphified)."""
+        from .api import _STATE
+
+        with self._lock:
+            for layer in self.layers:
+                state = layer.__dict__.get(_STATE)
+                if state is not None:
+                    state.release()
+            for t in self._templates.values():
+                t.raw.release()
+            self._templates.clear()
+
+    def unshare(self) -> None:
+        """Release everything and restore the layers' own forwards."""
+        from .api import ungraphify
+
+        self.release()
+        self.released = True
+        for layer in self.layers:
+            if "_cudagraphify_share" in layer.__dict__:
+                ungraphify(layer)
+
+
+def _layout(layer: torch.nn.Module) -> list:
+    return [(n, _describe(t)) for n, t in
+            list(layer.named_parameters()) + list(layer.named_buffers())]
+
+
+def check_layers(layers: Any, ignore_attrs: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The layers as a list, after checking they are modules with identical structure."""
+    if isinstance(layers, torch.nn.Module) and not isinstance(
+            layers, (torch.nn.ModuleList, torch.nn.Sequential)):
+        raise CudagraphifyUsageError("share_graph takes an nn.ModuleList or a sequence of "
+                                     f"modules, not one {type(layers).__name__}")
+    try:
+        layers = list(layers)
+    except TypeError:
+        raise CudagraphifyUsageError("share_graph takes an nn.ModuleList or a sequence of "
+                                     f"modules, not {type(layers).__name__}") from None
+    if not layers:
+        raise CudagraphifyUsageError("share_graph needs at least one layer")
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, torch.nn.Module):
+            raise CudagraphifyUsageError(f"share_graph: item {i} is a {type(layer).__name__}, "
+                                         "not an nn.Module")
+        if any(layer is other for other in layers[:i]):
+            raise CudagraphifyUsageError(f"share_graph: item {i} is the same module as an "
+                                         "earlier one")
+        if "_cudagraphify_share" in layer.__dict__:
+            raise CudagraphifyUsageError(f"share_graph: layer {i} already shares a graph")
+    for i, layer in enumerate(layers[1:], 1):
+        diff = first_difference(layers[0], layer, ignore_attrs)
+        if diff is not None:
+            raise CudagraphifyError(f"share_graph: layer {i} differs from layer 0: {diff}")
+    return layers

@@ -1,0 +1,158 @@
+"""GPU tests of share_graph: every layer's output equals eager, counters prove one template
+capture (plus one diff capture) per signature, weights are read in place, fallbacks are real."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._models import GPT, GPTConfig
+
+pytestmark = pytest.mark.cuda
+
+DEV = "cuda"
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+        yield
+    torch.cuda.synchronize()
+
+
+def _layer_outputs(model, layers):
+    """Record every layer's output of the next forward (forward hooks on the layers)."""
+    got: list[torch.Tensor] = []
+    hooks = [m.register_forward_hook(lambda m, a, out: got.append(out.detach().clone()))
+             for m in layers]
+    return got, hooks
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpt_blocks_share_one_capture_and_match_eager_layer_by_layer(dtype):
+    torch.manual_seed(0)
+    ref = GPT.from_config(GPTConfig(256, 4, 6, 1, 16, dtype), DEV)
+    model = copy.deepcopy(ref)
+    group = cg.share_graph(model.blocks)
+    with torch.no_grad():
+        for seq in (16, 8):
+            for _ in range(5):
+                x = torch.randn(2, seq, 256, device=DEV, dtype=dtype)
+                got, h1 = _layer_outputs(model, model.blocks)
+                want, h2 = _layer_outputs(ref, ref.blocks)
+                y, y_ref = model(x), ref(x)
+                for h in h1 + h2:
+                    h.remove()
+                assert len(got) == len(want) == 6
+                for k, (a, b) in enumerate(zip(got, want)):
+                    torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"layer {k}, T={seq}")
+                torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
+    s = group.stats()
+    assert s["per_layer"] == 0, s["reasons"]
+    assert (s["captures"], s["retargets"]) == (2 * 2, 6 * 2), s  # per shape: template + diff
+    assert all(cg.stats(b).captures == 0 and cg.stats(b).retargets == 2 for b in model.blocks)
+    assert all(cg.stats(b).replays == 8 for b in model.blocks)  # 5 calls x 2 shapes, minus firsts
+    # No weights live in graph memory: one template's pool holds activations only.
+    block_bytes = sum(p.numel() * p.element_size() for p in model.blocks[0].parameters())
+    assert 0 < s["template_pool_bytes"] < block_bytes
+    assert sum(cg.stats(b).graph_pool_bytes for b in model.blocks) == 0
+    group.release()
+    assert all(cg.stats(b).graphs == 0 for b in model.blocks)
+
+
+def test_weights_are_read_in_place_and_a_replaced_parameter_retargets_one_layer():
+    torch.manual_seed(0)
+    ref = GPT.from_config(GPTConfig(256, 4, 4, 1, 16, torch.float32), DEV)
+    model = copy.deepcopy(ref)
+    group = cg.share_graph(model.blocks)
+    x = torch.randn(1, 16, 256, device=DEV)
+    with torch.no_grad():
+        model(x), model(x)
+        for m in (ref, model):  # an in-place optimizer-like update of layer 2's weight
+            m.blocks[2].mlp.fc.weight.mul_(0.5)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+        for m in (ref, model):  # a replaced parameter: layer 1 alone is retargeted again
+            w = m.blocks[1].attn.qkv.weight
+            m.blocks[1].attn.qkv.weight = nn.Parameter(w.detach() * 2)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    s = group.stats()
+    assert (s["captures"], s["retargets"], s["per_layer"]) == (2, 5, 0), s
+    assert cg.stats(model.blocks[1]).invalidations == 1
+
+
+class _WithTable(nn.Module):
+    """Reads a plain tensor attribute (not a buffer): its address differs per layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+        self.table = torch.randn(64)
+
+    def forward(self, x):
+        return self.lin(x) + self.table
+
+
+def test_an_unproven_difference_falls_back_to_per_layer_graphs_in_one_pool():
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_WithTable() for _ in range(3)).to(DEV)
+    for m in layers:
+        m.table = m.table.to(DEV)
+    ref = copy.deepcopy(layers)
+    group = cg.share_graph(layers)
+    x = torch.randn(4, 64, device=DEV)
+    with torch.no_grad():
+        for _ in range(3):
+            y, want = x, x
+            for m, r in zip(layers, ref):
+                y, want = m(y), r(want)
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+    s = group.stats()
+    assert s["retargets"] == 0 and s["per_layer"] == 3
+    (reason,) = s["reasons"]
+    assert "not a rebased parameter address" in reason
+    assert [cg.stats(m).captures for m in layers] == [1, 1, 1]
+    assert [cg.stats(m).replays for m in layers] == [2, 2, 2]
+
+
+def test_dropout_in_train_mode_refuses_sharing():
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Dropout(0.5)) for _ in range(3))
+    layers = layers.to(DEV).train()
+    group = cg.share_graph(layers)
+    x = torch.randn(64, 64, device=DEV)
+    with torch.no_grad():
+        outs = [layers[0](x) for _ in range(3)]
+        for m in layers[1:]:
+            m(x)
+    assert "random ops" in " ".join(group.stats()["reasons"])
+    assert not torch.equal(outs[1], outs[2])  # fresh masks per replay (per-layer graphs)
+    kept = (outs[2] != 0).float().mean().item()
+    assert 0.4 < kept < 0.6
+
+
+def test_hf_llama_layers_share_one_capture():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688, num_hidden_layers=6,
+                                   num_attention_heads=8, num_key_value_heads=4,
+                                   vocab_size=1000, max_position_embeddings=256)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg).to(DEV).eval()
+    model = copy.deepcopy(ref)
+    group = cg.share_graph(model.model.layers, ignore_attrs=("self_attn.layer_idx",))
+    with torch.no_grad():
+        for seq in (12, 20):
+            for _ in range(5):
+                ids = torch.randint(0, 1000, (1, seq), device=DEV)
+                got = model(ids, use_cache=False).logits
+                want = ref(ids, use_cache=False).logits
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    s = group.stats()
+    assert s["per_layer"] == 0, s["reasons"]
+    assert s["captures"] == 4 and s["retargets"] == 12, s

@@ -1,0 +1,205 @@
+"""share_graph on a CPU: the structural-identity check, the graph diff that decides which
+argument slots are weight addresses, and the per-layer fallback through the simulated backend."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._cugraph import GraphNode
+from cudagraphify._share import Refused, Storages, first_difference, plan_rebase
+from cudagraphify._models import GPT
+
+
+class Layer(nn.Module):
+    def __init__(self, d=4, scale=1.0):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.scale = scale
+        self.layer_idx = 0
+
+    def forward(self, x):
+        return self.norm(self.lin(x)) * self.scale + x
+
+
+def _stack(n=3):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Layer() for _ in range(n))
+    for i, layer in enumerate(layers):
+        layer.layer_idx = i
+    return layers
+
+
+# -- structural identity ---------------------------------------------------------------------
+
+def test_identical_layers_pass_and_each_difference_is_named():
+    a, b = Layer(), Layer()
+    assert first_difference(a, b) is None
+    b.scale = 2.0
+    assert "scale: 1.0 vs 2.0" in first_difference(a, b)
+    b = Layer(d=5)
+    assert "lin.weight" in first_difference(a, b)
+    b = Layer().double()
+    assert "float64" in first_difference(a, b)
+    b = Layer()
+    b.norm = nn.Identity()
+    assert "norm: class LayerNorm vs Identity" in first_difference(a, b)
+    b = Layer()
+    b.lin.weight = nn.Parameter(b.lin.weight.detach().t().contiguous().t())  # same shape, strided
+    assert "lin.weight" in first_difference(a, b)
+    b = Layer().eval()
+    assert "training=True vs False" in first_difference(a, b)
+    b = Layer()
+    b.register_buffer("extra", torch.zeros(1))
+    assert "buffers" in first_difference(a, b)
+    b = Layer()
+    b.lin.weight.requires_grad_(False)
+    assert "lin.weight" in first_difference(a, b)
+
+
+def test_share_graph_refuses_bad_input_with_the_first_difference():
+    layers = _stack()
+    with pytest.raises(cg.CudagraphifyError, match=r"layer 1 differs from layer 0: layer_idx: 0 vs 1"):
+        cg.share_graph(layers)
+    assert all("forward" not in m.__dict__ for m in layers)  # nothing was installed
+    group = cg.share_graph(layers, ignore_attrs="layer_idx")
+    assert isinstance(group, cg.ShareGroup) and len(group.layers) == 3
+    with pytest.raises(cg.CudagraphifyError, match="already shares"):
+        cg.share_graph(layers, ignore_attrs="layer_idx")
+    group.unshare()
+    assert all("forward" not in m.__dict__ and "_cudagraphify_share" not in m.__dict__
+               for m in layers)
+    with pytest.raises(cg.CudagraphifyError, match="not one Layer"):
+        cg.share_graph(Layer())
+    with pytest.raises(cg.CudagraphifyError, match="item 1 is a int"):
+        cg.share_graph([Layer(), 3])
+    one = Layer()
+    with pytest.raises(cg.CudagraphifyError, match="same module"):
+        cg.share_graph([one, one])
+    with pytest.raises(cg.CudagraphifyError, match="at least one"):
+        cg.share_graph([])
+    with pytest.raises(cg.CudagraphifyError, match="copy_outputs=False"):
+        cg.share_graph([Layer(), Layer()], copy_outputs=False)
+    pre = cg.graphify(Layer())
+    with pytest.raises(cg.CudagraphifyError, match="graphified already"):
+        cg.share_graph([Layer(), pre])
+    gpt = GPT(32, 2, 3)
+    with pytest.raises(cg.CudagraphifyError, match="differs"):
+        cg.share_graph([gpt.blocks[0], gpt.ln_f])
+
+
+def test_layers_call_through_the_group_and_fall_back_per_layer_without_a_graph_reader(sim):
+    layers = _stack()
+    ref = copy.deepcopy(layers)
+    group = cg.share_graph(layers, ignore_attrs=("layer_idx",))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            y, want = x, x
+            for layer, r in zip(layers, ref):
+                y, want = layer(y), r(want)
+            torch.testing.assert_close(y, want, rtol=0, atol=0)
+    s = group.stats()
+    assert s["per_layer"] == 3 and s["retargets"] == 0
+    assert s["reasons"] == {"the capture backend cannot read graphs": 3}
+    assert [cg.stats(m).captures for m in layers] == [1, 1, 1]
+    assert [cg.stats(m).replays for m in layers] == [2, 2, 2]
+    group.release()
+    assert [cg.stats(m).graphs for m in layers] == [0, 0, 0]
+    with cg.graph_region():
+        with torch.no_grad():
+            layers[0](x)
+    assert "called inside a graph_region" in " ".join(group.stats()["reasons"])
+
+
+# -- the diff --------------------------------------------------------------------------------
+
+A = Storages(((0x10000, 0x400), (0x20000, 0x100)))  # layer a: weight, bias storages
+B = Storages(((0x50000, 0x400), (0x60000, 0x100)))
+POOL = [(0x900000, 0x10000), (0xA00000, 0x10000)]
+
+
+def _w(*values: int) -> bytes:
+    return b"".join(v.to_bytes(8, "little") for v in values)
+
+
+def _k(name, *chunks, kind=0):
+    return GraphNode(kind, (kind, name, tuple(map(len, chunks))), list(chunks), name)
+
+
+def test_weight_addresses_are_rebased_and_intermediates_keep_the_templates_address():
+    n0 = [_k("gemm", _w(0x10000 + 64, 0x900100, 7)), _k("add", _w(0x20000, 0x900200), _w(3))]
+    n1 = [_k("gemm", _w(0x50000 + 64, 0xA00100, 7)), _k("add", _w(0x60000, 0x900200), _w(3))]
+    plan = plan_rebase(n0, n1, frozenset({(0, 1)}), frozenset({(0, 1)}), A, B, POOL)
+    assert plan.count == 2
+    assert plan.slots == {0: {0: [(0, 0, 64)]}, 1: {0: [(0, 1, 0)]}}
+    C = Storages(((0x70000, 0x400), (0x80000, 0x100)))
+    patches = plan.patches({i: n.chunks for i, n in enumerate(n0)}, C)
+    assert patches[0][0] == _w(0x70000 + 64, 0x900100, 7)  # intermediate: template's value
+    assert patches[1][0] == _w(0x80000, 0x900200)
+    assert 1 not in patches[1]  # unchanged chunks are not rewritten
+
+
+@pytest.mark.parametrize("case, message", [
+    ("scalar", "is not a rebased parameter address"),
+    ("offset", "is not a rebased parameter address"),
+    ("outside", "is not a rebased parameter address"),
+    ("kernel", "different work"),
+    ("count", "nodes"),
+    ("edges", "dependencies"),
+    ("memset", "copies or sets a parameter"),
+    ("unaligned", "unaligned"),
+    ("sizes", "storages differ"),
+])
+def test_every_unproven_difference_refuses_sharing(case, message):
+    n0 = [_k("gemm", _w(0x10000, 0x900100, 7))]
+    n1 = [_k("gemm", _w(0x50000, 0xA00100, 7))]
+    e0 = e1 = frozenset()
+    b = B
+    if case == "scalar":
+        n1 = [_k("gemm", _w(0x50000, 0xA00100, 8))]
+    elif case == "offset":  # the same storage, another offset: not the same parameter slot
+        n1 = [_k("gemm", _w(0x50000 + 8, 0xA00100, 7))]
+    elif case == "outside":  # an address of memory neither a storage nor the pool
+        n1 = [_k("gemm", _w(0x50000, 0xB00100, 7))]
+    elif case == "kernel":
+        n1 = [_k("gemv", _w(0x50000, 0xA00100, 7))]
+    elif case == "count":
+        n1 = n1 + [_k("add", _w(1))]
+    elif case == "edges":
+        n0, n1 = n0 * 2, n1 * 2
+        e0, e1 = frozenset({(0, 1)}), frozenset()
+    elif case == "memset":
+        n0 = [_k("memset", _w(0x10000), kind=2)]
+        n1 = [_k("memset", _w(0x50000), kind=2)]
+    elif case == "unaligned":
+        n0 = [_k("f", b"\x01\x02\x03")]
+        n1 = [_k("f", b"\x01\x02\x04")]
+    elif case == "sizes":
+        b = Storages(((0x50000, 0x800), (0x60000, 0x100)))
+    with pytest.raises(Refused, match=message):
+        plan_rebase(n0, n1, e0, e1, A, b, POOL)
+
+
+def test_a_storage_both_layers_share_is_never_rebased():
+    tied = Storages(((0x10000, 0x400), (0x60000, 0x100)))  # storage 0 shared by both layers
+    n0 = [_k("gemm", _w(0x10000, 0x20000))]
+    n1 = [_k("gemm", _w(0x10000, 0x60000))]
+    plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, tied, POOL)
+    assert plan.slots == {0: {0: [(8, 1, 0)]}}
+
+
+def test_storages_are_deduplicated_in_parameter_order():
+    m = nn.Linear(3, 3)
+    flat = torch.zeros(12)
+    m.weight = nn.Parameter(flat[:9].view(3, 3))
+    m.bias = nn.Parameter(flat[9:])  # both views of one storage... as separate Parameters
+    s = Storages.of(m)
+    assert len(s.ranges) >= 1
+    assert s.find(m.weight.untyped_storage().data_ptr() + 4) == (0, 4)
+    assert s.find(0) is None
