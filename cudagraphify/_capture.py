@@ -121,6 +121,7 @@ class CudaBackend:
             side.wait_stream(cur)
             t0 = time.perf_counter()
             failure: BaseException | None = None
+            ended = False
             try:
                 with torch.cuda.stream(side):
                     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -130,13 +131,16 @@ class CudaBackend:
                         failure = e
                     try:
                         graph.capture_end()
+                        ended = True
                     except RuntimeError as e:
                         failure = failure or e
             finally:
                 torch.set_autocast_cache_enabled(autocast_cache)
                 cur.wait_stream(side)
             if failure is not None:
-                self._recover(pool, side, device)
+                if ended:  # the graph holds its share of the pool: reset gives it back
+                    graph.reset()
+                self._recover(None if ended else pool, side, device)
                 del graph
                 _check_healthy(failure)
                 if not isinstance(failure, Exception):
@@ -157,9 +161,11 @@ class CudaBackend:
         random op outside a graph fails ("Offset increment outside graph capture"). A tiny
         capture that succeeds runs the generator's prologue and epilogue and restores it. The
         failed capture's private memory pool is released too (PyTorch releases it only for
-        captures that ended).
+        captures that ended; one that ended gives its share back when reset, and releasing it
+        again would take another graph's share of a pool they have in common).
         """
-        torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
+        if pool is not None:  # a capture that did not end: its use of the pool is ours to end
+            torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
         scratch = torch.zeros(1, device=device)
         fix = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
@@ -171,7 +177,11 @@ class CudaBackend:
         fix.reset()
 
     def new_pool(self, device: torch.device):
-        """A fresh memory pool id that several captures can share."""
+        """A fresh memory pool id that several captures can share.
+
+        The pool lives while a graph captured into it does: once the last one is released the
+        id cannot be captured into again (torch 2.11 asserts), so owners keep one graph alive.
+        """
         with torch.cuda.device(device):
             return torch.cuda.graph_pool_handle()
 

@@ -1,10 +1,11 @@
 """share_graph: capture a block once, replay it for every identical layer with its own weights.
 
-For one input signature, the first layer called is captured (the template) and so is a second
-layer, on the same static inputs. Diffing the two graphs node by node tells which 8-byte argument
+For one input signature, the first layer called is captured (the template), then a second
+layer and the first layer once more, on the same static inputs. Diffing the two graphs node by node tells which 8-byte argument
 slots hold an address inside the layer's own parameters and buffers (the same storage and offset
-in both layers); every other difference must be between two addresses of memory the captures
-allocated (their intermediates), which the template's values stand for. Anything else (another
+in both layers); every other difference must be capture-dependent (two addresses of memory the
+captures allocated, or bytes that also differ between the two captures of the first layer), and
+the template's values stand for it. Anything else (another
 kernel, another launch shape, a scalar that differs, an address of other memory) refuses
 sharing. Each layer then gets a clone of the template with those slots rebased to its own
 storages, instantiated, and checked once against the layer's eager output of that call. All
@@ -146,14 +147,23 @@ def _in(ranges: list[tuple[int, int]], v: int) -> bool:
 
 
 def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Storages,
-                pool: list[tuple[int, int]]) -> RebasePlan:
+                pool: list[tuple[int, int]], again: list | None = None) -> RebasePlan:
     """Diff two captures of identical layers (``a`` then ``b``); raise :class:`Refused` unless
-    every difference is a rebased address of the layer's storages or a pair of addresses in
-    graph-owned memory (``pool``)."""
+    every difference is proven harmless to keep or is a rebased address of the layer's storages.
+
+    A differing 8-byte slot is rebased when it holds an address inside one of ``a``'s storages
+    and ``b``'s capture holds the same offset in the same storage of ``b``. It keeps the
+    template's value when it is capture-dependent, not layer-dependent: two addresses of
+    graph-owned memory (``pool``: intermediates), or a slot whose value also differs in
+    ``again``, a second capture of layer ``a`` itself (struct padding, which holds whatever the
+    host stack held). Anything else refuses.
+    """
     if len(nodes0) != len(nodes1):
         raise Refused(f"the two captures have {len(nodes0)} and {len(nodes1)} nodes")
     if edges0 != edges1:
         raise Refused("the two captures' node dependencies differ")
+    if again is not None and [n.key for n in again] != [n.key for n in nodes0]:
+        raise Refused("two captures of the same layer differ in their work")
     if len(a.ranges) != len(b.ranges) or any(
             na != nb for (_, na), (_, nb) in zip(a.ranges, b.ranges)):
         raise Refused("the layers' storages differ in number or size")
@@ -165,22 +175,22 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
         for c, (x, y) in enumerate(zip(n0.chunks, n1.chunks)):
             if x == y:
                 continue
-            if len(x) % 8:
-                raise Refused(f"node {i} ({n0.name}): argument {c} differs in an unaligned size")
+            z = again[i].chunks[c] if again is not None else x
             for pos in range(0, len(x), 8):
-                v0 = int.from_bytes(x[pos:pos + 8], "little")
-                v1 = int.from_bytes(y[pos:pos + 8], "little")
-                if v0 == v1:
+                w0, w1, w2 = x[pos:pos + 8], y[pos:pos + 8], z[pos:pos + 8]
+                if w0 == w1:
                     continue
-                hit = a.find(v0)
+                v0, v1 = int.from_bytes(w0, "little"), int.from_bytes(w1, "little")
+                hit = a.find(v0) if len(w0) == 8 else None
                 if hit is not None and hit[0] not in shared \
-                        and b.ranges[hit[0]][0] + hit[1] == v1:
+                        and b.ranges[hit[0]][0] + hit[1] == v1 and w2 == w0:
                     if n0.kind != 0:
                         raise Refused(f"node {i} ({n0.name}) copies or sets a parameter's memory")
                     plan.slots.setdefault(i, {}).setdefault(c, []).append((pos, *hit))
                     plan.count += 1
-                elif hit is None and b.find(v1) is None and _in(pool, v0) and _in(pool, v1):
-                    continue  # intermediates: the template's own stand for every layer
+                elif hit is None and b.find(v1) is None and (
+                        w2 != w0 or (len(w0) == 8 and _in(pool, v0) and _in(pool, v1))):
+                    continue  # capture-dependent: the template's own value stands for every layer
                 else:
                     raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "
                                   f"({v0:#x} vs {v1:#x}) and is not a rebased parameter address")
@@ -284,11 +294,14 @@ class ShareGroup:
 
         layer = self.layers[k]
         pool = self.pool(backend, device)
-        raw, out = backend.capture(lambda: fn(*a, **kw), device, pool=pool, keep_graph=True)
+        forward_a = self._forward_of(layer)
+        # The template is captured from the layer's own forward (not the engine's probed one):
+        # a refused template must not count as the engine's capture run.
+        raw, out = backend.capture(lambda: forward_a(*a, **kw), device, pool=pool,
+                                   keep_graph=True)
         self.captures += 1
         self.capture_seconds += raw.capture_seconds
         t = _Template(raw, k, [], None, Storages.of(layer), _layout(layer), inputs, out)
-        self._templates[key] = t
         try:
             if len(self.layers) < 2:
                 raise Refused("one layer: nothing to share")
@@ -298,24 +311,33 @@ class ShareGroup:
             self._check_outputs(out, inputs, t.storages)
             self._check_no_rng(raw, device)
             other = self._partner(k)
-            raw_b, _ = backend.capture(lambda: self._forward_of(other)(*a, **kw), device,
-                                       pool=pool, keep_graph=True)
-            self.captures += 1
-            self.capture_seconds += raw_b.capture_seconds
+            forward_b = self._forward_of(self.layers[other])
+            extra = []
             try:
+                for f in (forward_b, forward_a):  # layer b, then layer a once more
+                    r, _ = backend.capture(lambda f=f: f(*a, **kw), device, pool=pool,
+                                           keep_graph=True)
+                    extra.append(r)
+                    self.captures += 1
+                    self.capture_seconds += r.capture_seconds
                 nodes0, edges0 = read_graph(raw.cuda_graph())
-                nodes1, edges1 = read_graph(raw_b.cuda_graph())
+                nodes1, edges1 = read_graph(extra[0].cuda_graph())
+                nodes2, _ = read_graph(extra[1].cuda_graph())
                 t.nodes = nodes0
                 t.plan = plan_rebase(nodes0, nodes1, edges0, edges1, t.storages,
-                                     Storages.of(self.layers[other]), pool_ranges(pool))
+                                     Storages.of(self.layers[other]), pool_ranges(pool), nodes2)
             finally:
-                raw_b.release()
+                for r in extra:
+                    r.release()
         except Refused as e:
             t.reason = str(e)
         except DriverError as e:
             t.reason = f"reading the captured graph failed: {e}"
-        if t.reason is not None:
-            raw.release()  # each layer captures its own graph instead
+        except Exception as e:  # noqa: BLE001 - unproven means refused, with the reason
+            t.reason = f"sharing failed unexpectedly: {type(e).__name__}: {e}"
+        # A refused template is kept all the same: the group's pool must keep one live graph for
+        # the per-layer captures that follow (a pool whose graphs are all gone is unusable).
+        self._templates[key] = t
         return t
 
     def _partner(self, k: int) -> int:

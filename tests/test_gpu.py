@@ -488,3 +488,34 @@ def test_inference_mode_and_buffers_written_by_forward():
         assert int(g[1].num_batches_tracked) == int(ref[1].num_batches_tracked) == 5
     s = cg.stats(g)
     assert (s.captures, s.replays) == (1, 4)
+
+
+def test_an_exception_during_capture_in_a_region_leaves_the_shared_pool_intact():
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(32, 32)
+
+        def forward(self, x):
+            y = self.lin(x)
+            if torch.cuda.is_current_stream_capturing():
+                raise ValueError("only while capturing")
+            return y
+
+    torch.manual_seed(0)
+    good, flaky = cg.graphify(nn.Linear(32, 32).to(DEV)), cg.graphify(Flaky().to(DEV))
+    x = torch.randn(4, 32, device=DEV)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    with torch.no_grad(), cg.graph_region() as region:
+        for _ in range(3):
+            y = flaky(good(x))  # flaky's capture raises; good stays graphed in the region
+            want = nn.functional.linear(nn.functional.linear(x, good.weight, good.bias),
+                                        flaky.lin.weight, flaky.lin.bias)
+            torch.testing.assert_close(y, want)
+        # good: two replays, plus the chaining region's replay on its first call
+        assert cg.stats(good).replays == 3 and cg.stats(flaky).captures == 0
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    assert torch.cuda.memory_reserved() <= before

@@ -153,7 +153,7 @@ def test_weight_addresses_are_rebased_and_intermediates_keep_the_templates_addre
     ("count", "nodes"),
     ("edges", "dependencies"),
     ("memset", "copies or sets a parameter"),
-    ("unaligned", "unaligned"),
+    ("unaligned", "is not a rebased parameter address"),
     ("sizes", "storages differ"),
 ])
 def test_every_unproven_difference_refuses_sharing(case, message):
@@ -184,6 +184,25 @@ def test_every_unproven_difference_refuses_sharing(case, message):
         b = Storages(((0x50000, 0x800), (0x60000, 0x100)))
     with pytest.raises(Refused, match=message):
         plan_rebase(n0, n1, e0, e1, A, b, POOL)
+
+
+def test_bytes_that_differ_between_two_captures_of_one_layer_keep_the_templates_value():
+    n0 = [_k("gemm", _w(0x7FFC0000_22DC, 0x10000))]  # slot 0: host-stack padding
+    n1 = [_k("gemm", _w(0x7FFC0000_2C6C, 0x50000))]
+    again = [_k("gemm", _w(0x7FFC0000_2C6C, 0x10000))]  # layer a again: padding changed too
+    plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, again)
+    assert plan.slots == {0: {0: [(8, 0, 0)]}}
+    with pytest.raises(Refused, match="not a rebased"):  # stable in layer a: layer-dependent
+        plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0)
+    unstable = [_k("gemm", _w(0x7FFC0000_22DC, 0x10008))]  # a weight address that moved
+    with pytest.raises(Refused, match="not a rebased"):
+        plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, unstable)
+    # a one-byte argument (an empty functor's padding) that changes between captures of layer a
+    odd = plan_rebase([_k("f", b"\x01")], [_k("f", b"\x07")], frozenset(), frozenset(), A, B,
+                      POOL, [_k("f", b"\x05")])
+    assert odd.count == 0
+    with pytest.raises(Refused, match="same layer differ"):
+        plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, [_k("gemv", _w(0, 0))])
 
 
 def test_a_storage_both_layers_share_is_never_rebased():
