@@ -15,7 +15,13 @@ import torch
 
 from ._errors import CaptureFailed, CudagraphifyError
 
-__all__ = ["CudaBackend", "RawGraph", "default_backend", "set_backend"]
+__all__ = ["CudaBackend", "Pool", "RawGraph", "default_backend", "set_backend"]
+
+
+class Pool(tuple):
+    """A graph memory pool id (a tuple, as torch takes it) that keeps its pool usable."""
+
+    keeper: Any = None
 
 
 class RawGraph:
@@ -140,7 +146,8 @@ class CudaBackend:
             if failure is not None:
                 if ended:  # the graph holds its share of the pool: reset gives it back
                     graph.reset()
-                self._recover(None if ended else pool, side, device)
+                else:
+                    self._recover(pool, side, device)
                 del graph
                 _check_healthy(failure)
                 if not isinstance(failure, Exception):
@@ -164,8 +171,7 @@ class CudaBackend:
         captures that ended; one that ended gives its share back when reset, and releasing it
         again would take another graph's share of a pool they have in common).
         """
-        if pool is not None:  # a capture that did not end: its use of the pool is ours to end
-            torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
+        torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
         scratch = torch.zeros(1, device=device)
         fix = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
@@ -176,14 +182,27 @@ class CudaBackend:
         torch.cuda.current_stream().wait_stream(side)
         fix.reset()
 
-    def new_pool(self, device: torch.device):
-        """A fresh memory pool id that several captures can share.
+    def new_pool(self, device: torch.device) -> "Pool":
+        """A fresh memory pool that several captures can share.
 
-        The pool lives while a graph captured into it does: once the last one is released the
-        id cannot be captured into again (torch 2.11 asserts), so owners keep one graph alive.
+        A pool lives while a graph captured into it does; once its last graph is released its id
+        cannot be captured into again (torch 2.11 asserts). So the pool carries a keeper: a
+        one-kernel graph captured into it, alive as long as the pool object (and every
+        ``RawGraph`` captured into it, which holds the pool object) is.
         """
         with torch.cuda.device(device):
-            return torch.cuda.graph_pool_handle()
+            pool = Pool(torch.cuda.graph_pool_handle())
+            cur, side = torch.cuda.current_stream(), self._side_stream(device)
+            side.wait_stream(cur)
+            keeper = torch.cuda.CUDAGraph()
+            with torch.cuda.stream(side):
+                scratch = torch.empty(1, device=device)
+                keeper.capture_begin(pool=pool, capture_error_mode="thread_local")
+                scratch.zero_()
+                keeper.capture_end()
+            cur.wait_stream(side)
+            pool.keeper = (keeper, scratch)
+            return pool
 
     def stream_token(self, device: torch.device) -> int:
         return torch._C._cuda_getCurrentRawStream(device.index)

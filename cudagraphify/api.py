@@ -402,7 +402,7 @@ def mark_safe(fn: Callable) -> None:
     default_policy.mark_safe(fn)
 
 
-def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), verify: bool = True,
+def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict: bool = False,
                 **options: Any):
     """Capture once and replay across identical layers, each with its own weights.
 
@@ -422,7 +422,10 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), verify
     Args:
         ignore_attrs: plain attributes allowed to differ between layers because forward does
             not use them, as ``"self_attn.layer_idx"`` (path inside the layer) or a bare name.
-        verify: compare each layer's first shared replay with its eager output (default).
+        strict: refuse sharing when two layers' captures differ in a kernel argument that is
+            not an address of device memory in either (by default such bytes, such as the
+            uninitialised tail of a kernel's argument struct, are kept as the template has them:
+            each layer's graph is always checked once against its eager output).
 
     Returns the :class:`ShareGroup` (``stats()``, ``release()``, ``unshare()``).
     """
@@ -441,7 +444,7 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), verify
             raise CudagraphifyUsageError(
                 f"share_graph: layer {i} is graphified already; share_graph graphifies the "
                 "layers itself (ungraphify them first)")
-    group = ShareGroup(mods, tuple(ignore_attrs), verify)
+    group = ShareGroup(mods, tuple(ignore_attrs), strict)
     for i, layer in enumerate(mods):
         layer.__dict__["_cudagraphify_share"] = (group, i)
         graphify(layer, **options)

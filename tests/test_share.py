@@ -205,6 +205,21 @@ def test_bytes_that_differ_between_two_captures_of_one_layer_keep_the_templates_
         plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, [_k("gemv", _w(0, 0))])
 
 
+def test_non_address_bytes_are_kept_as_unproven_only_when_not_strict():
+    n0 = [_k("reduce", _w(0x7FFD7CC4E900, 0x10000, 0x1))]  # slot 0: host-stack tail garbage
+    n1 = [_k("reduce", _w(0x7FFD7CC4E8F0, 0x50000, 0x1))]
+    device = POOL + [(0x10000, 0x100000)]
+    plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0, device)
+    assert (plan.count, plan.unproven) == (1, 1)
+    with pytest.raises(Refused, match="not a rebased"):  # strict: device ranges not given
+        plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0)
+    # a differing value that is device memory (not the layer's, not the pool) never passes
+    n1 = [_k("reduce", _w(0x7FFD7CC4E900, 0x50000, 0x900100 + 0x200000))]
+    with pytest.raises(Refused, match="not a rebased"):
+        plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0,
+                    device + [(0xB00000, 0x100000)])
+
+
 def test_a_storage_both_layers_share_is_never_rebased():
     tied = Storages(((0x10000, 0x400), (0x60000, 0x100)))  # storage 0 shared by both layers
     n0 = [_k("gemm", _w(0x10000, 0x20000))]
