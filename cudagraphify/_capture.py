@@ -7,6 +7,7 @@ machine without a GPU substitute a simulated backend to exercise the engine's bo
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import Any, Callable
@@ -128,6 +129,11 @@ class CudaBackend:
             t0 = time.perf_counter()
             failure: BaseException | None = None
             ended = False
+            # A garbage collection inside the capture could destroy other graphs (their
+            # destructors make CUDA calls a capturing thread may not make): it invalidates the
+            # capture. Collection waits until the capture is over.
+            gc_was_enabled = gc.isenabled()
+            gc.disable()
             try:
                 with torch.cuda.stream(side):
                     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -141,6 +147,8 @@ class CudaBackend:
                     except RuntimeError as e:
                         failure = failure or e
             finally:
+                if gc_was_enabled:
+                    gc.enable()
                 torch.set_autocast_cache_enabled(autocast_cache)
                 cur.wait_stream(side)
             if failure is not None:

@@ -153,19 +153,40 @@ def _nodes(graph: int) -> list[int]:
     return [arr[i] for i in range(n.value)]
 
 
-def _edges(graph: int, index: dict[int, int]) -> frozenset[tuple[int, int]]:
+class _EdgeData(ctypes.Structure):  # CUgraphEdgeData
+    _fields_ = [("from_port", ctypes.c_ubyte), ("to_port", ctypes.c_ubyte),
+                ("type", ctypes.c_ubyte), ("reserved", ctypes.c_ubyte * 5)]
+
+
+def _get_edges_v2():
+    """``cuGraphGetEdges`` with edge data (CUDA 12.3+): edges of programmatic launches carry
+    data, and the query without it fails with CUDA_ERROR_LOSSY_QUERY."""
+    lib = _driver()
+    f = getattr(lib, "cuGraphGetEdges_v2", None)
+    if f is not None:
+        return f
+    proc = getattr(lib, "cuGetProcAddress_v2", None)
+    if proc is None:
+        raise DriverError("the CUDA driver has no cuGraphGetEdges_v2")
+    fn, status = _ptr(), ctypes.c_int()
+    _check(proc(b"cuGraphGetEdges", ctypes.byref(fn), ctypes.c_int(12030), ctypes.c_uint64(0),
+                ctypes.byref(status)), "cuGetProcAddress(cuGraphGetEdges)")
+    if not fn.value:
+        raise DriverError("the CUDA driver has no cuGraphGetEdges with edge data")
+    return ctypes.CFUNCTYPE(ctypes.c_int, _ptr, _ptr, _ptr, _ptr, ctypes.c_void_p)(fn.value)
+
+
+def _edges(graph: int, index: dict[int, int]) -> frozenset[tuple]:
+    f = _get_edges_v2()
     n = _c_size(0)
-    v2 = getattr(_driver(), "cuGraphGetEdges_v2", None)
-    if v2 is not None:
-        _check(v2(_ptr(graph), None, None, None, ctypes.byref(n)), "cuGraphGetEdges")
-        a, b = (_ptr * n.value)(), (_ptr * n.value)()
-        _check(v2(_ptr(graph), a, b, None, ctypes.byref(n)), "cuGraphGetEdges")
-    else:
-        f = _fn("cuGraphGetEdges")
-        _check(f(_ptr(graph), None, None, ctypes.byref(n)), "cuGraphGetEdges")
-        a, b = (_ptr * n.value)(), (_ptr * n.value)()
-        _check(f(_ptr(graph), a, b, ctypes.byref(n)), "cuGraphGetEdges")
-    return frozenset((index[a[i]], index[b[i]]) for i in range(n.value))
+    _check(f(_ptr(graph), None, None, None, _ptr(ctypes.addressof(n))), "cuGraphGetEdges")
+    count = n.value
+    a, b = (_ptr * max(count, 1))(), (_ptr * max(count, 1))()
+    data = (_EdgeData * max(count, 1))()
+    _check(f(_ptr(graph), *(_ptr(ctypes.addressof(x)) for x in (a, b, data, n))),
+           "cuGraphGetEdges")
+    return frozenset((index[a[i]], index[b[i]], data[i].from_port, data[i].to_port, data[i].type)
+                     for i in range(n.value))
 
 
 def read_graph(graph: int) -> tuple[list[GraphNode], frozenset[tuple[int, int]]]:

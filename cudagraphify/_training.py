@@ -110,6 +110,7 @@ class TrainingGraph:
         # parameter gradients added into .grad straight from the static buffers, and those
         # adopted as .grad from one flat copy
         self.grads_aliased = self.grads_adopted = 0
+        self._groups, self._first_param = param_groups(grad_in, len(tensor_idx))
 
     @property
     def pool_bytes(self) -> int:
@@ -172,46 +173,49 @@ class TrainingGraph:
         return self._hand_out(ctx)
 
     def _hand_out(self, ctx) -> tuple:
-        """The gradients for autograd, without a copy per parameter where that is proven safe.
+        """The gradients for autograd: never a static buffer anyone could keep.
 
-        Only a parameter's AccumulateGrad node, run by this backward (not ``autograd.grad``,
-        which hands what we return to the caller) and with no tensor hook that could keep it,
-        gets special treatment:
+        Two safe ways, picked by the first parameter's ``.grad``:
 
-        - ``.grad`` is set: it gets the static buffer itself, which AccumulateGrad adds into
-          ``.grad`` in place and does not keep;
-        - ``.grad`` is None: it gets a fresh view into one new flat copy of all such buffers (one
-          kernel), which AccumulateGrad adopts as ``.grad``.
-
-        Everything else (inputs, hooked parameters, ``autograd.grad``) gets its own fresh copy.
+        - None (``zero_grad(set_to_none=True)``): every parameter gets a fresh view into one new
+          flat copy of all gradient buffers (one kernel per dtype, no Python per parameter),
+          which AccumulateGrad adopts as ``.grad``; inputs get copies of their own.
+        - set (accumulation): a parameter's gradient may be the static buffer itself when
+          AccumulateGrad adds it into ``.grad`` in place and keeps nothing: this backward runs
+          the parameter's AccumulateGrad node (not ``autograd.grad``, which hands what we return
+          to the caller), ``.grad`` is set (else AccumulateGrad could adopt the buffer) and no
+          tensor hook could keep it. Every other gradient gets a fresh copy.
         """
         grads = self._grad_in
+        first = self._first_param
+        if first is None or ctx.params[first - self._n_user].grad is None:
+            return self._adopt_all(grads)
         n = self._n_user
-        kind = [None] * len(grads)  # "alias" | "adopt" | None (a copy of its own)
+        alias = [False] * len(grads)
         try:
             edges = ctx.next_functions
             will_run = torch._C._will_engine_execute_node
             for i in range(n, len(grads)):
                 p = ctx.params[i - n]
-                if grads[i] is not None and edges[i][0] is not None \
-                        and not p._backward_hooks and will_run(edges[i][0]):
-                    kind[i] = "adopt" if p.grad is None else "alias"
+                alias[i] = (grads[i] is not None and edges[i][0] is not None
+                            and p.grad is not None and not p._backward_hooks
+                            and will_run(edges[i][0]))
         except RuntimeError:  # autograd.grad asks for a parameter: it keeps what we return
-            kind = [None] * len(grads)
-        out = [None if g is None else g if k == "alias" else g.clone() if k is None else None
-               for g, k in zip(grads, kind)]
-        groups: dict[tuple, list[int]] = {}
-        for i, k in enumerate(kind):
-            if k == "adopt":
-                groups.setdefault((grads[i].dtype, grads[i].device), []).append(i)
-        for idx in groups.values():
-            bufs = [grads[i] for i in idx]
+            alias = [False] * len(grads)
+        self.grads_aliased += sum(alias)
+        return tuple(None if g is None else g if a else g.clone() for g, a in zip(grads, alias))
+
+    def _adopt_all(self, grads: list) -> tuple:
+        out = list(grads)
+        for i in range(self._n_user):
+            if grads[i] is not None:
+                out[i] = grads[i].clone()
+        for idx, bufs in self._groups:
             # flatten_dense_tensors of one tensor is a view of it, not a copy
             views = _unflatten(_flatten(bufs), bufs) if len(bufs) > 1 else [bufs[0].clone()]
             for i, v in zip(idx, views):
                 out[i] = v
-        self.grads_aliased += kind.count("alias")
-        self.grads_adopted += sum(len(idx) for idx in groups.values())
+            self.grads_adopted += len(idx)
         return tuple(out)
 
     def release(self) -> None:
@@ -220,8 +224,20 @@ class TrainingGraph:
                 raw.release()
         self._bwd_raw = None
         self._outs = self._grad_out = self._grad_in = []
+        self._groups = []
         self._inputs = None
         self._copy = []
+
+
+def param_groups(grad_in: list, n_user: int) -> tuple[list, int | None]:
+    """Parameter gradient buffers by (dtype, device) as (positions, buffers), one flat copy
+    each; and the position of the first parameter gradient (None if none)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, g in enumerate(grad_in[n_user:], n_user):
+        if g is not None:
+            groups.setdefault((g.dtype, g.device), []).append(i)
+    first = min((i for idx in groups.values() for i in idx), default=None)
+    return [(idx, [grad_in[i] for i in idx]) for idx in groups.values()], first
 
 
 class _GraphedFunction(torch.autograd.Function):

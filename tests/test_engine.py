@@ -17,7 +17,7 @@ from torch import nn
 
 import cudagraphify as cg
 from cudagraphify._models import GPT
-from cudagraphify._training import TrainingGraph
+from cudagraphify._training import TrainingGraph, param_groups
 
 
 @pytest.fixture(autouse=True)
@@ -597,6 +597,14 @@ def test_keyboard_interrupt_during_capture_reaches_the_caller_and_nothing_is_cac
 
 
 
+def _fake_graph(grad_in: list, n_user: int):
+    """What TrainingGraph._hand_out reads, around gradient buffers a test fills itself."""
+    g = types.SimpleNamespace(_grad_in=grad_in, _n_user=n_user, grads_aliased=0, grads_adopted=0)
+    g._groups, g._first_param = param_groups(grad_in, n_user)
+    g._adopt_all = types.MethodType(TrainingGraph._adopt_all, g)
+    return g
+
+
 class _Replayed(torch.autograd.Function):
     """y = x @ w + b whose backward, like a graph replay, writes fixed gradient buffers."""
 
@@ -618,9 +626,7 @@ class _Replayed(torch.autograd.Function):
 
 def test_parameter_gradients_are_static_buffers_only_where_autograd_keeps_nothing():
     w, b = torch.randn(3, 2, requires_grad=True), torch.randn(2, requires_grad=True)
-    graph = types.SimpleNamespace(_grad_in=[torch.empty(4, 3), torch.empty(3, 2),
-                                            torch.empty(2)], _n_user=1, grads_aliased=0,
-                                  grads_adopted=0)
+    graph = _fake_graph([torch.empty(4, 3), torch.empty(3, 2), torch.empty(2)], 1)
     w_ref, b_ref = w.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     xs = [torch.randn(4, 3, requires_grad=True) for _ in range(6)]
     kept, kept_ref = [], []
@@ -633,9 +639,9 @@ def test_parameter_gradients_are_static_buffers_only_where_autograd_keeps_nothin
         (x @ w_ref + b_ref).square().sum().backward()
     torch.testing.assert_close((w.grad, b.grad), (w_ref.grad, b_ref.grad))
     torch.testing.assert_close(kept, kept_ref)  # a hook's gradient is never a static buffer
-    # Calls 1 and 3 add w's buffer into an existing .grad; calls 0 and 2 (.grad None) adopt a
-    # flat copy; the hooked b and the input x get copies of their own.
-    assert (graph.grads_aliased, graph.grads_adopted) == (2, 2)
+    # Calls 1 and 3 add w's buffer into an existing .grad (the hooked b gets a copy); calls 0
+    # and 2 (.grad None) adopt one flat copy of both; the input x gets a copy of its own.
+    assert (graph.grads_aliased, graph.grads_adopted) == (2, 4)
     assert w.grad.data_ptr() != graph._grad_in[1].data_ptr()
     # autograd.grad hands the gradients to the caller: copies the next backward leaves alone
     got = [torch.autograd.grad(_Replayed.apply(graph, x, w, b).sum(), (w, b)) for x in xs[4:]]
@@ -644,15 +650,14 @@ def test_parameter_gradients_are_static_buffers_only_where_autograd_keeps_nothin
     # backward(inputs=[x]) executes no AccumulateGrad: w.grad is untouched
     before = w.grad.clone()
     _Replayed.apply(graph, xs[0], w, b).sum().backward(inputs=[xs[0]])
-    assert torch.equal(w.grad, before) and (graph.grads_aliased, graph.grads_adopted) == (2, 2)
+    assert torch.equal(w.grad, before) and (graph.grads_aliased, graph.grads_adopted) == (2, 4)
 
 
 def test_gradients_adopted_as_grad_come_from_one_flat_copy_grouped_by_dtype():
     ps = [torch.randn(3, 2, requires_grad=True), torch.randn(2, requires_grad=True),
           torch.randn(2, dtype=torch.float64, requires_grad=True)]
     bufs = [torch.randn(3, 2), torch.randn(2), torch.randn(2, dtype=torch.float64)]
-    graph = types.SimpleNamespace(_grad_in=[torch.empty(0)] + bufs, _n_user=1,
-                                  grads_aliased=0, grads_adopted=0)
+    graph = _fake_graph([torch.empty(0)] + bufs, 1)
 
     class Three(torch.autograd.Function):
         @staticmethod
