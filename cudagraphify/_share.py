@@ -262,6 +262,7 @@ class ShareGroup:
         self.retargets = 0  # layer graphs made from a template
         self.per_layer = 0  # layer graphs captured on their own (sharing refused)
         self.reasons: dict[str, int] = {}
+        self.pieces: dict[str, "ShareGroup"] = {}  # submodule path -> group, when piecewise
         self.capture_seconds = 0.0  # of the template captures and their diff captures
         self.build_seconds = 0.0  # of the layers' retargeted graphs (clone, rewrite, instantiate)
         self.released = False
@@ -296,6 +297,15 @@ class ShareGroup:
             except Refused as e:
                 self.refuse(str(e))
                 return None
+
+    def piece_group(self, path: str) -> "ShareGroup":
+        """The group of the submodules at ``path`` of every layer (a piecewise plan's piece)."""
+        with self._lock:
+            group = self.pieces.get(path)
+            if group is None:
+                subs = [layer.get_submodule(path) for layer in self.layers]
+                group = self.pieces[path] = ShareGroup(subs, self.ignore_attrs, self.strict)
+            return group
 
     # -- templates ---------------------------------------------------------------------------
 
@@ -428,7 +438,8 @@ class ShareGroup:
                                    if t.plan is not None and t.plan.unproven},
                 "template_pool_bytes": sum(t.raw.pool_bytes for t in self._templates.values()),
                 "capture_seconds": self.capture_seconds, "build_seconds": self.build_seconds,
-                "reasons": dict(self.reasons)}
+                "reasons": dict(self.reasons),
+                "pieces": {path: g.stats() for path, g in self.pieces.items()}}
 
     def release(self) -> None:
         """Release every layer's graphs and the templates (the layers stay graphified)."""
@@ -442,6 +453,8 @@ class ShareGroup:
             for t in self._templates.values():
                 t.raw.release()
             self._templates.clear()
+            for group in self.pieces.values():
+                group.release()
 
     def unshare(self) -> None:
         """Release everything and restore the layers' own forwards."""

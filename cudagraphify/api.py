@@ -132,11 +132,15 @@ def _install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -
                       enabled=options.enabled, copy_outputs=options.copy_outputs,
                       probe=options.probe, op_policy=options.op_policy)
     installed = []
+    share = root.__dict__.get("_cudagraphify_share")  # a share_graph layer: pieces share too
     for path in paths:
         sub = root.get_submodule(path) if path else root
         if sub is root or isinstance(sub.__dict__.get("forward"), _GraphedForward) \
                 or _graphed_forward_of(type(sub)) is not None:
             continue  # graphed already (by the user, or an earlier plan)
+        if share is not None:
+            group, k = share
+            sub.__dict__["_cudagraphify_share"] = (group.piece_group(path), k)
         _install(sub, sub.forward, options, "instance", False)
         installed.append(sub)
     return installed

@@ -157,3 +157,21 @@ def test_hf_llama_layers_share_one_capture():
     s = group.stats()
     assert s["per_layer"] == 0, s["reasons"]
     assert s["captures"] == 6 and s["retargets"] == 12, s
+
+
+def test_blocks_with_a_host_sync_share_each_graphed_piece():
+    torch.manual_seed(0)
+    ref = GPT(256, 4, 4, sync="item").to(DEV).eval()
+    model = copy.deepcopy(ref)
+    group = cg.share_graph(model.blocks)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(1, 16, 256, device=DEV)
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    s = group.stats()
+    assert set(s["pieces"]) == {"ln1", "attn", "ln2", "mlp"}
+    for path, piece in s["pieces"].items():
+        assert (piece["captures"], piece["retargets"], piece["per_layer"]) == (3, 4, 0), \
+            (path, piece)
+    # call 1 decides piecewise, call 2 makes the pieces, calls 3 and 4 replay them
+    assert all(cg.stats(b.attn).replays == 2 for b in model.blocks)

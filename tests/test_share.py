@@ -4,6 +4,7 @@ argument slots are weight addresses, and the per-layer fallback through the simu
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -237,3 +238,26 @@ def test_storages_are_deduplicated_in_parameter_order():
     assert len(s.ranges) >= 1
     assert s.find(m.weight.untyped_storage().data_ptr() + 4) == (0, 4)
     assert s.find(0) is None
+
+
+def test_a_piecewise_layer_shares_each_safe_piece_across_layers(sim):
+    torch.manual_seed(0)
+    ref = GPT(32, 2, 3, sync="item")
+    model = copy.deepcopy(ref)
+    group = cg.share_graph(model.blocks)
+    x = torch.randn(1, 4, 32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudagraphifyWarning)  # "runs eagerly: piecewise"
+        for _ in range(3):
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    s = group.stats()
+    assert s["per_layer"] == 0 and s["captures"] == 0  # the blocks themselves run eagerly
+    assert set(s["pieces"]) == {"ln1", "attn", "ln2", "mlp"}
+    for path, piece in s["pieces"].items():
+        # each piece of every block went to its path's group (the simulated backend cannot
+        # read graphs, so each captured on its own in the group's pool)
+        assert piece["layers"] == 3 and piece["per_layer"] == 3, (path, piece)
+    shared = [b.get_submodule("attn").__dict__["_cudagraphify_share"] for b in model.blocks]
+    assert all(g is group.pieces["attn"] for g, _ in shared) and [k for _, k in shared] == [0, 1, 2]
+    group.unshare()
+    assert all("_cudagraphify_share" not in m.__dict__ for b in model.blocks for m in b.modules())
