@@ -181,6 +181,8 @@ def _edges(graph: int, index: dict[int, int]) -> frozenset[tuple]:
     n = _c_size(0)
     _check(f(_ptr(graph), None, None, None, _ptr(ctypes.addressof(n))), "cuGraphGetEdges")
     count = n.value
+    if count == 0:  # one node, or none depending on another (asking for 0 edges is an error)
+        return frozenset()
     a, b = (_ptr * max(count, 1))(), (_ptr * max(count, 1))()
     data = (_EdgeData * max(count, 1))()
     _check(f(_ptr(graph), *(_ptr(ctypes.addressof(x)) for x in (a, b, data, n))),
