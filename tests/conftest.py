@@ -9,10 +9,13 @@ for the engine, not a substitute for the GPU tests.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.utils._pytree as pytree
 
+import cudagraphify as cg
 from cudagraphify import _capture
 from cudagraphify._engine import _Nested
 from cudagraphify._errors import CaptureFailed
@@ -93,6 +96,23 @@ class SimBackend:
 
     def order_after(self, device, token):
         pass
+
+
+@pytest.fixture
+def quiet_gpu():
+    """GPU tests: cudagraphify's eager-fallback warnings off; all GPU work done afterwards."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+        yield
+    torch.cuda.synchronize()
+
+
+def assert_chain_matches(layers, ref, x) -> None:
+    """Each layer of ``layers`` applied in turn gives exactly what ``ref``'s layers give."""
+    y, want = x, x
+    for layer, r in zip(layers, ref):
+        y, want = layer(y), r(want)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
 
 
 @pytest.fixture

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import gc
 import threading
-import warnings
 
 import pytest
 import torch
@@ -14,17 +13,10 @@ from torch import nn
 import cudagraphify as cg
 from cudagraphify._models import GPT, GPTConfig
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 
 DEV = "cuda"
 
-
-@pytest.fixture(autouse=True)
-def _quiet_and_clean():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
-        yield
-    torch.cuda.synchronize()
 
 
 def _gpt(cfg: GPTConfig, seed=0):

@@ -4,26 +4,19 @@ capture (plus one diff capture) per signature, weights are read in place, fallba
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import cudagraphify as cg
+from conftest import assert_chain_matches
 from cudagraphify._models import GPT, GPTConfig
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 
 DEV = "cuda"
 
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
-        yield
-    torch.cuda.synchronize()
 
 
 def _layer_outputs(model, layers):
@@ -110,10 +103,7 @@ def test_an_unproven_difference_falls_back_to_per_layer_graphs_in_one_pool():
     x = torch.randn(4, 64, device=DEV)
     with torch.no_grad():
         for _ in range(3):
-            y, want = x, x
-            for m, r in zip(layers, ref):
-                y, want = m(y), r(want)
-            torch.testing.assert_close(y, want, rtol=0, atol=0)
+            assert_chain_matches(layers, ref, x)
     s = group.stats()
     assert s["retargets"] == 0 and s["per_layer"] == 3
     (reason,) = s["reasons"]

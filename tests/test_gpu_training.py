@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -12,18 +11,11 @@ from torch import nn
 import cudagraphify as cg
 from cudagraphify._models import GPT
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 
 DEV = "cuda"
 TOL = dict(rtol=2e-5, atol=2e-6)
 
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
-        yield
-    torch.cuda.synchronize()
 
 
 def _gpt(seed=0, dropout=0.0):

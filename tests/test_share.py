@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+from conftest import assert_chain_matches
 from cudagraphify._cugraph import GraphNode
 from cudagraphify._share import Refused, Storages, first_difference, plan_rebase
 from cudagraphify._models import GPT
@@ -101,10 +102,7 @@ def test_layers_call_through_the_group_and_fall_back_per_layer_without_a_graph_r
     x = torch.randn(2, 4)
     with torch.no_grad():
         for _ in range(3):
-            y, want = x, x
-            for layer, r in zip(layers, ref):
-                y, want = layer(y), r(want)
-            torch.testing.assert_close(y, want, rtol=0, atol=0)
+            assert_chain_matches(layers, ref, x)
     s = group.stats()
     assert s["per_layer"] == 3 and s["retargets"] == 0
     assert s["reasons"] == {"the capture backend cannot read graphs": 3}
