@@ -47,10 +47,18 @@ class Explanation:
             line = f"{'  ' * depth}{label} ({node['type']}): {node['status']}"
             live = node.get("stats")
             if live:
-                line += (f" [captures={live['captures']} replays={live['replays']} "
+                made = (f"retargets={live['retargets']} " if live.get("retargets") else "")
+                line += (f" [captures={live['captures']} {made}replays={live['replays']} "
                          f"pool={live['graph_pool_bytes'] / 2**20:.1f}MB "
                          f"capture={live['capture_seconds'] * 1e3:.1f}ms]")
             lines.append(line)
+            share = node.get("share")
+            if share:
+                why = "; ".join(f"{r} (x{n})" for r, n in share["reasons"].items())
+                lines.append(f"{'  ' * depth}  - share_graph layer {share['layer']} of "
+                             f"{share['layers']}: the group made {share['retargets']} graphs "
+                             f"from {share['captures']} captures, {share['per_layer']} per "
+                             f"layer{': ' + why if why else ''}")
             for reason in node.get("reasons", []):
                 lines.append(f"{'  ' * depth}  - {reason}")
         s = self.stats
@@ -133,7 +141,14 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         else:
             node["status"] = "eager (no ops of its own)"
         live = _live(sub)
-        if live and (live["captures"] or live["replays"]):
+        if live and (live["captures"] or live["replays"] or live["retargets"]):
             node["stats"] = live
+        share = sub.__dict__.get("_cudagraphify_share")
+        if share is not None:
+            group, k = share
+            s = group.stats()
+            node["share"] = {"layer": k, "layers": s["layers"], "captures": s["captures"],
+                             "retargets": s["retargets"], "per_layer": s["per_layer"],
+                             "reasons": s["reasons"]}
         nodes.append(node)
     return Explanation(name, nodes, stats, decisions)

@@ -259,3 +259,15 @@ def test_a_piecewise_layer_shares_each_safe_piece_across_layers(sim):
     assert all(g is group.pieces["attn"] for g, _ in shared) and [k for _, k in shared] == [0, 1, 2]
     group.unshare()
     assert all("_cudagraphify_share" not in m.__dict__ for b in model.blocks for m in b.modules())
+
+
+def test_explain_reports_the_group_and_why_sharing_was_refused(sim):
+    layers = _stack(2)
+    cg.share_graph(layers, ignore_attrs="layer_idx")
+    with torch.no_grad():
+        for _ in range(2):
+            layers[1](layers[0](torch.randn(2, 4)))
+    text = str(cg.explain(layers[1]))
+    assert "share_graph layer 1 of 2" in text
+    assert "2 per layer: the capture backend cannot read graphs (x2)" in text
+    assert cg.explain(layers[0]).to_dict()["modules"][0]["share"]["per_layer"] == 2
