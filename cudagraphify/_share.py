@@ -131,6 +131,20 @@ class RebasePlan:
     slots: dict[int, dict[int, list[tuple[int, int, int]]]] = field(default_factory=dict)
     count: int = 0
     unproven: int = 0  # differing non-address slots kept on the strength of verification
+    shared: frozenset = frozenset()  # storages the two diffed layers have in common (tied)
+
+    def check(self, template: Storages, mine: Storages, k: int) -> None:
+        """Refuse layer ``k`` when its storages do not fit the plan made from the template's."""
+        if len(mine.ranges) != len(template.ranges) or any(
+                n != m for (_, n), (_, m) in zip(mine.ranges, template.ranges)):
+            raise Refused(f"layer {k}'s storages differ in number or size from the template's")
+        for j, ((start, _), (t_start, _)) in enumerate(zip(mine.ranges, template.ranges)):
+            if j in self.shared and start != t_start:
+                raise Refused(f"layer {k} has its own storage {j}, which the diffed layers "
+                              "share (tied): its address is not rebased")
+            if (start - t_start) % 256:
+                raise Refused(f"layer {k}'s storage {j} is aligned differently from the "
+                              "template's (kernels may have been chosen for the alignment)")
 
     def patches(self, chunks_of: dict[int, list[bytes]], storages: Storages) -> dict:
         out: dict[int, dict[int, bytes]] = {}
@@ -174,7 +188,7 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
             na != nb for (_, na), (_, nb) in zip(a.ranges, b.ranges)):
         raise Refused("the layers' storages differ in number or size")
     shared = {j for j, (sa, sb) in enumerate(zip(a.ranges, b.ranges)) if sa[0] == sb[0]}
-    plan = RebasePlan()
+    plan = RebasePlan(shared=frozenset(shared))
     for i, (n0, n1) in enumerate(zip(nodes0, nodes1)):
         if n0.key != n1.key:
             raise Refused(f"node {i} ({n0.name}) is different work in the two captures")
@@ -399,9 +413,7 @@ class ShareGroup:
         if _layout(layer) != t.layout:
             raise Refused(f"layer {k}'s parameters no longer match the template layer's")
         mine = Storages.of(layer)
-        for j, (start, _) in enumerate(mine.ranges):
-            if (start - t.storages.ranges[j][0]) % 256:
-                raise Refused(f"layer {k}'s storage {j} is aligned differently from the template's")
+        t.plan.check(t.storages, mine, k)
         t0 = time.perf_counter()
         chunks = {i: n.chunks for i, n in enumerate(t.nodes)}
         try:

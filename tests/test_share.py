@@ -271,3 +271,20 @@ def test_explain_reports_the_group_and_why_sharing_was_refused(sim):
     assert "share_graph layer 1 of 2" in text
     assert "2 per layer: the capture backend cannot read graphs (x2)" in text
     assert cg.explain(layers[0]).to_dict()["modules"][0]["share"]["per_layer"] == 2
+
+
+def test_a_layer_whose_storages_do_not_fit_the_plan_is_refused():
+    n0 = [_k("gemm", _w(0x10000, 0x20000))]
+    n1 = [_k("gemm", _w(0x50000, 0x20000))]  # storage 1 tied between the diffed layers
+    tied_b = Storages(((0x50000, 0x400), (0x20000, 0x100)))
+    plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, tied_b, POOL)
+    assert plan.shared == {1}
+    plan.check(A, Storages(((0x90000, 0x400), (0x20000, 0x100))), 2)  # tied too: fine
+    with pytest.raises(Refused, match="its own storage 1"):
+        plan.check(A, Storages(((0x90000, 0x400), (0x70000, 0x100))), 2)
+    with pytest.raises(Refused, match="aligned differently"):
+        plan.check(A, Storages(((0x90040, 0x400), (0x20000, 0x100))), 2)
+    with pytest.raises(Refused, match="number or size"):
+        plan.check(A, Storages(((0x90000, 0x400),)), 2)
+    with pytest.raises(Refused, match="number or size"):
+        plan.check(A, Storages(((0x90000, 0x800), (0x20000, 0x100))), 2)
