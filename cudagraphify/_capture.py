@@ -50,6 +50,23 @@ class RawGraph:
             graph.reset()
 
 
+_gc_lock = threading.Lock()
+_gc_holds = 0
+_gc_was_enabled = False
+
+
+def _gc_hold(delta: int) -> None:
+    """Garbage collection off while any thread captures; back as it was when the last ends."""
+    global _gc_holds, _gc_was_enabled
+    with _gc_lock:
+        if delta > 0 and _gc_holds == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_holds += delta
+        if _gc_holds == 0 and _gc_was_enabled:
+            gc.enable()
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"
@@ -60,6 +77,7 @@ class CudaBackend:
 
     def __init__(self):
         self._side: dict[int, torch.cuda.Stream] = {}
+        self._capture_locks: dict[int, threading.RLock] = {}
         self._lock = threading.Lock()
 
     def available(self) -> bool:
@@ -71,6 +89,11 @@ class CudaBackend:
     def in_capture(self) -> bool:
         """True while the caller's stream is being captured (someone else's graph)."""
         return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+    def _capturing(self, device: torch.device) -> threading.RLock:
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            return self._capture_locks.setdefault(idx, threading.RLock())
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -110,7 +133,8 @@ class CudaBackend:
         allowed while capturing, such as a host sync). The stream capture is always ended and
         the caller's stream restored, so later CUDA work runs normally.
         """
-        with torch.cuda.device(device):
+        # One capture at a time per device: captures share the device's side stream.
+        with torch.cuda.device(device), self._capturing(device):
             cur = torch.cuda.current_stream()
             side = self._side_stream(device)
             torch.cuda.synchronize()
@@ -132,8 +156,7 @@ class CudaBackend:
             # A garbage collection inside the capture could destroy other graphs (their
             # destructors make CUDA calls a capturing thread may not make): it invalidates the
             # capture. Collection waits until the capture is over.
-            gc_was_enabled = gc.isenabled()
-            gc.disable()
+            _gc_hold(+1)
             try:
                 with torch.cuda.stream(side):
                     graph.capture_begin(pool=pool, capture_error_mode="thread_local")
@@ -147,8 +170,7 @@ class CudaBackend:
                     except RuntimeError as e:
                         failure = failure or e
             finally:
-                if gc_was_enabled:
-                    gc.enable()
+                _gc_hold(-1)
                 torch.set_autocast_cache_enabled(autocast_cache)
                 cur.wait_stream(side)
             if failure is not None:
@@ -198,7 +220,7 @@ class CudaBackend:
         one-kernel graph captured into it, alive as long as the pool object (and every
         ``RawGraph`` captured into it, which holds the pool object) is.
         """
-        with torch.cuda.device(device):
+        with torch.cuda.device(device), self._capturing(device):
             pool = Pool(torch.cuda.graph_pool_handle())
             cur, side = torch.cuda.current_stream(), self._side_stream(device)
             side.wait_stream(cur)

@@ -24,6 +24,7 @@ _NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph
                6: "event wait", 7: "event record", 8: "semaphore signal", 9: "semaphore wait",
                10: "memory alloc", 11: "memory free", 12: "batch memory op", 13: "conditional"}
 _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE, _PARAM_END = 1, 2, 0
+_INVALID_VALUE = 1  # CUDA_ERROR_INVALID_VALUE
 
 
 class DriverError(CudagraphifyError):
@@ -116,9 +117,18 @@ def _kernel_args(p: _KernelParams) -> tuple[str, list[bytes]]:
             info, handle = _fn("cuKernelGetParamInfo"), p.kern
         sizes = []
         off, size = _c_size(), _c_size()
-        while info(_ptr(handle), _c_size(len(sizes)), ctypes.byref(off), ctypes.byref(size)) == 0:
+        while True:
+            rc = info(_ptr(handle), _c_size(len(sizes)), ctypes.byref(off), ctypes.byref(size))
+            if rc != 0:
+                # CUDA_ERROR_INVALID_VALUE past the last argument ends the list; anything else
+                # (or a kernel that reports none) means its arguments cannot be read.
+                if rc != _INVALID_VALUE or not sizes:
+                    _check(rc, "cuFuncGetParamInfo")
+                break
             sizes.append(size.value)
         arr = ctypes.cast(p.kernelParams, ctypes.POINTER(_ptr))
+        if any(not arr[i] for i in range(len(sizes))):
+            raise DriverError("a kernel node has a null argument pointer")
         return "params", [ctypes.string_at(arr[i], n) for i, n in enumerate(sizes)]
     if p.extra:
         arr = ctypes.cast(p.extra, ctypes.POINTER(_ptr))
@@ -219,8 +229,9 @@ def read_graph(graph: int) -> tuple[list[GraphNode], frozenset[tuple[int, int]]]
                    "cuGraphMemcpyNodeGetParams")
             fields = tuple(getattr(m, f) for f, _ in _Memcpy3D._fields_
                            if f not in ("srcDevice", "dstDevice", "srcHost", "dstHost"))
-            out.append(GraphNode(k, (k,) + fields, [m.srcDevice.to_bytes(8, "little"),
-                                                    m.dstDevice.to_bytes(8, "little")], "memcpy"))
+            ends = [m.srcDevice, m.dstDevice, m.srcHost or 0, m.dstHost or 0]
+            out.append(GraphNode(k, (k,) + fields, [v.to_bytes(8, "little") for v in ends],
+                                 "memcpy"))
         elif k == EMPTY:
             out.append(GraphNode(k, (k,), [], "empty"))
         else:

@@ -155,7 +155,8 @@ class GraphedState:
                                "referenced through a view; running eagerly so it is not "
                                "overwritten (clone outputs you keep)", fn, args, kwargs)
         device = entry.device
-        holder = region if region is not None else self  # who replayed last, on which stream
+        # who replayed last, on which stream: layers of a share group use one set of buffers
+        holder = region if region is not None else self.share[0] if self.share else self
         token = backend.stream_token(device)
         if token != holder._stream_token:
             if holder._stream_token is not None:
@@ -246,7 +247,8 @@ class GraphedState:
                                              self.statics.storage_ptrs())
                 else:
                     entry = self._capture_inference(backend, region, run, sig, leaves,
-                                                    static_flags, mutated, device, key, result)
+                                                    static_flags, mutated, device, key, result,
+                                                    bool(moved_statics))
         except CaptureFailed as e:
             _forget_frames(e)
             if e.transient and self._deferred < _MAX_DEFERRED:
@@ -280,7 +282,8 @@ class GraphedState:
             warn_once(self._warned, self.name,
                       f"more distinct signatures than max_graphs={self.policy.max_graphs}; "
                       "least recently used graphs are released and re-captured when needed")
-        (region or self)._stream_token = backend.stream_token(device)
+        (region or (self.share[0] if self.share else self))._stream_token = \
+            backend.stream_token(device)
         if region is not None and region.chain and entry.seq is not None and not mutated \
                 and not moved_statics and not opaque:
             # In a chaining region the first call returns the graph's own (aliased) outputs, so
@@ -316,7 +319,7 @@ class GraphedState:
                 t.copy_(v)
 
     def _capture_inference(self, backend, region, fn, sig, leaves, static_flags, mutated,
-                           device, key, expected) -> CapturedGraph:
+                           device, key, expected, writes_statics=False) -> CapturedGraph:
         chain = region is not None and region.chain
         borrow = region.borrowable(leaves) if chain else {}
         borrow = {i: s for i, s in borrow.items() if not static_flags[i] and i not in mutated}
@@ -324,7 +327,8 @@ class GraphedState:
         held_before = [slot.users() for slot in borrow.values()]
         a, kw = unflatten_call(inputs.leaves, sig)
         pool = region.pool(backend, device) if region is not None else None
-        made = self._shared(backend, region, key, fn, a, kw, inputs, leaves, device, expected)
+        made = self._shared(backend, region, key, fn, a, kw, inputs, leaves, device, expected,
+                            bool(mutated) or writes_statics)
         if made is not None:
             raw, out, inputs = made
         else:
@@ -358,13 +362,19 @@ class GraphedState:
             entry.on_release.append(lambda slot=slot, n=slot.users() - held: slot.own_more(-n))
         return entry
 
-    def _shared(self, backend, region, key, fn, a, kw, inputs, leaves, device, expected):
+    def _shared(self, backend, region, key, fn, a, kw, inputs, leaves, device, expected,
+                writes: bool):
         """This layer's graph made from its share_graph group's template, or None."""
         if self.share is None:
             return None
         group, k = self.share
         if region is not None:
             group.refuse("called inside a graph_region (per-layer graphs in the region's pool)")
+            return None
+        if writes:
+            # Sharing replays graphs to check them (and runs a second layer once): each replay
+            # would apply the forward's writes (running statistics, a cache) once more.
+            group.refuse("forward writes to its buffers or inputs")
             return None
         if not getattr(backend, "can_share", False) or not self.options.copy_outputs:
             group.refuse("the capture backend cannot read graphs" if self.options.copy_outputs

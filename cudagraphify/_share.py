@@ -265,11 +265,14 @@ class ShareGroup:
     """Layers that share captures; made by :func:`cudagraphify.share_graph`."""
 
     def __init__(self, layers: list[torch.nn.Module], ignore_attrs: tuple[str, ...] = (),
-                 strict: bool = False):
+                 strict: bool = True, max_templates: int = 16):
         self.layers = layers
         self.ignore_attrs = ignore_attrs
         self.strict = strict
-        self._lock = threading.RLock()
+        self.max_templates = max_templates
+        # One lock for the group and its layers' calls: they share static buffers.
+        self.lock = self._lock = threading.RLock()
+        self._stream_token: int | None = None  # the stream that replayed last (engine's)
         self._templates: dict[Any, _Template] = {}
         self._pools: dict[int, Any] = {}
         self.captures = 0  # real captures (templates, and the second capture of each diff)
@@ -302,6 +305,9 @@ class ShareGroup:
                 return None
             t = self._templates.get(key)
             if t is None:
+                if len(self._templates) >= self.max_templates:
+                    self.refuse(f"more than max_graphs={self.max_templates} signatures shared")
+                    return None
                 t = self._new_template(k, key, fn, a, kw, inputs, backend, device)
             if t.reason is not None:
                 self.refuse(t.reason)
@@ -318,7 +324,8 @@ class ShareGroup:
             group = self.pieces.get(path)
             if group is None:
                 subs = [layer.get_submodule(path) for layer in self.layers]
-                group = self.pieces[path] = ShareGroup(subs, self.ignore_attrs, self.strict)
+                group = self.pieces[path] = ShareGroup(subs, self.ignore_attrs, self.strict,
+                                                       self.max_templates)
             return group
 
     # -- templates ---------------------------------------------------------------------------
@@ -346,6 +353,11 @@ class ShareGroup:
             self._check_no_rng(raw, device)
             other = self._partner(k)
             forward_b = self._forward_of(self.layers[other])
+            # Layer b may not have run yet: its first run (lazy state, autotuning) happens
+            # eagerly, as its own first call would, not inside the capture. The forward writes
+            # no tensor state (the engine refuses sharing otherwise).
+            with torch.no_grad():
+                backend.warmup(lambda: forward_b(*a, **kw), device)
             extra = []
             try:
                 for f in (forward_b, forward_a):  # layer b, then layer a once more
@@ -417,15 +429,20 @@ class ShareGroup:
         t0 = time.perf_counter()
         chunks = {i: n.chunks for i, n in enumerate(t.nodes)}
         try:
-            exe = RetargetedExec(t.raw.cuda_graph(), t.plan.patches(chunks, mine),
-                                 device.index or 0)
+            with torch.cuda.device(device):
+                exe = RetargetedExec(t.raw.cuda_graph(), t.plan.patches(chunks, mine),
+                                     device.index or 0)
         except DriverError as e:
             raise Refused(f"rewriting the graph failed: {e}") from e
         raw = _SharedRaw(exe, device, time.perf_counter() - t0, t.raw.pool)
         # Every layer's graph is checked once against its eager output of this call.
         for i, buf in t.inputs.copy:
             buf.copy_(leaves[i])
-        raw.replay()
+        try:
+            raw.replay()
+        except DriverError as e:
+            raw.release()
+            raise Refused(f"launching the rewritten graph failed: {e}") from e
         got = [x for x in pytree.tree_leaves(t.out) if isinstance(x, torch.Tensor)]
         want = [x for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)]
         try:
@@ -442,6 +459,10 @@ class ShareGroup:
     # -- reporting and release ---------------------------------------------------------------
 
     def stats(self) -> dict:
+        with self._lock:
+            return self._stats()
+
+    def _stats(self) -> dict:
         return {"layers": len(self.layers), "captures": self.captures,
                 "retargets": self.retargets, "per_layer": self.per_layer,
                 "rebased_slots": {str(k): t.plan.count for k, t in self._templates.items()
@@ -465,6 +486,7 @@ class ShareGroup:
             for t in self._templates.values():
                 t.raw.release()
             self._templates.clear()
+            self._pools.clear()  # their keeper graphs go, and the pools' memory with them
             for group in self.pieces.values():
                 group.release()
 

@@ -31,6 +31,7 @@ __all__ = ["TrainingGraph", "capture_training", "warmup_backward"]
 
 
 _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
+_AccumulateGrad = torch._C._functions.AccumulateGrad
 _flatten = torch._C._nn.flatten_dense_tensors
 _unflatten = torch._C._nn.unflatten_dense_tensors
 
@@ -184,7 +185,8 @@ class TrainingGraph:
           AccumulateGrad adds it into ``.grad`` in place and keeps nothing: this backward runs
           the parameter's AccumulateGrad node (not ``autograd.grad``, which hands what we return
           to the caller), ``.grad`` is set (else AccumulateGrad could adopt the buffer) and no
-          tensor hook could keep it. Every other gradient gets a fresh copy.
+          tensor hook could keep it. Every other gradient gets a fresh copy. (Hooks registered
+          on the AccumulateGrad node itself, rather than on the tensor, are not seen.)
         """
         grads = self._grad_in
         first = self._first_param
@@ -196,10 +198,11 @@ class TrainingGraph:
             edges = ctx.next_functions
             will_run = torch._C._will_engine_execute_node
             for i in range(n, len(grads)):
-                p = ctx.params[i - n]
-                alias[i] = (grads[i] is not None and edges[i][0] is not None
+                p, node = ctx.params[i - n], edges[i][0]
+                alias[i] = (grads[i] is not None and node is not None and p.is_leaf
+                            and type(node) is _AccumulateGrad
                             and p.grad is not None and not p._backward_hooks
-                            and will_run(edges[i][0]))
+                            and will_run(node))
         except RuntimeError:  # autograd.grad asks for a parameter: it keeps what we return
             alias = [False] * len(grads)
         self.grads_aliased += sum(alias)

@@ -71,6 +71,9 @@ class _Dispatch:
                              positions, names)
         state.install_pieces = lambda paths: _install_pieces(module, paths, self.options)
         state.share = module.__dict__.get("_cudagraphify_share")
+        if state.share is not None:
+            # The group's layers replay through one set of static buffers: one lock for all.
+            state.lock = state.share[0].lock
         module.__dict__[_STATE] = state
         return state
 
@@ -406,7 +409,7 @@ def mark_safe(fn: Callable) -> None:
     default_policy.mark_safe(fn)
 
 
-def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict: bool = False,
+def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict: bool = True,
                 **options: Any):
     """Capture once and replay across identical layers, each with its own weights.
 
@@ -427,9 +430,12 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
         ignore_attrs: plain attributes allowed to differ between layers because forward does
             not use them, as ``"self_attn.layer_idx"`` (path inside the layer) or a bare name.
         strict: refuse sharing when two layers' captures differ in a kernel argument that is
-            not an address of device memory in either (by default such bytes, such as the
-            uninitialised tail of a kernel's argument struct, are kept as the template has them:
-            each layer's graph is always checked once against its eager output).
+            neither a rebased address nor proven capture-dependent (default). ``strict=False``
+            keeps such bytes as the template has them when they are no device address in
+            either capture (the uninitialised tail of a kernel's argument struct, as in HF
+            Llama's RMSNorm reduction) and relies on the check of each layer's graph against
+            its eager output: a per-layer scalar the forward reads from somewhere the
+            structural check does not see would then be taken from the template layer.
 
     Returns the :class:`ShareGroup` (``stats()``, ``release()``, ``unshare()``).
     """
@@ -448,7 +454,8 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
             raise CudagraphifyUsageError(
                 f"share_graph: layer {i} is graphified already; share_graph graphifies the "
                 "layers itself (ungraphify them first)")
-    group = ShareGroup(mods, tuple(ignore_attrs), strict)
+    group = ShareGroup(mods, tuple(ignore_attrs), strict,
+                       max_templates=options.get("max_graphs", 16))
     for i, layer in enumerate(mods):
         layer.__dict__["_cudagraphify_share"] = (group, i)
         graphify(layer, **options)

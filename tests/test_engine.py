@@ -677,3 +677,24 @@ def test_gradients_adopted_as_grad_come_from_one_flat_copy_grouped_by_dtype():
     for b in bufs:  # the next "replay" leaves the adopted gradients alone
         b.add_(1)
     assert not any(torch.equal(p.grad, b) for p, b in zip(ps, bufs))
+
+
+def test_garbage_collection_stays_off_until_the_last_concurrent_capture_ends():
+    import gc
+
+    from cudagraphify._capture import _gc_hold
+
+    assert gc.isenabled()
+    _gc_hold(+1)
+    _gc_hold(+1)  # a second thread's capture
+    _gc_hold(-1)
+    assert not gc.isenabled()  # the first capture ended; the second still runs
+    _gc_hold(-1)
+    assert gc.isenabled()
+    gc.disable()  # a caller that keeps it off finds it off afterwards
+    try:
+        _gc_hold(+1)
+        _gc_hold(-1)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -47,7 +47,7 @@ def test_gpt_blocks_share_one_capture_and_match_eager_layer_by_layer(dtype):
                     torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"layer {k}, T={seq}")
                 torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     s = group.stats()
-    assert s["per_layer"] == 0, s["reasons"]
+    assert s["per_layer"] == 0, (s["reasons"], s["unproven_slots"])
     # per shape: the template, a second layer and the first layer again (to diff), then retargets
     assert (s["captures"], s["retargets"]) == (3 * 2, 6 * 2), s
     assert all(cg.stats(b).captures == 0 and cg.stats(b).retargets == 2 for b in model.blocks)
@@ -135,18 +135,27 @@ def test_hf_llama_layers_share_one_capture():
                                    vocab_size=1000, max_position_embeddings=256)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(cfg).to(DEV).eval()
-    model = copy.deepcopy(ref)
-    group = cg.share_graph(model.model.layers, ignore_attrs=("self_attn.layer_idx",))
+    model, strict_model = copy.deepcopy(ref), copy.deepcopy(ref)
+    # RMSNorm's reduction kernel takes a struct whose unused tail holds host-stack bytes that
+    # differ between layers: strict (the default) refuses them, strict=False keeps them and
+    # relies on the per-layer check against eager.
+    group = cg.share_graph(model.model.layers, ignore_attrs=("self_attn.layer_idx",),
+                           strict=False)
+    strict = cg.share_graph(strict_model.model.layers, ignore_attrs=("self_attn.layer_idx",))
     with torch.no_grad():
         for seq in (12, 20):
             for _ in range(5):
                 ids = torch.randint(0, 1000, (1, seq), device=DEV)
-                got = model(ids, use_cache=False).logits
                 want = ref(ids, use_cache=False).logits
-                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+                for m in (model, strict_model):
+                    torch.testing.assert_close(m(ids, use_cache=False).logits, want,
+                                               rtol=1e-5, atol=1e-5)
     s = group.stats()
     assert s["per_layer"] == 0, s["reasons"]
-    assert s["captures"] == 6 and s["retargets"] == 12, s
+    assert s["captures"] == 6 and s["retargets"] == 12 and s["unproven_slots"], s
+    s = strict.stats()
+    assert s["retargets"] == 0 and s["per_layer"] == 12, s
+    assert all("not a rebased parameter address" in r for r in s["reasons"]), s["reasons"]
 
 
 def test_blocks_with_a_host_sync_share_each_graphed_piece():

@@ -288,3 +288,18 @@ def test_a_layer_whose_storages_do_not_fit_the_plan_is_refused():
         plan.check(A, Storages(((0x90000, 0x400),)), 2)
     with pytest.raises(Refused, match="number or size"):
         plan.check(A, Storages(((0x90000, 0x800), (0x20000, 0x100))), 2)
+
+
+def test_a_forward_that_writes_its_buffers_is_not_shared_and_layers_share_one_lock(sim):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)) for _ in range(3))
+    ref = copy.deepcopy(layers)
+    group = cg.share_graph(layers)  # train mode: BatchNorm updates its running statistics
+    x = torch.randn(8, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert_chain_matches(layers, ref, x)
+    assert group.stats()["reasons"] == {"forward writes to its buffers or inputs": 3}
+    assert all(m.__dict__["_cudagraphify_state"].lock is group.lock for m in layers)
+    group.release()
+    assert group._pools == {}
