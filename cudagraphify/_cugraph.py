@@ -24,7 +24,6 @@ _NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "child graph
                6: "event wait", 7: "event record", 8: "semaphore signal", 9: "semaphore wait",
                10: "memory alloc", 11: "memory free", 12: "batch memory op", 13: "conditional"}
 _PARAM_BUFFER_POINTER, _PARAM_BUFFER_SIZE, _PARAM_END = 1, 2, 0
-_INVALID_VALUE = 1  # CUDA_ERROR_INVALID_VALUE
 
 
 class DriverError(CudagraphifyError):
@@ -120,9 +119,9 @@ def _kernel_args(p: _KernelParams) -> tuple[str, list[bytes]]:
         while True:
             rc = info(_ptr(handle), _c_size(len(sizes)), ctypes.byref(off), ctypes.byref(size))
             if rc != 0:
-                # CUDA_ERROR_INVALID_VALUE past the last argument ends the list; anything else
-                # (or a kernel that reports none) means its arguments cannot be read.
-                if rc != _INVALID_VALUE or not sizes:
+                # An error past the last argument ends the list (CUDA_ERROR_INVALID_VALUE); a
+                # kernel whose first argument cannot be read cannot be diffed.
+                if not sizes:
                     _check(rc, "cuFuncGetParamInfo")
                 break
             sizes.append(size.value)
