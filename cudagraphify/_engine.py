@@ -37,6 +37,8 @@ __all__ = ["GraphedState", "Options", "Stats", "in_graphed_call"]
 
 _tls = threading.local()
 _MAX_DEFERRED = 8  # transient capture failures before a signature is decided for good
+_saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_MAX_MOVES_IN_A_ROW = 2  # calls in a row that find the statics moved before running eagerly
 
 
 def in_graphed_call() -> bool:
@@ -79,6 +81,7 @@ class GraphedState:
         self.last_plan: tuple | None = None
         self.accel = frozenset({"cuda"})  # device types whose work graphs capture
         self._deferred = 0  # captures put off by a transient failure
+        self._moved_in_a_row = 0  # consecutive calls that found parameters or buffers moved
         self._stream_token: int | None = None
         self.share: tuple | None = None  # (ShareGroup, layer index) under share_graph
         self.retargets = 0  # graphs made from a share_graph template instead of a capture
@@ -115,10 +118,22 @@ class GraphedState:
         moved = self.statics.changed()
         if moved is not None:
             self.invalidate(moved)
+            self._moved_in_a_row += 1
+            if self._moved_in_a_row > _MAX_MOVES_IN_A_ROW:
+                return self._eager(
+                    f"parameters or buffers move to new memory on every call ({moved}; FSDP2 "
+                    "with reshard_after_forward=True gathers them anew each time): running "
+                    "eagerly until they stay put", fn, args, kwargs)
+        elif self._moved_in_a_row:
+            self._moved_in_a_row = 0
         sig, leaves, static_flags = build_signature(
             args, kwargs, self.statics.modules, self.static_positions, self.static_names)
         if isinstance(sig, Unkeyable):
             return self._eager(sig.reason, fn, args, kwargs)
+        if sig.state[1] and _saved_tensors_hooks(False) is not None:
+            return self._eager("inside saved-tensor hooks (activation checkpointing, "
+                               "save_on_cpu): they must see the forward's own tensors, which a "
+                               "graph keeps to itself", fn, args, kwargs)
         cache = region.cache_for(self) if region is not None else self.cache
         key = self.policy.full_key(sig)
         if sig.state[1] and self.statics.tensors:  # grad mode: which parameters require grad

@@ -8,6 +8,7 @@ wrapped ``forward`` as usual.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable, Hashable
 
@@ -45,6 +46,12 @@ class _Dispatch:
         return b
 
     def __call__(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if _is_compiling():
+            # Traced by torch.compile: run through the graphs at run time, outside the trace
+            # (a graph break), instead of being traced into plain ops and bypassed.
+            return _outside_compile(self, wrapped, instance, args, kwargs)
+        if instance is None and self.kind == "instance":
+            instance = self.owner  # a forward kept as a plain function (torch.compile's module)
         if isinstance(instance, torch.nn.Module):
             state = instance.__dict__.get(_STATE)
             if state is None:
@@ -67,7 +74,12 @@ class _Dispatch:
             positions, names = self.binding(wrapped, skip_self=False)
         else:
             positions, names = self.binding(getattr(wrapped, "__func__", wrapped), skip_self=True)
-        state = GraphedState(module, self.options, f"{type(module).__name__}.forward",
+        options = self.options
+        if _is_compiled(module):
+            # Compiled code is opaque to the probe (the warm-up traces, the capture runs
+            # kernels): no op screen; a failed capture still falls back to eager.
+            options = dataclasses.replace(options, probe=False)
+        state = GraphedState(module, options, f"{type(module).__name__}.forward",
                              positions, names)
         state.install_pieces = lambda paths: _install_pieces(module, paths, self.options)
         state.share = module.__dict__.get("_cudagraphify_share")
@@ -76,6 +88,20 @@ class _Dispatch:
             state.lock = state.share[0].lock
         module.__dict__[_STATE] = state
         return state
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """A ``torch.compile``'d module (its forward runs Dynamo's compiled code)."""
+    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+
+
+@torch.compiler.disable
+def _outside_compile(dispatch: _Dispatch, wrapped: Callable, instance: Any, args: tuple,
+                     kwargs: dict) -> Any:
+    return dispatch(wrapped, instance, args, kwargs)
 
 
 class _GraphedForward(wrapt.FunctionWrapper):

@@ -1,0 +1,119 @@
+"""Composability on a CPU (gloo, world size 1, simulated capture): FSDP2, DDP, torch.compile and
+activation checkpointing around graphified blocks. The graphs are re-runs here; what is real is
+how cudagraphify's guards and wrappers behave next to the other systems' hooks and wrappers."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._models import GPT
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
+@pytest.fixture
+def group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+            yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _gpt():
+    torch.manual_seed(0)
+    return GPT(32, 2, 2).eval()
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp2_blocks_never_storm_recaptures(sim, group, reshard):
+    from torch.distributed.fsdp import fully_shard
+
+    ref = _gpt()
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        fully_shard(block, reshard_after_forward=reshard)
+        cg.graphify(block)
+    fully_shard(model, reshard_after_forward=reshard)
+    x = torch.randn(1, 4, 32)
+    with torch.no_grad():
+        for _ in range(6):
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    s = cg.stats(model.blocks[0])
+    if reshard:  # parameters are gathered into new memory on every call
+        assert s.captures <= 3 and s.replays == 0
+        assert any("FSDP2" in r for r in s.eager_calls) and s.eager == 6 - s.captures
+    else:  # gathered once and kept: one graph, replayed
+        assert (s.captures, s.replays, s.eager) == (1, 5, 0)
+
+
+def test_ddp_around_graphified_blocks_matches_plain_ddp(sim, group):
+    ref = _gpt().train()
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        cg.graphify(block)
+    ddp, ddp_ref = nn.parallel.DistributedDataParallel(model), \
+        nn.parallel.DistributedDataParallel(ref)
+    x = torch.randn(1, 4, 32)
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(ddp(x), ddp_ref(x), rtol=0, atol=0)
+    assert cg.stats(model.blocks[0]).replays == 2
+    ddp(x).sum().backward()  # grad mode: a new signature, its first call eager (+ capture)
+    ddp_ref(x).sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_torch_compile_over_graphified_blocks_still_runs_them_through_their_graphs(sim):
+    ref = _gpt()
+    model = copy.deepcopy(ref)
+    for block in model.blocks:
+        cg.graphify(block)
+    compiled = torch.compile(model, backend="eager")
+    x = torch.randn(1, 4, 32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            torch.testing.assert_close(compiled(x), ref(x), rtol=0, atol=0)
+    s = cg.stats(model.blocks[0])
+    assert (s.captures, s.replays) == (1, 2), s
+
+
+def test_graphify_over_a_compiled_block(sim):
+    ref = _gpt().blocks[0]
+    g = cg.graphify(torch.compile(copy.deepcopy(ref), backend="eager"))
+    x = torch.randn(1, 4, 32)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(3):
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+    assert (cg.stats(g).captures, cg.stats(g).replays) == (1, 2)
+
+
+def test_checkpoint_around_a_graphified_block_gives_eager_gradients(sim):
+    from torch.utils.checkpoint import checkpoint
+
+    ref = _gpt().train()
+    model = copy.deepcopy(ref)
+    block = cg.graphify(model.blocks[0])
+    x = torch.randn(1, 4, 32)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+        checkpoint(block, xa, use_reentrant=False).sum().backward()
+    checkpoint(ref.blocks[0], xb, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=0, atol=0)
+    for p, q in zip(model.blocks[0].parameters(), ref.blocks[0].parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
