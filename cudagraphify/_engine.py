@@ -38,7 +38,7 @@ __all__ = ["GraphedState", "Options", "Stats", "in_graphed_call"]
 _tls = threading.local()
 _MAX_DEFERRED = 8  # transient capture failures before a signature is decided for good
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_MAX_MOVES_IN_A_ROW = 2  # calls in a row that find the statics moved before running eagerly
+_MAX_MOVES_IN_A_ROW = 4  # calls in a row that find the statics moved before running eagerly
 
 
 def in_graphed_call() -> bool:

@@ -48,14 +48,14 @@ def test_fsdp2_blocks_never_storm_recaptures(sim, group, reshard):
     fully_shard(model, reshard_after_forward=reshard)
     x = torch.randn(1, 4, 32)
     with torch.no_grad():
-        for _ in range(6):
+        for _ in range(10):
             torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = cg.stats(model.blocks[0])
     if reshard:  # parameters are gathered into new memory on every call
-        assert s.captures <= 3 and s.replays == 0
-        assert any("FSDP2" in r for r in s.eager_calls) and s.eager == 6 - s.captures
+        assert s.captures <= 5 and s.replays == 0
+        assert any("FSDP2" in r for r in s.eager_calls) and s.eager == 10 - s.captures
     else:  # gathered once and kept: one graph, replayed
-        assert (s.captures, s.replays, s.eager) == (1, 5, 0)
+        assert (s.captures, s.replays, s.eager) == (1, 9, 0)
 
 
 def test_ddp_around_graphified_blocks_matches_plain_ddp(sim, group):

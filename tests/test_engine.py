@@ -698,3 +698,21 @@ def test_garbage_collection_stays_off_until_the_last_concurrent_capture_ends():
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_parameters_that_move_on_every_call_run_eagerly_until_they_stay_put(sim):
+    lin = nn.Linear(3, 3)
+    g = cg.graphify(copy.deepcopy(lin))
+    x = torch.ones(1, 3)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+        for _ in range(8):  # a new weight tensor on every call (as FSDP2's resharding does)
+            for m in (lin, g):
+                m.weight = nn.Parameter(m.weight.detach() + 1)
+            torch.testing.assert_close(g(x), lin(x), rtol=0, atol=0)
+        s = cg.stats(g)
+        assert s.captures == 5 and s.eager == 3, s  # 4 moves in a row re-capture, then eager
+        for _ in range(3):  # the weights stay put: captured again, then replayed
+            torch.testing.assert_close(g(x), lin(x), rtol=0, atol=0)
+    s = cg.stats(g)
+    assert (s.captures, s.replays) == (6, 2), s
