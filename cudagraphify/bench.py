@@ -1,10 +1,10 @@
 """Benchmark: eager vs ``graphify`` vs a manual whole-model CUDA graph, in one process and run.
 
-    python -m cudagraphify.bench [--workloads A B C] [--quick] [--json out.json]
+    python -m cudagraphify.bench [--workloads A B C] [--quick] [--json out.json] [--chart out.png]
 
 Reports the median µs per call over repeated timed loops, ratios to eager and to the manual
 graph (the floor), time to the first graphed call, and the max abs error against eager. On a
-machine without a GPU it says so and exits.
+machine without a GPU it says so and times the eager model on the CPU only.
 """
 
 from __future__ import annotations
@@ -26,15 +26,16 @@ __all__ = ["main", "time_per_call"]
 BENCH_WORKLOADS = {**WORKLOADS, "T": GPTConfig(64, 2, 1, 1, 4, torch.float32)}
 
 
-def time_per_call(fn, x, calls: int, repeats: int) -> float:
+def time_per_call(fn, x, calls: int, repeats: int, sync=None) -> float:
     """Median µs per call of ``fn(x)`` over ``repeats`` loops of ``calls`` calls."""
+    sync = sync or torch.cuda.synchronize
     samples = []
     for _ in range(repeats):
-        torch.cuda.synchronize()
+        sync()
         t0 = time.perf_counter()
         for _ in range(calls):
             fn(x)
-        torch.cuda.synchronize()
+        sync()
         samples.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(samples)
 
@@ -69,8 +70,9 @@ def bench_workload(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
     row: dict = {"workload": name, "config": repr(cfg)}
     with torch.no_grad():
         ref = model(x)
+        _progress(f"{name}: eager")
         row["eager_us"] = time_per_call(model, x, calls, repeats)
-
+        _progress(f"{name}: capturing the manual whole-model graph")
         manual = _manual_graph(model, x)
         row["manual_graph_us"] = time_per_call(manual, x, calls, repeats)
 
@@ -78,6 +80,7 @@ def bench_workload(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
             graphed = GPT.from_config(cfg, "cuda")
             graphed.load_state_dict(model.state_dict())
             cg.graphify(graphed, copy_outputs=copy_outputs)
+            _progress(f"{name}: {label} (warm-up and capture on the first call)")
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             graphed(x)  # warm-up (eager, the real first call) + capture
@@ -91,6 +94,7 @@ def bench_workload(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
             row[f"{label}_pool_mb"] = s.graph_pool_bytes / 2**20
             cg.ungraphify(graphed)
             del graphed
+        _progress(f"{name}: per-block graphs, then per-block graphs in a graph_region")
         # per-layer graphs: each block graphified, outside a region and in a chaining region
         layered = GPT.from_config(cfg, "cuda")
         layered.load_state_dict(model.state_dict())
@@ -152,6 +156,8 @@ def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
         return m
 
     g = cg.graphify(fresh())
+    _progress(f"{name}-train: graphify (forward and backward captures), then "
+              "make_graphed_callables")
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     step(g, g, "accumulate")(x), step(g, g, "accumulate")(x)
@@ -198,6 +204,7 @@ def bench_share(name: str, cfg: GPTConfig, depths: list[int], calls: int, repeat
             want = ref(x)
             row["eager_us"] = time_per_call(ref, x, calls, repeats)
             for label in ("per_layer", "share_graph"):
+                _progress(f"{name} L={depth}: {label}")
                 model = GPT.from_config(c, "cuda")
                 model.load_state_dict(ref.state_dict())
                 if label == "share_graph":
@@ -259,7 +266,8 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m cudagraphify.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--workloads", nargs="+", default=["A", "B", "C"], choices=sorted(BENCH_WORKLOADS))
+    p.add_argument("--workloads", nargs="+", default=None, choices=sorted(BENCH_WORKLOADS),
+                   help="GPT workloads to time (default: A B C; on a CPU: T A B)")
     p.add_argument("--quick", action="store_true", help="fewer calls and repeats")
     p.add_argument("--json", help="write the rows as JSON to this file")
     p.add_argument("--sync", nargs="*", default=[], choices=["item", "nonzero"],
@@ -269,11 +277,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share", nargs="*", type=int, default=[], metavar="L",
                    help="also compare share_graph with per-layer graphs on workload A at these "
                         "depths (e.g. 12 24 48)")
+    p.add_argument("--chart", metavar="PNG",
+                   help="also draw µs per call of each workload and column (needs matplotlib)")
     args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("cudagraphify.bench: no CUDA GPU here; nothing to measure (graphs need a GPU).")
-        return 0
     calls, repeats = (20, 5) if args.quick else (100, 11)
+    if not torch.cuda.is_available():
+        print("cudagraphify.bench: no CUDA GPU here: graphs need one, so only the eager model is "
+              "timed, on the CPU (graphify would run it eagerly too).")
+        rows = [bench_cpu(name, BENCH_WORKLOADS[name], calls, repeats)
+                for name in (args.workloads or ["T", "A", "B"])]
+        _finish(rows, args, device="cpu")
+        return 0
+    args.workloads = args.workloads or ["A", "B", "C"]
     warnings.simplefilter("ignore")
     rows = []
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
@@ -324,11 +339,62 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['share_vs_per_layer_us']:.3f}; captures {gs['captures']}, retargets "
               f"{gs['retargets']}, per-layer {gs['per_layer']} {gs['reasons'] or ''}; err "
               f"{r['share_graph_max_abs_err']:.1e}", flush=True)
+    _finish(rows, args, device=torch.cuda.get_device_name())
+    return 0
+
+
+def bench_cpu(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
+    """Eager µs per call of a workload on the CPU (what a machine without a GPU can tell)."""
+    torch.manual_seed(0)
+    model = GPT.from_config(cfg, "cpu")
+    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, dtype=cfg.dtype)
+    _progress(f"{name}: timing the eager model on the CPU")
+    with torch.no_grad():
+        eager = time_per_call(model, x, calls, repeats, sync=lambda: None)
+    print(f"{name:<9} eager {eager:>9.0f} µs per call on the CPU", flush=True)
+    return {"workload": name, "config": repr(cfg), "device": "cpu", "eager_us": eager}
+
+
+def _progress(message: str) -> None:
+    print(f"  .. {message}", file=sys.stderr, flush=True)
+
+
+def _finish(rows: list, args, device: str) -> None:
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "device": torch.cuda.get_device_name(),
-                       "rows": rows}, f, indent=1)
-    return 0
+            json.dump({"torch": torch.__version__, "device": device, "rows": rows}, f, indent=1)
+    if args.chart:
+        print(draw_chart(rows, args.chart))
+
+
+def draw_chart(rows: list, path: str) -> str:
+    """A bar chart of µs per call per workload and column; returns what it did, in words."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "no chart: matplotlib is not installed (pip install matplotlib)"
+    plotted = [r for r in rows if any(k.endswith("_us") for k in r)]
+    columns = sorted({k for r in plotted for k, v in r.items()
+                      if k.endswith("_us") and isinstance(v, (int, float))})
+    if not plotted or not columns:
+        return "no chart: no timed rows"
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(plotted) * len(columns) / 3), 4))
+    width = 0.8 / len(columns)
+    for j, col in enumerate(columns):
+        xs = [i + j * width for i in range(len(plotted))]
+        ax.bar(xs, [r.get(col, 0) for r in plotted], width, label=col[:-3])
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(plotted))])
+    ax.set_xticklabels([r["workload"] for r in plotted])
+    ax.set_ylabel("µs per call (median)")
+    ax.set_yscale("log")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return f"chart written to {path}"
 
 
 if __name__ == "__main__":
