@@ -18,10 +18,11 @@ layer captures its own graph in the group's one memory pool, and the reason is r
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.utils._pytree as pytree
@@ -133,8 +134,11 @@ class RebasePlan:
     unproven: int = 0  # differing non-address slots kept on the strength of verification
     shared: frozenset = frozenset()  # storages the two diffed layers have in common (tied)
 
-    def check(self, template: Storages, mine: Storages, k: int) -> None:
-        """Refuse layer ``k`` when its storages do not fit the plan made from the template's."""
+    def check(self, template: Storages, mine: Storages, k: int, alignment: int = 256) -> None:
+        """Refuse layer ``k`` when its storages do not fit the plan made from the template's.
+
+        ``alignment``: storage addresses must agree modulo it (CUDA libraries pick kernels by
+        pointer alignment; 256 bytes covers what they test for)."""
         if len(mine.ranges) != len(template.ranges) or any(
                 n != m for (_, n), (_, m) in zip(mine.ranges, template.ranges)):
             raise Refused(f"layer {k}'s storages differ in number or size from the template's")
@@ -142,7 +146,7 @@ class RebasePlan:
             if j in self.shared and start != t_start:
                 raise Refused(f"layer {k} has its own storage {j}, which the diffed layers "
                               "share (tied): its address is not rebased")
-            if (start - t_start) % 256:
+            if (start - t_start) % alignment:
                 raise Refused(f"layer {k}'s storage {j} is aligned differently from the "
                               "template's (kernels may have been chosen for the alignment)")
 
@@ -246,14 +250,12 @@ class _SharedRaw:
 
     pool_bytes = 0
 
-    def __init__(self, exe, device: torch.device, seconds: float, pool):
+    def __init__(self, exe, stream: Callable[[], int], seconds: float, pool):
         self._exe = exe
         self.pool = pool
         self.capture_seconds = seconds
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        get_stream = torch._C._cuda_getCurrentRawStream
         launch = exe.launch
-        self.replay = lambda: launch(get_stream(idx))
+        self.replay = lambda: launch(stream())
 
     def release(self) -> None:
         exe, self._exe = self._exe, None
@@ -313,7 +315,7 @@ class ShareGroup:
                 self.refuse(t.reason)
                 return None
             try:
-                return self._retarget(t, k, leaves, device, expected)
+                return self._retarget(t, k, leaves, backend, device, expected)
             except Refused as e:
                 self.refuse(str(e))
                 return None
@@ -409,6 +411,8 @@ class ShareGroup:
 
     @staticmethod
     def _check_no_rng(raw, device) -> None:
+        if device.type != "cuda":
+            return
         gen = torch.cuda.default_generators[device.index or 0]
         before = gen.get_offset()
         raw.replay()  # a replay advances the generator by what the graph draws
@@ -418,23 +422,24 @@ class ShareGroup:
 
     # -- clones ------------------------------------------------------------------------------
 
-    def _retarget(self, t: _Template, k: int, leaves: list, device, expected):
+    def _retarget(self, t: _Template, k: int, leaves: list, backend, device, expected):
         from ._cugraph import DriverError, RetargetedExec
 
         layer = self.layers[k]
         if _layout(layer) != t.layout:
             raise Refused(f"layer {k}'s parameters no longer match the template layer's")
         mine = Storages.of(layer)
-        t.plan.check(t.storages, mine, k)
+        t.plan.check(t.storages, mine, k, 256 if device.type == "cuda" else 1)
         t0 = time.perf_counter()
         chunks = {i: n.chunks for i, n in enumerate(t.nodes)}
         try:
-            with torch.cuda.device(device):
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 exe = RetargetedExec(t.raw.cuda_graph(), t.plan.patches(chunks, mine),
                                      device.index or 0)
         except DriverError as e:
             raise Refused(f"rewriting the graph failed: {e}") from e
-        raw = _SharedRaw(exe, device, time.perf_counter() - t0, t.raw.pool)
+        raw = _SharedRaw(exe, lambda: backend.stream_token(device), time.perf_counter() - t0,
+                         t.raw.pool)
         # Every layer's graph is checked once against its eager output of this call.
         for i, buf in t.inputs.copy:
             buf.copy_(leaves[i])

@@ -1,0 +1,268 @@
+"""share_graph end to end on a CPU, through a graph-reading test double.
+
+The double "captures" by recording the aten ops a forward runs (each op a graph node whose
+argument bytes are its tensors' addresses and its scalars), and "launches" a retargeted clone by
+re-running that recorded trace with every address the patches rewrote pointing at the tensor that
+lives there. A rebase plan that misses a weight therefore computes with the template layer's
+weight, exactly as a real clone would, and the group's check against eager must catch it. The
+group's bookkeeping (templates, partner warm-up, refusals, verification, limits, release) is
+the real code.
+"""
+
+from __future__ import annotations
+
+import copy
+import struct
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import cudagraphify as cg
+from cudagraphify import _cugraph, _share
+from cudagraphify._cugraph import GraphNode
+from cudagraphify._models import GPT
+from conftest import SimBackend, SimGraph
+
+_traces: dict[int, list] = {}
+_outputs: dict[int, object] = {}  # what each capture's function returned (its static outputs)
+_allocated: list[tuple[int, int]] = []  # storages ops produced: the "pool"
+_tensors: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+
+
+def _word(v) -> bytes:
+    if isinstance(v, torch.Tensor):
+        return v.data_ptr().to_bytes(8, "little")
+    if isinstance(v, float):
+        return struct.pack("<d", v)
+    if isinstance(v, (bool, int)):
+        return (int(v) & (2**64 - 1)).to_bytes(8, "little")
+    return b""
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.trace: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        self.trace.append((func, args, kwargs, out))
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor):
+                s = o.untyped_storage()
+                _allocated.append((s.data_ptr(), max(s.nbytes(), 1)))
+        return out
+
+
+def _nodes(trace: list) -> list[GraphNode]:
+    nodes = []
+    for func, args, kwargs, _ in trace:
+        flat = pytree.tree_leaves((args, kwargs))
+        shapes = tuple(tuple(v.shape) for v in flat if isinstance(v, torch.Tensor))
+        nodes.append(GraphNode(0, (0, str(func), shapes), [b"".join(map(_word, flat))],
+                               str(func)))
+    return nodes
+
+
+class _ReadableGraph(SimGraph):
+    def cuda_graph(self) -> int:
+        return self._handle
+
+
+class ReadingBackend(SimBackend):
+    """The simulated backend, with graphs the share_graph diff can read."""
+
+    can_share = True
+
+    def capture(self, fn, device, pool=None, keep_graph=False):
+        rec = _Recorder()
+        with rec:
+            g, out = super().capture(fn, device, pool)
+        graph = _ReadableGraph(fn, out, self)
+        graph._handle = id(graph)
+        _traces[graph._handle] = rec.trace
+        _outputs[graph._handle] = out
+        self.graphs[-1] = graph
+        return graph, out
+
+
+class _FakeExec:
+    """Re-runs a template's recorded trace with the patched addresses' tensors."""
+
+    def __init__(self, template: int, patches: dict, device_index: int):
+        self.trace = _traces[template]
+        self.out = _outputs[template]
+        nodes = _nodes(self.trace)
+        self.remap: dict[int, int] = {}
+        for i, chunks in patches.items():
+            old, new = nodes[i].chunks[0], chunks[0]
+            for pos in range(0, len(old), 8):
+                a, b = old[pos:pos + 8], new[pos:pos + 8]
+                if a != b:
+                    self.remap[int.from_bytes(a, "little")] = int.from_bytes(b, "little")
+
+    def _arg(self, v, env):
+        if not isinstance(v, torch.Tensor):
+            return v
+        if id(v) in env:
+            return env[id(v)]
+        ptr = self.remap.get(v.data_ptr())
+        return _tensors[ptr] if ptr is not None else v
+
+    def launch(self, stream) -> None:
+        env: dict[int, torch.Tensor] = {}
+        for func, args, kwargs, out in self.trace:
+            a, kw = pytree.tree_map(lambda v: self._arg(v, env), (args, kwargs))
+            new = func(*a, **kw)
+            for o, n in zip(pytree.tree_leaves(out), pytree.tree_leaves(new)):
+                if isinstance(o, torch.Tensor):
+                    env[id(o)] = n
+        self._write_back(env)
+
+    def _write_back(self, env) -> None:
+        # a graph writes its results into the static outputs' memory (nothing else it returns)
+        for o in pytree.tree_leaves(self.out):
+            if isinstance(o, torch.Tensor) and id(o) in env and env[id(o)] is not o:
+                o.copy_(env[id(o)])
+
+    def destroy(self) -> None:
+        self.trace = []
+
+
+@pytest.fixture
+def reading(monkeypatch):
+    from cudagraphify import _capture
+
+    backend = ReadingBackend()
+    old = _capture.set_backend(backend)
+    monkeypatch.setattr(_cugraph, "driver_available", lambda: True)
+    monkeypatch.setattr(_cugraph, "read_graph",
+                        lambda handle: (_nodes(_traces[handle]), frozenset()))
+    monkeypatch.setattr(_cugraph, "RetargetedExec", _FakeExec)
+    monkeypatch.setattr(_share, "memory_ranges", lambda pool: (list(_allocated), list(_allocated)))
+    _allocated.clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+            yield backend
+    finally:
+        _capture.set_backend(old)
+        _traces.clear()
+        _outputs.clear()
+
+
+def _distinct(model: nn.Module) -> nn.Module:
+    """Every parameter of every layer different (LayerNorms start as ones in all of them)."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def _register(*modules: nn.Module) -> None:
+    for m in modules:
+        for t in list(m.parameters()) + list(m.buffers()):
+            _tensors[t.data_ptr()] = t
+
+
+def test_gpt_blocks_share_through_the_reading_double_and_equal_eager(reading):
+    torch.manual_seed(0)
+    ref = _distinct(GPT(32, 2, 4).eval())
+    model = copy.deepcopy(ref)
+    _register(model)
+    group = cg.share_graph(model.blocks)
+    with torch.no_grad():
+        for seq in (4, 6):
+            for _ in range(3):
+                x = torch.randn(1, seq, 32)
+                torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    s = group.stats()
+    assert (s["captures"], s["retargets"], s["per_layer"]) == (6, 8, 0), s
+    assert all(n > 0 for n in s["rebased_slots"].values())
+    assert all(cg.stats(b).replays == 4 for b in model.blocks)
+
+
+def test_a_missed_weight_slot_is_caught_by_the_check_against_eager(reading, monkeypatch):
+    real = _share.RebasePlan.patches
+
+    def drop_one(self, chunks_of, storages):  # forget to rebase one weight address
+        out = real(self, chunks_of, storages)
+        node = next(iter(out))
+        out[node] = {c: chunks_of[node][c] for c in out[node]}
+        return out
+
+    monkeypatch.setattr(_share.RebasePlan, "patches", drop_one)
+    torch.manual_seed(0)
+    ref = _distinct(GPT(32, 2, 3).eval())
+    model = copy.deepcopy(ref)
+    _register(model)
+    group = cg.share_graph(model.blocks)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(1, 4, 32)
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    s = group.stats()
+    # the template layer's own graph checks out; the others read its weight and are refused
+    assert s["retargets"] == 1 and s["per_layer"] == 2, s
+    assert all("does not match its eager output" in r for r in s["reasons"]), s["reasons"]
+
+
+class _Scaled(nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+def test_a_per_layer_scalar_is_refused_when_strict_and_caught_otherwise(reading):
+    torch.manual_seed(0)
+    for strict in (True, False):
+        layers = nn.ModuleList(_Scaled(1.0 + i) for i in range(3))
+        ref = copy.deepcopy(layers)
+        _register(layers)
+        group = cg.share_graph(layers, ignore_attrs="scale", strict=strict)
+        x = torch.randn(2, 8)
+        with torch.no_grad():
+            for _ in range(2):
+                for m, r in zip(layers, ref):
+                    torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
+        s = group.stats()
+        assert s["retargets"] <= 1 and s["per_layer"] >= 2, (strict, s)
+        why = " ".join(s["reasons"])
+        assert ("not a rebased parameter address" if strict else
+                "does not match its eager output") in why, (strict, why)
+
+
+def test_templates_are_capped_and_release_frees_everything(reading):
+    torch.manual_seed(0)
+    ref = GPT(32, 2, 3).eval()
+    model = copy.deepcopy(ref)
+    _register(model)
+    group = cg.share_graph(model.blocks, max_graphs=2)
+    warmups = reading.warmups
+    with torch.no_grad():
+        for seq in (3, 4, 5):
+            x = torch.randn(1, seq, 32)
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    s = group.stats()
+    assert len(s["rebased_slots"]) == 2 and s["retargets"] == 6 and s["per_layer"] == 3, s
+    assert "more than max_graphs=2 signatures shared" in s["reasons"]
+    # each template ran its partner layer eagerly once before capturing it
+    assert reading.warmups - warmups == 3 * 3 + 2
+    group.release()
+    assert group._templates == {} and group._pools == {}
+    assert all(cg.stats(b).graphs == 0 for b in model.blocks)
+    with torch.no_grad():  # usable again after release: a new template for the signature
+        x = torch.randn(1, 3, 32)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+        torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    assert len(group.stats()["rebased_slots"]) == 1
