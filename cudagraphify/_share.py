@@ -1,7 +1,7 @@
 """share_graph: capture a block once, replay it for every identical layer with its own weights.
 
 For one input signature, the first layer called is captured (the template), then a second
-layer and the first layer once more, on the same static inputs. Diffing the two graphs node by node tells which 8-byte argument
+layer on the same static inputs (and, when their diff needs it, the first layer once more). Diffing the two graphs node by node tells which 8-byte argument
 slots hold an address inside the layer's own parameters and buffers (the same storage and offset
 in both layers); every other difference must be capture-dependent (two addresses of memory the
 captures allocated, or bytes that also differ between the two captures of the first layer), and
@@ -361,21 +361,32 @@ class ShareGroup:
             with torch.no_grad():
                 backend.warmup(lambda: forward_b(*a, **kw), device)
             extra = []
+
+            def capture(f):
+                r, _ = backend.capture(lambda: f(*a, **kw), device, pool=pool, keep_graph=True)
+                extra.append(r)
+                self.captures += 1
+                self.capture_seconds += r.capture_seconds
+                return read_graph(r.cuda_graph())
+
             try:
-                for f in (forward_b, forward_a):  # layer b, then layer a once more
-                    r, _ = backend.capture(lambda f=f: f(*a, **kw), device, pool=pool,
-                                           keep_graph=True)
-                    extra.append(r)
-                    self.captures += 1
-                    self.capture_seconds += r.capture_seconds
                 nodes0, edges0 = read_graph(raw.cuda_graph())
-                nodes1, edges1 = read_graph(extra[0].cuda_graph())
-                nodes2, _ = read_graph(extra[1].cuda_graph())
+                nodes1, edges1 = capture(forward_b)
                 t.nodes = nodes0
                 pool_mem, device_mem = memory_ranges(pool)
-                t.plan = plan_rebase(nodes0, nodes1, edges0, edges1, t.storages,
-                                     Storages.of(self.layers[other]), pool_mem, nodes2,
-                                     None if self.strict else device_mem)
+                b_storages = Storages.of(self.layers[other])
+
+                def plan(again):
+                    return plan_rebase(nodes0, nodes1, edges0, edges1, t.storages, b_storages,
+                                       pool_mem, again, None if self.strict else device_mem)
+
+                try:
+                    t.plan = plan(None)
+                except Refused:
+                    # Some difference is not a rebased address nor two intermediates: capture
+                    # layer a once more to tell capture-dependent bytes (padding) from the rest.
+                    nodes2, _ = capture(forward_a)
+                    t.plan = plan(nodes2)
             finally:
                 for r in extra:
                     r.release()

@@ -48,8 +48,8 @@ def test_gpt_blocks_share_one_capture_and_match_eager_layer_by_layer(dtype):
                 torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     s = group.stats()
     assert s["per_layer"] == 0, (s["reasons"], s["unproven_slots"])
-    # per shape: the template, a second layer and the first layer again (to diff), then retargets
-    assert (s["captures"], s["retargets"]) == (3 * 2, 6 * 2), s
+    # per shape: the template, a second layer (and the first again, if the diff needs it)
+    assert 2 * 2 <= s["captures"] <= 3 * 2 and s["retargets"] == 6 * 2, s
     assert all(cg.stats(b).captures == 0 and cg.stats(b).retargets == 2 for b in model.blocks)
     assert all(cg.stats(b).replays == 8 for b in model.blocks)  # 5 calls x 2 shapes, minus firsts
     # No weights live in graph memory: the templates' pool holds activations only.
@@ -77,7 +77,7 @@ def test_weights_are_read_in_place_and_a_replaced_parameter_retargets_one_layer(
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = group.stats()
-    assert (s["captures"], s["retargets"], s["per_layer"]) == (3, 5, 0), s
+    assert 2 <= s["captures"] <= 3 and (s["retargets"], s["per_layer"]) == (5, 0), s
     assert cg.stats(model.blocks[1]).invalidations == 1
 
 
@@ -152,7 +152,7 @@ def test_hf_llama_layers_share_one_capture():
                                                rtol=1e-5, atol=1e-5)
     s = group.stats()
     assert s["per_layer"] == 0, s["reasons"]
-    assert s["captures"] == 6 and s["retargets"] == 12 and s["unproven_slots"], s
+    assert 4 <= s["captures"] <= 6 and s["retargets"] == 12 and s["unproven_slots"], s
     s = strict.stats()
     assert s["retargets"] == 0 and s["per_layer"] == 12, s
     assert all("not a rebased parameter address" in r for r in s["reasons"]), s["reasons"]
@@ -170,7 +170,7 @@ def test_blocks_with_a_host_sync_share_each_graphed_piece():
     s = group.stats()
     assert set(s["pieces"]) == {"ln1", "attn", "ln2", "mlp"}
     for path, piece in s["pieces"].items():
-        assert (piece["captures"], piece["retargets"], piece["per_layer"]) == (3, 4, 0), \
+        assert 2 <= piece["captures"] <= 3 and (piece["retargets"], piece["per_layer"]) == (4, 0), \
             (path, piece)
     # call 1 decides piecewise, call 2 makes the pieces, calls 3 and 4 replay them
     assert all(cg.stats(b.attn).replays == 2 for b in model.blocks)

@@ -183,7 +183,8 @@ def test_gpt_blocks_share_through_the_reading_double_and_equal_eager(reading):
                 x = torch.randn(1, seq, 32)
                 torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = group.stats()
-    assert (s["captures"], s["retargets"], s["per_layer"]) == (6, 8, 0), s
+    # per shape: the template and one layer to diff with (no third capture needed here)
+    assert (s["captures"], s["retargets"], s["per_layer"]) == (4, 8, 0), s
     assert all(n > 0 for n in s["rebased_slots"].values())
     assert all(cg.stats(b).replays == 4 for b in model.blocks)
 
