@@ -9,6 +9,7 @@ for the engine, not a substitute for the GPU tests.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import pytest
@@ -105,6 +106,15 @@ def quiet_gpu():
         warnings.simplefilter("ignore", cg.CudagraphifyWarning)
         yield
     torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def contexts(*ctxs):
+    """Several context managers entered as one (for step tables that hold one factory)."""
+    with contextlib.ExitStack() as stack:
+        for c in ctxs:
+            stack.enter_context(c)
+        yield
 
 
 def assert_chain_matches(layers, ref, x) -> None:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+from conftest import contexts
 from cudagraphify._models import GPT
 
 
@@ -69,24 +70,12 @@ def _steps(dtype=torch.float32):
         ("eval mode again", _both(lambda m: m.eval()), x2, ng, "replay"),
         ("inference_mode", None, x2, torch.inference_mode, "capture"),
         ("autocast bf16", None, x2,
-         lambda: _stack(torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16)), "capture"),
+         lambda: contexts(torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16)), "capture"),
         ("autocast off again", None, x2, ng, "replay"),
         ("float64 model and input", _both(lambda m: m.double()),
          lambda: torch.randn(2, 8, 32, dtype=torch.float64), ng, "invalidate"),
     ]
 
-
-class _stack:
-    def __init__(self, *ctxs):
-        self.ctxs = ctxs
-
-    def __enter__(self):
-        for c in self.ctxs:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self.ctxs):
-            c.__exit__(*exc)
 
 
 def test_scripted_changes_keep_every_output_equal_to_eager(sim):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+from conftest import contexts
 from cudagraphify._models import GPT
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
@@ -111,22 +112,10 @@ STEPS = [
     ("grad mode", None, {}, torch.enable_grad),
     ("inference_mode", None, {}, torch.inference_mode),
     ("autocast bf16", None, {},
-     lambda: _Both(torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16))),
+     lambda: contexts(torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16))),
     ("autocast off", None, {}, torch.no_grad),
 ]
 
-
-class _Both:
-    def __init__(self, *ctxs):
-        self.ctxs = ctxs
-
-    def __enter__(self):
-        for c in self.ctxs:
-            c.__enter__()
-
-    def __exit__(self, *exc):
-        for c in reversed(self.ctxs):
-            c.__exit__(*exc)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
