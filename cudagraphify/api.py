@@ -98,10 +98,18 @@ def _is_compiled(module: torch.nn.Module) -> bool:
     return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
 
 
-@torch.compiler.disable
+_disabled_call: Callable | None = None
+
+
 def _outside_compile(dispatch: _Dispatch, wrapped: Callable, instance: Any, args: tuple,
                      kwargs: dict) -> Any:
-    return dispatch(wrapped, instance, args, kwargs)
+    """Call ``dispatch`` where torch.compile does not trace (made on first use: building it
+    imports torch._dynamo, which costs a second at import time)."""
+    global _disabled_call
+    if _disabled_call is None:
+        _disabled_call = torch.compiler.disable(
+            lambda d, w, i, a, kw: d(w, i, a, kw))
+    return _disabled_call(dispatch, wrapped, instance, args, kwargs)
 
 
 class _GraphedForward(wrapt.FunctionWrapper):
