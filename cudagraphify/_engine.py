@@ -170,8 +170,7 @@ class GraphedState:
                                "referenced through a view; running eagerly so it is not "
                                "overwritten (clone outputs you keep)", fn, args, kwargs)
         device = entry.device
-        # who replayed last, on which stream: layers of a share group use one set of buffers
-        holder = region if region is not None else self.share[0] if self.share else self
+        holder = self._stream_holder(region)
         token = backend.stream_token(device)
         if token != holder._stream_token:
             if holder._stream_token is not None:
@@ -184,6 +183,13 @@ class GraphedState:
         if training:
             return entry.run(leaves, self.statics.grad_params())
         return entry.run(leaves)
+
+    def _stream_holder(self, region):
+        """Who records the stream that replayed last: the region, the share_graph group (its
+        layers use one set of buffers), or this callable."""
+        if region is not None:
+            return region
+        return self.share[0] if self.share is not None else self
 
     def _eager(self, reason: str, fn: Callable, args: tuple, kwargs: dict,
                warn: bool = True) -> Any:
@@ -278,13 +284,14 @@ class GraphedState:
             return self._decide_eager(cache, key, f"capture failed: {e}", done)
         except OutputPlanError as e:
             return self._decide_eager(cache, key, str(e), done)
-        if probe is not None and second is not None and not getattr(entry, "shared", False):
+        shared = getattr(entry, "shared", False)  # made from a share_graph template
+        if probe is not None and second is not None and not shared:
             differs = sequence_findings(probe, second)
             if differs:
                 entry.release()
                 return go_piecewise(self, cache, key, differs, set(probe.sequences), result)
         entry.owner = self
-        if getattr(entry, "shared", False):
+        if shared:
             self.retargets += 1
         else:
             self.captures += 1
@@ -297,8 +304,7 @@ class GraphedState:
             warn_once(self._warned, self.name,
                       f"more distinct signatures than max_graphs={self.policy.max_graphs}; "
                       "least recently used graphs are released and re-captured when needed")
-        (region or (self.share[0] if self.share else self))._stream_token = \
-            backend.stream_token(device)
+        self._stream_holder(region)._stream_token = backend.stream_token(device)
         if region is not None and region.chain and entry.seq is not None and not mutated \
                 and not moved_statics and not opaque:
             # In a chaining region the first call returns the graph's own (aliased) outputs, so
