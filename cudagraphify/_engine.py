@@ -38,7 +38,8 @@ __all__ = ["GraphedState", "Options", "Stats", "in_graphed_call"]
 _tls = threading.local()
 _MAX_DEFERRED = 8  # transient capture failures before a signature is decided for good
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
-_MAX_MOVES_IN_A_ROW = 4  # calls in a row that find the statics moved before running eagerly
+_MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
+_STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
 
 
 def in_graphed_call() -> bool:
@@ -81,7 +82,9 @@ class GraphedState:
         self.last_plan: tuple | None = None
         self.accel = frozenset({"cuda"})  # device types whose work graphs capture
         self._deferred = 0  # captures put off by a transient failure
-        self._moved_in_a_row = 0  # consecutive calls that found parameters or buffers moved
+        self._moves = 0  # calls that found parameters or buffers moved, since they last stood
+        self._still = 0  # calls in a row since the last move
+        self._moved_why = ""
         self._stream_token: int | None = None
         self.share: tuple | None = None  # (ShareGroup, layer index) under share_graph
         self.retargets = 0  # graphs made from a share_graph template instead of a capture
@@ -118,14 +121,17 @@ class GraphedState:
         moved = self.statics.changed()
         if moved is not None:
             self.invalidate(moved)
-            self._moved_in_a_row += 1
-            if self._moved_in_a_row > _MAX_MOVES_IN_A_ROW:
-                return self._eager(
-                    f"parameters or buffers move to new memory on every call ({moved}; FSDP2 "
-                    "with reshard_after_forward=True gathers them anew each time): running "
-                    "eagerly until they stay put", fn, args, kwargs)
-        elif self._moved_in_a_row:
-            self._moved_in_a_row = 0
+            self._moves += 1
+            self._still = 0
+        elif self._moves:
+            self._still += 1
+            if self._still >= _STILL_CALLS:
+                self._moves = 0
+        if self._moves > _MAX_MOVES:
+            return self._eager(
+                f"parameters or buffers keep moving to new memory ({self._last_move(moved)}; "
+                "FSDP2 gathers them anew when it reshards): running eagerly until they stay "
+                f"put for {_STILL_CALLS} calls", fn, args, kwargs)
         sig, leaves, static_flags = build_signature(
             args, kwargs, self.statics.modules, self.static_positions, self.static_names)
         if isinstance(sig, Unkeyable):
@@ -183,6 +189,11 @@ class GraphedState:
         if training:
             return entry.run(leaves, self.statics.grad_params())
         return entry.run(leaves)
+
+    def _last_move(self, moved: str | None) -> str:
+        if moved is not None:
+            self._moved_why = moved
+        return self._moved_why
 
     def _stream_holder(self, region):
         """Who records the stream that replayed last: the region, the share_graph group (its
@@ -265,7 +276,8 @@ class GraphedState:
                 if training:
                     entry = capture_training(backend, run, sig, leaves, static_flags,
                                              self.statics.grad_params(), device,
-                                             self.statics.storage_ptrs())
+                                             self.statics.storage_ptrs(),
+                                             self.statics.stand_ins)
                 else:
                     entry = self._capture_inference(backend, region, run, sig, leaves,
                                                     static_flags, mutated, device, key, result,
@@ -332,7 +344,8 @@ class GraphedState:
             with _Nested():
                 if training:
                     wrt = self.statics.grad_params() + [b for _, b in copies.copy]
-                    backend.warmup(lambda: warmup_backward(lambda: fn(*a, **kw), wrt), device)
+                    backend.warmup(lambda: warmup_backward(lambda: fn(*a, **kw), wrt,
+                                                           self.statics.stand_ins), device)
                 else:
                     backend.warmup(lambda: fn(*a, **kw), device)
         with torch.no_grad():

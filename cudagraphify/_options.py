@@ -44,3 +44,13 @@ class Stats:
     @property
     def eager(self) -> int:
         return sum(self.eager_calls.values())
+
+    def __add__(self, other: "Stats") -> "Stats":
+        """Counters of two callables together (a piecewise root and its graphed pieces)."""
+        if not isinstance(other, Stats):
+            return NotImplemented
+        eager = dict(self.eager_calls)
+        for reason, n in other.eager_calls.items():
+            eager[reason] = eager.get(reason, 0) + n
+        return Stats(**{f: (eager if f == "eager_calls" else getattr(self, f) + getattr(other, f))
+                        for f in self.__dataclass_fields__})

@@ -18,10 +18,12 @@ tensor attributes, globals). Register such tensors as buffers.
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
+from torch import nn
 from torch.nn.modules import module as _module_mod
 
 __all__ = ["StaticState", "generation"]
@@ -146,6 +148,30 @@ class StaticState:
     def grad_params(self) -> list[torch.Tensor]:
         """The parameters and buffers that require grad now (as of the last ``changed()``)."""
         return [t for t in self.tensors if t.requires_grad]
+
+    @contextlib.contextmanager
+    def stand_ins(self) -> Iterator[dict[int, torch.Tensor]]:
+        """Inside the block, each parameter (or buffer) that requires grad is replaced, in every
+        module that holds it, by a detached alias of the same memory that requires grad; yields
+        ``{id(original): alias}``.
+
+        Our warm-up and capture backwards differentiate with respect to the aliases. The real
+        parameters' AccumulateGrad nodes stay out of them: DDP keeps those nodes alive with the
+        stream they were made on, and an engine sync with that (legacy) stream breaks a capture.
+        The dicts are written directly, so the statics' guard sees no change.
+        """
+        aliases = {id(t): (nn.Parameter(t.detach()) if isinstance(t, nn.Parameter)
+                           else t.detach().requires_grad_(True))
+                   for t in self.tensors if t.requires_grad}
+        swapped = [(d, name, t) for m in self.modules for d in (m._parameters, m._buffers)
+                   for name, t in d.items() if t is not None and id(t) in aliases]
+        for d, name, t in swapped:
+            dict.__setitem__(d, name, aliases[id(t)])
+        try:
+            yield aliases
+        finally:
+            for d, name, t in swapped:
+                dict.__setitem__(d, name, t)
 
     def grad_pattern(self) -> tuple[bool, ...]:
         return tuple([t.requires_grad for t in self.tensors])

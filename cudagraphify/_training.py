@@ -71,9 +71,15 @@ def _hooks_silenced(tensors: list[torch.Tensor]):
             d.update(hooks)
 
 
-def warmup_backward(fn: Callable[[], Any], params: list[torch.Tensor]) -> None:
-    """One forward and backward on copies, without touching ``.grad`` (lazy init of backward)."""
-    out = fn()
+def warmup_backward(fn: Callable[[], Any], params: list[torch.Tensor],
+                    stand_ins=contextlib.nullcontext) -> None:
+    """One forward and backward on copies, without touching ``.grad`` (lazy init of backward).
+
+    ``params`` are the module's (under ``stand_ins()``, their aliases are used) and the copied
+    inputs."""
+    with stand_ins() as aliases:
+        out = fn()
+        params = [(aliases or {}).get(id(p), p) for p in params]
     outs = _diff_outputs(out)
     inputs = [p for p in params if p.requires_grad]
     if outs and inputs:
@@ -291,8 +297,19 @@ def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
 
 def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: list[bool],
                      params: list[torch.Tensor], device: torch.device,
-                     persistent: set[int]) -> TrainingGraph:
-    """Capture the forward and backward graphs of one signature (grad mode must be on)."""
+                     persistent: set[int], stand_ins=contextlib.nullcontext) -> TrainingGraph:
+    """Capture the forward and backward graphs of one signature (grad mode must be on).
+
+    Under ``stand_ins()`` (see ``StaticState.stand_ins``) the module computes with aliases of
+    ``params`` and the backward differentiates with respect to those.
+    """
+    with stand_ins() as aliases:
+        return _capture_training(backend, fn, sig, leaves, static_flags, params, aliases or {},
+                                 device, persistent)
+
+
+def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, device,
+                      persistent) -> TrainingGraph:
     # Inputs that require grad are always copied: their gradient flows through the Function.
     flags = [f and not (isinstance(x, torch.Tensor) and x.requires_grad)
              for x, f in zip(leaves, static_flags)]
@@ -311,18 +328,28 @@ def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: lis
         diff = [t.requires_grad for t in out_tensors]
         diff_outs = [t for t in out_tensors if t.requires_grad]
         tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        wrt = [inputs.leaves[i] for i in tensor_idx] + list(params)
+        wrt = [inputs.leaves[i] for i in tensor_idx] + [aliases.get(id(p), p) for p in params]
         wants = [t.requires_grad for t in wrt]
         grad_out = [torch.empty_like(t) for t in diff_outs]
         targets = [t for t, w in zip(wrt, wants) if w]
+        # The real parameters too: a gradient for one means forward reached it other than
+        # through its module's attributes, where the aliases do not stand in.
+        bypassed = [p for p in params if id(p) in aliases]
 
         def backward():
             if not diff_outs or not targets:
                 return []
-            return list(_grads(diff_outs, targets, grad_out))
+            return list(_grads(diff_outs, targets + bypassed, grad_out))
 
         with _hooks_silenced(targets):
             bwd_raw, grads = backend.capture(backward, device, pool=fwd_raw.pool)
+        reached = [i for i, g in enumerate(grads[len(targets):]) if g is not None]
+        if reached:
+            bwd_raw.release()
+            raise OutputPlanError(
+                f"forward uses {len(reached)} parameter(s) other than through its modules' "
+                "attributes (a tensor kept elsewhere): their gradients cannot be captured")
+        grads = grads[:len(targets)]
     except BaseException:
         fwd_raw.release()
         raise

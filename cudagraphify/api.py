@@ -94,8 +94,10 @@ _is_compiling = torch.compiler.is_compiling
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
-    """A ``torch.compile``'d module (its forward runs Dynamo's compiled code)."""
-    return type(module).__name__ == "OptimizedModule" and hasattr(module, "_orig_mod")
+    """A ``torch.compile``'d or ``thunder.jit``'d module (its forward runs compiled code)."""
+    name = type(module).__name__
+    return (name == "OptimizedModule" and "_orig_mod" in module._modules) or \
+        (name == "ThunderModule" and "_model" in module._modules)
 
 
 _disabled_call: Callable | None = None
@@ -112,8 +114,26 @@ def _outside_compile(dispatch: _Dispatch, wrapped: Callable, instance: Any, args
     return _disabled_call(dispatch, wrapped, instance, args, kwargs)
 
 
+class _BoundGraphedForward(wrapt.BoundFunctionWrapper):
+    """A graphified class's forward, looked up on an instance."""
+
+    @property
+    def __class__(self):  # noqa: D105 - see _GraphedForward.__class__
+        return type(self)
+
+
 class _GraphedForward(wrapt.FunctionWrapper):
     """The wrapper ``graphify`` installs. Its ``_self_`` state never leaks onto the wrapped."""
+
+    __bound_function_wrapper__ = _BoundGraphedForward
+
+    @property
+    def __class__(self):
+        # A proxy reports its wrapped's class: ``isinstance(forward, types.MethodType)`` would
+        # hold, and torch.compile (2.11 with wrapt's pure-Python proxies) then traced the
+        # original forward from ``__func__``, bypassing the graphs without a word. Being our
+        # own class makes it call us (a graph break to the graphs, see ``_outside_compile``).
+        return type(self)
 
     def __init__(self, wrapped: Callable, dispatch: _Dispatch):
         super().__init__(wrapped, dispatch)
@@ -171,7 +191,7 @@ def _install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -
     installed = []
     share = root.__dict__.get("_cudagraphify_share")  # a share_graph layer: pieces share too
     for path in paths:
-        sub = root.get_submodule(path) if path else root
+        sub = _submodule(root, path)
         if sub is root or isinstance(sub.__dict__.get("forward"), _GraphedForward) \
                 or _graphed_forward_of(type(sub)) is not None:
             continue  # graphed already (by the user, or an earlier plan)
@@ -181,6 +201,14 @@ def _install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -
         _install(sub, sub.forward, options, "instance", False)
         installed.append(sub)
     return installed
+
+
+def _submodule(root: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The submodule at a ``named_modules`` path (``get_submodule`` may be overridden: Thunder's
+    module resolves names inside the module it wraps)."""
+    for name in path.split(".") if path else ():
+        root = root._modules[name]
+    return root
 
 
 def _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_outputs, cache_policy,
@@ -386,12 +414,22 @@ def stats(target: Any) -> Stats:
     """Counters of a graphified module, function, or a :class:`graph_region`.
 
     captures, replays, eager calls by reason, capture seconds, graph pool bytes (reserved by the
-    live graphs' pools), live graphs, evictions, invalidations (parameters moved).
+    live graphs' pools), live graphs, evictions, invalidations (parameters moved). A module run
+    piecewise counts its graphed submodules' calls too (its own eager calls say "piecewise").
     """
     if isinstance(target, GraphRegion):
         return target.stats()
     state = _state_of(target)
-    return state.stats() if state is not None else Stats()
+    return _with_pieces(state) if state is not None else Stats()
+
+
+def _with_pieces(state: GraphedState) -> Stats:
+    total = state.stats()
+    for piece in state.pieces:
+        piece_state = piece.__dict__.get(_STATE)
+        if piece_state is not None:
+            total = total + _with_pieces(piece_state)
+    return total
 
 
 def explain(target: Any, *example_args: Any, **example_kwargs: Any):

@@ -196,3 +196,20 @@ def test_eager_fallback_warns_once_per_reason_and_is_counted():
     assert cg.stats(m).eager_calls == {"tensors are on cpu, not on a CUDA device": 3}
     report = cg.explain(m)
     assert "eager" in str(report) and report.to_dict()["stats"]["captures"] == 0
+
+
+def test_a_graphified_forward_does_not_pass_for_a_function_or_a_method():
+    # A proxy reporting its wrapped's class made torch.compile (2.11, pure-Python wrapt) trace
+    # the original forward through ``__func__``: the graphs were bypassed without a word.
+    import types
+
+    @cg.graphify
+    class Lin(nn.Linear):
+        pass
+
+    inst = cg.graphify(nn.Linear(2, 2))
+    for fwd in (inst.forward, Lin(2, 2).forward, inspect.getattr_static(Lin, "forward")):
+        assert not isinstance(fwd, (types.FunctionType, types.MethodType)), type(fwd)
+    for fwd in (inst.forward, Lin(2, 2).forward):
+        assert list(inspect.signature(fwd).parameters) == ["input"]  # still introspectable
+    cg.ungraphify(Lin)

@@ -38,14 +38,16 @@ def _gpt():
 
 @pytest.mark.parametrize("reshard", [True, False])
 def test_fsdp2_blocks_never_storm_recaptures(sim, group, reshard):
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = init_device_mesh("cpu", (1,))  # not the default (CUDA) where a GPU is present
     ref = _gpt()
     model = copy.deepcopy(ref)
     for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
         cg.graphify(block)
-    fully_shard(model, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
     x = torch.randn(1, 4, 32)
     with torch.no_grad():
         for _ in range(10):

@@ -188,6 +188,56 @@ def test_grad_mode_gets_its_own_training_graph(sim):
     assert counts(g) == (3, 1, 0)  # and so is which parameters require grad
 
 
+def test_warm_up_and_capture_differentiate_aliases_not_the_parameters(sim):
+    # DDP keeps each parameter's AccumulateGrad node alive with the stream it was made on; a
+    # capture that reached those nodes would sync with that stream and break. Our extra
+    # backwards run on aliases of the same memory, in every module that holds the parameter.
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(3, 3), nn.Linear(3, 3)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            seen.append((self.a.weight is param, self.b.weight is self.a.weight))
+            return self.b(torch.tanh(self.a(x)))
+
+    torch.manual_seed(0)
+    g = cg.graphify(Tied(), num_warmup_iters=2)
+    param = g.a.weight
+    seen = []
+    g(torch.randn(2, 3)).sum().backward()  # the real call, an extra warm-up, the capture
+    assert counts(g) == (1, 0, 0) and sim.captures == 2
+    assert seen == [(True, True), (False, True), (False, True)]
+    assert g.a.weight is param and g.b.weight is param
+    assert cg.stats(g).invalidations == 0 and g(torch.randn(2, 3)) is not None
+    assert counts(g) == (1, 1, 0)  # the stand-ins left no change the guard would see
+
+
+def test_a_parameter_read_around_its_module_runs_eagerly_with_eager_gradients(sim):
+    class Side(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.__dict__["w"] = self.lin.weight  # a plain attribute, not registered
+
+        def forward(self, x):
+            return self.lin(x) + x @ self.w
+
+    torch.manual_seed(0)
+    ref = Side()
+    g = cg.graphify(copy.deepcopy(ref))
+    g.__dict__["w"] = g.lin.weight
+    for _ in range(3):
+        x = torch.randn(2, 3)
+        g(x).sum().backward()
+        ref(x).sum().backward()
+    (reason,) = cg.stats(g).eager_calls
+    assert "other than through its modules' attributes" in reason
+    for p, q in zip(g.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+
+
 def test_parameter_hooks_see_each_real_backward_once_not_the_capture(sim):
     torch.manual_seed(0)
     lin = nn.Linear(2, 2)
@@ -537,6 +587,9 @@ def test_pieces_do_not_inherit_the_roots_argument_names_or_cache_policy(sim):
             x = torch.randn(2, 4)
             torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
     assert cg.stats(g.a).replays == 2 and cg.stats(g.b).replays == 2
+    total = cg.stats(g)  # the root's counters include its graphed pieces'
+    assert (total.captures, total.replays) == (2, 4), total
+    assert all(r.startswith("piecewise") for r in total.eager_calls), total
 
 
 def test_a_policy_cannot_mix_up_keyword_arguments_or_signed_zeros(sim):
@@ -711,8 +764,30 @@ def test_parameters_that_move_on_every_call_run_eagerly_until_they_stay_put(sim)
                 m.weight = nn.Parameter(m.weight.detach() + 1)
             torch.testing.assert_close(g(x), lin(x), rtol=0, atol=0)
         s = cg.stats(g)
-        assert s.captures == 5 and s.eager == 3, s  # 4 moves in a row re-capture, then eager
-        for _ in range(3):  # the weights stay put: captured again, then replayed
+        assert s.captures == 5 and s.eager == 3, s  # 4 moves re-capture, then eager
+        for _ in range(16 + 2):  # the weights stay put: after 16 calls captured, then replayed
             torch.testing.assert_close(g(x), lin(x), rtol=0, atol=0)
     s = cg.stats(g)
-    assert (s.captures, s.replays) == (6, 2), s
+    assert (s.captures, s.replays, s.eager) == (6, 2, 3 + 15), s
+
+
+def test_parameters_that_keep_moving_run_eagerly_until_they_stand_still(sim):
+    # FSDP2 re-gathers parameters after resharding, often (not always) at a new address: a
+    # move on most calls, with still calls between, must not re-capture on every move.
+    torch.manual_seed(0)
+    g = cg.graphify(nn.Linear(4, 4))
+    a, b = g.weight.data.clone(), g.weight.data * 2
+    with torch.no_grad():
+        for i in range(30):
+            g.weight.data = b.clone() if i % 3 else a.clone()  # new memory 2 calls in 3
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), nn.functional.linear(x, g.weight, g.bias))
+        s = cg.stats(g)
+        assert s.captures <= 5 and s.eager >= 20, s
+        (reason,) = [r for r in s.eager_calls if "keep moving" in r]
+        assert "FSDP2" in reason and "moved to new memory" in reason
+        for _ in range(16 + 3):  # standing still: graphs again after 16 calls
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), nn.functional.linear(x, g.weight, g.bias))
+    s2 = cg.stats(g)
+    assert s2.captures == s.captures + 1 and s2.replays >= s.replays + 2, s2
