@@ -154,7 +154,11 @@ def test_hf_llama_layers_share_one_capture():
     assert s["per_layer"] == 0, s["reasons"]
     assert 4 <= s["captures"] <= 6 and s["retargets"] == 12 and s["unproven_slots"], s
     s = strict.stats()
-    assert s["retargets"] == 0 and s["per_layer"] == 12, s
+    # strict keeps no unproven byte: a signature whose layers differ in those bytes goes per
+    # layer (all 6 layers of it); where the bytes happen to be equal there is nothing to prove
+    # (run 13 on the H200: one of the two lengths shared, the other refused)
+    assert not s["unproven_slots"] and s["retargets"] + s["per_layer"] == 12, s
+    assert s["per_layer"] % 6 == 0, s
     assert all("not a rebased parameter address" in r for r in s["reasons"]), s["reasons"]
 
 
