@@ -1,0 +1,179 @@
+"""Composability on the GPU: FSDP2 and DDP over NCCL (world size 1 in this process, 2 in spawned
+processes where two GPUs are lent), torch.compile (inductor) on either side of graphify,
+activation checkpointing, and thunder.jit where Thunder imports. Every output and every
+gradient is compared with the same stack without cudagraphify."""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cudagraphify as cg
+from cudagraphify._models import GPT
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
+
+DIM, HEADS, LAYERS = 64, 4, 2
+
+
+def _pair(seed: int = 0) -> tuple[torch.nn.Module, torch.nn.Module]:
+    torch.manual_seed(seed)
+    ref = GPT(DIM, HEADS, LAYERS).cuda()
+    return ref, copy.deepcopy(ref)
+
+
+def _worker(rank: int, world: int, store: str, case, args: tuple) -> None:
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"file://{store}", rank=rank,
+                            world_size=world, device_id=torch.device("cuda", rank))
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+            case(rank, world, *args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _distributed(world: int, case, *args) -> None:
+    """Run ``case(rank, world, *args)`` on ``world`` ranks: this process for 1, spawned ones
+    for more (their failures re-raise here)."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    if not dist.is_nccl_available():
+        pytest.skip("needs NCCL")
+    with tempfile.TemporaryDirectory() as tmp:
+        store = os.path.join(tmp, "pg")
+        if world == 1:
+            _worker(0, 1, store, case, args)
+        else:
+            torch.multiprocessing.spawn(_worker, args=(world, store, case, args), nprocs=world,
+                                        join=True)
+
+
+def _train_steps(model, ref, steps: int, rank: int, lr: float = 0.05) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
+    torch.manual_seed(100 + rank)  # each rank its own data
+    for step in range(steps):
+        x = torch.randn(2, 8, DIM, device="cuda")
+        for m, o in ((model, opt), (ref, opt_ref)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+        for p, q in zip(model.parameters(), ref.parameters()):
+            a = p.full_tensor() if hasattr(p, "full_tensor") else p
+            b = q.full_tensor() if hasattr(q, "full_tensor") else q
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+
+
+def _fsdp_case(rank: int, world: int, reshard: bool) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cuda", (world,))
+    ref, model = _pair()
+    for m, graphed in ((ref, False), (model, True)):
+        for block in m.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            if graphed:
+                cg.graphify(block)
+        fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
+    torch.manual_seed(rank)
+    with torch.no_grad():
+        for _ in range(8):
+            x = torch.randn(2, 8, DIM, device="cuda")
+            torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    s = cg.stats(model.blocks[0])
+    if reshard:  # gathered into new memory on each call: eager after a few re-captures
+        assert s.captures <= 5 and s.replays == 0, s
+        assert any("FSDP2" in r for r in s.eager_calls), s
+    else:  # gathered once and kept: one graph, replayed
+        assert (s.captures, s.replays) == (1, 7), s
+    _train_steps(model, ref, 3, rank)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("reshard", [False, True])
+def test_fsdp2_blocks_equal_plain_fsdp2(world, reshard):
+    _distributed(world, _fsdp_case, reshard)
+
+
+def _ddp_case(rank: int, world: int) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ref, model = _pair()
+    for block in model.blocks:
+        cg.graphify(block)
+    ddp, ddp_ref = DDP(model, device_ids=[rank]), DDP(ref, device_ids=[rank])
+    _train_steps(ddp, ddp_ref, 4, rank)
+    s = cg.stats(model.blocks[0])
+    assert s.captures >= 1 and s.replays >= 2, s  # grad mode through the training graph
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_ddp_around_graphified_blocks_equals_plain_ddp(world):
+    _distributed(world, _ddp_case)
+
+
+def test_torch_compile_over_graphified_blocks_runs_them_through_their_graphs():
+    ref, model = _pair()
+    ref.eval(), model.eval()
+    for block in model.blocks:
+        cg.graphify(block)
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 8, DIM, device="cuda")
+            torch.testing.assert_close(compiled(x), ref(x), rtol=1e-5, atol=1e-5)
+    s = cg.stats(model.blocks[0])
+    assert (s.captures, s.replays) == (1, 3), s
+
+
+def test_graphify_over_an_inductor_compiled_block_captures_its_kernels():
+    ref, model = _pair()
+    block = cg.graphify(torch.compile(model.blocks[0].eval()))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 8, DIM, device="cuda")
+            torch.testing.assert_close(block(x), ref.blocks[0].eval()(x), rtol=1e-5, atol=1e-5)
+    s = cg.stats(block)
+    assert (s.captures, s.replays) == (1, 3), s  # call 1 compiles (the warm-up) and captures
+
+
+def test_checkpoint_around_and_inside_graphified_blocks_gives_eager_gradients():
+    from torch.utils.checkpoint import checkpoint
+
+    ref, model = _pair()
+    for block in model.blocks:
+        cg.graphify(block)
+    for step in range(3):
+        x = torch.randn(2, 8, DIM, device="cuda")
+        xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ya, yb = xa, xb
+        for ga, gb in zip(model.blocks, ref.blocks):
+            ya = checkpoint(ga, ya, use_reentrant=False)
+            yb = checkpoint(gb, yb, use_reentrant=False)
+        ya.square().mean().backward()
+        yb.square().mean().backward()
+        torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-5, atol=1e-6, msg=f"step {step}")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_graphify_over_a_thunder_jitted_block():
+    thunder = pytest.importorskip("thunder")
+    ref, model = _pair()
+    block = cg.graphify(thunder.jit(model.blocks[0].eval()))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 8, DIM, device="cuda")
+            torch.testing.assert_close(block(x), ref.blocks[0].eval()(x), rtol=1e-5, atol=1e-5)
+    s = cg.stats(block)
+    assert (s.captures, s.replays) == (1, 3), s  # opaque to the probe, like compiled code
