@@ -186,9 +186,10 @@ def run_all(cfg: GPTConfig, calls: int, repeats: int, only: list[str] | None) ->
     try:
         import thunder
 
-        combos["over_thunder"] = ("graphify over thunder.jit'd blocks, inference",
-                                  blocks(False, wrap=thunder.jit),
-                                  blocks(True, wrap=thunder.jit), _inference, {})
+        combos["over_thunder"] = ("graphify over thunder.jit'd whole model, inference",
+                                  lambda: thunder.jit(_model(cfg)),
+                                  lambda: cg.graphify(thunder.jit(_model(cfg))), _inference,
+                                  {"blocks_of": lambda m: [m]})
     except Exception as e:  # noqa: BLE001 - any import failure means: not available here
         _progress(f"thunder not importable ({type(e).__name__}): its row is skipped")
     rows = []
