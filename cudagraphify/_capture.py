@@ -110,7 +110,9 @@ class CudaBackend:
         then happens on the capture stream, outside the capture. The caller's stream waits for
         the side stream afterwards, so results are ordered as if ``fn`` ran on the caller's stream.
         """
-        with torch.cuda.device(device):
+        # The side stream is the one captures use: a warm-up on another thread must not join
+        # (or break) a capture in progress on it.
+        with torch.cuda.device(device), self._capturing(device):
             cur = torch.cuda.current_stream()
             side = self._side_stream(device)
             side.wait_stream(cur)

@@ -23,6 +23,7 @@ import torch
 
 from . import _capture, _region
 from ._cache import CachePolicy, EagerEntry, GraphCache
+from ._capture import _first_line
 from ._errors import CaptureFailed, warn_once
 from ._options import Options, Stats
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
@@ -246,8 +247,8 @@ class GraphedState:
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         marks = _marks([x for _, x in tensors])
-        statics = self.statics.watchable()
-        static_marks = _marks(statics)
+        statics, buffers = self.statics.watchable()
+        static_marks = _marks(statics, buffers)
         t0 = time.perf_counter()
         probe = new_probe(self)
         with _Nested():
@@ -266,12 +267,21 @@ class GraphedState:
         moved_statics = [statics[j] for j in _written(statics, static_marks)]
         # Objects named in static_argnames are passed as they are: extra runs would change them.
         opaque = any(c[1] == "static-object" for c in sig.constants)
-        if not opaque:
-            self._extra_warmups(backend, device, fn, sig, leaves, training, moved_statics)
-        self.warmup_seconds += time.perf_counter() - t0
-        second = new_probe(self, thunder=False)
-        run = probed(second, fn)
+        failed: CaptureFailed | None = None
+        second = None
         try:
+            if not opaque:
+                self._extra_warmups(backend, device, fn, sig, leaves, training, moved_statics)
+        except Exception as e:  # noqa: BLE001 - the real call succeeded: its result stands
+            _forget_frames(e)
+            failed = CaptureFailed(f"extra warm-up failed: {_first_line(e)}",
+                                   transient=isinstance(e, torch.OutOfMemoryError))
+        self.warmup_seconds += time.perf_counter() - t0
+        try:
+            if failed is not None:
+                raise failed
+            second = new_probe(self, thunder=False)
+            run = probed(second, fn)
             with _Nested():
                 if training:
                     entry = capture_training(backend, run, sig, leaves, static_flags,
@@ -282,8 +292,11 @@ class GraphedState:
                     entry = self._capture_inference(backend, region, run, sig, leaves,
                                                     static_flags, mutated, device, key, result,
                                                     bool(moved_statics))
-        except CaptureFailed as e:
+        except (CaptureFailed, torch.OutOfMemoryError) as e:
             _forget_frames(e)
+            if not isinstance(e, CaptureFailed):  # static buffers or a pool, before capturing
+                e = CaptureFailed(f"out of memory preparing the capture: {_first_line(e)}",
+                                  transient=True)
             if e.transient and self._deferred < _MAX_DEFERRED:
                 self._deferred += 1
                 reason = f"capture deferred (retried on a later call): {e}"
@@ -315,7 +328,8 @@ class GraphedState:
         if evicted:
             warn_once(self._warned, self.name,
                       f"more distinct signatures than max_graphs={self.policy.max_graphs}; "
-                      "least recently used graphs are released and re-captured when needed")
+                      "least recently used graphs are released and re-captured when needed",
+                      what="evicts graphs")
         self._stream_holder(region)._stream_token = backend.stream_token(device)
         if region is not None and region.chain and entry.seq is not None and not mutated \
                 and not moved_statics and not opaque:
@@ -336,21 +350,23 @@ class GraphedState:
             return
         with torch.no_grad():
             saved = [t.clone() for t in moved_statics]
-        for _ in range(n):
-            copies = StaticInputs(leaves, [False] * len(leaves))
-            for i, buf in copies.copy:
-                buf.requires_grad_(training and leaves[i].requires_grad)
-            a, kw = unflatten_call(copies.leaves, sig)
-            with _Nested():
-                if training:
-                    wrt = self.statics.grad_params() + [b for _, b in copies.copy]
-                    backend.warmup(lambda: warmup_backward(lambda: fn(*a, **kw), wrt,
-                                                           self.statics.stand_ins), device)
-                else:
-                    backend.warmup(lambda: fn(*a, **kw), device)
-        with torch.no_grad():
-            for t, v in zip(moved_statics, saved):
-                t.copy_(v)
+        try:
+            for _ in range(n):
+                copies = StaticInputs(leaves, [False] * len(leaves))
+                for i, buf in copies.copy:
+                    buf.requires_grad_(training and leaves[i].requires_grad)
+                a, kw = unflatten_call(copies.leaves, sig)
+                with _Nested():
+                    if training:
+                        wrt = self.statics.grad_params() + [b for _, b in copies.copy]
+                        backend.warmup(lambda: warmup_backward(lambda: fn(*a, **kw), wrt,
+                                                               self.statics.stand_ins), device)
+                    else:
+                        backend.warmup(lambda: fn(*a, **kw), device)
+        finally:  # a failed extra run leaves no trace in the buffers either
+            with torch.no_grad():
+                for t, v in zip(moved_statics, saved):
+                    t.copy_(v)
 
     def _capture_inference(self, backend, region, fn, sig, leaves, static_flags, mutated,
                            device, key, expected, writes_statics=False) -> CapturedGraph:
@@ -460,10 +476,14 @@ def _forget_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
-def _marks(tensors: list[torch.Tensor]) -> list:
-    """What tells, after a call, whether it wrote each tensor: its version counter, or (for
-    inference tensors, which have none) a copy of its contents."""
-    return [t.clone() if t.is_inference() else t._version for t in tensors]
+def _marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
+    """What tells, after a call, whether it wrote each tensor: its version counter, or a copy
+    of its contents for inference tensors (they have no counter) and where ``by_value`` says so
+    (buffers: BatchNorm's kernels update running statistics without bumping the counter)."""
+    if by_value is None:
+        return [t.clone() if t.is_inference() else t._version for t in tensors]
+    return [t.clone() if v or t.is_inference() else t._version
+            for t, v in zip(tensors, by_value)]
 
 
 def _written(tensors: list[torch.Tensor], marks: list) -> list[int]:

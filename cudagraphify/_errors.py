@@ -38,12 +38,13 @@ class CaptureFailed(CudagraphifyError):
         self.transient = transient
 
 
-def warn_once(seen: set, owner: str, reason: str) -> None:
-    """Warn that ``owner`` runs eagerly because of ``reason``, once per (owner, reason)."""
+def warn_once(seen: set, owner: str, reason: str, what: str = "runs eagerly") -> None:
+    """Warn that ``owner`` runs eagerly (or ``what`` else) because of ``reason``, once per
+    (owner, reason)."""
     if reason in seen:
         return
     seen.add(reason)
-    warnings.warn(f"cudagraphify: {owner} runs eagerly: {reason}", CudagraphifyWarning,
+    warnings.warn(f"cudagraphify: {owner} {what}: {reason}", CudagraphifyWarning,
                   stacklevel=_user_stacklevel())
 
 

@@ -176,10 +176,13 @@ class StaticState:
     def grad_pattern(self) -> tuple[bool, ...]:
         return tuple([t.requires_grad for t in self.tensors])
 
-    def watchable(self) -> list[torch.Tensor]:
+    def watchable(self) -> tuple[list[torch.Tensor], list[bool]]:
         """The statics a forward may write: buffers, and parameters unless they are inference
-        tensors (whose writes could only be seen by copying every weight)."""
-        return [t for t, buf in zip(self.tensors, self._is_buffer) if buf or not t.is_inference()]
+        tensors (whose writes could only be seen by copying every weight); and which of them
+        are buffers."""
+        pairs = [(t, buf) for t, buf in zip(self.tensors, self._is_buffer)
+                 if buf or not t.is_inference()]
+        return [t for t, _ in pairs], [buf for _, buf in pairs]
 
     def devices(self) -> set[torch.device]:
         return {t.device for t in self.tensors}

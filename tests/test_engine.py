@@ -791,3 +791,32 @@ def test_parameters_that_keep_moving_run_eagerly_until_they_stand_still(sim):
             torch.testing.assert_close(g(x), nn.functional.linear(x, g.weight, g.bias))
     s2 = cg.stats(g)
     assert s2.captures == s.captures + 1 and s2.replays >= s.replays + 2, s2
+
+
+def test_a_failed_extra_warm_up_keeps_the_real_call_and_leaves_no_trace_in_buffers(sim):
+    class Flaky(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bn = nn.BatchNorm1d(3)
+            self.runs = 0
+
+        def forward(self, x):
+            self.runs += 1
+            y = self.bn(x)
+            if self.runs == 2:  # only in cudagraphify's extra warm-up
+                raise RuntimeError("out of luck")
+            return y
+
+    torch.manual_seed(0)
+    ref = Flaky()
+    g = cg.graphify(copy.deepcopy(ref), num_warmup_iters=2)
+    x = torch.randn(4, 3)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+        torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)  # the real call's result
+        for name, buf in ref.bn.named_buffers():  # the failed run's update was rolled back
+            torch.testing.assert_close(getattr(g.bn, name), buf, rtol=0, atol=0, msg=name)
+        ref.runs = 2  # the twin's second run must not fail
+        torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+    (reason, *_) = cg.stats(g).eager_calls
+    assert "extra warm-up failed: RuntimeError: out of luck" in reason, cg.stats(g)

@@ -191,3 +191,26 @@ def test_gradients_kept_from_autograd_grad_survive_the_next_backward():
         torch.testing.assert_close(a, want_a, **TOL)
         torch.testing.assert_close(b, want_b, **TOL)
     assert cg.stats(g).replays == 2
+
+
+def test_batchnorm_running_statistics_match_eager_after_training_steps():
+    # BatchNorm's kernels update running statistics without bumping their version counter: the
+    # training capture's extra warm-up once advanced them a second time, silently.
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.Flatten(),
+                        nn.LazyLinear(4)).to(DEV)
+    ref(torch.randn(2, 3, 8, 8, device=DEV))  # materialise the lazy layer
+    g = cg.graphify(copy.deepcopy(ref))
+    o_ref, o_g = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, g))
+    for _ in range(4):
+        x = torch.randn(4, 3, 8, 8, device=DEV)
+        for model, o in ((ref, o_ref), (g, o_g)):
+            model(x).square().mean().backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+    for (name, b), c in zip(ref.named_buffers(), g.buffers()):
+        torch.testing.assert_close(c, b, **TOL, msg=name)
+    for (name, p), q in zip(ref.named_parameters(), g.parameters()):
+        torch.testing.assert_close(q, p, **TOL, msg=name)
+    s = cg.stats(g)
+    assert (s.captures, s.replays) == (1, 3), s
