@@ -1,20 +1,30 @@
-"""Benchmark: eager vs ``graphify`` vs a manual whole-model CUDA graph, in one process and run.
+"""Benchmark: eager vs ``graphify`` vs what users would use instead, in one process and run.
 
-    python -m cudagraphify.bench [--workloads A B C] [--quick] [--json out.json] [--chart out.png]
+    python -m cudagraphify.bench [--workloads A B C] [--columns ...] [--decode] [--quick]
+                                 [--json out.json] [--chart out.png]
 
-Reports the median µs per call over repeated timed loops, ratios to eager and to the manual
-graph (the floor), time to the first graphed call, and the max abs error against eager. On a
-machine without a GPU it says so and times the eager model on the CPU only.
+Columns (GPT workloads, inference): eager; a manual whole-model ``torch.cuda.CUDAGraph`` (the
+floor); ``graphify`` (with and without output copies); per-block ``graphify`` (alone, in a
+``graph_region``, and through ``share_graph``); ``torch.cuda.make_graphed_callables``;
+``torch.compile(mode="reduce-overhead")``; ``thunder.jit`` with Thunder's CUDAGraphTransform (when
+Thunder imports). For each: the median µs per call over repeated timed loops, ratios to eager and
+to the floor, the time to the first graphed call, the extra peak memory of building and first
+calls, and the max abs error against eager. ``--decode`` adds greedy decode of an HF
+transformers Llama with a static KV cache (tokens/s, eager vs a graphed decode step). On a machine
+without a GPU it says so and times the eager parts on the CPU only.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import gc
 import json
 import statistics
 import sys
 import time
 import warnings
+from typing import Callable
 
 import torch
 
@@ -24,6 +34,21 @@ __all__ = ["main", "time_per_call"]
 
 # "T" is one tiny block: GPU time is negligible, so it shows the Python cost of the replay path.
 BENCH_WORKLOADS = {**WORKLOADS, "T": GPTConfig(64, 2, 1, 1, 4, torch.float32)}
+
+# --columns name -> (row key prefix, heading). Eager and the manual graph (the floor) always run.
+COLUMNS = {
+    "graphify": ("graphify", "graphify"),
+    "nocopy": ("graphify_nocopy", "graphify(copy_outputs=False)"),
+    "layers": ("per_layer", "per-block graphify"),
+    "region": ("per_layer_region", "per-block, in graph_region"),
+    "share": ("share_graph", "share_graph(blocks)"),
+    "mgc": ("make_graphed_callables", "make_graphed_callables"),
+    "compile": ("torch_compile", "torch.compile reduce-overhead"),
+    "thunder": ("thunder", "thunder.jit + CUDAGraphTransform"),
+}
+ALWAYS = (("eager", "eager"), ("manual_graph", "manual graph (floor)"))
+# torch.compile takes 20-60 s per workload, thunder.jit up to a minute: --quick compiles these
+QUICK_COMPILE_WORKLOADS = ("A",)
 
 
 def time_per_call(fn, x, calls: int, repeats: int, sync=None) -> float:
@@ -58,62 +83,252 @@ def _manual_graph(model, x):
         g.replay()
         return static_y
 
+    run.graph = g  # keeps the graph alive with the callable
     return run
 
 
-def bench_workload(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
+def _error_text(e: BaseException, limit: int = 300) -> str:
+    text = f"{type(e).__name__}: {e}".replace("\n", " ")
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _free_memory() -> None:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+
+def _measure(row: dict, label: str, model: torch.nn.Module, build: Callable, x, ref,
+             calls: int, repeats: int, first_calls: int = 2, first_call_key: str | None = None,
+             err: bool = True) -> None:
+    """Time one column into ``row`` under keys ``{label}_*``; a failure is recorded, not raised.
+
+    ``build(model)`` returns ``(fn, finish)``: the callable to time, and a function that records
+    extra counters into the row and frees what the column holds. Building and the first
+    ``first_calls`` calls make up ``{label}_first_call_s`` (the time to the first call that runs
+    the graph) and ``{label}_peak_mb`` (peak memory above what was allocated before, MB);
+    ``first_call_key`` also records building and the very first call alone (compilation).
+    """
+    fn = finish = None
+    try:
+        _free_memory()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        fn, finish = build(model)
+        for i in range(first_calls):
+            fn(x)
+            if i == 0 and first_call_key:
+                torch.cuda.synchronize()
+                row[first_call_key] = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        if label != "eager":
+            row[f"{label}_first_call_s"] = time.perf_counter() - t0
+        row[f"{label}_peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        row[f"{label}_us"] = time_per_call(fn, x, calls, repeats)
+        if err:
+            row[f"{label}_max_abs_err"] = (fn(x).float() - ref.float()).abs().max().item()
+    except Exception as e:  # a column that fails says why in the row; the others still run
+        row[f"{label}_error"] = _error_text(e)
+        _progress(f"{row['workload']}: {label} failed: {row[f'{label}_error']}")
+    finally:
+        if finish is not None:
+            try:
+                finish(row)
+            except Exception as e:
+                row.setdefault(f"{label}_error", f"while releasing: {_error_text(e)}")
+        fn = finish = model = None  # noqa: F841 - the column's graphs go with them
+        _free_memory()
+
+
+def _thunder_missing() -> str | None:
+    """None when thunder.jit and its CUDAGraphTransform import; else why not."""
+    from . import _tags
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if _tags.thunder() is None:  # imports it as cudagraphify does (torch >= 2.13 shims)
+                return f"not importable ({_tags._thunder_error})"
+            from thunder.transforms.cudagraph import CUDAGraphTransform  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - a broken install raises more than ImportError
+        return f"not importable ({_error_text(e, 160)})"
+    return None
+
+
+def _builders(x) -> dict[str, tuple[Callable, int, str | None]]:
+    """label -> (build(model) -> (fn, finish), first calls until a graph runs, compile key)."""
     import cudagraphify as cg
 
+    def graphify(copy_outputs):
+        def build(m):
+            cg.graphify(m, copy_outputs=copy_outputs)
+            label = "graphify" if copy_outputs else "graphify_nocopy"
+
+            def finish(row):
+                s = cg.stats(m)
+                row[f"{label}_captures"], row[f"{label}_replays"] = s.captures, s.replays
+                row[f"{label}_pool_mb"] = s.graph_pool_bytes / 2**20
+                cg.ungraphify(m)
+            return m, finish
+        return build
+
+    def per_layer(region: bool):
+        def build(m):
+            for blk in m.blocks:
+                cg.graphify(blk)
+            scope = cg.graph_region() if region else None
+            if scope is not None:
+                scope.__enter__()
+
+            def finish(row):
+                if scope is not None:
+                    row["per_layer_region_input_copies"] = scope.stats().input_copies
+                    scope.__exit__(None, None, None)
+                for blk in m.blocks:
+                    cg.ungraphify(blk)
+            return m, finish
+        return build
+
+    def share(m):
+        group = cg.share_graph(m.blocks)
+
+        def finish(row):
+            gs = group.stats()
+            row["share_graph_captures"], row["share_graph_retargets"] = (gs["captures"],
+                                                                         gs["retargets"])
+            row["share_graph_per_layer"] = gs["per_layer"]
+            row["share_graph_reasons"] = gs["reasons"]
+            group.unshare()
+        return m, finish
+
+    def mgc(m):
+        # a sample input of its own: calls with x then copy it in, as the other columns do
+        return torch.cuda.make_graphed_callables(m, (x.clone(),)), lambda row: None
+
+    def compile_(m):
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        compiled = torch.compile(m, mode="reduce-overhead")
+
+        def run(inp):
+            torch.compiler.cudagraph_mark_step_begin()  # a new inference step each call
+            return compiled(inp)
+
+        def finish(row):
+            torch._dynamo.reset()
+            try:
+                from torch._inductor import cudagraph_trees
+
+                cudagraph_trees.reset_cudagraph_trees()
+            except Exception:  # noqa: BLE001, S110 - older or newer torch: dynamo's reset did it
+                pass
+        return run, finish
+
+    def thunder_(m):
+        import thunder
+        from thunder.transforms.cudagraph import CUDAGraphTransform
+
+        return thunder.jit(m, transforms=[CUDAGraphTransform()]), lambda row: None
+
+    return {
+        "graphify": (graphify(True), 2, None),
+        "graphify_nocopy": (graphify(False), 2, None),
+        "per_layer": (per_layer(False), 2, None),
+        "per_layer_region": (per_layer(True), 2, None),
+        "share_graph": (share, 2, None),
+        "make_graphed_callables": (mgc, 1, None),
+        "torch_compile": (compile_, 3, "torch_compile_compile_s"),
+        "thunder": (thunder_, 3, "thunder_compile_s"),
+    }
+
+
+def bench_workload(name: str, cfg: GPTConfig, calls: int, repeats: int,
+                   columns: list[str] | None = None, quick: bool = False,
+                   device: str = "cuda") -> dict:
+    """One GPT workload (inference, ``torch.no_grad()``) through each column (``COLUMNS``
+    names; default: all). Row keys: ``{prefix}_us``, ``_vs_eager``, ``_vs_manual``,
+    ``_first_call_s``, ``_peak_mb``, ``_max_abs_err``, or ``_error`` / ``_skipped``."""
     torch.manual_seed(0)
-    model = GPT.from_config(cfg, "cuda")
-    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, device="cuda", dtype=cfg.dtype)
+    model = GPT.from_config(cfg, device)
+    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, device=device, dtype=cfg.dtype)
     row: dict = {"workload": name, "config": repr(cfg)}
+    columns = list(COLUMNS) if columns is None else columns
+    builders = _builders(x)
     with torch.no_grad():
         ref = model(x)
         _progress(f"{name}: eager")
-        row["eager_us"] = time_per_call(model, x, calls, repeats)
+        _measure(row, "eager", model, lambda m: (m, lambda row: None), x, ref, calls, repeats,
+                 first_calls=1, err=False)
         _progress(f"{name}: capturing the manual whole-model graph")
-        manual = _manual_graph(model, x)
-        row["manual_graph_us"] = time_per_call(manual, x, calls, repeats)
-
-        for label, copy_outputs in (("graphify", True), ("graphify_nocopy", False)):
-            graphed = GPT.from_config(cfg, "cuda")
-            graphed.load_state_dict(model.state_dict())
-            cg.graphify(graphed, copy_outputs=copy_outputs)
-            _progress(f"{name}: {label} (warm-up and capture on the first call)")
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            graphed(x)  # warm-up (eager, the real first call) + capture
-            graphed(x)  # first replay
-            torch.cuda.synchronize()
-            row[f"{label}_first_call_s"] = time.perf_counter() - t0
-            row[f"{label}_us"] = time_per_call(graphed, x, calls, repeats)
-            row[f"{label}_max_abs_err"] = (graphed(x).float() - ref.float()).abs().max().item()
-            s = cg.stats(graphed)
-            row[f"{label}_captures"], row[f"{label}_replays"] = s.captures, s.replays
-            row[f"{label}_pool_mb"] = s.graph_pool_bytes / 2**20
-            cg.ungraphify(graphed)
-            del graphed
-        _progress(f"{name}: per-block graphs, then per-block graphs in a graph_region")
-        # per-layer graphs: each block graphified, outside a region and in a chaining region
-        layered = GPT.from_config(cfg, "cuda")
-        layered.load_state_dict(model.state_dict())
-        for blk in layered.blocks:
-            cg.graphify(blk)
-        layered(x), layered(x)
-        row["per_layer_us"] = time_per_call(layered, x, calls, repeats)
-        with cg.graph_region() as region:
-            layered(x), layered(x)
-            row["per_layer_region_us"] = time_per_call(layered, x, calls, repeats)
-            row["per_layer_region_input_copies"] = region.stats().input_copies
-            row["per_layer_region_max_abs_err"] = (layered(x).float() - ref.float()).abs().max().item()
-        del layered
-    for col in ("manual_graph_us", "graphify_us", "graphify_nocopy_us", "per_layer_us",
-                "per_layer_region_us"):
-        row[col.replace("_us", "_vs_eager")] = row[col] / row["eager_us"]
-    row["graphify_vs_manual"] = row["graphify_us"] / row["manual_graph_us"]
-    row["graphify_nocopy_vs_manual"] = row["graphify_nocopy_us"] / row["manual_graph_us"]
+        _measure(row, "manual_graph", model, lambda m: (_manual_graph(m, x), lambda row: None),
+                 x, ref, calls, repeats, first_calls=1)
+        for col in columns:
+            label = COLUMNS[col][0]
+            if col in ("compile", "thunder") and quick and name not in QUICK_COMPILE_WORKLOADS:
+                row[f"{label}_skipped"] = ("--quick compiles workload "
+                                           f"{'/'.join(QUICK_COMPILE_WORKLOADS)} only")
+                continue
+            if col == "thunder":
+                missing = _thunder_missing()
+                if missing:
+                    row["thunder_skipped"] = missing
+                    continue
+            build, first_calls, first_call_key = builders[label]
+            what = "compiling, first calls" if first_call_key else "building, first calls"
+            _progress(f"{name}: {COLUMNS[col][1]} ({what})")
+            _measure(row, label, copy.deepcopy(model), build, x, ref, calls, repeats,
+                     first_calls=first_calls, first_call_key=first_call_key)
+    add_ratios(row)
     return row
+
+
+def add_ratios(row: dict) -> dict:
+    """``{prefix}_vs_eager`` and ``{prefix}_vs_manual`` (µs over µs) for every timed column."""
+    eager, manual = row.get("eager_us"), row.get("manual_graph_us")
+    for prefix in ["eager", "manual_graph"] + [p for p, _ in COLUMNS.values()]:
+        us = row.get(f"{prefix}_us")
+        if us is None:
+            continue
+        if eager and prefix != "eager":
+            row[f"{prefix}_vs_eager"] = us / eager
+        if manual and prefix != "manual_graph":
+            row[f"{prefix}_vs_manual"] = us / manual
+    return row
+
+
+def format_workload(row: dict, columns: list[str] | None = None) -> str:
+    """The table of one workload row: one line per column (a reason where it did not run)."""
+    columns = list(COLUMNS) if columns is None else columns
+    lines = [f"{row['workload']}: {row.get('config', '')}",
+             (f"  {'column':<33}{'µs/call':>9}{'/eager':>8}{'/manual':>8}{'1st call s':>11}"
+              f"{'peak MB':>9}{'max abs err':>12}")]
+    shown = list(ALWAYS) + [COLUMNS[c] for c in columns]
+    for prefix, heading in shown:
+        if f"{prefix}_us" not in row:
+            why = (row.get(f"{prefix}_error") and f"error: {row[f'{prefix}_error']}"
+                   or row.get(f"{prefix}_skipped") and f"skipped: {row[f'{prefix}_skipped']}"
+                   or "not run")
+            lines.append(f"  {heading:<33}{why}")
+            continue
+
+        def num(key, fmt):
+            v = row.get(key)
+            return format(v, fmt) if isinstance(v, (int, float)) else "-"
+        vs_eager = "1.000" if prefix == "eager" else num(f"{prefix}_vs_eager", "8.3f")
+        vs_manual = "1.000" if prefix == "manual_graph" else num(f"{prefix}_vs_manual", "8.3f")
+        line = (f"  {heading:<33}{num(f'{prefix}_us', '9.0f'):>9}{vs_eager:>8}{vs_manual:>8}"
+                f"{num(f'{prefix}_first_call_s', '11.3f'):>11}{num(f'{prefix}_peak_mb', '9.1f'):>9}"
+                f"{num(f'{prefix}_max_abs_err', '12.1e'):>12}")
+        compile_key = {"torch_compile": "torch_compile_compile_s",
+                       "thunder": "thunder_compile_s"}.get(prefix)
+        if compile_key and compile_key in row:
+            line += f"  (first call, compiling: {row[compile_key]:.1f} s)"
+        if f"{prefix}_error" in row:
+            line += f"  [{row[f'{prefix}_error']}]"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _peak_extra_mb(fn, x, steps: int = 3) -> float:
@@ -264,12 +479,25 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
     return row
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cudagraphify.bench", description=__doc__.split("\n")[0])
-    p.add_argument("--workloads", nargs="+", default=None, choices=sorted(BENCH_WORKLOADS),
-                   help="GPT workloads to time (default: A B C; on a CPU: T A B)")
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m cudagraphify.bench",
+                                description=__doc__.split("\n")[0])
+    p.add_argument("--workloads", nargs="*", default=None, choices=sorted(BENCH_WORKLOADS),
+                   help="GPT workloads to time (default: A B C; on a CPU: T A B; none: only "
+                        "the other options' rows)")
+    p.add_argument("--columns", nargs="+", default=None, choices=list(COLUMNS),
+                   help="columns besides eager and the manual graph (default: all; torch.compile "
+                        "takes 20-60 s per workload: with --quick, it and thunder run on "
+                        "workload A only)")
     p.add_argument("--quick", action="store_true", help="fewer calls and repeats")
     p.add_argument("--json", help="write the rows as JSON to this file")
+    p.add_argument("--decode", action="store_true",
+                   help="also time greedy decode of an HF Llama with a static KV cache "
+                        "(needs transformers): eager vs a graphified decode step, tokens/s")
+    p.add_argument("--decode-tokens", type=int, default=64, metavar="N",
+                   help="new tokens per decode run (default 64)")
+    p.add_argument("--decode-batch", type=int, default=1, metavar="B",
+                   help="sequences decoded together (default 1)")
     p.add_argument("--sync", nargs="*", default=[], choices=["item", "nonzero"],
                    help="also time workload A with this host sync in every block")
     p.add_argument("--train", nargs="*", default=[], choices=sorted(WORKLOADS),
@@ -280,29 +508,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chart", metavar="PNG",
                    help="also draw µs per call of each workload and column (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.decode_tokens < 2:
+        p.error("--decode-tokens must be at least 2 (the first token comes from the prefill)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .bench_decode import DECODE_CPU_SIZES, bench_decode, format_decode
+
+    args = parse_args(argv)
     calls, repeats = (20, 5) if args.quick else (100, 11)
+    decode_repeats = 3 if args.quick else 7
     if not torch.cuda.is_available():
         print("cudagraphify.bench: no CUDA GPU here: graphs need one, so only the eager model is "
               "timed, on the CPU (graphify would run it eagerly too).")
-        rows = [bench_cpu(name, BENCH_WORKLOADS[name], calls, repeats)
-                for name in (args.workloads or ["T", "A", "B"])]
+        names = ["T", "A", "B"] if args.workloads is None else args.workloads
+        rows = [bench_cpu(name, BENCH_WORKLOADS[name], calls, repeats) for name in names]
+        if args.decode:
+            r = bench_decode(args.decode_tokens, decode_repeats, args.decode_batch,
+                             device="cpu", dtype=torch.float32, sizes=DECODE_CPU_SIZES)
+            rows.append(r)
+            print(format_decode(r), flush=True)
         _finish(rows, args, device="cpu")
         return 0
-    args.workloads = args.workloads or ["A", "B", "C"]
+    names = ["A", "B", "C"] if args.workloads is None else args.workloads
+    columns = list(COLUMNS) if args.columns is None else args.columns
     warnings.simplefilter("ignore")
     rows = []
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
-          f"{calls} calls x {repeats} repeats, median µs per call")
-    header = ("workload", "eager", "manual", "graphify", "nocopy", "layers", "region",
-              "g/manual", "g/eager", "first call s")
-    print("{:<9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>9}{:>10}{:>9}{:>14}".format(*header))
-    for name in args.workloads:
-        r = bench_workload(name, BENCH_WORKLOADS[name], calls, repeats)
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {calls} calls x "
+          f"{repeats} repeats, median µs per call; peak MB: extra peak memory while building "
+          f"and making the first calls; ratios: µs over eager's and over the manual graph's",
+          flush=True)
+    for name in names:
+        r = bench_workload(name, BENCH_WORKLOADS[name], calls, repeats, columns, args.quick)
         rows.append(r)
-        print(f"{name:<9}{r['eager_us']:>9.0f}{r['manual_graph_us']:>9.0f}{r['graphify_us']:>9.0f}"
-              f"{r['graphify_nocopy_us']:>9.0f}{r['per_layer_us']:>9.0f}"
-              f"{r['per_layer_region_us']:>9.0f}{r['graphify_vs_manual']:>10.3f}"
-              f"{r['graphify_vs_eager']:>9.3f}{r['graphify_first_call_s']:>14.3f}", flush=True)
+        print(format_workload(r, columns), flush=True)
+    if args.decode:
+        r = bench_decode(args.decode_tokens, decode_repeats, args.decode_batch)
+        rows.append(r)
+        print(format_decode(r), flush=True)
     for sync in args.sync:
         r = bench_sync("A", WORKLOADS["A"], sync, calls, repeats)
         rows.append(r)

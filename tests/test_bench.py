@@ -1,14 +1,17 @@
 """The benchmark CLI on a machine without a GPU: it says so, times the eager model on the CPU,
-writes JSON and a chart."""
+writes JSON and a chart; its arguments, the ratios and the table of the columns, the decode row;
+the column bookkeeping with CUDA calls stood in for; the graphed decode step through the
+simulated capture backend (when transformers is installed)."""
 
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 import torch
 
-from cudagraphify import bench
+from cudagraphify import bench, bench_decode
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
@@ -42,3 +45,194 @@ def test_chart_draws_every_timed_column_and_says_when_it_cannot(tmp_path, monkey
 
     monkeypatch.setattr(builtins, "__import__", no_matplotlib)
     assert bench.draw_chart(rows, str(png)).startswith("no chart: matplotlib is not installed")
+
+
+def test_arguments_pick_columns_decode_and_sizes():
+    a = bench.parse_args([])
+    assert a.columns is None and a.workloads is None and not a.decode and a.decode_tokens == 64
+    a = bench.parse_args(["--columns", "mgc", "compile", "--workloads", "A", "--decode",
+                          "--decode-tokens", "16", "--decode-batch", "2", "--quick"])
+    assert a.columns == ["mgc", "compile"] and a.workloads == ["A"] and a.decode
+    assert (a.decode_tokens, a.decode_batch, a.quick) == (16, 2, True)
+    assert bench.parse_args(["--workloads"]).workloads == []  # only the other options' rows
+    for bad in (["--columns", "xla"], ["--decode-tokens", "1"], ["--columns"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+    assert set(bench.COLUMNS) == {"graphify", "nocopy", "layers", "region", "share", "mgc",
+                                  "compile", "thunder"}
+
+
+def _full_row():
+    row = {"workload": "A", "config": "GPTConfig(...)", "eager_us": 2700.0, "eager_peak_mb": 3.0,
+           "manual_graph_us": 500.0, "manual_graph_first_call_s": 0.02,
+           "manual_graph_peak_mb": 4.0, "manual_graph_max_abs_err": 0.0,
+           "graphify_us": 510.0, "graphify_first_call_s": 0.03, "graphify_peak_mb": 5.0,
+           "graphify_max_abs_err": 0.0,
+           "make_graphed_callables_error": "RuntimeError: capture failed",
+           "torch_compile_us": 520.0, "torch_compile_first_call_s": 41.5,
+           "torch_compile_compile_s": 40.2, "torch_compile_peak_mb": 9.0,
+           "torch_compile_max_abs_err": 0.0078125,
+           "thunder_skipped": "not importable (ModuleNotFoundError: No module named 'thunder')"}
+    return bench.add_ratios(row)
+
+
+def test_ratios_to_eager_and_to_the_manual_graph():
+    row = _full_row()
+    assert row["manual_graph_vs_eager"] == pytest.approx(500 / 2700)
+    assert row["graphify_vs_eager"] == pytest.approx(510 / 2700)
+    assert row["graphify_vs_manual"] == pytest.approx(510 / 500)
+    assert row["torch_compile_vs_manual"] == pytest.approx(520 / 500)
+    assert "manual_graph_vs_manual" not in row and "make_graphed_callables_vs_eager" not in row
+
+
+def test_table_prints_every_column_with_its_numbers_or_why_not():
+    text = bench.format_workload(_full_row())
+    lines = text.splitlines()
+    assert lines[0] == "A: GPTConfig(...)" and "µs/call" in lines[1] and "peak MB" in lines[1]
+    by_heading = {h: next(ln for ln in lines if ln.strip().startswith(h))
+                  for _, h in list(bench.ALWAYS) + list(bench.COLUMNS.values())}
+    assert by_heading["graphify"].split()[1:] == ["510", "0.189", "1.020", "0.030", "5.0",
+                                                 "0.0e+00"]
+    assert by_heading["manual graph (floor)"].split()[3:6] == ["500", "0.185", "1.000"]
+    assert by_heading["eager"].split()[1:] == ["2700", "1.000", "5.400", "-", "3.0", "-"]
+    assert "error: RuntimeError: capture failed" in by_heading["make_graphed_callables"]
+    assert "(first call, compiling: 40.2 s)" in by_heading["torch.compile reduce-overhead"]
+    assert "skipped: not importable" in by_heading["thunder.jit + CUDAGraphTransform"]
+    assert by_heading["share_graph(blocks)"].endswith("not run")
+    only = bench.format_workload(_full_row(), ["graphify"])
+    assert len(only.splitlines()) == 2 + 3 and "thunder" not in only
+
+
+def test_decode_row_in_words():
+    row = {"workload": "llama-decode", "config": "Llama {...}", "device": "cuda", "batch": 1,
+           "prompt": 32, "new_tokens": 64, "eager_us": 1900.0, "eager_tokens_per_s": 526.0,
+           "graphify_us": 300.0, "graphify_tokens_per_s": 3333.0, "graphify_speedup": 6.34,
+           "tokens_identical": True, "graphify_first_call_s": 0.21, "graphify_peak_mb": 3.5,
+           "graphify_captures": 1, "graphify_replays": 440, "graphify_eager_calls": {}}
+    text = bench_decode.format_decode(row)
+    assert "eager 526 tokens/s" in text and "graphify 3333 tokens/s" in text
+    assert "speed-up 6.34x" in text and "tokens identical to eager: True" in text
+    cpu = {k: v for k, v in row.items() if not k.startswith(("graphify", "tokens"))}
+    assert bench_decode.format_decode({**cpu, "device": "cpu"}).endswith("on the cpu")
+    assert bench_decode.format_decode({"error": "transformers is not importable (x)"}) == (
+        "llama-decode: not run: transformers is not importable (x)")
+
+
+def _no_transformers(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def without(name, *args, **kwargs):
+        if name.startswith("transformers"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", without)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
+def test_cpu_mode_decode_without_transformers_says_so(tmp_path, capsys, monkeypatch):
+    _no_transformers(monkeypatch)
+    out = tmp_path / "d.json"
+    assert bench.main(["--quick", "--workloads", "--decode", "--json", str(out)]) == 0
+    assert "llama-decode: not run: transformers is not importable" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["workload"] == "llama-decode" and "error" in row
+
+
+def test_decode_on_cpu_times_eager_only():
+    pytest.importorskip("transformers")
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    row = bench_decode.bench_decode(new_tokens=6, repeats=2, prompt_len=4, device="cpu",
+                             dtype=torch.float32, sizes=sizes)
+    assert "error" not in row, row.get("error")
+    assert row["eager_us"] > 0 and row["eager_tokens_per_s"] > 0 and row["eager_runs_identical"]
+    assert "graphify_us" not in row  # graphs need CUDA
+    assert bench_decode.format_decode(row).endswith("on the cpu")
+
+
+def test_decode_step_is_graphed_once_and_gives_eager_tokens(sim):
+    """Through the simulated capture backend (conftest): one capture serves every decode step,
+    and the tokens equal eager's. Its "capture" runs the step for real, which a CUDA capture
+    does not: the cache's state is put back as a real capture would leave it."""
+    transformers = pytest.importorskip("transformers")
+    import cudagraphify as cg
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=128, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    step = bench_decode._decode_step(model)
+    graphed = cg.graphify(step, static_argnames=("cache",))
+    prompt, positions = torch.randint(0, 128, (1, 4)), torch.arange(4, 16)
+    caches = [bench_decode._static_cache(transformers, config, 1, 16, "cpu", torch.float32)
+              for _ in range(2)]
+    real_capture = sim.capture
+
+    def capture_without_effects(fn, device, pool=None):
+        state = [t.clone() for t in _cache_tensors(caches[1])]
+        try:
+            return real_capture(fn, device, pool)
+        finally:
+            for t, s in zip(_cache_tensors(caches[1]), state, strict=True):
+                t.copy_(s)
+
+    sim.capture = capture_without_effects
+    with torch.no_grad():
+        want, _, _ = bench_decode._generate(step, step, caches[0], prompt, positions, 12, lambda: None)
+        for _ in range(2):
+            got, _, _ = bench_decode._generate(graphed, step, caches[1], prompt, positions, 12,
+                                        lambda: None)
+            assert torch.equal(got, want)
+    s = cg.stats(graphed)
+    assert (s.captures, s.replays, s.eager) == (1, 21, 0)
+
+
+def _cache_tensors(cache) -> list:
+    """The tensors of a static cache (transformers 5: per layer; 4.x: key/value lists)."""
+    out = []
+    for layer in getattr(cache, "layers", []):
+        out += [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None),
+                            getattr(layer, "cumulative_length", None))
+                if isinstance(t, torch.Tensor)]
+    return out + list(getattr(cache, "key_cache", [])) + list(getattr(cache, "value_cache", []))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="stands in for CUDA calls: CPU only")
+def test_workload_columns_on_cpu_record_numbers_errors_and_skips(monkeypatch, capsys):
+    """bench_workload's bookkeeping on a CPU: the CUDA calls stand in as no-ops, the manual
+    graph as the model itself; graphify runs eagerly there; make_graphed_callables fails (it
+    needs CUDA) and the row says so; --quick compiles A only; thunder may not import."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2**20)
+    monkeypatch.setattr(bench, "_manual_graph", lambda model, x: model)
+    monkeypatch.setattr(bench, "_thunder_missing", lambda: "not importable (test)")
+    cfg = bench.GPTConfig(32, 2, 2, 1, 4, torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = bench.bench_workload("B", cfg, calls=2, repeats=1, quick=True, device="cpu")
+    for prefix in ("eager", "manual_graph", "graphify", "graphify_nocopy", "per_layer",
+                   "per_layer_region", "share_graph"):
+        assert row[f"{prefix}_us"] > 0 and row[f"{prefix}_peak_mb"] == 1.0, prefix
+        if prefix != "eager":
+            assert row[f"{prefix}_max_abs_err"] == 0.0 and row[f"{prefix}_first_call_s"] > 0
+            assert row[f"{prefix}_vs_eager"] > 0
+    assert row["graphify_vs_manual"] == row["graphify_us"] / row["manual_graph_us"]
+    assert row["make_graphed_callables_error"] and "make_graphed_callables_us" not in row
+    assert row["torch_compile_skipped"].startswith("--quick compiles workload A only")
+    assert row["thunder_skipped"].startswith("--quick compiles workload A only")
+    assert row["per_layer_region_input_copies"] >= 0 and "share_graph_captures" in row
+    assert "B: make_graphed_callables failed" in capsys.readouterr().err
+    json.dumps(row)  # the row goes into --json as it is
+    assert "error: " in bench.format_workload(row)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        row = bench.bench_workload("A", cfg, calls=2, repeats=1, columns=["thunder"],
+                                   quick=True, device="cpu")
+    assert row["thunder_skipped"] == "not importable (test)" and "graphify_us" not in row

@@ -1,0 +1,183 @@
+"""The decode row of the benchmark: greedy decode of an HF transformers Llama from a small
+config (random weights, nothing downloaded) with a static KV cache, eager vs a graphed step.
+
+    python -m cudagraphify.bench --decode [--decode-tokens N] [--decode-batch B]
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+import time
+
+import torch
+
+from .bench import _error_text, _free_memory, _progress
+
+# Greedy decode of an HF transformers Llama from a small config (random weights, nothing
+# downloaded) with a static KV cache: the decode anchor of the design notes.
+DECODE_SIZES = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                    num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)
+# On a CPU (eager only) a tiny one, to stay quick.
+DECODE_CPU_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
+
+
+def _static_cache(transformers, config, batch: int, max_len: int, device, dtype):
+    """A ``transformers.StaticCache``, whatever the installed version's constructor wants."""
+    tries = (
+        # 4.50 and later (since 4.56 and in 5.x, device and dtype come from the first update)
+        dict(config=config, max_batch_size=batch, max_cache_len=max_len, device=device,
+             dtype=dtype),
+        dict(config=config, max_cache_len=max_len),
+        dict(config=config, batch_size=batch, max_cache_len=max_len, device=device, dtype=dtype),
+    )
+    for kwargs in tries:
+        try:
+            return transformers.StaticCache(**kwargs)
+        except TypeError as e:
+            error = e
+    raise error
+
+
+def _decode_step(model):
+    """``step(input_ids, cache_position, cache)``: one greedy token per sequence, (batch, 1).
+    Every per-step value is a tensor, so one graph serves every step."""
+    # transformers 4.x takes cache_position (where the static cache writes); 5.x keeps that
+    # position in the cache (a tensor) and takes position_ids only.
+    takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+
+    def step(input_ids, cache_position, cache):
+        extra = {"cache_position": cache_position} if takes_cache_position else {}
+        out = model(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
+                    past_key_values=cache, use_cache=True, **extra)
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    return step
+
+
+def _generate(step, prefill, cache, prompt, positions, new_tokens: int, sync,
+              time_first: bool = False):
+    """Prefill eagerly, then ``new_tokens - 1`` decode steps. Returns the tokens (batch,
+    new_tokens), the seconds of the decode steps, and (``time_first``) of the first one alone."""
+    cache.reset()  # in place: the cache's tensors keep their addresses
+    token = prefill(prompt, torch.arange(prompt.shape[1], device=prompt.device), cache)
+    tokens = [token]
+    sync()
+    t0 = time.perf_counter()
+    first = None
+    for i in range(new_tokens - 1):
+        token = step(token, positions[i:i + 1], cache)
+        tokens.append(token)
+        if time_first and i == 0:
+            sync()
+            first = time.perf_counter() - t0
+    sync()
+    return torch.cat(tokens, dim=1), time.perf_counter() - t0, first
+
+
+def bench_decode(new_tokens: int = 64, repeats: int = 5, batch: int = 1, prompt_len: int = 32,
+                 device: str = "cuda", dtype: torch.dtype = torch.bfloat16,
+                 sizes: dict | None = None) -> dict:
+    """Greedy decode, eager vs ``graphify`` of the decode step (CUDA only): tokens/s, µs per
+    step, whether the tokens are identical to eager's. Prefill runs eagerly and is not timed;
+    the graphed step's first run (warm-up and capture on its first step) is not timed either."""
+    sizes = sizes or DECODE_SIZES
+    row: dict = {"workload": "llama-decode", "device": device, "batch": batch,
+                 "prompt": prompt_len, "new_tokens": new_tokens}
+    try:
+        import transformers
+    except Exception as e:
+        row["error"] = f"transformers is not importable ({_error_text(e, 160)})"
+        return row
+    try:
+        _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, device, dtype,
+                     sizes)
+    except Exception as e:  # an API this code did not foresee: say so, keep the other rows
+        row["error"] = _error_text(e)
+    return row
+
+
+def _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, device, dtype,
+                 sizes) -> None:
+    import cudagraphify as cg
+
+    on_gpu = device != "cpu"
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    config = transformers.LlamaConfig(**sizes, max_position_embeddings=prompt_len + new_tokens)
+    row["config"] = (f"Llama {sizes}, {str(dtype).removeprefix('torch.')}, "
+                     f"transformers {transformers.__version__}")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    prompt = torch.randint(0, config.vocab_size, (batch, prompt_len), device=device)
+    positions = torch.arange(prompt_len, prompt_len + new_tokens, device=device)
+    step = _decode_step(model)
+    steps = new_tokens - 1
+
+    def timed(fn, cache, label):
+        runs = [_generate(fn, step, cache, prompt, positions, new_tokens, sync)
+                for _ in range(repeats)]
+        seconds = statistics.median(s for _, s, _ in runs)
+        row[f"{label}_us"] = seconds / steps * 1e6
+        row[f"{label}_tokens_per_s"] = batch * steps / seconds
+        return [t for t, _, _ in runs]
+
+    with torch.no_grad():
+        _progress(f"llama-decode: eager ({new_tokens} tokens, {repeats} runs)")
+        eager_cache = _static_cache(transformers, config, batch, prompt_len + new_tokens,
+                                    device, dtype)
+        ref, _, _ = _generate(step, step, eager_cache, prompt, positions, new_tokens, sync)
+        if on_gpu:  # the extra peak memory of one eager decode run (its cache already made)
+            _free_memory()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            _generate(step, step, eager_cache, prompt, positions, new_tokens, sync)
+            row["eager_peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        eager_runs = timed(step, eager_cache, "eager")
+        row["eager_runs_identical"] = all(torch.equal(t, ref) for t in eager_runs)
+        if not on_gpu:
+            return
+        _progress("llama-decode: graphify (the first decode step warms up and captures)")
+        graphed = cg.graphify(step, static_argnames=("cache",))
+        cache = _static_cache(transformers, config, batch, prompt_len + new_tokens, device,
+                              dtype)
+        # transformers 5 allocates a static cache's tensors on its first update: make them
+        # before measuring, so that the peak below is the graph's, not the cache's
+        _generate(step, step, cache, prompt, positions, 2, sync)
+        _free_memory()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        first_tokens, _, first = _generate(graphed, step, cache, prompt, positions, new_tokens,
+                                           sync, time_first=True)
+        row["graphify_first_call_s"] = first
+        row["graphify_peak_mb"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        graph_runs = timed(graphed, cache, "graphify")
+        graph_tokens = [first_tokens] + graph_runs
+        row["tokens_identical"] = all(torch.equal(t, ref) for t in graph_tokens)
+        if not row["tokens_identical"]:
+            bad = next(t for t in graph_tokens if not torch.equal(t, ref))
+            row["first_differing_token"] = int((bad != ref).any(0).nonzero()[0])
+        s = cg.stats(graphed)
+        row["graphify_captures"], row["graphify_replays"] = s.captures, s.replays
+        row["graphify_eager_calls"] = dict(s.eager_calls)
+        row["graphify_pool_mb"] = s.graph_pool_bytes / 2**20
+        cg.ungraphify(graphed)
+    row["graphify_vs_eager"] = row["graphify_us"] / row["eager_us"]
+    row["graphify_speedup"] = row["graphify_tokens_per_s"] / row["eager_tokens_per_s"]
+
+
+def format_decode(row: dict) -> str:
+    """One decode row in words."""
+    if "error" in row:
+        return f"llama-decode: not run: {row['error']}"
+    text = (f"llama-decode ({row['config']}; batch {row['batch']}, prompt {row['prompt']}, "
+            f"{row['new_tokens']} new tokens): eager {row['eager_tokens_per_s']:.0f} tokens/s "
+            f"({row['eager_us']:.0f} µs/step)")
+    if "graphify_us" not in row:
+        return text + f" on the {row['device']}"
+    return text + (
+        f", graphify {row['graphify_tokens_per_s']:.0f} tokens/s ({row['graphify_us']:.0f} "
+        f"µs/step), speed-up {row['graphify_speedup']:.2f}x; tokens identical to eager: "
+        f"{row['tokens_identical']}; first graphed step {row['graphify_first_call_s']:.3f} s, "
+        f"peak +{row['graphify_peak_mb']:.1f} MB; captures {row['graphify_captures']}, replays "
+        f"{row['graphify_replays']}, eager calls {row['graphify_eager_calls'] or 0}")
