@@ -172,6 +172,10 @@ class GraphedState:
             return self._eager("the backward of an earlier call with this signature has not run "
                                "yet (its activations would be overwritten); call under "
                                "torch.no_grad() when no backward follows", fn, args, kwargs)
+        if training and entry.grads_held(self.statics.grad_params()):
+            return self._eager("a gradient this graph handed out as .grad is still referenced "
+                               "through another tensor (a view of .grad kept from an earlier "
+                               "step); clone gradients you keep", fn, args, kwargs)
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
             return self._eager("an output of an earlier call in this graph_region is still "
                                "referenced through a view; running eagerly so it is not "

@@ -32,8 +32,7 @@ __all__ = ["TrainingGraph", "capture_training", "warmup_backward"]
 
 _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _AccumulateGrad = torch._C._functions.AccumulateGrad
-_flatten = torch._C._nn.flatten_dense_tensors
-_unflatten = torch._C._nn.unflatten_dense_tensors
+_use_count = torch._C._storage_Use_Count
 
 
 def _grads(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -114,10 +113,20 @@ class TrainingGraph:
         self._grad_out = grad_out
         self._grad_in = grad_in  # per Function input (user tensors, then params): tensor or None
         self._last_ctx: weakref.ref | None = None
-        # parameter gradients added into .grad straight from the static buffers, and those
-        # adopted as .grad from one flat copy
+        # parameter gradients added into .grad straight from the static buffers, and static
+        # buffers adopted as .grad
         self.grads_aliased = self.grads_adopted = 0
-        self._groups, self._first_param = param_groups(grad_in, len(tensor_idx))
+        self._watch_gradients()
+
+    def _watch_gradients(self) -> None:
+        """Parameter gradient buffers that ``_hand_out`` may hand to autograd as ``.grad``
+        themselves: their storages; how many references to each are ours (on first use)."""
+        n = self._n_user
+        self._param_bufs = [(i, g) for i, g in enumerate(self._grad_in)
+                            if i >= n and g is not None]
+        self._storages = [g.untyped_storage()._cdata for _, g in self._param_bufs]
+        self._own_uses: list[int] | None = None
+        self._handed = False
 
     @property
     def pool_bytes(self) -> int:
@@ -135,6 +144,31 @@ class TrainingGraph:
         """An earlier call's backward has not run and its autograd graph is still alive."""
         ctx = self._last_ctx() if self._last_ctx is not None else None
         return ctx is not None and not getattr(ctx, "done", True)
+
+    def grads_held(self, params: list[torch.Tensor]) -> bool:
+        """Whether gradient buffers this graph handed out as ``.grad`` are still referenced by
+        another tensor than their parameter's ``.grad``; a ``.grad`` that still is one
+        (accumulation without zeroing) is first moved to a copy of itself (``set_``: a caller
+        holding that same tensor object sees the copy too).
+
+        Called before each replay: the forward and backward graphs write that memory (the
+        backward's outputs may reuse the forward's scratch memory in the pool).
+        """
+        if not self._handed:
+            return False
+        own = self._own_uses
+        held = [k for k, c in enumerate(self._storages) if _use_count(c) > own[k]]
+        if not held:
+            self._handed = False  # all dropped (zero_grad(set_to_none=True)): nothing to watch
+            return False
+        n = self._n_user
+        with torch.no_grad():
+            for k in held:
+                grad = params[self._param_bufs[k][0] - n].grad
+                if grad is not None and grad.untyped_storage()._cdata == self._storages[k]:
+                    grad.set_(grad.clone())  # whoever holds this tensor object keeps its values
+                grad = None
+        return any(_use_count(self._storages[k]) > own[k] for k in held)
 
     def run(self, leaves: list, params: list[torch.Tensor]) -> Any:
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
@@ -180,52 +214,42 @@ class TrainingGraph:
         return self._hand_out(ctx)
 
     def _hand_out(self, ctx) -> tuple:
-        """The gradients for autograd: never a static buffer anyone could keep.
+        """The gradients for autograd, each one of three ways.
 
-        Two safe ways, picked by the first parameter's ``.grad``:
-
-        - None (``zero_grad(set_to_none=True)``): every parameter gets a fresh view into one new
-          flat copy of all gradient buffers (one kernel per dtype, no Python per parameter),
-          which AccumulateGrad adopts as ``.grad``; inputs get copies of their own.
-        - set (accumulation): a parameter's gradient may be the static buffer itself when
-          AccumulateGrad adds it into ``.grad`` in place and keeps nothing: this backward runs
-          the parameter's AccumulateGrad node (not ``autograd.grad``, which hands what we return
-          to the caller), ``.grad`` is set (else AccumulateGrad could adopt the buffer) and no
-          tensor hook could keep it. Every other gradient gets a fresh copy. (Hooks registered
-          on the AccumulateGrad node itself, rather than on the tensor, are not seen.)
+        - A parameter whose AccumulateGrad node this backward runs (``.backward``, not
+          ``autograd.grad``, which hands what we return to the caller) and that has no tensor
+          hook that could keep its gradient:
+          - ``.grad`` set (accumulation): the static buffer itself, which AccumulateGrad adds
+            into ``.grad`` in place and does not keep;
+          - ``.grad`` None (``zero_grad(set_to_none=True)``): the static buffer, which
+            AccumulateGrad adopts as ``.grad`` (no copy, as make_graphed_callables does). Before
+            the next replay overwrites it, ``grads_held`` moves a ``.grad`` still holding it to
+            a copy, and any other reference to it makes that call run eagerly.
+        - Anything else (inputs' gradients, hooked parameters, ``autograd.grad``): a copy.
+          (Hooks registered on the AccumulateGrad node itself, not the tensor, are not seen.)
         """
-        grads = self._grad_in
-        first = self._first_param
-        if first is None or ctx.params[first - self._n_user].grad is None:
-            return self._adopt_all(grads)
-        n = self._n_user
-        alias = [False] * len(grads)
+        grads, n, params = self._grad_in, self._n_user, ctx.params
+        mode = [0] * len(grads)  # 0: a copy, 1: added into .grad, 2: adopted as .grad
         try:
             edges = ctx.next_functions
             will_run = torch._C._will_engine_execute_node
             for i in range(n, len(grads)):
-                p, node = ctx.params[i - n], edges[i][0]
-                alias[i] = (grads[i] is not None and node is not None and p.is_leaf
-                            and type(node) is _AccumulateGrad
-                            and p.grad is not None and not p._backward_hooks
-                            and will_run(node))
+                p, node = params[i - n], edges[i][0]
+                if grads[i] is not None and node is not None and p.is_leaf \
+                        and type(node) is _AccumulateGrad and not p._backward_hooks \
+                        and will_run(node):
+                    mode[i] = 1 if p.grad is not None else 2
         except RuntimeError:  # autograd.grad asks for a parameter: it keeps what we return
-            alias = [False] * len(grads)
-        self.grads_aliased += sum(alias)
-        return tuple(None if g is None else g if a else g.clone() for g, a in zip(grads, alias))
-
-    def _adopt_all(self, grads: list) -> tuple:
-        out = list(grads)
-        for i in range(self._n_user):
-            if grads[i] is not None:
-                out[i] = grads[i].clone()
-        for idx, bufs in self._groups:
-            # flatten_dense_tensors of one tensor is a view of it, not a copy
-            views = _unflatten(_flatten(bufs), bufs) if len(bufs) > 1 else [bufs[0].clone()]
-            for i, v in zip(idx, views):
-                out[i] = v
-            self.grads_adopted += len(idx)
-        return tuple(out)
+            mode = [0] * len(grads)
+        adopted = mode.count(2)
+        if adopted:
+            if self._own_uses is None:  # before any of ours is out: the references we hold
+                self._own_uses = [_use_count(c) for c in self._storages]
+            self._handed = True
+        self.grads_aliased += mode.count(1)
+        self.grads_adopted += adopted
+        return tuple(None if g is None else g.clone() if m == 0 else g if m == 1 else g.detach()
+                     for g, m in zip(grads, mode))
 
     def release(self) -> None:
         for raw in (self.raw, self._bwd_raw):
@@ -233,20 +257,9 @@ class TrainingGraph:
                 raw.release()
         self._bwd_raw = None
         self._outs = self._grad_out = self._grad_in = []
-        self._groups = []
+        self._param_bufs, self._storages, self._handed = [], [], False
         self._inputs = None
         self._copy = []
-
-
-def param_groups(grad_in: list, n_user: int) -> tuple[list, int | None]:
-    """Parameter gradient buffers by (dtype, device) as (positions, buffers), one flat copy
-    each; and the position of the first parameter gradient (None if none)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, g in enumerate(grad_in[n_user:], n_user):
-        if g is not None:
-            groups.setdefault((g.dtype, g.device), []).append(i)
-    first = min((i for idx in groups.values() for i in idx), default=None)
-    return [(idx, [grad_in[i] for i in idx]) for idx in groups.values()], first
 
 
 class _GraphedFunction(torch.autograd.Function):

@@ -109,7 +109,9 @@ def _returns_none(step):
     return run
 
 
-def run_all(cfg: GPTConfig, calls: int, repeats: int, only: list[str] | None) -> list[dict]:
+def run_all(cfg: GPTConfig, calls: int, repeats: int, only: list[str] | None,
+            on_row=lambda rows: None) -> list[dict]:
+    """Every combination's row (``on_row(rows)`` after each: a run cut short keeps its rows)."""
     import cudagraphify as cg
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -200,9 +202,11 @@ def run_all(cfg: GPTConfig, calls: int, repeats: int, only: list[str] | None) ->
                 continue
             rows.append({"key": key, **_measure(name, plain, graphed, call, x, calls, repeats,
                                                 **extra)})
+            on_row(rows)
             torch._dynamo.reset()
         if not only or "reduce_overhead" in only:
             rows.append({"key": "reduce_overhead", **_reduce_overhead(cfg, x, calls, repeats)})
+            on_row(rows)
     return rows
 
 
@@ -256,16 +260,20 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 'pg')}",
                                 rank=0, world_size=1, device_id=torch.device("cuda", 0))
+        print(f"workload {args.workload}: {WORKLOADS[args.workload]}; torch "
+              f"{torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+
+        def on_row(rows):
+            lines = _table(rows[-1:]).splitlines()  # the header before the first row only
+            print("\n".join(lines if len(rows) == 1 else lines[1:]), flush=True)
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1, default=str)
+
         try:
-            rows = run_all(WORKLOADS[args.workload], calls, repeats, args.only)
+            run_all(WORKLOADS[args.workload], calls, repeats, args.only, on_row)
         finally:
             dist.destroy_process_group()
-    print(f"workload {args.workload}: {WORKLOADS[args.workload]}; torch {torch.__version__}, "
-          f"{torch.cuda.get_device_name()}")
-    print(_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1, default=str)
     return 0
 
 

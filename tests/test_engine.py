@@ -17,7 +17,7 @@ from torch import nn
 
 import cudagraphify as cg
 from cudagraphify._models import GPT
-from cudagraphify._training import TrainingGraph, param_groups
+from cudagraphify._training import TrainingGraph
 
 
 @pytest.fixture(autouse=True)
@@ -651,10 +651,9 @@ def test_keyboard_interrupt_during_capture_reaches_the_caller_and_nothing_is_cac
 
 
 def _fake_graph(grad_in: list, n_user: int):
-    """What TrainingGraph._hand_out reads, around gradient buffers a test fills itself."""
+    """What TrainingGraph._hand_out and grads_held read, around gradient buffers a test fills."""
     g = types.SimpleNamespace(_grad_in=grad_in, _n_user=n_user, grads_aliased=0, grads_adopted=0)
-    g._groups, g._first_param = param_groups(grad_in, n_user)
-    g._adopt_all = types.MethodType(TrainingGraph._adopt_all, g)
+    TrainingGraph._watch_gradients(g)
     return g
 
 
@@ -665,6 +664,8 @@ class _Replayed(torch.autograd.Function):
     def forward(ctx, graph, x, w, b):
         ctx.graph, ctx.params = graph, (w, b)
         ctx.save_for_backward(x)
+        # what the engine does before each replay
+        assert not TrainingGraph.grads_held(graph, [w, b]), "a call the engine runs eagerly"
         return x @ w + b
 
     @staticmethod
@@ -692,9 +693,10 @@ def test_parameter_gradients_are_static_buffers_only_where_autograd_keeps_nothin
         (x @ w_ref + b_ref).square().sum().backward()
     torch.testing.assert_close((w.grad, b.grad), (w_ref.grad, b_ref.grad))
     torch.testing.assert_close(kept, kept_ref)  # a hook's gradient is never a static buffer
-    # Calls 1 and 3 add w's buffer into an existing .grad (the hooked b gets a copy); calls 0
-    # and 2 (.grad None) adopt one flat copy of both; the input x gets a copy of its own.
-    assert (graph.grads_aliased, graph.grads_adopted) == (2, 4)
+    # Calls 0 and 2 (.grad None) hand w's buffer itself to autograd as .grad; before calls 1
+    # and 3 it is moved to a copy, and the buffer is added into it. The hooked b always gets a
+    # copy, and so does the input x.
+    assert (graph.grads_aliased, graph.grads_adopted) == (2, 2)
     assert w.grad.data_ptr() != graph._grad_in[1].data_ptr()
     # autograd.grad hands the gradients to the caller: copies the next backward leaves alone
     got = [torch.autograd.grad(_Replayed.apply(graph, x, w, b).sum(), (w, b)) for x in xs[4:]]
@@ -703,10 +705,10 @@ def test_parameter_gradients_are_static_buffers_only_where_autograd_keeps_nothin
     # backward(inputs=[x]) executes no AccumulateGrad: w.grad is untouched
     before = w.grad.clone()
     _Replayed.apply(graph, xs[0], w, b).sum().backward(inputs=[xs[0]])
-    assert torch.equal(w.grad, before) and (graph.grads_aliased, graph.grads_adopted) == (2, 4)
+    assert torch.equal(w.grad, before) and (graph.grads_aliased, graph.grads_adopted) == (2, 2)
 
 
-def test_gradients_adopted_as_grad_come_from_one_flat_copy_grouped_by_dtype():
+def test_adopted_gradients_are_the_buffers_and_never_change_under_their_holders():
     ps = [torch.randn(3, 2, requires_grad=True), torch.randn(2, requires_grad=True),
           torch.randn(2, dtype=torch.float64, requires_grad=True)]
     bufs = [torch.randn(3, 2), torch.randn(2), torch.randn(2, dtype=torch.float64)]
@@ -722,14 +724,28 @@ def test_gradients_adopted_as_grad_come_from_one_flat_copy_grouped_by_dtype():
         def backward(ctx, gy):
             return (None,) + TrainingGraph._hand_out(ctx.graph, ctx)
 
-    Three.apply(graph, torch.zeros(0, requires_grad=True), *ps).sum().backward()
-    assert all(torch.equal(p.grad, b) and p.grad.dtype == b.dtype for p, b in zip(ps, bufs))
-    assert all(p.grad.data_ptr() != b.data_ptr() for p, b in zip(ps, bufs))
-    storage = {p.grad.untyped_storage().data_ptr() for p in ps}
-    assert len(storage) == 2 and graph.grads_adopted == 3  # one flat copy per dtype
-    for b in bufs:  # the next "replay" leaves the adopted gradients alone
+    def step():
+        Three.apply(graph, torch.zeros(0, requires_grad=True), *ps).sum().backward()
+
+    step()  # .grad None: autograd adopts the buffers themselves, as make_graphed_callables
+    assert all(p.grad.data_ptr() == b.data_ptr() for p, b in zip(ps, bufs))
+    assert graph.grads_adopted == 3
+    kept, values = ps[0].grad, [p.grad.clone() for p in ps]
+    # before the next replay: each .grad still on a buffer moves to a copy, with its holders
+    assert not TrainingGraph.grads_held(graph, ps)
+    for b in bufs:  # the replay
         b.add_(1)
-    assert not any(torch.equal(p.grad, b) for p, b in zip(ps, bufs))
+    assert all(torch.equal(p.grad, v) for p, v in zip(ps, values)) and torch.equal(kept, values[0])
+    assert all(p.grad.data_ptr() != b.data_ptr() for p, b in zip(ps, bufs))
+    for p in ps:
+        p.grad = None
+    step()
+    view = ps[1].grad.view(-1)  # another tensor on a buffer: no replay may overwrite it
+    for p in ps:
+        p.grad = None
+    assert TrainingGraph.grads_held(graph, ps)  # the engine runs that call eagerly
+    del view
+    assert not TrainingGraph.grads_held(graph, ps) and not graph._handed
 
 
 def test_garbage_collection_stays_off_until_the_last_concurrent_capture_ends():
@@ -820,3 +836,4 @@ def test_a_failed_extra_warm_up_keeps_the_real_call_and_leaves_no_trace_in_buffe
         torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
     (reason, *_) = cg.stats(g).eager_calls
     assert "extra warm-up failed: RuntimeError: out of luck" in reason, cg.stats(g)
+

@@ -83,9 +83,10 @@ def test_gradients_a_hook_keeps_and_set_to_none_grads_are_never_the_static_buffe
     for p, q in zip(ref.parameters(), g.parameters()):
         torch.testing.assert_close(q.grad, p.grad, **TOL)
     # Replays 1 and 3 add the static buffers into .grad (all parameters but the hooked one);
-    # replay 2 follows zero_grad: all gradients are adopted from one flat copy.
+    # replay 2 follows zero_grad: autograd adopts those buffers themselves as .grad (they are
+    # moved to copies before replay 3 overwrites them).
     n = len(list(g.parameters()))
-    assert (_aliased(g), _aliased(g, "grads_adopted")) == (2 * (n - 1), n)
+    assert (_aliased(g), _aliased(g, "grads_adopted")) == (2 * (n - 1), n - 1)
     assert cg.stats(g).replays == 3
 
 
@@ -214,3 +215,45 @@ def test_batchnorm_running_statistics_match_eager_after_training_steps():
         torch.testing.assert_close(q, p, **TOL, msg=name)
     s = cg.stats(g)
     assert (s.captures, s.replays) == (1, 3), s
+
+
+def test_a_kept_view_of_an_adopted_gradient_makes_the_next_call_eager():
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 2).to(DEV)
+    g = cg.graphify(copy.deepcopy(lin))
+    xs = [torch.randn(4, 3, device=DEV) for _ in range(5)]
+    for x in xs[:3]:  # warm-up call, then replays adopting the buffers as .grad
+        g.zero_grad(set_to_none=True)
+        g(x).square().sum().backward()
+    kept = g.weight.grad.view(-1)  # outlives zero_grad: a replay must not overwrite it
+    want = kept.clone()
+    g.zero_grad(set_to_none=True)
+    g(xs[3]).square().sum().backward()
+    assert torch.equal(kept, want)
+    (reason,) = cg.stats(g).eager_calls
+    assert "still referenced" in reason
+    lin.zero_grad(set_to_none=True)
+    lin(xs[3]).square().sum().backward()
+    torch.testing.assert_close(g.weight.grad, lin.weight.grad, **TOL)
+    del kept
+    g.zero_grad(set_to_none=True)
+    replays = cg.stats(g).replays
+    g(xs[4]).square().sum().backward()  # nothing held any more: replayed
+    assert cg.stats(g).replays == replays + 1
+
+
+def test_a_kept_grad_tensor_is_moved_with_its_values_and_replays_go_on():
+    torch.manual_seed(0)
+    ref = _gpt()
+    g = cg.graphify(copy.deepcopy(ref))
+    kept, kept_ref = [], []
+    for step in range(4):
+        x = torch.randn(2, 8, 256, device=DEV)
+        for model, keep in ((g, kept), (ref, kept_ref)):
+            model.zero_grad(set_to_none=True)
+            model(x).square().mean().backward()
+            keep.append(model.blocks[0].mlp.fc.weight.grad)  # the .grad tensor object itself
+    for a, b in zip(kept, kept_ref):  # none was overwritten by a later replay
+        torch.testing.assert_close(a, b, **TOL)
+    s = cg.stats(g)
+    assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
