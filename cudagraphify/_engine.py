@@ -370,7 +370,9 @@ class GraphedState:
         finally:  # a failed extra run leaves no trace in the buffers either
             with torch.no_grad():
                 for t, v in zip(moved_statics, saved):
-                    t.copy_(v)
+                    # through .data: the real call's autograd graph saved these buffers
+                    # (BatchNorm's backward takes its running statistics) and checks versions
+                    t.data.copy_(v)
 
     def _capture_inference(self, backend, region, fn, sig, leaves, static_flags, mutated,
                            device, key, expected, writes_statics=False) -> CapturedGraph:

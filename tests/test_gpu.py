@@ -514,6 +514,8 @@ def test_an_exception_during_capture_in_a_region_leaves_the_shared_pool_intact()
         reserved.append(torch.cuda.memory_reserved())
         torch.randn(2, device=DEV)  # the CUDA generator is not left in capture mode
     # good: 2 x (two replays, plus the chaining region's replay on its first call)
-    assert cg.stats(good).replays == 6 and cg.stats(flaky).captures == 0
+    # (flaky's counters include its graphed piece's: flaky.lin's captures are all it has)
+    assert cg.stats(good).replays == 6
+    assert cg.stats(flaky).captures == cg.stats(flaky.lin).captures
     assert cg.stats(flaky.lin).captures == 2 and cg.stats(alone.lin).captures == 2
     assert reserved[1] <= reserved[0]
