@@ -90,9 +90,10 @@ def _fsdp_case(rank: int, world: int, reshard: bool) -> None:
             x = torch.randn(2, 8, DIM, device="cuda")
             torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = cg.stats(model.blocks[0])
-    if reshard:  # gathered into new memory on each call: eager after a few re-captures
-        assert s.captures <= 5 and s.replays == 0, s
-        assert any("FSDP2" in r for r in s.eager_calls), s
+    if reshard:  # gathered anew on each call: where the allocator gives the same memory the
+        # graph replays (the guard checked it), else eager after a few re-captures; no storm
+        assert s.captures <= 5 and s.replays + s.eager + s.captures == 8, s
+        assert s.replays or any("FSDP2" in r for r in s.eager_calls), s
     else:  # gathered once and kept: one graph, replayed
         assert (s.captures, s.replays) == (1, 7), s
     _train_steps(model, ref, 3, rank)
@@ -177,3 +178,18 @@ def test_graphify_over_a_thunder_jitted_block():
             torch.testing.assert_close(block(x), ref.blocks[0].eval()(x), rtol=1e-5, atol=1e-5)
     s = cg.stats(block)
     assert (s.captures, s.replays) == (1, 3), s  # opaque to the probe, like compiled code
+
+
+def test_thunder_jit_over_graphified_blocks_gives_eager_outputs():
+    thunder = pytest.importorskip("thunder")
+    ref, model = _pair()
+    ref.eval(), model.eval()
+    for block in model.blocks:
+        cg.graphify(block)
+    jitted = thunder.jit(model)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 8, DIM, device="cuda")
+            torch.testing.assert_close(jitted(x), ref(x), rtol=1e-5, atol=1e-5)
+    s = cg.stats(model.blocks[0])
+    print(f"thunder.jit over graphified blocks: {s}")  # traced through, or called at run time
