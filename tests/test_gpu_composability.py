@@ -180,16 +180,15 @@ def test_graphify_over_a_thunder_jitted_block():
     assert (s.captures, s.replays) == (1, 3), s  # opaque to the probe, like compiled code
 
 
-def test_thunder_jit_over_graphified_blocks_gives_eager_outputs():
+def test_thunder_jit_over_graphified_blocks_fails_in_thunders_interpreter():
+    # Observed on the H200 (run 8): Thunder's interpreter cannot trace the wrapper graphify
+    # installs ("'wrapper_descriptor' object has no attribute '__module__'"). It fails at the
+    # first call, never silently: graphify the thunder.jit'd model instead, or ungraphify.
     thunder = pytest.importorskip("thunder")
+    from thunder.core.interpreter import InterpreterError
+
     ref, model = _pair()
-    ref.eval(), model.eval()
-    for block in model.blocks:
+    for block in model.eval().blocks:
         cg.graphify(block)
-    jitted = thunder.jit(model)
-    with torch.no_grad():
-        for _ in range(3):
-            x = torch.randn(2, 8, DIM, device="cuda")
-            torch.testing.assert_close(jitted(x), ref(x), rtol=1e-5, atol=1e-5)
-    s = cg.stats(model.blocks[0])
-    print(f"thunder.jit over graphified blocks: {s}")  # traced through, or called at run time
+    with torch.no_grad(), pytest.raises(InterpreterError, match="wrapper_descriptor"):
+        thunder.jit(model)(torch.randn(2, 8, DIM, device="cuda"))
