@@ -23,7 +23,7 @@ DECODE_CPU_SIZES = dict(hidden_size=64, intermediate_size=128, num_hidden_layers
                         num_attention_heads=4, num_key_value_heads=2, vocab_size=512)
 
 
-def _static_cache(transformers, config, batch: int, max_len: int, device, dtype):
+def static_cache(transformers, config, batch: int, max_len: int, device, dtype):
     """A ``transformers.StaticCache``, whatever the installed version's constructor wants."""
     tries = (
         # 4.50 and later (since 4.56 and in 5.x, device and dtype come from the first update)
@@ -40,7 +40,7 @@ def _static_cache(transformers, config, batch: int, max_len: int, device, dtype)
     raise error
 
 
-def _decode_step(model):
+def decode_step(model):
     """``step(input_ids, cache_position, cache)``: one greedy token per sequence, (batch, 1).
     Every per-step value is a tensor, so one graph serves every step."""
     # transformers 4.x takes cache_position (where the static cache writes); 5.x keeps that
@@ -111,7 +111,7 @@ def _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, devi
     model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
     prompt = torch.randint(0, config.vocab_size, (batch, prompt_len), device=device)
     positions = torch.arange(prompt_len, prompt_len + new_tokens, device=device)
-    step = _decode_step(model)
+    step = decode_step(model)
     steps = new_tokens - 1
 
     def timed(fn, cache, label):
@@ -124,7 +124,7 @@ def _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, devi
 
     with torch.no_grad():
         _progress(f"llama-decode: eager ({new_tokens} tokens, {repeats} runs)")
-        eager_cache = _static_cache(transformers, config, batch, prompt_len + new_tokens,
+        eager_cache = static_cache(transformers, config, batch, prompt_len + new_tokens,
                                     device, dtype)
         ref, _, _ = _generate(step, step, eager_cache, prompt, positions, new_tokens, sync)
         if on_gpu:  # the extra peak memory of one eager decode run (its cache already made)
@@ -139,7 +139,7 @@ def _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, devi
             return
         _progress("llama-decode: graphify (the first decode step warms up and captures)")
         graphed = cg.graphify(step, static_argnames=("cache",))
-        cache = _static_cache(transformers, config, batch, prompt_len + new_tokens, device,
+        cache = static_cache(transformers, config, batch, prompt_len + new_tokens, device,
                               dtype)
         # transformers 5 allocates a static cache's tensors on its first update: make them
         # before measuring, so that the peak below is the graph's, not the cache's

@@ -13,7 +13,6 @@ a tiny model.
 
 from __future__ import annotations
 
-import inspect
 import sys
 import time
 import warnings
@@ -21,38 +20,9 @@ import warnings
 import torch
 
 import cudagraphify as cg
-
-
-def static_cache(transformers, config, batch: int, max_len: int, device, dtype):
-    """A ``transformers.StaticCache``, whatever the installed version's constructor wants."""
-    tries = (
-        # 4.50 and later (since 4.56 and in 5.x, device and dtype come from the first update)
-        dict(config=config, max_batch_size=batch, max_cache_len=max_len, device=device,
-             dtype=dtype),
-        dict(config=config, max_cache_len=max_len),
-        dict(config=config, batch_size=batch, max_cache_len=max_len, device=device, dtype=dtype),
-    )
-    for kwargs in tries:
-        try:
-            return transformers.StaticCache(**kwargs)
-        except TypeError as e:
-            error = e
-    raise error
-
-
-def make_step(model):
-    """One greedy decode step: the next token of each sequence, shape (batch, 1)."""
-    # transformers 4.x takes cache_position (where the static cache writes); 5.x keeps that
-    # position in the cache itself (a tensor) and takes position_ids only.
-    takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
-
-    def step(input_ids, cache_position, cache):
-        extra = {"cache_position": cache_position} if takes_cache_position else {}
-        out = model(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
-                    past_key_values=cache, use_cache=True, **extra)
-        return out.logits[:, -1].argmax(-1, keepdim=True)
-
-    return step
+# A StaticCache built the way the installed transformers wants, and the decode step: a plain
+# function of the new token, its position and the cache (see its source; 10 lines).
+from cudagraphify.bench_decode import decode_step, static_cache
 
 
 def generate(step, prefill, cache, prompt, positions, new_tokens: int):
@@ -95,7 +65,7 @@ def main() -> None:
     prompt = torch.randint(0, config.vocab_size, (1, prompt_len), device=device)
     positions = torch.arange(prompt_len, prompt_len + new_tokens, device=device)
 
-    step = make_step(model)
+    step = decode_step(model)
     graphed_step = cg.graphify(step, static_argnames=("cache",))
     caches = [static_cache(transformers, config, 1, prompt_len + new_tokens, device, dtype)
               for _ in range(2)]  # one for eager, one for the graph

@@ -165,10 +165,10 @@ def test_decode_step_is_graphed_once_and_gives_eager_tokens(sim):
                                       vocab_size=128, max_position_embeddings=16)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).eval()
-    step = bench_decode._decode_step(model)
+    step = bench_decode.decode_step(model)
     graphed = cg.graphify(step, static_argnames=("cache",))
     prompt, positions = torch.randint(0, 128, (1, 4)), torch.arange(4, 16)
-    caches = [bench_decode._static_cache(transformers, config, 1, 16, "cpu", torch.float32)
+    caches = [bench_decode.static_cache(transformers, config, 1, 16, "cpu", torch.float32)
               for _ in range(2)]
     real_capture = sim.capture
 
