@@ -24,7 +24,7 @@ import torch
 from . import _capture, _region
 from ._cache import CachePolicy, EagerEntry, GraphCache
 from ._capture import _first_line
-from ._errors import CaptureFailed, warn_once
+from ._errors import CaptureFailed, CudagraphifyUsageError, warn_once
 from ._options import Options, Stats
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
@@ -136,6 +136,7 @@ class GraphedState:
         sig, leaves, static_flags = build_signature(
             args, kwargs, self.statics.modules, self.static_positions, self.static_names)
         if isinstance(sig, Unkeyable):
+            _refuse_tracers(args, kwargs)
             return self._eager(sig.reason, fn, args, kwargs)
         if sig.state[1] and _saved_tensors_hooks(False) is not None:
             return self._eager("inside saved-tensor hooks (activation checkpointing, "
@@ -495,6 +496,19 @@ def _marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> l
 def _written(tensors: list[torch.Tensor], marks: list) -> list[int]:
     return [j for j, (t, m) in enumerate(zip(tensors, marks))
             if (not torch.equal(t, m) if isinstance(m, torch.Tensor) else t._version != m)]
+
+
+def _refuse_tracers(args: tuple, kwargs: dict) -> None:
+    """A clear error where a tracer calls a graphified module with its proxies for tensors
+    (``thunder.jit`` over a model with graphified parts): running forward on them eagerly
+    fails deep inside, and graphs could not be traced anyway."""
+    import torch.utils._pytree as pytree
+
+    if any(type(x).__module__.startswith("thunder.") for x in pytree.tree_leaves((args, kwargs))):
+        raise CudagraphifyUsageError(
+            "thunder.jit is tracing a graphified module (its tensors are Thunder proxies): "
+            "graphify the thunder.jit'd model instead (graphify(thunder.jit(model))), or "
+            "ungraphify its parts before thunder.jit")
 
 
 def _no_state() -> None:

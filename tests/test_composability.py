@@ -119,3 +119,30 @@ def test_checkpoint_around_a_graphified_block_gives_eager_gradients(sim):
     torch.testing.assert_close(xa.grad, xb.grad, rtol=0, atol=0)
     for p, q in zip(model.blocks[0].parameters(), ref.blocks[0].parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=0, atol=0)
+
+
+def test_thunder_jit_over_graphified_blocks_is_a_clear_error():
+    # With wrapt's C proxies (here) Thunder calls the graphified block with its proxies; with
+    # wrapt's pure-Python ones (the GPU machine) its interpreter fails earlier, inside wrapt
+    # (tests/test_gpu_composability.py). Either way the call fails, never silently.
+    from cudagraphify import _tags
+
+    if _tags.thunder() is None:
+        pytest.skip("thunder is not importable here")
+    import thunder
+
+    model = _gpt()
+    for block in model.blocks:
+        cg.graphify(block)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            thunder.jit(model)(torch.randn(1, 4, 32))
+        except Exception as e:  # noqa: BLE001 - which error depends on wrapt's build
+            text = f"{type(e).__name__}: {e}"
+        else:
+            pytest.fail("thunder.jit over graphified blocks ran")
+    if type(type(model.blocks[0].forward).__call__).__name__ == "wrapper_descriptor":  # C
+        assert "thunder.jit is tracing a graphified module" in text, text
+    else:
+        assert "InterpreterError" in text, text
