@@ -20,6 +20,7 @@ import traceback
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import _capture, _region
 from ._cache import CachePolicy, EagerEntry, GraphCache
@@ -487,10 +488,8 @@ def _marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> l
     """What tells, after a call, whether it wrote each tensor: its version counter, or a copy
     of its contents for inference tensors (they have no counter) and where ``by_value`` says so
     (buffers: BatchNorm's kernels update running statistics without bumping the counter)."""
-    if by_value is None:
-        return [t.clone() if t.is_inference() else t._version for t in tensors]
-    return [t.clone() if v or t.is_inference() else t._version
-            for t, v in zip(tensors, by_value)]
+    flags = by_value if by_value is not None else [False] * len(tensors)
+    return [t.clone() if v or t.is_inference() else t._version for t, v in zip(tensors, flags)]
 
 
 def _written(tensors: list[torch.Tensor], marks: list) -> list[int]:
@@ -502,8 +501,6 @@ def _refuse_tracers(args: tuple, kwargs: dict) -> None:
     """A clear error where a tracer calls a graphified module with its proxies for tensors
     (``thunder.jit`` over a model with graphified parts): running forward on them eagerly
     fails deep inside, and graphs could not be traced anyway."""
-    import torch.utils._pytree as pytree
-
     if any(type(x).__module__.startswith("thunder.") for x in pytree.tree_leaves((args, kwargs))):
         raise CudagraphifyUsageError(
             "thunder.jit is tracing a graphified module (its tensors are Thunder proxies): "

@@ -167,7 +167,7 @@ class TrainingGraph:
                 grad = params[self._param_bufs[k][0] - n].grad
                 if grad is not None and grad.untyped_storage()._cdata == self._storages[k]:
                     grad.set_(grad.clone())  # whoever holds this tensor object keeps its values
-                grad = None
+                grad = None  # our own reference must not count in the check below
         return any(_use_count(self._storages[k]) > own[k] for k in held)
 
     def run(self, leaves: list, params: list[torch.Tensor]) -> Any:

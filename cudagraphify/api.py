@@ -114,26 +114,27 @@ def _outside_compile(dispatch: _Dispatch, wrapped: Callable, instance: Any, args
     return _disabled_call(dispatch, wrapped, instance, args, kwargs)
 
 
-class _BoundGraphedForward(wrapt.BoundFunctionWrapper):
-    """A graphified class's forward, looked up on an instance."""
+class _OwnClass:
+    """A proxy reports its wrapped's class: ``isinstance(forward, types.MethodType)`` would
+    hold, and torch.compile (2.11 with wrapt's pure-Python proxies) then traced the original
+    forward from ``__func__``, bypassing the graphs without a word. Reporting our own class
+    makes it call us (a graph break to the graphs, see ``_outside_compile``)."""
 
-    @property
-    def __class__(self):  # noqa: D105 - see _GraphedForward.__class__
-        return type(self)
-
-
-class _GraphedForward(wrapt.FunctionWrapper):
-    """The wrapper ``graphify`` installs. Its ``_self_`` state never leaks onto the wrapped."""
-
-    __bound_function_wrapper__ = _BoundGraphedForward
+    __slots__ = ()
 
     @property
     def __class__(self):
-        # A proxy reports its wrapped's class: ``isinstance(forward, types.MethodType)`` would
-        # hold, and torch.compile (2.11 with wrapt's pure-Python proxies) then traced the
-        # original forward from ``__func__``, bypassing the graphs without a word. Being our
-        # own class makes it call us (a graph break to the graphs, see ``_outside_compile``).
         return type(self)
+
+
+class _BoundGraphedForward(_OwnClass, wrapt.BoundFunctionWrapper):
+    """A graphified class's forward, looked up on an instance."""
+
+
+class _GraphedForward(_OwnClass, wrapt.FunctionWrapper):
+    """The wrapper ``graphify`` installs. Its ``_self_`` state never leaks onto the wrapped."""
+
+    __bound_function_wrapper__ = _BoundGraphedForward
 
     def __init__(self, wrapped: Callable, dispatch: _Dispatch):
         super().__init__(wrapped, dispatch)

@@ -47,16 +47,11 @@ def _training_step(model: torch.nn.Module):
 
 
 def _graph_counters(blocks) -> tuple[int, int, dict]:
+    """Captures, replays and eager calls by reason, over the graphed stack's blocks."""
     import cudagraphify as cg
 
-    captures = replays = 0
-    reasons: dict[str, int] = {}
-    for b in blocks:
-        s = cg.stats(b)
-        captures, replays = captures + s.captures, replays + s.replays
-        for r, n in s.eager_calls.items():
-            reasons[r] = reasons.get(r, 0) + n
-    return captures, replays, reasons
+    total = sum((cg.stats(b) for b in blocks), cg.Stats())
+    return total.captures, total.replays, total.eager_calls
 
 
 def _measure(name: str, build_plain, build_graphed, call, x, calls: int, repeats: int,
