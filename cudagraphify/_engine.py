@@ -87,6 +87,7 @@ class GraphedState:
         self._moves = 0  # calls that found parameters or buffers moved, since they last stood
         self._still = 0  # calls in a row since the last move
         self._moved_why = ""
+        self.train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._stream_token: int | None = None
         self.share: tuple | None = None  # (ShareGroup, layer index) under share_graph
         self.retargets = 0  # graphs made from a share_graph template instead of a capture
@@ -139,6 +140,8 @@ class GraphedState:
         if isinstance(sig, Unkeyable):
             _refuse_tracers(args, kwargs)
             return self._eager(sig.reason, fn, args, kwargs)
+        if sig.state[1] and (self.train_eager or _reshards_after_forward(self.statics.root)):
+            return self._eager(self.train_eager or _RESHARDS, fn, args, kwargs)
         if sig.state[1] and _saved_tensors_hooks(False) is not None:
             return self._eager("inside saved-tensor hooks (activation checkpointing, "
                                "save_on_cpu): they must see the forward's own tensors, which a "
@@ -495,6 +498,19 @@ def _marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> l
 def _written(tensors: list[torch.Tensor], marks: list) -> list[int]:
     return [j for j, (t, m) in enumerate(zip(tensors, marks))
             if (not torch.equal(t, m) if isinstance(m, torch.Tensor) else t._version != m)]
+
+
+_RESHARDS = ("FSDP2 shards this module with reshard_after_forward: it frees the parameters after "
+             "forward and gathers them anew, elsewhere, for backward, where a backward graph "
+             "cannot follow (inference calls still replay); shard it with "
+             "reshard_after_forward=False for training graphs")
+
+
+def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
+    """Whether FSDP2 (``fully_shard``) frees ``module``'s parameters after each forward."""
+    state = getattr(module, "_get_fsdp_state", None)
+    group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+    return getattr(group, "post_forward_mesh_info", None) is not None
 
 
 def _refuse_tracers(args: tuple, kwargs: dict) -> None:

@@ -33,6 +33,9 @@ __all__ = ["TrainingGraph", "capture_training", "warmup_backward"]
 _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 _use_count = torch._C._storage_Use_Count
+# Why a module's training calls run eagerly once a backward found its parameters moved.
+MOVED_IN_BACKWARD = ("its parameters moved to new memory between a forward and its backward "
+                     "(FSDP2's reshard_after_forward): a backward graph cannot follow them")
 
 
 def _grads(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
@@ -112,6 +115,7 @@ class TrainingGraph:
         self._spec = spec
         self._grad_out = grad_out
         self._grad_in = grad_in  # per Function input (user tensors, then params): tensor or None
+        self.param_ptrs: list[int] = []  # where the parameters were at capture (both graphs read there)
         self._last_ctx: weakref.ref | None = None
         # parameter gradients added into .grad straight from the static buffers, and static
         # buffers adopted as .grad
@@ -201,6 +205,15 @@ class TrainingGraph:
                 "overwrote its saved activations; run backward before calling the module again, "
                 "or call it under torch.no_grad() when no backward follows")
         ctx.done = True
+        if [p.data_ptr() for p in ctx.params] != self.param_ptrs:
+            if self.owner is not None:
+                self.owner.train_eager = MOVED_IN_BACKWARD
+            raise CudagraphifyError(
+                "parameters moved to new memory between a graphed forward and its backward "
+                "(FSDP2 with reshard_after_forward frees them after forward and gathers them "
+                "anew for backward): the backward graph reads them where the forward found "
+                "them. Later training calls of this module run eagerly; for graphs, shard it "
+                "with reshard_after_forward=False")
         k = 0
         for diff, g in zip(self.out_diff, grads):
             if diff:
@@ -368,5 +381,7 @@ def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, d
         raise
     it = iter(grads)
     grad_in = [next(it, None) if w else None for w in wants]
-    return TrainingGraph(fwd_raw, bwd_raw, inputs, tensor_idx, out_tensors, diff, rebuild, spec,
-                         grad_out, grad_in, device)
+    graph = TrainingGraph(fwd_raw, bwd_raw, inputs, tensor_idx, out_tensors, diff, rebuild,
+                          spec, grad_out, grad_in, device)
+    graph.param_ptrs = [p.data_ptr() for p in params]
+    return graph

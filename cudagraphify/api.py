@@ -116,7 +116,7 @@ def _outside_compile(dispatch: _Dispatch, wrapped: Callable, instance: Any, args
 
 class _OwnClass:
     """A proxy reports its wrapped's class: ``isinstance(forward, types.MethodType)`` would
-    hold, and torch.compile (2.11 with wrapt's pure-Python proxies) then traced the original
+    hold, and torch.compile (torch 2.11, wrapt 2.5) then traced the original
     forward from ``__func__``, bypassing the graphs without a word. Reporting our own class
     makes it call us (a graph break to the graphs, see ``_outside_compile``)."""
 

@@ -199,7 +199,7 @@ def test_eager_fallback_warns_once_per_reason_and_is_counted():
 
 
 def test_a_graphified_forward_does_not_pass_for_a_function_or_a_method():
-    # A proxy reporting its wrapped's class made torch.compile (2.11, pure-Python wrapt) trace
+    # A proxy reporting its wrapped's class made torch.compile (torch 2.11, wrapt 2.5) trace
     # the original forward through ``__func__``: the graphs were bypassed without a word.
     import types
 

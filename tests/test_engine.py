@@ -837,3 +837,26 @@ def test_a_failed_extra_warm_up_keeps_the_real_call_and_leaves_no_trace_in_buffe
     (reason, *_) = cg.stats(g).eager_calls
     assert "extra warm-up failed: RuntimeError: out of luck" in reason, cg.stats(g)
 
+
+
+def test_parameters_moved_before_backward_are_a_clear_error_then_eager(sim):
+    # The backward graph reads the parameters where the forward found them: a parameter moved
+    # in between (FSDP2 resharding does this) must never yield gradients of stale memory.
+    torch.manual_seed(0)
+    model = cg.graphify(nn.Linear(4, 3))
+    x = torch.randn(2, 4)
+    model(x).sum().backward()  # warm-up and capture: backward as eagerly
+    y = model(x)  # the forward graph replays
+    assert cg.stats(model).replays == 1
+    model.weight.data = model.weight.data.clone()  # same values, new memory
+    with pytest.raises(cg.CudagraphifyError, match="moved to new memory between a graphed"):
+        y.sum().backward()
+    model.zero_grad()
+    model(x).sum().backward()  # from now on, training calls run eagerly
+    torch.testing.assert_close(model.weight.grad, torch.ones(3, 1) * x.sum(0))
+    s = cg.stats(model)
+    assert s.replays == 1 and any("between a forward and its backward" in r
+                                  for r in s.eager_calls), s
+    with torch.no_grad():  # inference calls still graph
+        model(x), model(x)
+    assert cg.stats(model).replays == 2

@@ -97,6 +97,10 @@ def _fsdp_case(rank: int, world: int, reshard: bool) -> None:
     else:  # gathered once and kept: one graph, replayed
         assert (s.captures, s.replays) == (1, 7), s
     _train_steps(model, ref, 3, rank)
+    # reshard_after_forward gathers the parameters anew, elsewhere, for backward: training
+    # calls of such a block run eagerly (a replayed backward would read freed memory)
+    why = [r for r in cg.stats(model.blocks[0]).eager_calls if "reshard_after_forward" in r]
+    assert bool(why) == reshard, cg.stats(model.blocks[0])
 
 
 @pytest.mark.parametrize("world", [1, 2])
