@@ -1,8 +1,8 @@
 """Reading and rewriting captured CUDA graphs through the driver API (ctypes on libcuda).
 
 Only :mod:`._share` uses this: it reads every node of a captured graph (kernel arguments as
-bytes, memset and memcpy parameters), clones the graph, writes new argument bytes into chosen
-kernel nodes, instantiates the clone and launches it on a stream. The struct layouts are those of
+bytes, memset and memcpy parameters), instantiates it, writes new argument bytes into chosen
+kernel nodes of the executable graph and launches it on a stream. The struct layouts are those of
 ``cuda.h`` (CUDA 12.4 and later: ``cuFuncGetParamInfo`` tells each argument's offset and size).
 """
 
@@ -240,29 +240,44 @@ def read_graph(graph: int) -> tuple[list[GraphNode], frozenset[tuple[int, int]]]
 
 
 class RetargetedExec:
-    """A clone of a template graph whose kernel arguments were rewritten, instantiated.
+    """A template graph instantiated, with some kernel nodes' arguments rewritten in the
+    executable graph (``cuGraphExecKernelNodeSetParams``): no clone of the graph.
 
-    ``patches`` maps node index to {chunk index: new bytes}; only kernel nodes are patched.
+    ``patches`` maps node index to {argument chunk index: new bytes}; only kernel nodes are
+    patched. ``nodes``: the template's nodes as :func:`read_graph` gave them (their argument
+    chunks, so that they need not be read from the driver again, one call per argument).
     """
 
     __slots__ = ("_graph", "_exec", "_launch", "_device")
 
-    def __init__(self, template: int, patches: dict[int, dict[int, bytes]], device_index: int):
-        self._graph = self._exec = None
+    def __init__(self, template: int, patches: dict[int, dict[int, bytes]], device_index: int,
+                 nodes: list[GraphNode] | None = None):
+        self._graph = self._exec = None  # (no graph of our own to destroy)
         self._device = device_index
-        clone = _ptr()
-        _check(_fn("cuGraphClone")(ctypes.byref(clone), _ptr(template)), "cuGraphClone")
-        self._graph = clone.value
-        originals = _nodes(template)
-        find = _fn("cuGraphNodeFindInClone")
+        exe = _ptr()
+        _check(_fn("cuGraphInstantiateWithFlags")(ctypes.byref(exe), _ptr(template),
+                                                    ctypes.c_ulonglong(0)), "cuGraphInstantiate")
+        self._exec = exe.value
+        try:
+            self._patch(template, patches, nodes)
+        except BaseException:
+            self.destroy()
+            raise
+        launch = _fn("cuGraphLaunch")
+        launch.argtypes = [_ptr, _ptr]
+        self._launch = launch
+
+    def _patch(self, template: int, patches: dict[int, dict[int, bytes]],
+               nodes: list[GraphNode] | None) -> None:
+        handles = _nodes(template) if patches else []
         get = _fn("cuGraphKernelNodeGetParams_v2", "cuGraphKernelNodeGetParams")
-        put = _fn("cuGraphKernelNodeSetParams_v2", "cuGraphKernelNodeSetParams")
+        put = _fn("cuGraphExecKernelNodeSetParams_v2", "cuGraphExecKernelNodeSetParams")
         for idx, chunks in patches.items():
-            node = _ptr()
-            _check(find(ctypes.byref(node), _ptr(originals[idx]), clone), "cuGraphNodeFindInClone")
+            node = _ptr(handles[idx])
             p = _KernelParams()
             _check(get(node, ctypes.byref(p)), "cuGraphKernelNodeGetParams")
-            form, old = _kernel_args(p)
+            form, old = (nodes[idx].form, nodes[idx].chunks) if nodes is not None \
+                else _kernel_args(p)
             new = [chunks.get(i, b) for i, b in enumerate(old)]
             keep = [ctypes.create_string_buffer(b, len(b)) for b in new]
             if form == "params":
@@ -273,14 +288,7 @@ class RetargetedExec:
                 arr = (_ptr * 5)(_PARAM_BUFFER_POINTER, ctypes.addressof(keep[0]),
                                  _PARAM_BUFFER_SIZE, ctypes.addressof(size), _PARAM_END)
                 p.kernelParams, p.extra = None, ctypes.addressof(arr)
-            _check(put(node, ctypes.byref(p)), "cuGraphKernelNodeSetParams")
-        exe = _ptr()
-        _check(_fn("cuGraphInstantiateWithFlags")(ctypes.byref(exe), clone, ctypes.c_ulonglong(0)),
-               "cuGraphInstantiate")
-        self._exec = exe.value
-        launch = _fn("cuGraphLaunch")
-        launch.argtypes = [_ptr, _ptr]
-        self._launch = launch
+            _check(put(_ptr(self._exec), node, ctypes.byref(p)), "cuGraphExecKernelNodeSetParams")
 
     def launch(self, stream: int) -> None:
         rc = self._launch(self._exec, stream)

@@ -7,9 +7,9 @@ in both layers); every other difference must be capture-dependent (two addresses
 captures allocated, or bytes that also differ between the two captures of the first layer), and
 the template's values stand for it. Anything else (another
 kernel, another launch shape, a scalar that differs, an address of other memory) refuses
-sharing. Each layer then gets a clone of the template with those slots rebased to its own
-storages, instantiated, and checked once against the layer's eager output of that call. All
-layers read the template's static inputs and write its outputs and intermediates: graph memory
+sharing. Each layer then gets the template instantiated, with those slots rebased to its own
+storages in the executable graph, and checked once against the layer's eager output of that
+call. All layers read the template's static inputs and write its outputs and intermediates: graph memory
 does not grow with depth, and no weight is copied.
 
 Where sharing is refused or unsupported (training, inside a ``graph_region``, random ops), each
@@ -234,7 +234,7 @@ def memory_ranges(pool) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
 
 @dataclass
 class _Template:
-    raw: Any  # the RawGraph of the first capture (owned here: every clone reads its memory)
+    raw: Any  # the RawGraph of the first capture (owned here: every layer's graph reads its memory)
     layer: int
     nodes: list
     plan: RebasePlan | None
@@ -246,7 +246,7 @@ class _Template:
 
 
 class _SharedRaw:
-    """The raw-graph face of one layer's retargeted clone (a CapturedGraph's ``raw``)."""
+    """The raw-graph face of one layer's retargeted executable graph (a CapturedGraph's ``raw``)."""
 
     pool_bytes = 0
 
@@ -283,7 +283,7 @@ class ShareGroup:
         self.reasons: dict[str, int] = {}
         self.pieces: dict[str, "ShareGroup"] = {}  # submodule path -> group, when piecewise
         self.capture_seconds = 0.0  # of the template captures and their diff captures
-        self.build_seconds = 0.0  # of the layers' retargeted graphs (clone, rewrite, instantiate)
+        self.build_seconds = 0.0  # of the layers' retargeted graphs (instantiate, rewrite)
         self.released = False
 
     # -- what the engine calls -------------------------------------------------------------
@@ -431,7 +431,7 @@ class ShareGroup:
             raise Refused("random ops (dropout in train mode): one shared graph cannot draw "
                           "fresh numbers per layer")
 
-    # -- clones ------------------------------------------------------------------------------
+    # -- layers' graphs ----------------------------------------------------------------------
 
     def _retarget(self, t: _Template, k: int, leaves: list, backend, device, expected):
         from ._cugraph import DriverError, RetargetedExec
@@ -446,7 +446,7 @@ class ShareGroup:
         try:
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 exe = RetargetedExec(t.raw.cuda_graph(), t.plan.patches(chunks, mine),
-                                     device.index or 0)
+                                     device.index or 0, t.nodes)
         except DriverError as e:
             raise Refused(f"rewriting the graph failed: {e}") from e
         raw = _SharedRaw(exe, lambda: backend.stream_token(device), time.perf_counter() - t0,

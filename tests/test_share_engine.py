@@ -95,7 +95,7 @@ class ReadingBackend(SimBackend):
 class _FakeExec:
     """Re-runs a template's recorded trace with the patched addresses' tensors."""
 
-    def __init__(self, template: int, patches: dict, device_index: int):
+    def __init__(self, template: int, patches: dict, device_index: int, nodes=None):
         self.trace = _traces[template]
         self.out = _outputs[template]
         nodes = _nodes(self.trace)
