@@ -9,13 +9,14 @@ a graph must never read memory of another layout.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
 from ._errors import CudagraphifyUsageError
 from ._signature import Signature
 
-__all__ = ["CachePolicy", "GraphCache", "EagerEntry"]
+__all__ = ["CachePolicy", "GraphCache", "EagerEntry", "Owned"]
 
 _MAX_EAGER = 256  # eager decisions remembered per cache
 
@@ -79,10 +80,27 @@ class KeyFnPolicy(CachePolicy):
         return self._key_fn(signature)
 
 
-class EagerEntry:
+class Owned:
+    """A cache entry's ``owner`` (the engine state that made it), held weakly: a region's
+    cache must not keep a deleted module, or its graphs, alive."""
+
+    __slots__ = ()
+    _owner: "weakref.ref | None" = None
+
+    @property
+    def owner(self):
+        ref = self._owner
+        return ref() if ref is not None else None
+
+    @owner.setter
+    def owner(self, state) -> None:
+        self._owner = weakref.ref(state) if state is not None else None
+
+
+class EagerEntry(Owned):
     """A signature decided eager, with the reason."""
 
-    __slots__ = ("reason", "owner")
+    __slots__ = ("reason", "_owner")
 
     def __init__(self, reason: str, owner=None):
         self.reason = reason

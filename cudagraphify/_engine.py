@@ -151,11 +151,12 @@ class GraphedState:
         if sig.state[1] and self.statics.tensors:  # grad mode: which parameters require grad
             key = (key, self.statics.grad_pattern())
         entry = cache.get(key)
-        if entry is not None and entry.owner is not self and entry.owner is not None:
+        owner = entry.owner if entry is not None else None
+        if owner is not self and owner is not None:
             # A graph of another module (a shared policy): it reads that module's statics.
-            moved = entry.owner.statics.changed()
+            moved = owner.statics.changed()
             if moved is not None:
-                entry.owner.invalidate(moved)
+                owner.invalidate(moved)
                 entry = None
         if entry is not None:
             kind = type(entry)

@@ -109,7 +109,12 @@ class GraphRegion:
             raise CudagraphifyUsageError(f"max_graphs must be a positive int, got {max_graphs!r}")
         self.enabled = enabled
         self.max_graphs = max_graphs
-        self._caches: dict[GraphedState, GraphCache] = {}
+        # id(state) -> (weak reference to the state, its cache): a module deleted while the
+        # region is open must not be kept alive by it. When one dies, its reference is queued
+        # in ``_dead`` and its graphs are released by the region's next call (``_collect``),
+        # not from the garbage collector, which may run in the middle of a region call.
+        self._caches: dict[int, tuple[weakref.ref, GraphCache]] = {}
+        self._dead: list[tuple[int, weakref.ref]] = []
         self._token = None
         self.closed = False
         self.chain = bool(chain)
@@ -181,19 +186,36 @@ class GraphRegion:
     def cache_for(self, state: "GraphedState") -> GraphCache:
         if self.closed:
             raise CudagraphifyError("this graph_region is closed; open a new one")
-        cache = self._caches.get(state)
-        if cache is None:
+        if self._dead:
+            self._collect()
+        item = self._caches.get(id(state))
+        if item is None:
             policy = state.policy
             if self.max_graphs is not None:
                 policy = copy.copy(policy)
                 policy.max_graphs = self.max_graphs
-            cache = self._caches[state] = GraphCache(policy)
-        return cache
+            dead = self._dead
+            ref = weakref.ref(state, lambda r, key=id(state): dead.append((key, r)))
+            item = self._caches[id(state)] = (ref, GraphCache(policy))
+        return item[1]
+
+    def _collect(self) -> None:
+        """Release the graphs of callables that were deleted while this region is open."""
+        while self._dead:
+            key, ref = self._dead.pop()
+            item = self._caches.get(key)
+            if item is not None and item[0] is ref:
+                del self._caches[key]
+                self._release(item[1])
+
+    def _release(self, cache: GraphCache) -> None:
+        self.input_copies += sum(g.input_copies for g in cache.graphs())
+        cache.clear()
 
     def forget(self, state: "GraphedState") -> None:
-        cache = self._caches.pop(state, None)
-        if cache is not None:
-            cache.clear()
+        item = self._caches.pop(id(state), None)
+        if item is not None:
+            item[1].clear()
 
     def record_capture(self, entry) -> None:
         self.captures += 1
@@ -202,21 +224,24 @@ class GraphRegion:
     def stats(self) -> "Stats":
         from ._engine import Stats
 
-        graphs = [g for c in self._caches.values() for g in c.graphs()]
+        with self.lock:
+            self._collect()
+            caches = [cache for _, cache in self._caches.values()]
+        graphs = [g for c in caches for g in c.graphs()]
         return Stats(captures=self.captures, replays=self.replays,
                      capture_seconds=self.capture_seconds,
                      graph_pool_bytes=sum(g.pool_bytes for g in graphs), graphs=len(graphs),
-                     evictions=sum(c.evictions for c in self._caches.values()),
+                     evictions=sum(c.evictions for c in caches),
                      input_copies=self.input_copies + sum(g.input_copies for g in graphs),
                      moved_outputs=self.moved_outputs)
 
     def close(self) -> None:
         """Release every graph of this region (idempotent)."""
-        caches = list(self._caches.values())
+        caches = [cache for _, cache in self._caches.values()]
         self._caches.clear()
+        self._dead.clear()
         for cache in caches:
-            self.input_copies += sum(g.input_copies for g in cache.graphs())
-            cache.clear()
+            self._release(cache)
         self._pools.clear()
         self.closed = True
         _open.discard(self)

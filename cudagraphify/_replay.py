@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from ._cache import Owned
 from ._errors import CudagraphifyError
 from ._signature import is_constant
 
@@ -154,7 +155,7 @@ def plan_outputs(
     return actions, spec
 
 
-class CapturedGraph:
+class CapturedGraph(Owned):
     """A captured graph with its input and output plan. :meth:`run` is the replay fast path."""
 
     def __init__(self, raw, inputs: StaticInputs, mutated: list[int], actions: list, spec,

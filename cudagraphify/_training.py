@@ -23,6 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
+from ._cache import Owned
 from ._errors import CudagraphifyError
 from ._replay import OutputPlanError, StaticInputs
 from ._signature import is_constant, unflatten_call
@@ -89,7 +90,7 @@ def warmup_backward(fn: Callable[[], Any], params: list[torch.Tensor],
             _grads(outs, inputs, [torch.ones_like(o) for o in outs])
 
 
-class TrainingGraph:
+class TrainingGraph(Owned):
     """The forward and backward graphs of one signature, and their static buffers."""
 
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
@@ -206,8 +207,9 @@ class TrainingGraph:
                 "or call it under torch.no_grad() when no backward follows")
         ctx.done = True
         if [p.data_ptr() for p in ctx.params] != self.param_ptrs:
-            if self.owner is not None:
-                self.owner.train_eager = MOVED_IN_BACKWARD
+            owner = self.owner
+            if owner is not None:
+                owner.train_eager = MOVED_IN_BACKWARD
             raise CudagraphifyError(
                 "parameters moved to new memory between a graphed forward and its backward "
                 "(FSDP2 with reshard_after_forward frees them after forward and gathers them "

@@ -7,9 +7,11 @@ eviction, eager fallbacks with reasons, threads, nesting, regions.
 from __future__ import annotations
 
 import copy
+import gc
 import threading
 import types
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -366,6 +368,41 @@ def test_region_owns_and_releases_its_graphs(sim):
             pass
 
 
+def test_a_region_holds_callables_weakly_and_releases_a_deleted_ones_graphs():
+    # (The simulated backend's graphs hold the captured Python function, so a real module
+    # deleted inside a region is tested on the GPU: tests/test_gpu_faults.py.)
+    from cudagraphify._cache import Owned
+    from cudagraphify._region import GraphRegion
+
+    class State:  # what a region reads of a callable's engine state
+        policy = cg.CachePolicy()
+
+    class Graph(Owned):
+        input_copies, pool_bytes, released = 2, 0, False
+
+        def release(self):
+            self.released = True
+
+    region = GraphRegion()
+    a, b = State(), State()
+    graph_a, graph_b = Graph(), Graph()
+    for state, graph in ((a, graph_a), (b, graph_b)):
+        graph.owner = state  # held weakly
+        region.cache_for(state).put("key", graph)
+    assert region.cache_for(b) is region.cache_for(b) and region.stats().graphs == 2
+    gone = weakref.ref(b)
+    del b, state
+    gc.collect()
+    assert gone() is None, "the region kept a deleted callable's state alive"
+    assert graph_b.owner is None and not graph_b.released  # released by the region, not the GC
+    s = region.stats()
+    assert graph_b.released and (s.graphs, s.input_copies) == (1, 4)
+    c = State()  # a new callable (it may reuse the dead one's id) gets a cache of its own
+    assert region.cache_for(c) is not region.cache_for(a) and len(region.cache_for(c)) == 0
+    region.close()
+    assert graph_a.released and region.stats().graphs == 0
+
+
 def test_ungraphify_releases_graphs_and_restores_eager(sim):
     m = cg.graphify(nn.Linear(2, 2))
     with torch.no_grad():
@@ -424,7 +461,7 @@ def test_region_chains_blocks_without_copies_between_them(sim):
         assert s.moved_outputs == 0  # nobody kept an output: nothing was copied out
         # one copy per forward (the first block's input), none between blocks
         assert (s.captures, s.replays, s.input_copies) == (4, 20, 5)
-        assert all(e.borrowed for e in r._caches[g[1].__dict__["_cudagraphify_state"]].graphs())
+        assert all(e.borrowed for e in r.cache_for(g[1].__dict__["_cudagraphify_state"]).graphs())
     assert r.stats().graphs == 0 and all(gr.released for gr in sim.graphs)
 
 
