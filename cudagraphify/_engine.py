@@ -130,6 +130,9 @@ class GraphedState:
             self._still += 1
             if self._still >= _STILL_CALLS:
                 self._moves = 0
+        if torch.is_grad_enabled() and (self.train_eager
+                                        or _reshards_after_forward(self.statics.root)):
+            return self._eager(self.train_eager or _RESHARDS, fn, args, kwargs)
         if self._moves > _MAX_MOVES:
             return self._eager(
                 f"parameters or buffers keep moving to new memory ({self._last_move(moved)}; "
@@ -140,8 +143,6 @@ class GraphedState:
         if isinstance(sig, Unkeyable):
             _refuse_tracers(args, kwargs)
             return self._eager(sig.reason, fn, args, kwargs)
-        if sig.state[1] and (self.train_eager or _reshards_after_forward(self.statics.root)):
-            return self._eager(self.train_eager or _RESHARDS, fn, args, kwargs)
         if sig.state[1] and _saved_tensors_hooks(False) is not None:
             return self._eager("inside saved-tensor hooks (activation checkpointing, "
                                "save_on_cpu): they must see the forward's own tensors, which a "

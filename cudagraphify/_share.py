@@ -180,7 +180,11 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     values are both outside device memory is kept too but counted as unproven
     (``plan.unproven``): kernels take structs with uninitialised tails (unused dimensions of
     an offset calculator) that differ with whatever the host stack held; the caller must verify
-    such a graph against eager. Anything else refuses.
+    such a graph against eager. A one-byte argument that differs is kept and counted as unproven
+    in any case: it cannot hold an address, and empty functors (elementwise kernels' lambdas,
+    one byte the kernel never reads) hold whatever the host stack held, which two captures of
+    the same layer may well agree on (seen on the H200: 0xf0 twice for one layer, 0x00 for the
+    other). Anything else refuses.
     """
     if len(nodes0) != len(nodes1):
         raise Refused(f"the two captures have {len(nodes0)} and {len(nodes1)} nodes")
@@ -215,8 +219,9 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                 elif hit is None and b.find(v1) is None and (
                         w2 != w0 or (len(w0) == 8 and _in(pool, v0) and _in(pool, v1))):
                     continue  # capture-dependent: the template's own value stands for every layer
-                elif device is not None and not _in(device, v0) and not _in(device, v1):
-                    plan.unproven += 1  # not an address of device memory in either capture
+                elif len(x) == 1 or (device is not None and not _in(device, v0)
+                                     and not _in(device, v1)):
+                    plan.unproven += 1  # a one-byte argument, or not device memory in either
                 else:
                     raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "
                                   f"({v0:#x} vs {v1:#x}) and is not a rebased parameter address")

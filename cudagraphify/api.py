@@ -503,7 +503,8 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
         ignore_attrs: plain attributes allowed to differ between layers because forward does
             not use them, as ``"self_attn.layer_idx"`` (path inside the layer) or a bare name.
         strict: refuse sharing when two layers' captures differ in a kernel argument that is
-            neither a rebased address nor proven capture-dependent (default). ``strict=False``
+            neither a rebased address nor proven capture-dependent nor one byte long (an empty
+            functor's byte, counted as unproven) (default). ``strict=False``
             keeps such bytes as the template has them when they are no device address in
             either capture (the uninitialised tail of a kernel's argument struct, as in HF
             Llama's RMSNorm reduction) and relies on the check of each layer's graph against

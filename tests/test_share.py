@@ -219,6 +219,18 @@ def test_non_address_bytes_are_kept_as_unproven_only_when_not_strict():
                     device + [(0xB00000, 0x100000)])
 
 
+def test_a_one_byte_argument_is_kept_as_unproven_even_when_strict():
+    # Seen on the H200: GELU's empty functor held 0xf0 in both captures of layer a, 0x00 in
+    # layer b's. One byte cannot be an address; the layer's graph is verified against eager.
+    n0 = [_k("gelu", _w(4096), b"\xf0", _w(0x900100, 0x10000))]
+    n1 = [_k("gelu", _w(4096), b"\x00", _w(0x900100, 0x50000))]
+    plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0)
+    assert (plan.count, plan.unproven) == (1, 1) and plan.slots == {0: {2: [(8, 0, 0)]}}
+    n1[0].chunks[0] = _w(4097)  # a scalar of eight bytes that differs still refuses
+    with pytest.raises(Refused, match="argument 0 at byte 0 differs"):
+        plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0)
+
+
 def test_a_storage_both_layers_share_is_never_rebased():
     tied = Storages(((0x10000, 0x400), (0x60000, 0x100)))  # storage 0 shared by both layers
     n0 = [_k("gemm", _w(0x10000, 0x20000))]
