@@ -306,6 +306,21 @@ def _memory_returns_after(scenario: Callable[[], None], reserved_slack: int = 0)
         f"allocated {after.allocated} > {before.allocated} (+{after.allocated - before.allocated})"
     assert after.reserved <= before.reserved + _SEGMENT + reserved_slack, \
         f"reserved {after.reserved} > {before.reserved} (+{after.reserved - before.reserved})"
+    if after.reserved > before.reserved + _SEGMENT:  # within the slack: say what holds it
+        warnings.warn(f"reserved +{after.reserved - before.reserved} bytes after the scenario; "
+                      f"segments of 64 MiB or more with live blocks: {_live_segments()}")
+
+
+def _live_segments() -> list:
+    """Large segments that hold a live block: (size, [(block size, state, where allocated)])."""
+    out = []
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        live = [(b["size"], b["state"], [f"{f.get('filename', '')[-40:]}:{f.get('line')}"
+                                         for f in (b.get("frames") or [])[:8]])
+                for b in seg["blocks"] if b["state"] != "inactive"]
+        if seg["total_size"] >= (64 << 20) and live:
+            out.append((seg["total_size"], live))
+    return out
 
 
 def _prime(model: nn.Module, x: torch.Tensor) -> None:
@@ -409,9 +424,14 @@ def test_cuda_oom_allocating_the_static_inputs_falls_back_to_eager():
         _assert_cuda_usable()
         cg.ungraphify(f)
 
-    # Run 7 on the H200: every allocation returned, but one 1 GiB segment (x's size) stayed
-    # reserved after empty_cache, not yet explained; allowed here, reported as open.
-    _memory_returns_after(scenario, reserved_slack=1 << 30)
+    # Run 7 on the H200 (whole suite): every allocation returned, but one 1 GiB segment (x's
+    # size) stayed reserved after empty_cache; not seen when this file runs alone. Allowed here;
+    # when it happens, a warning names the live blocks and where they were allocated.
+    torch.cuda.memory._record_memory_history(max_entries=100000)
+    try:
+        _memory_returns_after(scenario, reserved_slack=1 << 30)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
 
 
 # -- exceptions raised by forward --------------------------------------------------------------
