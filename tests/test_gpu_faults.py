@@ -308,18 +308,22 @@ def _memory_returns_after(scenario: Callable[[], None], reserved_slack: int = 0)
         f"reserved {after.reserved} > {before.reserved} (+{after.reserved - before.reserved})"
     if after.reserved > before.reserved + _SEGMENT:  # within the slack: say what holds it
         warnings.warn(f"reserved +{after.reserved - before.reserved} bytes after the scenario; "
-                      f"segments of 64 MiB or more with live blocks: {_live_segments()}")
+                      f"segments of 64 MiB or more (size, pool, stream, blocks in use): "
+                      f"{_live_segments()}")
 
 
 def _live_segments() -> list:
-    """Large segments that hold a live block: (size, [(block size, state, where allocated)])."""
+    """Segments of 64 MiB or more: (size, pool id, stream, [(block size, state, where
+    allocated)] of the blocks not free)."""
     out = []
     for seg in torch.cuda.memory._snapshot()["segments"]:
+        if seg["total_size"] < (64 << 20):
+            continue
         live = [(b["size"], b["state"], [f"{f.get('filename', '')[-40:]}:{f.get('line')}"
                                          for f in (b.get("frames") or [])[:8]])
                 for b in seg["blocks"] if b["state"] != "inactive"]
-        if seg["total_size"] >= (64 << 20) and live:
-            out.append((seg["total_size"], live))
+        out.append((seg["total_size"], tuple(seg.get("segment_pool_id", ())), seg.get("stream"),
+                    live))
     return out
 
 
