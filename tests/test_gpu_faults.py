@@ -314,16 +314,24 @@ def _memory_returns_after(scenario: Callable[[], None], reserved_slack: int = 0)
 
 def _live_segments() -> list:
     """Segments of 64 MiB or more: (size, pool id, stream, [(block size, state, where
-    allocated)] of the blocks not free)."""
+    allocated)] of the blocks not free, every block's (size, state), and the allocator's last
+    recorded actions on the segment's addresses)."""
+    snap = torch.cuda.memory._snapshot()
+    traces = [e for dev in snap.get("device_traces", []) for e in dev]
     out = []
-    for seg in torch.cuda.memory._snapshot()["segments"]:
+    for seg in snap["segments"]:
         if seg["total_size"] < (64 << 20):
             continue
+        start, end = seg["address"], seg["address"] + seg["total_size"]
         live = [(b["size"], b["state"], [f"{f.get('filename', '')[-40:]}:{f.get('line')}"
                                          for f in (b.get("frames") or [])[:8]])
                 for b in seg["blocks"] if b["state"] != "inactive"]
+        actions = [(e["action"], e.get("size"), e.get("stream"),
+                    [f"{f.get('filename', '')[-30:]}:{f.get('line')}"
+                     for f in (e.get("frames") or [])[:4]])
+                   for e in traces if start <= e.get("addr", -1) < end][-8:]
         out.append((seg["total_size"], tuple(seg.get("segment_pool_id", ())), seg.get("stream"),
-                    live))
+                    live, [(b["size"], b["state"]) for b in seg["blocks"]], actions))
     return out
 
 
