@@ -510,8 +510,10 @@ _RESHARDS = ("FSDP2 shards this module with reshard_after_forward: it frees the 
 
 def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
     """Whether FSDP2 (``fully_shard``) frees ``module``'s parameters after each forward."""
-    state = getattr(module, "_get_fsdp_state", None)
-    group = getattr(state(), "_fsdp_param_group", None) if state is not None else None
+    # Looked up on the class: a module's __getattr__ raises (slowly) for a missing name, and
+    # this runs on every grad-mode call.
+    state = getattr(type(module), "_get_fsdp_state", None)
+    group = getattr(state(module), "_fsdp_param_group", None) if state is not None else None
     return getattr(group, "post_forward_mesh_info", None) is not None
 
 
