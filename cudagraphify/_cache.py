@@ -96,6 +96,13 @@ class Owned:
     def owner(self, state) -> None:
         self._owner = weakref.ref(state) if state is not None else None
 
+    @property
+    def orphaned(self) -> bool:
+        """Its owner is gone: a graph in a shared cache would read the freed memory of the
+        module that captured it."""
+        ref = self._owner
+        return ref is not None and ref() is None
+
 
 class EagerEntry(Owned):
     """A signature decided eager, with the reason."""
@@ -141,6 +148,12 @@ class GraphCache:
             e.release()
         self.evictions += len(evicted)
         return evicted
+
+    def discard(self, key: Hashable) -> None:
+        """Drop and release the entry of ``key`` (not an eviction)."""
+        entry = self._entries.pop(key, None)
+        if entry is not None:
+            entry.release()
 
     def eviction_budget_spent(self) -> bool:
         return self.evictions >= self.policy.max_evictions

@@ -153,12 +153,17 @@ class GraphedState:
             key = (key, self.statics.grad_pattern())
         entry = cache.get(key)
         owner = entry.owner if entry is not None else None
-        if owner is not self and owner is not None:
+        if owner is not self and entry is not None:
             # A graph of another module (a shared policy): it reads that module's statics.
-            moved = owner.statics.changed()
-            if moved is not None:
-                owner.invalidate(moved)
-                entry = None
+            if owner is None:
+                if entry.orphaned:  # that module is gone, and its memory with it
+                    cache.discard(key)
+                    entry = None
+            else:
+                moved = owner.statics.changed()
+                if moved is not None:
+                    owner.invalidate(moved)
+                    entry = None
         if entry is not None:
             kind = type(entry)
             if kind is CapturedGraph or kind is TrainingGraph:
@@ -199,7 +204,7 @@ class GraphedState:
         if region is not None:
             region.replays += 1
         if training:
-            return entry.run(leaves, self.statics.grad_params())
+            return entry.run(leaves, self.statics.grad_params(), self)
         return entry.run(leaves)
 
     def _last_move(self, moved: str | None) -> str:
@@ -513,8 +518,13 @@ def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
     # Looked up on the class: a module's __getattr__ raises (slowly) for a missing name, and
     # this runs on every grad-mode call.
     state = getattr(type(module), "_get_fsdp_state", None)
-    group = getattr(state(module), "_fsdp_param_group", None) if state is not None else None
-    return getattr(group, "post_forward_mesh_info", None) is not None
+    if state is None:
+        return False
+    try:
+        group = state(module)._fsdp_param_group
+        return group is not None and group.post_forward_mesh_info is not None
+    except Exception:  # noqa: BLE001 - FSDP2 internals asserting: cannot tell, assume it does
+        return True
 
 
 def _refuse_tracers(args: tuple, kwargs: dict) -> None:

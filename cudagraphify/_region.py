@@ -237,13 +237,14 @@ class GraphRegion:
 
     def close(self) -> None:
         """Release every graph of this region (idempotent)."""
-        caches = [cache for _, cache in self._caches.values()]
-        self._caches.clear()
-        self._dead.clear()
-        for cache in caches:
-            self._release(cache)
-        self._pools.clear()
-        self.closed = True
+        with self.lock:
+            caches = [cache for _, cache in self._caches.values()]
+            self._caches.clear()
+            self._dead.clear()
+            for cache in caches:
+                self._release(cache)
+            self._pools.clear()
+            self.closed = True
         _open.discard(self)
 
     def __enter__(self) -> "GraphRegion":

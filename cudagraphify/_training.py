@@ -116,7 +116,6 @@ class TrainingGraph(Owned):
         self._spec = spec
         self._grad_out = grad_out
         self._grad_in = grad_in  # per Function input (user tensors, then params): tensor or None
-        self.param_ptrs: list[int] = []  # where the parameters were at capture (both graphs read there)
         self._last_ctx: weakref.ref | None = None
         # parameter gradients added into .grad straight from the static buffers, and static
         # buffers adopted as .grad
@@ -175,9 +174,11 @@ class TrainingGraph(Owned):
                 grad = None  # our own reference must not count in the check below
         return any(_use_count(self._storages[k]) > own[k] for k in held)
 
-    def run(self, leaves: list, params: list[torch.Tensor]) -> Any:
+    def run(self, leaves: list, params: list[torch.Tensor], state=None) -> Any:
+        """Replay for the engine state ``state`` (the caller: its statics are checked again
+        before the backward replays)."""
         tensors = [x for x in leaves if isinstance(x, torch.Tensor)]
-        outs = _GraphedFunction.apply(self, *tensors, *params)
+        outs = _GraphedFunction.apply(self, state, *tensors, *params)
         return pytree.tree_unflatten(self._rebuild(leaves, outs), self._spec)
 
     def forward(self, tensors: tuple) -> list[torch.Tensor]:
@@ -206,10 +207,11 @@ class TrainingGraph(Owned):
                 "overwrote its saved activations; run backward before calling the module again, "
                 "or call it under torch.no_grad() when no backward follows")
         ctx.done = True
-        if [p.data_ptr() for p in ctx.params] != self.param_ptrs:
-            owner = self.owner
-            if owner is not None:
-                owner.train_eager = MOVED_IN_BACKWARD
+        statics = ctx.state.statics if ctx.state is not None else None
+        if statics is not None and [t.data_ptr() for t in statics.tensors] != statics.ptrs:
+            # The caller's parameters or buffers (frozen ones included) moved since its forward,
+            # whose guard found them where the graphs read them.
+            ctx.state.train_eager = MOVED_IN_BACKWARD
             raise CudagraphifyError(
                 "parameters moved to new memory between a graphed forward and its backward "
                 "(FSDP2 with reshard_after_forward frees them after forward and gathers them "
@@ -279,9 +281,9 @@ class TrainingGraph(Owned):
 
 class _GraphedFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, graph: TrainingGraph, *tensors):
+    def forward(ctx, graph: TrainingGraph, state, *tensors):
         outs = graph.forward(tensors)
-        ctx.graph, ctx.gen, ctx.done = graph, graph.gen, False
+        ctx.graph, ctx.state, ctx.gen, ctx.done = graph, state, graph.gen, False
         ctx.params = tensors[graph._n_user:]
         graph._last_ctx = weakref.ref(ctx)
         ctx.mark_non_differentiable(*[o for o, d in zip(outs, graph.out_diff) if not d])
@@ -294,7 +296,7 @@ class _GraphedFunction(torch.autograd.Function):
                 "double backward (create_graph=True) through a graphed call is not supported: "
                 "the backward graph records no autograd history; run this module eagerly "
                 "(graphify(..., enabled=False)) where you need higher-order gradients")
-        return (None,) + ctx.graph.backward(ctx, grads)
+        return (None, None) + ctx.graph.backward(ctx, grads)
 
 
 def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
@@ -383,7 +385,5 @@ def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, d
         raise
     it = iter(grads)
     grad_in = [next(it, None) if w else None for w in wants]
-    graph = TrainingGraph(fwd_raw, bwd_raw, inputs, tensor_idx, out_tensors, diff, rebuild,
-                          spec, grad_out, grad_in, device)
-    graph.param_ptrs = [p.data_ptr() for p in params]
-    return graph
+    return TrainingGraph(fwd_raw, bwd_raw, inputs, tensor_idx, out_tensors, diff, rebuild, spec,
+                         grad_out, grad_in, device)

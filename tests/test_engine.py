@@ -442,6 +442,83 @@ def test_a_shared_policy_lets_interchangeable_modules_replay_one_graph(sim):
     assert cg.stats(a).graphs == 0 and len(policy.new_cache()) == 0
 
 
+def test_a_shared_graph_whose_capturing_module_is_gone_is_dropped_not_replayed(sim):
+    # Entries hold their owner weakly: once the capturing module is gone, its graph would read
+    # freed memory. (The simulated graphs keep the captured function alive, so the owner's
+    # death is simulated by pointing the entry at a dead reference.)
+    policy = cg.CachePolicy(shared=True)
+    a = cg.graphify(nn.Linear(4, 4), cache_policy=policy)
+    b = copy.deepcopy(a)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        a(x), b(x)
+        assert counts(b) == (0, 1, 0)
+        (entry,) = policy.new_cache().graphs()
+
+        class Gone:
+            pass
+
+        gone = Gone()
+        entry._owner = weakref.ref(gone)
+        del gone
+        assert entry.orphaned and entry.owner is None
+        torch.testing.assert_close(b(x), b.__dict__["forward"].__wrapped__(x), rtol=0, atol=0)
+    assert counts(b) == (1, 1, 0)  # b captured its own graph
+    graphs = policy.new_cache().graphs()
+    assert len(graphs) == 1 and graphs[0] is not entry and sim.graphs[0].released
+
+
+def test_backward_checks_the_callers_statics_not_the_capturing_modules(sim):
+    # Under a shared policy the caller's parameters are other tensors than the capturer's;
+    # what must not move before backward are the caller's own (frozen ones included).
+    from cudagraphify._training import TrainingGraph
+
+    class Statics:
+        def __init__(self, tensors):
+            self.tensors, self.ptrs = tensors, [t.data_ptr() for t in tensors]
+
+    frozen, w = torch.randn(3), torch.randn(3, requires_grad=True)
+    state = types.SimpleNamespace(statics=Statics([w, frozen]), train_eager=None)
+    replays = []
+    graph = types.SimpleNamespace(
+        _bwd_raw=types.SimpleNamespace(replay=lambda: replays.append(1)), gen=1, out_diff=[],
+        _grad_out=[], _hand_out=lambda ctx: ())
+    ctx = types.SimpleNamespace(done=False, gen=1, state=state, params=(torch.randn(3),))
+    assert TrainingGraph.backward(graph, ctx, ()) == () and replays == [1]
+    frozen.data = frozen.data.clone()  # a frozen weight the backward graph reads moved
+    ctx.done = False
+    with pytest.raises(cg.CudagraphifyError, match="moved to new memory between a graphed"):
+        TrainingGraph.backward(graph, ctx, ())
+    assert replays == [1] and "between a forward and its backward" in state.train_eager
+
+
+def test_the_graphed_autograd_function_passes_one_gradient_per_input():
+    # What a replayed training call hands autograd: forward outputs, then per tensor input the
+    # backward's gradient (the graph and the caller's state are not tensors).
+    from cudagraphify._training import _GraphedFunction
+
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+    seen = []
+
+    class Graph:
+        _n_user, gen, out_diff = 1, 0, [True]
+
+        def forward(self, tensors):
+            return [(tensors[0] * tensors[1]).detach()]
+
+        def backward(self, ctx, grads):
+            seen.append(ctx.state)
+            (g,) = grads
+            return g * 2, g.sum(0) * 3
+
+    state = object()
+    (y,) = _GraphedFunction.apply(Graph(), state, x, w)
+    y.sum().backward()
+    assert seen == [state]
+    torch.testing.assert_close(x.grad, torch.full((2, 3), 2.0))
+    torch.testing.assert_close(w.grad, torch.full((3,), 6.0))
+
+
 def _chain(n=4, seed=0):
     torch.manual_seed(seed)
     ref = nn.Sequential(*[nn.Linear(8, 8) for _ in range(n)])
