@@ -31,7 +31,7 @@ class CachePolicy:
     ``shared=True``: every callable graphified with this policy object uses one cache, so
     modules you know are interchangeable (same computation, and you accept the capturing
     module's parameters) replay one graph. The capturing module's parameters stay guarded: if
-    they move, its graphs are dropped for everyone.
+    they move, or that module is deleted, its graphs are dropped for everyone.
     """
 
     def __init__(self, max_graphs: int = 16, max_evictions: int = 64, shared: bool = False):
