@@ -248,11 +248,11 @@ class RetargetedExec:
     chunks, so that they need not be read from the driver again, one call per argument).
     """
 
-    __slots__ = ("_graph", "_exec", "_launch", "_device")
+    __slots__ = ("_exec", "_launch", "_device")
 
     def __init__(self, template: int, patches: dict[int, dict[int, bytes]], device_index: int,
-                 nodes: list[GraphNode] | None = None):
-        self._graph = self._exec = None  # (no graph of our own to destroy)
+                 nodes: list[GraphNode]):
+        self._exec = None
         self._device = device_index
         exe = _ptr()
         _check(_fn("cuGraphInstantiateWithFlags")(ctypes.byref(exe), _ptr(template),
@@ -268,7 +268,7 @@ class RetargetedExec:
         self._launch = launch
 
     def _patch(self, template: int, patches: dict[int, dict[int, bytes]],
-               nodes: list[GraphNode] | None) -> None:
+               nodes: list[GraphNode]) -> None:
         handles = _nodes(template) if patches else []
         get = _fn("cuGraphKernelNodeGetParams_v2", "cuGraphKernelNodeGetParams")
         put = _fn("cuGraphExecKernelNodeSetParams_v2", "cuGraphExecKernelNodeSetParams")
@@ -276,8 +276,7 @@ class RetargetedExec:
             node = _ptr(handles[idx])
             p = _KernelParams()
             _check(get(node, ctypes.byref(p)), "cuGraphKernelNodeGetParams")
-            form, old = (nodes[idx].form, nodes[idx].chunks) if nodes is not None \
-                else _kernel_args(p)
+            form, old = nodes[idx].form, nodes[idx].chunks
             new = [chunks.get(i, b) for i, b in enumerate(old)]
             keep = [ctypes.create_string_buffer(b, len(b)) for b in new]
             if form == "params":
@@ -296,11 +295,9 @@ class RetargetedExec:
             _check(rc, "cuGraphLaunch")
 
     def destroy(self) -> None:
-        exe, graph, self._exec, self._graph = self._exec, self._graph, None, None
+        exe, self._exec = self._exec, None
         if exe is not None:
             _fn("cuGraphExecDestroy")(_ptr(exe))
-        if graph is not None:
-            _fn("cuGraphDestroy")(_ptr(graph))
 
     def __del__(self):
         try:
