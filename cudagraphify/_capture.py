@@ -203,7 +203,15 @@ class CudaBackend:
         captures that ended; one that ended gives its share back when reset, and releasing it
         again would take another graph's share of a pool they have in common).
         """
-        torch._C._cuda_releasePool(torch.cuda.current_device(), pool)
+        index = torch.cuda.current_device()
+        # capture_end raised before it ended the allocator's routing of this thread's
+        # allocations to the pool: left registered, every later empty_cache() skips the
+        # default pool (free segments stay reserved for the rest of the process).
+        try:
+            torch._C._cuda_endAllocateToPool(index, pool)
+        except RuntimeError:
+            pass  # already ended (capture_end failed after ending it)
+        torch._C._cuda_releasePool(index, pool)
         scratch = torch.zeros(1, device=device)
         fix = torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
