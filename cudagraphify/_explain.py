@@ -15,7 +15,7 @@ import torch
 
 from ._engine import Stats, _Nested
 from ._policy import default_policy
-from ._probe import Finding, Probe, differing_paths, plan_pieces
+from ._probe import Probe, control_flow_findings, plan_pieces
 
 __all__ = ["Explanation", "probe_plan", "build"]
 
@@ -102,9 +102,9 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
         if cuda_rng is not None:
             torch.cuda.set_rng_state_all(cuda_rng)
     findings = probes[0].unsafe_paths()
-    for p in differing_paths(*probes):
-        findings.setdefault(p, []).append(Finding(
-            p, "control flow", (), "the op sequence differs between two runs"))
+    for p, f in control_flow_findings(*probes, "the op sequence differs between two "
+                                      "runs").items():
+        findings.setdefault(p, []).append(f)
     ran = set(probes[0].sequences)
     return findings, plan_pieces(module, set(findings), ran), ran
 

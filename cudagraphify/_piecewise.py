@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from ._cache import EagerEntry
 from ._errors import warn_once
 from ._policy import default_policy
-from ._probe import Finding, Probe, differing_paths, plan_pieces
+from ._probe import Finding, Probe, control_flow_findings, plan_pieces
 
 if TYPE_CHECKING:
     from ._engine import GraphedState
@@ -56,9 +56,8 @@ def probed(probe: Probe | None, fn: Callable) -> Callable:
 
 
 def sequence_findings(first: Probe, second: Probe) -> dict[str, list[Finding]]:
-    return {p: [Finding(p, "control flow", (), "the op sequence differs between two runs "
-                        "(data-dependent Python control flow)")]
-            for p in differing_paths(first, second)}
+    why = "the op sequence differs between two runs (data-dependent Python control flow)"
+    return {p: [f] for p, f in control_flow_findings(first, second, why).items()}
 
 
 def go_piecewise(state: "GraphedState", cache, key, findings: dict[str, list[Finding]],

@@ -42,7 +42,8 @@ class Finding:
     where: str  # file:line of the user's code that made the call
 
     def __str__(self) -> str:
-        return f"{self.op} [{', '.join(self.tags)}] at {self.where}"
+        tags = f" [{', '.join(self.tags)}]" if self.tags else ""
+        return f"{self.op}{tags} at {self.where}"
 
 
 def _user_frame() -> str:
@@ -216,6 +217,19 @@ def differing_paths(a: Probe, b: Probe) -> set[str]:
     """Module paths whose op sequence differs between two runs (data-dependent control flow)."""
     return {p for p in set(a.sequences) | set(b.sequences)
             if a.sequences.get(p) != b.sequences.get(p)}
+
+
+def control_flow_findings(a: Probe, b: Probe, why: str) -> dict[str, Finding]:
+    """A finding for each path whose op sequence differs between two runs, located at the
+    first op where they part ("op 7 (aten.mul in one run, aten.add in the other)")."""
+    out = {}
+    for p in differing_paths(a, b):
+        s, t = a.sequences.get(p, []), b.sequences.get(p, [])
+        i = next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
+        first, second = (seq[i] if i < len(seq) else "its end" for seq in (s, t))
+        out[p] = Finding(p, "control flow", (),
+                         f"op {i} ({first} in one run, {second} in the other): {why}")
+    return out
 
 
 def _inside(path: str, other: str) -> bool:

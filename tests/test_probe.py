@@ -9,7 +9,7 @@ from torch import nn
 
 from cudagraphify._models import GPT
 from cudagraphify._policy import OpPolicy
-from cudagraphify._probe import Probe, differing_paths, plan_pieces
+from cudagraphify._probe import Probe, control_flow_findings, differing_paths, plan_pieces
 
 ACC = frozenset({"cuda", "cpu"})
 
@@ -78,6 +78,30 @@ def test_data_dependent_control_flow_shows_as_differing_sequences():
     runs = [run(model, torch.randn(1, 4)) for _ in range(6)]
     diffs = set().union(*(differing_paths(runs[0], r) for r in runs[1:]))
     assert diffs == {"0"}
+
+
+def test_a_control_flow_finding_names_the_first_op_where_two_runs_part():
+    class Branch(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.long = False
+
+        def forward(self, x):
+            y = self.lin(x).relu()
+            return y.tanh().sigmoid() if self.long else y
+
+    model = nn.Sequential(Branch(), nn.Linear(4, 4))
+    short = run(model, torch.randn(1, 4))
+    model[0].long = True
+    longer = run(model, torch.randn(1, 4))
+    (path, finding), = control_flow_findings(short, longer, "why").items()
+    i = len(short.sequences["0"])
+    assert path == "0" and finding.op == "control flow" and finding.tags == ()
+    assert str(finding) == (f"control flow at op {i} (its end in one run, "
+                            f"{longer.sequences['0'][i]} in the other): why"), str(finding)
+    model[0].long = False
+    assert control_flow_findings(short, run(model, torch.randn(1, 4)), "why") == {}
 
 
 def test_non_op_calls_are_seen_and_restored():
