@@ -1,12 +1,19 @@
 """GPU differential suite over models no one here wrote (HF transformers GPT-2, Llama, BERT;
 torchvision ResNet-18) and our GPT, built from configs with random weights: a scripted sequence
-of calls that changes one thing at a time; every output equals the eager twin's.
+of calls that changes one thing at a time; every output equals the eager twin's. The script runs
+twice per model: through ``graphify`` on the whole model, and through ``share_graph`` on its
+repeated layers (transformer blocks; ResNet's ``layer1``).
 
+Each step's observed path (captures, share_graph retargets, replays, eager calls and their
+reasons, invalidations) is recorded; with ``CUDAGRAPHIFY_OUTCOMES=<file>`` set, the records are
+written there as JSON lines when the module ends (the per-model x step table of a run's note).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 from typing import Callable
 
 import pytest
@@ -83,6 +90,41 @@ def _ours():
 
 MODELS = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "resnet18": _resnet, "ours": _ours}
 
+# model -> (its repeated layers, share_graph options). The HF layers differ only in
+# ``layer_idx``, which indexes a KV cache that these calls do not use (use_cache off).
+SHARED = {
+    "gpt2": (lambda m: m.transformer.h, {"ignore_attrs": "layer_idx", "strict": False}),
+    "llama": (lambda m: m.model.layers, {"ignore_attrs": "layer_idx", "strict": False}),
+    "bert": (lambda m: m.encoder.layer, {"ignore_attrs": "layer_idx", "strict": False}),
+    "resnet18": (lambda m: m.layer1, {}),
+    "ours": (lambda m: m.blocks, {}),
+}
+
+OUTCOMES: list[dict] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_outcomes():
+    yield
+    path = os.environ.get("CUDAGRAPHIFY_OUTCOMES")
+    if path and OUTCOMES:
+        with open(path, "a") as f:
+            for row in OUTCOMES:
+                f.write(json.dumps(row) + "\n")
+
+
+def _path_taken(before: cg.Stats, after: cg.Stats) -> str:
+    """What the calls between two snapshots of counters did, in words."""
+    parts = [f"{n} {what}" for what, n in (
+        ("capture(s)", after.captures - before.captures),
+        ("retarget(s)", after.retargets - before.retargets),
+        ("replay(s)", after.replays - before.replays),
+        ("invalidation(s)", after.invalidations - before.invalidations)) if n]
+    for reason, n in after.eager_calls.items():
+        if n > before.eager_calls.get(reason, 0):
+            parts.append(f"{n - before.eager_calls.get(reason, 0)} eager ({reason})")
+    return "; ".join(parts) or "nothing counted"
+
 
 def _reassign(m):
     lin = _first_linear(m)
@@ -123,12 +165,9 @@ STEPS = [
 
 
 
-@pytest.mark.parametrize("name", sorted(MODELS))
-def test_every_step_of_the_script_equals_eager(name):
-    model, make, pick = MODELS[name]()
-    torch.manual_seed(0)
-    ref = model.to(DEV).eval()
-    graphed = cg.graphify(copy.deepcopy(ref))
+def _run_script(name: str, ref: nn.Module, graphed: nn.Module, make: Callable, pick: Callable,
+                counters: Callable[[], cg.Stats], variant: str) -> None:
+    """Every step of STEPS on ``ref`` (eager) and ``graphed``; outputs equal, paths recorded."""
     for step, change, kwargs, ctx in STEPS:
         if change is not None:
             change(ref)
@@ -141,12 +180,54 @@ def test_every_step_of_the_script_equals_eager(name):
                         mod.p = 0.0
         torch.manual_seed(1)
         x = make(**kwargs)
+        before = counters()
         with ctx():
             got, want = pick(graphed(x)), pick(ref(x))
+        err = (got.double() - want.double()).abs().max().item()
+        OUTCOMES.append({"model": name, "variant": variant, "step": step, "max_abs_err": err,
+                         "path": _path_taken(before, counters())})
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{name}: {step}")
-    s = cg.stats(graphed)  # with a piecewise plan, its graphed submodules' counters too
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_step_of_the_script_equals_eager(name):
+    model, make, pick = MODELS[name]()
+    torch.manual_seed(0)
+    ref = model.to(DEV).eval()
+    graphed = cg.graphify(copy.deepcopy(ref))
+    # with a piecewise plan, cg.stats counts its graphed submodules' calls too
+    _run_script(name, ref, graphed, make, pick, lambda: cg.stats(graphed), "graphify")
+    s = cg.stats(graphed)
     assert s.replays >= 3 and s.invalidations >= 3, s
     assert s.captures + s.retargets >= 1, s
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_step_of_the_script_equals_eager_through_share_graph(name):
+    model, make, pick = MODELS[name]()
+    torch.manual_seed(0)
+    ref = model.to(DEV).eval()
+    if hasattr(ref, "config"):
+        ref.config.use_cache = False  # a KV cache object would make every layer call eager
+    shared = copy.deepcopy(ref)
+    layers_of, options = SHARED[name]
+    layers = list(layers_of(shared))
+    group = cg.share_graph(layers, **options)
+
+    def counters() -> cg.Stats:
+        total = cg.Stats()
+        for layer in layers:
+            total = total + cg.stats(layer)
+        return total
+
+    _run_script(name, ref, shared, make, pick, counters, "share_graph")
+    s, gs = counters(), group.stats()
+    OUTCOMES.append({"model": name, "variant": "share_graph", "step": "(group)",
+                     "group": {k: gs[k] for k in ("captures", "retargets", "per_layer",
+                                                  "reasons")}})
+    # Sharing held for the first signature at least: every layer's graph from one template.
+    assert gs["retargets"] >= len(layers), gs
+    assert s.retargets == gs["retargets"] and s.replays >= 3 * len(layers), s
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
