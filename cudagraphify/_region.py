@@ -213,9 +213,12 @@ class GraphRegion:
         cache.clear()
 
     def forget(self, state: "GraphedState") -> None:
-        item = self._caches.pop(id(state), None)
-        if item is not None:
-            item[1].clear()
+        """Release ``state``'s graphs in this region (its statics were invalidated); their
+        input copies stay counted in ``stats()``."""
+        with self.lock:
+            item = self._caches.pop(id(state), None)
+            if item is not None:  # state's, or a dead one's whose id it reuses: both go
+                self._release(item[1])
 
     def record_capture(self, entry) -> None:
         self.captures += 1

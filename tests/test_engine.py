@@ -399,6 +399,12 @@ def test_a_region_holds_callables_weakly_and_releases_a_deleted_ones_graphs():
     assert graph_b.released and (s.graphs, s.input_copies) == (1, 4)
     c = State()  # a new callable (it may reuse the dead one's id) gets a cache of its own
     assert region.cache_for(c) is not region.cache_for(a) and len(region.cache_for(c)) == 0
+    graph_c = Graph()
+    graph_c.owner = c
+    region.cache_for(c).put("key", graph_c)
+    region.forget(c)  # c's statics were invalidated: its graphs go, their copies stay counted
+    s = region.stats()
+    assert graph_c.released and not graph_a.released and (s.graphs, s.input_copies) == (1, 6)
     region.close()
     assert graph_a.released and region.stats().graphs == 0
 
