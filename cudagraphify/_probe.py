@@ -221,14 +221,14 @@ def differing_paths(a: Probe, b: Probe) -> set[str]:
 
 def control_flow_findings(a: Probe, b: Probe, why: str) -> dict[str, Finding]:
     """A finding for each path whose op sequence differs between two runs, located at the
-    first op where they part ("op 7 (aten.mul in one run, aten.add in the other)")."""
+    first op where they part ("op 7 (aten.mul in the first run, aten.add in the second)")."""
     out = {}
     for p in differing_paths(a, b):
         s, t = a.sequences.get(p, []), b.sequences.get(p, [])
         i = next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
         first, second = (seq[i] if i < len(seq) else "its end" for seq in (s, t))
         out[p] = Finding(p, "control flow", (),
-                         f"op {i} ({first} in one run, {second} in the other): {why}")
+                         f"op {i} ({first} in the first run, {second} in the second): {why}")
     return out
 
 

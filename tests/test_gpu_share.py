@@ -142,22 +142,30 @@ def test_hf_llama_layers_share_one_capture():
     group = cg.share_graph(model.model.layers, ignore_attrs=("self_attn.layer_idx",),
                            strict=False)
     strict = cg.share_graph(strict_model.model.layers, ignore_attrs=("self_attn.layer_idx",))
+    seqs = (12, 20, 16, 24)
     with torch.no_grad():
-        for seq in (12, 20):
+        for seq in seqs:
             for _ in range(5):
                 ids = torch.randint(0, 1000, (1, seq), device=DEV)
                 want = ref(ids, use_cache=False).logits
                 for m in (model, strict_model):
                     torch.testing.assert_close(m(ids, use_cache=False).logits, want,
                                                rtol=1e-5, atol=1e-5)
+    n = 6 * len(seqs)  # layer graphs: 6 layers x the lengths
     s = group.stats()
-    assert s["per_layer"] == 0, s["reasons"]
-    assert 4 <= s["captures"] <= 6 and s["retargets"] == 12 and s["unproven_slots"], s
+    # strict=False keeps such bytes unless one of the two happens to look like a device
+    # address (stack garbage can hold a stale pointer: byte 104 of the mean reduction's
+    # argument in one H200 run, for one length of two). That length then goes per layer, with
+    # the reason; the other lengths share.
+    assert s["retargets"] >= 6 and s["retargets"] + s["per_layer"] == n, s
+    assert s["per_layer"] % 6 == 0 and s["unproven_slots"], s
+    assert all("not a rebased parameter address" in r for r in s["reasons"]), s["reasons"]
+    assert 2 * len(seqs) <= s["captures"] <= 3 * len(seqs), s
     s = strict.stats()
     # strict keeps no unproven byte: a signature whose layers differ in those bytes goes per
     # layer (all 6 layers of it); where the bytes happen to be equal there is nothing to prove
     # (run 13 on the H200: one of the two lengths shared, the other refused)
-    assert not s["unproven_slots"] and s["retargets"] + s["per_layer"] == 12, s
+    assert not s["unproven_slots"] and s["retargets"] + s["per_layer"] == n, s
     assert s["per_layer"] % 6 == 0, s
     assert all("not a rebased parameter address" in r for r in s["reasons"]), s["reasons"]
 

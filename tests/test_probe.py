@@ -98,8 +98,8 @@ def test_a_control_flow_finding_names_the_first_op_where_two_runs_part():
     (path, finding), = control_flow_findings(short, longer, "why").items()
     i = len(short.sequences["0"])
     assert path == "0" and finding.op == "control flow" and finding.tags == ()
-    assert str(finding) == (f"control flow at op {i} (its end in one run, "
-                            f"{longer.sequences['0'][i]} in the other): why"), str(finding)
+    assert str(finding) == (f"control flow at op {i} (its end in the first run, "
+                            f"{longer.sequences['0'][i]} in the second): why"), str(finding)
     model[0].long = False
     assert control_flow_findings(short, run(model, torch.randn(1, 4)), "why") == {}
 
