@@ -14,9 +14,11 @@ Nothing here touches ``torch.cuda``: the backend (``_capture``) does.
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import time
 import traceback
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -88,6 +90,7 @@ class GraphedState:
         self._still = 0  # calls in a row since the last move
         self._moved_why = ""
         self.train_eager: str | None = None  # why grad-mode calls run eagerly from now on
+        self._fsdp_checked = (-1, False)  # (FSDP2 generation, resharded by a parent module)
         self._stream_token: int | None = None
         self.share: tuple | None = None  # (ShareGroup, layer index) under share_graph
         self.retargets = 0  # graphs made from a share_graph template instead of a capture
@@ -131,7 +134,8 @@ class GraphedState:
             if self._still >= _STILL_CALLS:
                 self._moves = 0
         if torch.is_grad_enabled() and (self.train_eager
-                                        or _reshards_after_forward(self.statics.root)):
+                                        or _reshards_after_forward(self.statics.root)
+                                        or self._resharded_by_a_parent()):
             return self._eager(self.train_eager or _RESHARDS, fn, args, kwargs)
         if self._moves > _MAX_MOVES:
             return self._eager(
@@ -450,11 +454,21 @@ class GraphedState:
             return None
         return group.make(k, key, fn, a, kw, inputs, leaves, backend, device, expected)
 
+    def _resharded_by_a_parent(self) -> bool:
+        """Whether an FSDP2 group of an enclosing ``fully_shard``ed module frees some of this
+        module's parameters after forward (remembered until FSDP2's modules change)."""
+        gen = _resharded_generation()
+        if gen != self._fsdp_checked[0]:
+            owners = _FSDP_RESHARDED["owners"]
+            self._fsdp_checked = (gen, any(m in owners for m in self.statics.modules))
+        return self._fsdp_checked[1]
+
     # -- upkeep ----------------------------------------------------------------------------
 
     def invalidate(self, why: str) -> None:
         """Drop every graph (they read memory that is no longer the module's)."""
         self.invalidations += 1
+        self._fsdp_checked = (-1, False)  # the statics were re-read: its modules may differ
         self.release()
         for region in _region.all_open():
             region.forget(self)
@@ -507,10 +521,10 @@ def _written(tensors: list[torch.Tensor], marks: list) -> list[int]:
             if (not torch.equal(t, m) if isinstance(m, torch.Tensor) else t._version != m)]
 
 
-_RESHARDS = ("FSDP2 shards this module with reshard_after_forward: it frees the parameters after "
-             "forward and gathers them anew, elsewhere, for backward, where a backward graph "
-             "cannot follow (inference calls still replay); shard it with "
-             "reshard_after_forward=False for training graphs")
+_RESHARDS = ("FSDP2 shards this module (or one around it) with reshard_after_forward: it frees "
+             "the parameters after forward and gathers them anew, elsewhere, for backward, "
+             "where a backward graph cannot follow (inference calls still replay); shard it "
+             "with reshard_after_forward=False for training graphs")
 
 
 def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
@@ -525,6 +539,31 @@ def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
         return group is not None and group.post_forward_mesh_info is not None
     except Exception:  # noqa: BLE001 - FSDP2 internals asserting: cannot tell, assume it does
         return True
+
+
+# The modules whose parameters some FSDP2 group frees after forward, as of the last time
+# FSDP2's module registry had "size" entries (it grows with each fully_shard).
+_FSDP_RESHARDED: dict = {"size": -1, "gen": 0, "owners": weakref.WeakSet()}
+
+
+def _resharded_generation() -> int:
+    """A number that changes whenever the set of modules whose parameters FSDP2 reshards after
+    forward may have changed (the set itself: ``_FSDP_RESHARDED["owners"]``)."""
+    registry = sys.modules.get("torch.distributed._composable_state")
+    mapping = getattr(registry, "_module_state_mapping", None)
+    if mapping is None or len(mapping) == _FSDP_RESHARDED["size"]:
+        return _FSDP_RESHARDED["gen"]
+    owners = weakref.WeakSet()
+    for ref in list(mapping.values()):
+        group = getattr(ref(), "_fsdp_param_group", None)
+        if group is None or getattr(group, "post_forward_mesh_info", None) is None:
+            continue
+        for param in getattr(group, "fsdp_params", ()):
+            info = param._module_info
+            owners.add(info.module)
+            owners.update(getattr(info, "shared_modules", ()))
+    _FSDP_RESHARDED.update(size=len(mapping), gen=_FSDP_RESHARDED["gen"] + 1, owners=owners)
+    return _FSDP_RESHARDED["gen"]
 
 
 def _refuse_tracers(args: tuple, kwargs: dict) -> None:

@@ -174,3 +174,33 @@ def test_thunder_jit_over_graphified_blocks_is_a_clear_error():
             pytest.fail("thunder.jit over graphified blocks ran")
     assert "thunder.jit is tracing a graphified module" in text or (
         text.startswith("InterpreterError") and "wrapper_descriptor" in text), text
+
+
+@pytest.mark.parametrize("reshard", [True, False])
+def test_fsdp2_training_of_a_graphified_submodule_of_a_sharded_block(sim, group, reshard):
+    # The block's FSDP2 state (not the graphified submodule's own) frees the parameters after
+    # forward: the submodule's training calls must run eagerly too, never raise in backward.
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    ref = _gpt().train()
+    model = copy.deepcopy(ref)
+    for m, graphed in ((ref, False), (model, True)):
+        for block in m.blocks:
+            if graphed:
+                cg.graphify(block.mlp)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+    x = torch.randn(1, 4, 32)
+    for _ in range(3):
+        for m in (model, ref):
+            m(x).square().mean().backward()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in (p.grad, q.grad)]
+        torch.testing.assert_close(*full, rtol=0, atol=0)
+    s = cg.stats(model.blocks[0].mlp)
+    eager = sum(n for r, n in s.eager_calls.items() if "reshard_after_forward" in r)
+    if reshard:
+        assert (eager, s.captures) == (3, 0), s
+    else:
+        assert eager == 0 and s.captures >= 1, s

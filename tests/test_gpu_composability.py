@@ -72,7 +72,8 @@ def _train_steps(model, ref, steps: int, rank: int, lr: float = 0.05) -> None:
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=f"step {step}")
 
 
-def _fsdp_case(rank: int, world: int, reshard: bool) -> None:
+def _fsdp_case(rank: int, world: int, reshard: bool, part: str = "") -> None:
+    """FSDP2 over blocks; graphified: each block (``part=""``) or its submodule ``part``."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -82,14 +83,14 @@ def _fsdp_case(rank: int, world: int, reshard: bool) -> None:
         for block in m.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
             if graphed:
-                cg.graphify(block)
+                cg.graphify(block.get_submodule(part))
         fully_shard(m, mesh=mesh, reshard_after_forward=reshard)
     torch.manual_seed(rank)
     with torch.no_grad():
         for _ in range(8):
             x = torch.randn(2, 8, DIM, device="cuda")
             torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
-    s = cg.stats(model.blocks[0])
+    s = cg.stats(model.blocks[0].get_submodule(part))
     if reshard:  # gathered anew on each call: where the allocator gives the same memory the
         # graph replays (the guard checked it), else eager after a few re-captures; no storm
         assert s.captures <= 5 and s.replays + s.eager + s.captures == 8, s
@@ -99,14 +100,21 @@ def _fsdp_case(rank: int, world: int, reshard: bool) -> None:
     _train_steps(model, ref, 3, rank)
     # reshard_after_forward gathers the parameters anew, elsewhere, for backward: training
     # calls of such a block run eagerly (a replayed backward would read freed memory)
-    why = [r for r in cg.stats(model.blocks[0]).eager_calls if "reshard_after_forward" in r]
-    assert bool(why) == reshard, cg.stats(model.blocks[0])
+    s = cg.stats(model.blocks[0].get_submodule(part))
+    why = [r for r in s.eager_calls if "reshard_after_forward" in r]
+    assert bool(why) == reshard, s
 
 
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("reshard", [False, True])
 def test_fsdp2_blocks_equal_plain_fsdp2(world, reshard):
     _distributed(world, _fsdp_case, reshard)
+
+
+@pytest.mark.parametrize("reshard", [False, True])
+def test_fsdp2_graphified_submodules_of_sharded_blocks_equal_plain_fsdp2(reshard):
+    # the block's FSDP2 group, not the submodule's own, reshards the submodule's parameters
+    _distributed(1, _fsdp_case, reshard, "mlp")
 
 
 def _ddp_case(rank: int, world: int) -> None:
