@@ -226,7 +226,8 @@ def control_flow_findings(a: Probe, b: Probe, why: str) -> dict[str, Finding]:
     for p in differing_paths(a, b):
         s, t = a.sequences.get(p, []), b.sequences.get(p, [])
         i = next((i for i, (x, y) in enumerate(zip(s, t)) if x != y), min(len(s), len(t)))
-        first, second = (seq[i] if i < len(seq) else "its end" for seq in (s, t))
+        first, second = (seq[i] if i < len(seq) else "its end" if p in run.sequences
+                         else "nothing (it did not run)" for seq, run in ((s, a), (t, b)))
         out[p] = Finding(p, "control flow", (),
                          f"op {i} ({first} in the first run, {second} in the second): {why}")
     return out

@@ -200,7 +200,8 @@ class GraphRegion:
         return item[1]
 
     def _collect(self) -> None:
-        """Release the graphs of callables that were deleted while this region is open."""
+        """Release the graphs of callables that were deleted while this region is open (and
+        of those whose release ``forget`` queued)."""
         while self._dead:
             key, ref = self._dead.pop()
             item = self._caches.get(key)
@@ -214,11 +215,23 @@ class GraphRegion:
 
     def forget(self, state: "GraphedState") -> None:
         """Release ``state``'s graphs in this region (its statics were invalidated); their
-        input copies stay counted in ``stats()``."""
-        with self.lock:
+        input copies stay counted in ``stats()``.
+
+        The caller holds ``state``'s lock, and a call in this region takes the region's lock
+        before a state's: where another thread's call holds the region, waiting here could
+        deadlock. The release is then queued, and the region's next ``cache_for`` (which comes
+        before ``state`` can use the region again), ``stats`` or ``close`` makes it."""
+        if not self.lock.acquire(blocking=False):
+            item = self._caches.get(id(state))
+            if item is not None:
+                self._dead.append((id(state), item[0]))
+            return
+        try:
             item = self._caches.pop(id(state), None)
             if item is not None:  # state's, or a dead one's whose id it reuses: both go
                 self._release(item[1])
+        finally:
+            self.lock.release()
 
     def record_capture(self, entry) -> None:
         self.captures += 1

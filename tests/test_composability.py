@@ -60,10 +60,13 @@ def test_fsdp2_blocks_never_storm_recaptures(sim, group, reshard):
         assert (s.captures, s.replays, s.eager) == (1, 9, 0)
 
 
+@pytest.mark.parametrize("part", ["", "mlp"])  # graphified: the sharded block, or its MLP
 @pytest.mark.parametrize("reshard", [True, False])
-def test_fsdp2_training_graphs_only_where_parameters_stay_put_until_backward(sim, group, reshard):
+def test_fsdp2_training_graphs_only_where_parameters_stay_put_until_backward(sim, group, reshard,
+                                                                            part):
     # reshard_after_forward frees the gathered parameters after forward and gathers them anew
-    # for backward, possibly elsewhere: training calls of such a block run eagerly.
+    # for backward, possibly elsewhere: training calls of such a block run eagerly, and so do
+    # those of a graphified submodule (the block's FSDP2 group reshards its parameters).
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -74,7 +77,7 @@ def test_fsdp2_training_graphs_only_where_parameters_stay_put_until_backward(sim
         for block in m.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
             if graphed:
-                cg.graphify(block)
+                cg.graphify(block.get_submodule(part))
     x = torch.randn(1, 4, 32)
     for _ in range(3):
         for m in (model, ref):
@@ -82,7 +85,7 @@ def test_fsdp2_training_graphs_only_where_parameters_stay_put_until_backward(sim
     for p, q in zip(model.parameters(), ref.parameters()):
         full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in (p.grad, q.grad)]
         torch.testing.assert_close(*full, rtol=0, atol=0)
-    s = cg.stats(model.blocks[0])
+    s = cg.stats(model.blocks[0].get_submodule(part))
     eager = sum(n for r, n in s.eager_calls.items() if "reshard_after_forward" in r)
     if reshard:
         assert (eager, s.captures) == (3, 0), s
@@ -175,32 +178,3 @@ def test_thunder_jit_over_graphified_blocks_is_a_clear_error():
     assert "thunder.jit is tracing a graphified module" in text or (
         text.startswith("InterpreterError") and "wrapper_descriptor" in text), text
 
-
-@pytest.mark.parametrize("reshard", [True, False])
-def test_fsdp2_training_of_a_graphified_submodule_of_a_sharded_block(sim, group, reshard):
-    # The block's FSDP2 state (not the graphified submodule's own) frees the parameters after
-    # forward: the submodule's training calls must run eagerly too, never raise in backward.
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (1,))
-    ref = _gpt().train()
-    model = copy.deepcopy(ref)
-    for m, graphed in ((ref, False), (model, True)):
-        for block in m.blocks:
-            if graphed:
-                cg.graphify(block.mlp)
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-    x = torch.randn(1, 4, 32)
-    for _ in range(3):
-        for m in (model, ref):
-            m(x).square().mean().backward()
-    for p, q in zip(model.parameters(), ref.parameters()):
-        full = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in (p.grad, q.grad)]
-        torch.testing.assert_close(*full, rtol=0, atol=0)
-    s = cg.stats(model.blocks[0].mlp)
-    eager = sum(n for r, n in s.eager_calls.items() if "reshard_after_forward" in r)
-    if reshard:
-        assert (eager, s.captures) == (3, 0), s
-    else:
-        assert eager == 0 and s.captures >= 1, s

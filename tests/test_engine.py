@@ -409,6 +409,45 @@ def test_a_region_holds_callables_weakly_and_releases_a_deleted_ones_graphs():
     assert graph_a.released and region.stats().graphs == 0
 
 
+def test_an_invalidation_while_another_thread_holds_the_region_does_not_deadlock(sim):
+    # Thread a: m's parameters moved, so its call (holding m's lock) drops m's graphs in every
+    # open region. Thread b: a call in that region (holding the region's lock) then calls m.
+    m = cg.graphify(nn.Linear(4, 4))
+    x = torch.randn(2, 4)
+    inside, go = threading.Event(), threading.Event()
+    done: dict = {}
+
+    def b():
+        with torch.no_grad(), cg.graph_region() as r:
+            m(x), m(x)  # m's graph in the region, from the old weight
+            with r.lock:  # as a region call does while it runs
+                inside.set()
+                go.wait(5)
+                before = r.stats().captures
+                done["b"] = (m(x), r.stats().captures - before, r.stats().graphs)
+
+    def a():
+        with torch.no_grad():
+            done["a"] = m(x)
+
+    tb = threading.Thread(target=b, daemon=True)
+    tb.start()
+    assert inside.wait(5)
+    m.weight = nn.Parameter(m.weight.detach() * 2)
+    ta = threading.Thread(target=a, daemon=True)
+    ta.start()
+    ta.join(0.5)  # a cannot take the region's lock: it must not wait for it either
+    go.set()
+    ta.join(5), tb.join(5)
+    assert set(done) == {"a", "b"}, f"deadlock: only {set(done)} finished"
+    want = torch.nn.functional.linear(x, m.weight, m.bias)
+    y, recaptured, graphs = done["b"]
+    torch.testing.assert_close(done["a"], want, rtol=0, atol=0)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    # the old graph was released before m's next call in the region, which captured anew
+    assert (recaptured, graphs) == (1, 1)
+
+
 def test_ungraphify_releases_graphs_and_restores_eager(sim):
     m = cg.graphify(nn.Linear(2, 2))
     with torch.no_grad():

@@ -192,11 +192,10 @@ def _run_script(name: str, ref: nn.Module, graphed: nn.Module, make: Callable, p
         before = counters()
         with ctx():
             got, want = pick(graphed(x)), pick(ref(x))
-        err = (got.double() - want.double()).abs().max().item()
-        paths[step] = _path_taken(before, counters())
-        OUTCOMES.append({"model": name, "variant": variant, "step": step, "max_abs_err": err,
-                         "path": paths[step]})
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{name}: {step}")
+        paths[step] = _path_taken(before, counters())
+        OUTCOMES.append({"model": name, "variant": variant, "step": step, "path": paths[step],
+                         "max_abs_err": (got.double() - want.double()).abs().max().item()})
     return paths
 
 
@@ -239,7 +238,7 @@ def test_every_step_of_the_script_equals_eager_through_share_graph(name):
     # which refuses a signature whose unused argument bytes happen to look like a device
     # address; ResNet's float32 cuDNN kernels take bytes that differ per layer: refused, per
     # layer, and its float64 signature shared in the H200 runs.)
-    assert gs["retargets"] >= len(layers), gs
+    assert f"{len(layers)} retarget(s)" in paths.values(), paths
     assert all("not a rebased parameter address" in r or "writes to its buffers" in r
                or "copies or sets a parameter's memory" in r for r in gs["reasons"]), gs
     assert s.retargets == gs["retargets"] and s.replays >= 3 * len(layers), s

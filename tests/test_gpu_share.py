@@ -156,8 +156,9 @@ def test_hf_llama_layers_share_one_capture():
     # strict=False keeps such bytes unless one of the two happens to look like a device
     # address (stack garbage can hold a stale pointer: byte 104 of the mean reduction's
     # argument in one H200 run, for one length of two). That length then goes per layer, with
-    # the reason; the other lengths share.
-    assert s["retargets"] >= 6 and s["retargets"] + s["per_layer"] == n, s
+    # the reason; the other lengths share (at least half of them: that happened in one run of
+    # many, to one length in two).
+    assert s["retargets"] >= n // 2 and s["retargets"] + s["per_layer"] == n, s
     assert s["per_layer"] % 6 == 0 and s["unproven_slots"], s
     assert all("not a rebased parameter address" in r for r in s["reasons"]), s["reasons"]
     assert 2 * len(seqs) <= s["captures"] <= 3 * len(seqs), s

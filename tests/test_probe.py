@@ -103,6 +103,21 @@ def test_a_control_flow_finding_names_the_first_op_where_two_runs_part():
     model[0].long = False
     assert control_flow_findings(short, run(model, torch.randn(1, 4)), "why") == {}
 
+    class Either(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.use_a = nn.Linear(4, 4), nn.Linear(4, 4), True
+
+        def forward(self, x):
+            return self.a(x) if self.use_a else self.b(x)
+
+    either = Either()
+    with_a = run(either, torch.randn(1, 4))
+    either.use_a = False
+    found = control_flow_findings(with_a, run(either, torch.randn(1, 4)), "why")
+    assert set(found) == {"a", "b"}
+    assert "(nothing (it did not run) in the first run," in str(found["b"]), str(found["b"])
+
 
 def test_non_op_calls_are_seen_and_restored():
     original = torch.manual_seed
