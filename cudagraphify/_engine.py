@@ -274,17 +274,22 @@ class GraphedState:
         with _Nested():
             result = backend.warmup(probed(probe, lambda: fn(*args, **kwargs)), device)
         mutated = [tensors[j][0] for j in _written([x for _, x in tensors], marks)]
+        moved_statics = [statics[j] for j in _written(statics, static_marks)]
         done = lambda: result  # noqa: E731 - the warm-up was this call
         if probe is not None and probe.findings:
-            return go_piecewise(self, cache, key, probe.unsafe_paths(), set(probe.sequences),
-                                result)
+            rehearsal = None
+            if probe.asked_capturing:
+                rehearsal = self._rehearse(backend, device, fn, sig, leaves, moved_statics)
+            if rehearsal is None:
+                return go_piecewise(self, cache, key, probe.unsafe_paths(),
+                                    set(probe.sequences), result)
+            probe = rehearsal  # what the capture must match: the path taken while captured
         if mutated and _inputs_alias(leaves):
             return self._decide_eager(cache, key, "inputs share memory and forward writes to "
                                       "them", done)
         if mutated and training:
             return self._decide_eager(cache, key, "forward writes to its tensor arguments while "
                                       "autograd records", done)
-        moved_statics = [statics[j] for j in _written(statics, static_marks)]
         # Objects named in static_argnames are passed as they are: extra runs would change them.
         opaque = any(c[1] == "static-object" for c in sig.constants)
         failed: CaptureFailed | None = None
@@ -332,6 +337,11 @@ class GraphedState:
         shared = getattr(entry, "shared", False)  # made from a share_graph template
         if probe is not None and second is not None and not shared:
             differs = sequence_findings(probe, second)
+            if differs and probe.asked_capturing and not probe.rehearse:
+                # the capture took the path the code takes while captured: compare with that
+                rehearsal = self._rehearse(backend, device, fn, sig, leaves, moved_statics)
+                if rehearsal is not None:
+                    differs = sequence_findings(rehearsal, second)
             if differs:
                 entry.release()
                 return go_piecewise(self, cache, key, differs, set(probe.sequences), result)
@@ -358,6 +368,39 @@ class GraphedState:
             # replaying once more has no effect beyond its outputs.
             return self._replay(backend, region, entry, leaves, fn, args, kwargs)
         return result
+
+    def _rehearse(self, backend, device, fn, sig, leaves, moved_statics: list[torch.Tensor]):
+        """The probe of an eager run on which ``torch.cuda.is_current_stream_capturing()``
+        answers "yes", when it finds nothing unsafe (else None).
+
+        Code that asks (HF transformers' mask building) takes another path while captured,
+        one written for graphs: the warm-up's findings (a host sync on the other path) do not
+        apply to it. The run reads copies of the inputs; the buffers and random state are
+        restored, so only the real call's effect remains. The capture must then take the same
+        path, op for op (checked as for any warm-up)."""
+        if any(c[1] == "static-object" for c in sig.constants):
+            return None  # objects passed as they are: another run would change them
+        rehearsal = new_probe(self)
+        rehearsal.rehearse = True
+        with torch.no_grad():
+            saved = [t.clone() for t in moved_statics]
+        rng = (torch.random.get_rng_state(),
+               torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        try:
+            copies = StaticInputs(leaves, [False] * len(leaves))
+            a, kw = unflatten_call(copies.leaves, sig)
+            with _Nested():
+                backend.warmup(probed(rehearsal, lambda: fn(*a, **kw)), device)
+        except Exception:  # noqa: BLE001 - that path fails eagerly: keep the warm-up's plan
+            return None
+        finally:
+            with torch.no_grad():
+                for t, v in zip(moved_statics, saved):
+                    t.data.copy_(v)
+            torch.random.set_rng_state(rng[0])
+            if rng[1] is not None:
+                torch.cuda.set_rng_state(rng[1], device)
+        return None if rehearsal.findings else rehearsal
 
     def _extra_warmups(self, backend, device, fn, sig, leaves, training: bool,
                        moved_statics: list[torch.Tensor]) -> None:

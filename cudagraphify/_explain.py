@@ -84,16 +84,31 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
     saved = [(b, b.detach().clone()) for b in module.buffers()]
     rng = torch.random.get_rng_state()
     cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-    probes = []
-    try:
+
+    def two_runs(rehearse: bool) -> list[Probe]:
+        probes = []
         for _ in range(2):
             probe = Probe(module, policy, accel=accel, thunder=True)
+            probe.rehearse = rehearse
             with torch.no_grad(), _Nested(), probe:
                 module(*args, **kwargs)
             probes.append(probe)
             with torch.no_grad():
                 for b, v in saved:
                     b.copy_(v)
+        return probes
+
+    try:
+        probes = two_runs(False)
+        if probes[0].findings and probes[0].asked_capturing:
+            # As graphify does: code that asks whether it is being captured takes another path
+            # while captured; where that path is safe, that path is the plan.
+            try:
+                rehearsed = two_runs(True)
+            except Exception:  # noqa: BLE001 - that path fails here: keep the plain runs
+                rehearsed = None
+            if rehearsed is not None and not rehearsed[0].findings:
+                probes = rehearsed
     finally:
         with torch.no_grad():
             for b, v in saved:

@@ -54,6 +54,9 @@ NON_OP_CALLS: dict[str, tuple[str, ...]] = {
     "torch.cuda.manual_seed": ("CPU_RNG",),
     "torch.cuda.manual_seed_all": ("CPU_RNG",),
     "torch.cuda.set_rng_state": ("CPU_RNG",),
+    # Safe, but code that asks takes another path while captured (HF transformers' masks):
+    # the probe notes the question, and a rehearsal answers it "yes" (see the engine).
+    "torch.cuda.is_current_stream_capturing": (),
     **{f"torch.distributed.{n}": ("COLLECTIVE",) for n in (
         "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
         "reduce_scatter_tensor", "broadcast", "barrier", "send", "recv", "isend", "irecv",

@@ -88,6 +88,7 @@ def _resolve(dotted: str) -> tuple[Any, str] | None:
     return None
 
 
+CAPTURING_QUERY = "torch.cuda.is_current_stream_capturing"
 _active: dict[int, "Probe"] = {}  # thread id -> the probe recording on that thread
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -114,6 +115,10 @@ def _acquire_patches() -> None:
                 if probe is None or probe._non_op_depth:
                     return _orig(*a, **k)  # another thread, or inside a recorded call
                 probe._record_non_op(_name, _tags)
+                if _name == CAPTURING_QUERY:
+                    probe.asked_capturing = True
+                    if probe.rehearse:
+                        return True  # a rehearsal of the capture: see Probe.rehearse
                 probe._non_op_depth += 1
                 try:
                     return _orig(*a, **k)
@@ -149,6 +154,10 @@ class Probe:
         self._undo: list = []
         self._non_op_depth = 0
         self._thread: int | None = None
+        self.asked_capturing = False  # the code asked torch.cuda.is_current_stream_capturing()
+        # A rehearsal: an eager run on which that question is answered "yes", so that code
+        # which takes another path while captured takes it here, where the probe sees it.
+        self.rehearse = False
 
     @property
     def path(self) -> str:

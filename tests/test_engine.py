@@ -1019,3 +1019,54 @@ def test_parameters_moved_before_backward_are_a_clear_error_then_eager(sim):
     with torch.no_grad():  # inference calls still graph
         model(x), model(x)
     assert cg.stats(model).replays == 2
+
+
+class _CaptureAware(nn.Module):
+    """As HF transformers' mask building: a shortcut when not being captured (``"sync"``: one
+    that syncs; ``"skip"``: fewer ops), and a longer, graph-safe path while captured (same
+    result). ``sync_always``: the captured path has a sync of its own."""
+
+    def __init__(self, sync_always: bool = False, shortcut: str = "sync"):
+        super().__init__()
+        self.shortcut = shortcut
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("calls", torch.zeros(()))
+        self.sync_always = sync_always
+
+    def forward(self, x):
+        self.calls += 1
+        y = self.lin(x)
+        if not torch.cuda.is_current_stream_capturing():
+            if self.shortcut == "sync" and bool((y > -1e9).all()):  # a host sync
+                return y
+            if self.shortcut == "skip":  # fewer ops, no sync (as HF BERT's)
+                return y
+        if self.sync_always and y.sum() > 1e9:
+            y = y * 0
+        return torch.where(y > -1e9, y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("sync_always,shortcut", [(False, "sync"), (True, "sync"),
+                                                   (False, "skip"), (True, "skip")])
+def test_code_that_asks_whether_it_is_captured_is_planned_on_its_captured_path(
+        sim, monkeypatch, sync_always, shortcut):
+    # The simulated capture answers the question as a real one does.
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: sim.capturing)
+    torch.manual_seed(0)
+    ref = _CaptureAware(sync_always, shortcut)
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+    s = cg.stats(g)
+    if sync_always:  # the captured path syncs too: piecewise, its Linear graphed
+        assert all(r.startswith("piecewise") for r in s.eager_calls), s
+        assert cg.stats(g.lin).captures == 1
+    else:  # the warm-up's sync is on the path a capture never takes: one graph, replayed
+        assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
+    # the rehearsal's write to the buffer is undone: it counts the real calls only (and a
+    # capture, which runs forward in this simulation; with the "skip" shortcut the warm-up
+    # finds nothing, so a capture is made before the plan turns piecewise)
+    captured = not sync_always or shortcut == "skip"
+    assert g.calls.item() == ref.calls.item() + captured

@@ -93,3 +93,20 @@ def test_explain_without_a_plan_and_of_functions():
     assert "no plan yet" in str(cg.explain(cg.graphify(nn.Linear(2, 2))))
     with pytest.raises(cg.CudagraphifyError, match="Module"):
         cg.explain(f, torch.ones(1))
+
+
+@pytest.mark.parametrize("sync_always", [False, True])
+def test_explain_plans_code_that_asks_whether_it_is_captured_on_its_captured_path(
+        monkeypatch, sync_always):
+    from test_engine import _CaptureAware
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    model = _CaptureAware(sync_always)
+    calls = model.calls.clone()
+    statuses = {m["path"]: m["status"]
+                for m in cg.explain(model, torch.randn(2, 4)).to_dict()["modules"]}
+    # the plain runs sync (the shortcut); the path taken while captured syncs only if
+    # sync_always
+    assert statuses == ({"": "eager", "lin": "graphed"} if sync_always
+                        else {"": "graphed"}), statuses  # whole: its parts not listed
+    assert torch.equal(model.calls, calls)  # left as it was
