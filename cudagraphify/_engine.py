@@ -18,8 +18,7 @@ import sys
 import threading
 import time
 import traceback
-import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils._pytree as pytree
@@ -90,7 +89,7 @@ class GraphedState:
         self._still = 0  # calls in a row since the last move
         self._moved_why = ""
         self.train_eager: str | None = None  # why grad-mode calls run eagerly from now on
-        self._fsdp_checked = (-1, False)  # (FSDP2 generation, resharded by a parent module)
+        self._fsdp_checked = (-1, False)  # (FSDP2 registry size, resharded by a parent)
         self._stream_token: int | None = None
         self.share: tuple | None = None  # (ShareGroup, layer index) under share_graph
         self.retargets = 0  # graphs made from a share_graph template instead of a capture
@@ -499,11 +498,15 @@ class GraphedState:
 
     def _resharded_by_a_parent(self) -> bool:
         """Whether an FSDP2 group of an enclosing ``fully_shard``ed module frees some of this
-        module's parameters after forward (remembered until FSDP2's modules change)."""
-        gen = _resharded_generation()
-        if gen != self._fsdp_checked[0]:
-            owners = _FSDP_RESHARDED["owners"]
-            self._fsdp_checked = (gen, any(m in owners for m in self.statics.modules))
+        module's parameters after forward (looked up again when FSDP2's registry of sharded
+        modules changes size)."""
+        registry = sys.modules.get("torch.distributed._composable_state")
+        mapping = getattr(registry, "_module_state_mapping", None)
+        size = len(mapping) if mapping is not None else 0
+        if size != self._fsdp_checked[0]:
+            mine = {id(m) for m in self.statics.modules}
+            self._fsdp_checked = (size, size > 0 and any(
+                id(m) in mine for m in _resharded_param_owners(mapping)))
         return self._fsdp_checked[1]
 
     # -- upkeep ----------------------------------------------------------------------------
@@ -584,29 +587,17 @@ def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
         return True
 
 
-# The modules whose parameters some FSDP2 group frees after forward, as of the last time
-# FSDP2's module registry had "size" entries (it grows with each fully_shard).
-_FSDP_RESHARDED: dict = {"size": -1, "gen": 0, "owners": weakref.WeakSet()}
-
-
-def _resharded_generation() -> int:
-    """A number that changes whenever the set of modules whose parameters FSDP2 reshards after
-    forward may have changed (the set itself: ``_FSDP_RESHARDED["owners"]``)."""
-    registry = sys.modules.get("torch.distributed._composable_state")
-    mapping = getattr(registry, "_module_state_mapping", None)
-    if mapping is None or len(mapping) == _FSDP_RESHARDED["size"]:
-        return _FSDP_RESHARDED["gen"]
-    owners = weakref.WeakSet()
+def _resharded_param_owners(mapping) -> Iterator[torch.nn.Module]:
+    """The modules whose parameters an FSDP2 group in ``mapping`` (FSDP2's registry of sharded
+    modules) frees after forward."""
     for ref in list(mapping.values()):
         group = getattr(ref(), "_fsdp_param_group", None)
         if group is None or getattr(group, "post_forward_mesh_info", None) is None:
             continue
         for param in getattr(group, "fsdp_params", ()):
             info = param._module_info
-            owners.add(info.module)
-            owners.update(getattr(info, "shared_modules", ()))
-    _FSDP_RESHARDED.update(size=len(mapping), gen=_FSDP_RESHARDED["gen"] + 1, owners=owners)
-    return _FSDP_RESHARDED["gen"]
+            yield info.module
+            yield from getattr(info, "shared_modules", ())
 
 
 def _refuse_tracers(args: tuple, kwargs: dict) -> None:

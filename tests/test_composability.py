@@ -178,3 +178,31 @@ def test_thunder_jit_over_graphified_blocks_is_a_clear_error():
     assert "thunder.jit is tracing a graphified module" in text or (
         text.startswith("InterpreterError") and "wrapper_descriptor" in text), text
 
+
+
+def test_fsdp2_resharding_is_looked_up_again_for_models_sharded_later(sim, group):
+    # FSDP2's registry of sharded modules can hold as many entries for a new model as it held
+    # for one since deleted: what was found for the old model must not stand for the new one.
+    import gc
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    x = torch.randn(1, 4, 32)
+
+    def sharded(reshard: bool) -> nn.Module:
+        model = _gpt().train()
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+            cg.graphify(block.mlp)
+        model(x).sum().backward()
+        return model
+
+    kept = sharded(False)
+    assert not cg.stats(kept.blocks[0].mlp).eager_calls
+    del kept
+    sim.graphs.clear()  # the simulated graphs hold the functions they re-run
+    gc.collect()
+    s = cg.stats(sharded(True).blocks[0].mlp)
+    assert any("reshard_after_forward" in r for r in s.eager_calls), s

@@ -238,7 +238,7 @@ def test_every_step_of_the_script_equals_eager_through_share_graph(name):
     # which refuses a signature whose unused argument bytes happen to look like a device
     # address; ResNet's float32 cuDNN kernels take bytes that differ per layer: refused, per
     # layer, and its float64 signature shared in the H200 runs.)
-    assert f"{len(layers)} retarget(s)" in paths.values(), paths
+    assert any(p.split("; ")[0] == f"{len(layers)} retarget(s)" for p in paths.values()), paths
     assert all("not a rebased parameter address" in r or "writes to its buffers" in r
                or "copies or sets a parameter's memory" in r for r in gs["reasons"]), gs
     assert s.retargets == gs["retargets"] and s.replays >= 3 * len(layers), s
