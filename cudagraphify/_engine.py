@@ -273,12 +273,18 @@ class GraphedState:
         with _Nested():
             result = backend.warmup(probed(probe, lambda: fn(*args, **kwargs)), device)
         mutated = [tensors[j][0] for j in _written([x for _, x in tensors], marks)]
-        moved_statics = [statics[j] for j in _written(statics, static_marks)]
+        wrote = _written(statics, static_marks)
+        moved_statics = [statics[j] for j in wrote]
+        del static_marks  # copies of the buffers
+
+        def rehearse():
+            return self._rehearse(backend, device, fn, sig, leaves, mutated, statics, buffers,
+                                  wrote)
         done = lambda: result  # noqa: E731 - the warm-up was this call
         if probe is not None and probe.findings:
             rehearsal = None
-            if probe.asked_capturing:
-                rehearsal = self._rehearse(backend, device, fn, sig, leaves, moved_statics)
+            if probe.may_rehearse():
+                rehearsal = rehearse()
             if rehearsal is None:
                 return go_piecewise(self, cache, key, probe.unsafe_paths(),
                                     set(probe.sequences), result)
@@ -336,9 +342,9 @@ class GraphedState:
         shared = getattr(entry, "shared", False)  # made from a share_graph template
         if probe is not None and second is not None and not shared:
             differs = sequence_findings(probe, second)
-            if differs and probe.asked_capturing and not probe.rehearse:
+            if differs and probe.may_rehearse() and not probe.rehearse:
                 # the capture took the path the code takes while captured: compare with that
-                rehearsal = self._rehearse(backend, device, fn, sig, leaves, moved_statics)
+                rehearsal = rehearse()
                 if rehearsal is not None:
                     differs = sequence_findings(rehearsal, second)
             if differs:
@@ -368,38 +374,58 @@ class GraphedState:
             return self._replay(backend, region, entry, leaves, fn, args, kwargs)
         return result
 
-    def _rehearse(self, backend, device, fn, sig, leaves, moved_statics: list[torch.Tensor]):
+    def _rehearse(self, backend, device, fn, sig, leaves, mutated: list[int],
+                  statics: list[torch.Tensor], buffers: list[bool], wrote: list[int]):
         """The probe of an eager run on which ``torch.cuda.is_current_stream_capturing()``
-        answers "yes", when it finds nothing unsafe (else None).
+        answers "yes", when that path is safe and writes what the real call wrote (else None).
 
-        Code that asks (HF transformers' mask building) takes another path while captured,
-        one written for graphs: the warm-up's findings (a host sync on the other path) do not
-        apply to it. The run reads copies of the inputs; the buffers and random state are
-        restored, so only the real call's effect remains. The capture must then take the same
-        path, op for op (checked as for any warm-up)."""
+        Code that asks (HF transformers' mask building) takes another path while captured;
+        where the code that asks is trusted to compute the same on it
+        (``OpPolicy.trusts_captured_path``), the warm-up's findings (a host sync on the eager
+        path) do not apply to the graph. The run reads copies of the inputs; the buffers and
+        parameters it writes and the random state are restored, so only the real call's
+        effect remains. The capture must then take the same path, op for op (checked as for
+        any warm-up). ``statics``/``buffers``: ``StaticState.watchable()``; ``wrote``: which of
+        them the real call wrote; ``mutated``: which inputs it wrote."""
         if any(c[1] == "static-object" for c in sig.constants):
             return None  # objects passed as they are: another run would change them
-        rehearsal = new_probe(self)
-        rehearsal.rehearse = True
+        marks = _marks(statics, buffers)  # buffers by value: the copies restore them
+        written = set(wrote)  # by the real call
         with torch.no_grad():
-            saved = [t.clone() for t in moved_statics]
+            saved = {j: statics[j].clone() for j in written}
         rng = (torch.random.get_rng_state(),
                torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+        copies = StaticInputs(leaves, [False] * len(leaves))
+        copy_marks = _marks([b for _, b in copies.copy])
+        rehearsal = new_probe(self)
+        rehearsal.rehearse = True
+        ran = False
         try:
-            copies = StaticInputs(leaves, [False] * len(leaves))
             a, kw = unflatten_call(copies.leaves, sig)
             with _Nested():
                 backend.warmup(probed(rehearsal, lambda: fn(*a, **kw)), device)
+            ran = True
         except Exception:  # noqa: BLE001 - that path fails eagerly: keep the warm-up's plan
-            return None
+            pass
         finally:
+            wrote = _written(statics, marks)
             with torch.no_grad():
-                for t, v in zip(moved_statics, saved):
-                    t.data.copy_(v)
+                for j in wrote:
+                    if isinstance(marks[j], torch.Tensor):
+                        statics[j].data.copy_(marks[j])
+                for j, v in saved.items():
+                    statics[j].data.copy_(v)
             torch.random.set_rng_state(rng[0])
             if rng[1] is not None:
                 torch.cuda.set_rng_state(rng[1], device)
-        return None if rehearsal.findings else rehearsal
+        # A path that writes what the eager one does not (or a parameter: restored only where
+        # the real call wrote it too) is not the same computation.
+        wrote_inputs = {copies.copy[k][0]
+                        for k in _written([b for _, b in copies.copy], copy_marks)}
+        if not ran or rehearsal.findings or not set(wrote) <= written \
+                or wrote_inputs != set(mutated):
+            return None
+        return rehearsal
 
     def _extra_warmups(self, backend, device, fn, sig, leaves, training: bool,
                        moved_statics: list[torch.Tensor]) -> None:
@@ -589,15 +615,22 @@ def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
 
 def _resharded_param_owners(mapping) -> Iterator[torch.nn.Module]:
     """The modules whose parameters an FSDP2 group in ``mapping`` (FSDP2's registry of sharded
-    modules) frees after forward."""
+    modules) frees after forward. A state whose internals cannot be read is skipped (a
+    backward still checks the addresses it reads)."""
     for ref in list(mapping.values()):
-        group = getattr(ref(), "_fsdp_param_group", None)
-        if group is None or getattr(group, "post_forward_mesh_info", None) is None:
+        try:
+            state = ref()
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:  # older FSDP2: one group per state
+                groups = [getattr(state, "_fsdp_param_group", None)]
+            owners = [m for group in groups if group is not None
+                      and getattr(group, "post_forward_mesh_info", None) is not None
+                      for param in group.fsdp_params
+                      for m in (param._module_info.module,
+                                *getattr(param._module_info, "shared_modules", ()))]
+        except Exception:  # noqa: BLE001 - FSDP2 internals changed or asserting
             continue
-        for param in getattr(group, "fsdp_params", ()):
-            info = param._module_info
-            yield info.module
-            yield from getattr(info, "shared_modules", ())
+        yield from owners
 
 
 def _refuse_tracers(args: tuple, kwargs: dict) -> None:

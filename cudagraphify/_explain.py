@@ -100,14 +100,14 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
 
     try:
         probes = two_runs(False)
-        if probes[0].findings and probes[0].asked_capturing:
+        if probes[0].findings and probes[0].may_rehearse():
             # As graphify does: code that asks whether it is being captured takes another path
             # while captured; where that path is safe, that path is the plan.
             try:
                 rehearsed = two_runs(True)
             except Exception:  # noqa: BLE001 - that path fails here: keep the plain runs
                 rehearsed = None
-            if rehearsed is not None and not rehearsed[0].findings:
+            if rehearsed is not None and not any(p.findings for p in rehearsed):
                 probes = rehearsed
     finally:
         with torch.no_grad():

@@ -221,8 +221,22 @@ class OpPolicy:
     ``mark_safe(fn)`` overrides every other tag of ``fn``. Tags are ``Tag`` objects or names.
     """
 
+    # Packages whose code asks ``torch.cuda.is_current_stream_capturing()`` only to skip work
+    # that does not change the result (HF transformers: a host-sync shortcut in its masks, made
+    # to give what torch.compile's path gives): the path they take while captured is trusted
+    # to compute what the eager path computes (see ``trusts_captured_path``).
+    TRUSTED_CAPTURED_PATHS: tuple[str, ...] = ("transformers.",)
+
     def __init__(self):
         self._overrides: dict[Any, frozenset[str]] = {}
+
+    def trusts_captured_path(self, module_name: str) -> bool:
+        """Whether code in module ``module_name`` that asks whether it is being captured takes,
+        while captured, a path that computes what its eager path computes (then a forward whose
+        eager path is unsafe is planned on that path). Anything not trusted keeps the eager
+        path's plan: a guard skipped while captured (a NaN fix-up, a validation) would change
+        answers. Extend ``TRUSTED_CAPTURED_PATHS`` or override this in a subclass."""
+        return module_name.startswith(self.TRUSTED_CAPTURED_PATHS)
 
     def tag_op(self, fn: Callable, *tags) -> None:
         if not tags:

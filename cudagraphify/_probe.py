@@ -116,7 +116,7 @@ def _acquire_patches() -> None:
                     return _orig(*a, **k)  # another thread, or inside a recorded call
                 probe._record_non_op(_name, _tags)
                 if _name == CAPTURING_QUERY:
-                    probe.asked_capturing = True
+                    probe.askers.add(sys._getframe(1).f_globals.get("__name__", "?"))
                     if probe.rehearse:
                         return True  # a rehearsal of the capture: see Probe.rehearse
                 probe._non_op_depth += 1
@@ -154,7 +154,8 @@ class Probe:
         self._undo: list = []
         self._non_op_depth = 0
         self._thread: int | None = None
-        self.asked_capturing = False  # the code asked torch.cuda.is_current_stream_capturing()
+        # modules (names) whose code asked torch.cuda.is_current_stream_capturing()
+        self.askers: set[str] = set()
         # A rehearsal: an eager run on which that question is answered "yes", so that code
         # which takes another path while captured takes it here, where the probe sees it.
         self.rehearse = False
@@ -174,6 +175,12 @@ class Probe:
                                 thunder=self.thunder, thunder_key=key)
         if tags and not self.policy.can_graph(func, tags):
             self.findings.append(Finding(self.path, name, tuple(sorted(tags)), _user_frame()))
+
+    def may_rehearse(self) -> bool:
+        """Whether the code asked if it is being captured, and every place that asked is
+        trusted to compute the same while captured (``OpPolicy.trusts_captured_path``)."""
+        return bool(self.askers) and all(self.policy.trusts_captured_path(m)
+                                         for m in self.askers)
 
     def _record_non_op(self, name: str, tags: tuple[str, ...]) -> None:
         self.sequences[self.path].append(name)

@@ -398,6 +398,16 @@ def ungraphify(target: Any) -> Any:
     raise CudagraphifyUsageError(f"{target!r} is not graphified")
 
 
+def _op_policy_of(module: torch.nn.Module, state: GraphedState | None) -> OpPolicy | None:
+    """The ``op_policy`` ``module`` was graphified with (before its first call too)."""
+    if state is not None:
+        return state.options.op_policy
+    fwd = module.__dict__.get("forward")
+    if not isinstance(fwd, _GraphedForward):
+        fwd = _graphed_forward_of(type(module))
+    return fwd._self_dispatch.options.op_policy if fwd is not None else None
+
+
 def _state_of(target: Any) -> GraphedState | None:
     if isinstance(target, torch.nn.Module):
         state = target.__dict__.get(_STATE)
@@ -456,8 +466,7 @@ def explain(target: Any, *example_args: Any, **example_kwargs: Any):
     if example_args or example_kwargs:
         if module is None:
             raise CudagraphifyUsageError("explain with example inputs needs a torch.nn.Module")
-        policy = state.options.op_policy if state is not None else None
-        plan = probe_plan(module, example_args, example_kwargs, policy)
+        plan = probe_plan(module, example_args, example_kwargs, _op_policy_of(module, state))
     elif state is not None and state.last_plan is not None:
         findings, pieces = state.last_plan
         plan = (findings, pieces, None)

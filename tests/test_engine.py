@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+from conftest import SimGraph
 from cudagraphify._models import GPT
 from cudagraphify._training import TrainingGraph
 
@@ -1046,27 +1047,109 @@ class _CaptureAware(nn.Module):
         return torch.where(y > -1e9, y, torch.zeros_like(y))
 
 
+class _SkipsAFixUpWhenCaptured(nn.Module):
+    """A NaN fix-up skipped while captured: the captured path computes something else."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if not torch.cuda.is_current_stream_capturing() and bool(torch.isnan(y).any()):
+            y = torch.nan_to_num(y)
+        return y
+
+
+class _WritesOnlyWhenCaptured(nn.Module):
+    def __init__(self, what: str):
+        super().__init__()
+        self.what = what
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros(()))
+
+    def forward(self, x):
+        if torch.cuda.is_current_stream_capturing():
+            if self.what == "buffer":
+                self.count += 1
+            else:
+                x.mul_(2)
+                return self.lin(x)
+        elif bool((x > -1e9).all()):  # a host sync
+            x = x * 2 if self.what == "input" else x
+        return self.lin(x)
+
+
+@pytest.fixture
+def faithful(sim, monkeypatch):
+    """The simulated capture, answering torch.cuda.is_current_stream_capturing() as a real
+    one does: "yes" while it captures and while a graph replays (a replay runs what was
+    captured)."""
+    replaying = []
+    replay = SimGraph.replay
+
+    def replay_captured(self):
+        replaying.append(True)
+        try:
+            replay(self)
+        finally:
+            replaying.pop()
+
+    monkeypatch.setattr(SimGraph, "replay", replay_captured)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
+                        lambda: sim.capturing or bool(replaying))
+    return sim
+
+
+def _trusting(*modules: str) -> cg.OpPolicy:
+    policy = cg.OpPolicy()
+    policy.TRUSTED_CAPTURED_PATHS = modules
+    return policy
+
+
+def _calls_equal(model, policy=None, calls: int = 4, x=None) -> cg.Stats:
+    torch.manual_seed(0)
+    ref = copy.deepcopy(model)
+    g = cg.graphify(model, op_policy=policy)
+    with torch.no_grad():
+        for _ in range(calls):
+            inp = torch.randn(2, 4) if x is None else x.clone()
+            torch.testing.assert_close(g(inp.clone()), ref(inp.clone()), rtol=0, atol=0,
+                                       equal_nan=True)
+    return cg.stats(g)
+
+
 @pytest.mark.parametrize("sync_always,shortcut", [(False, "sync"), (True, "sync"),
                                                    (False, "skip"), (True, "skip")])
-def test_code_that_asks_whether_it_is_captured_is_planned_on_its_captured_path(
-        sim, monkeypatch, sync_always, shortcut):
-    # The simulated capture answers the question as a real one does.
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: sim.capturing)
+def test_trusted_code_that_asks_whether_it_is_captured_is_planned_on_its_captured_path(
+        faithful, sync_always, shortcut):
     torch.manual_seed(0)
-    ref = _CaptureAware(sync_always, shortcut)
-    g = cg.graphify(copy.deepcopy(ref))
-    with torch.no_grad():
-        for _ in range(4):
-            x = torch.randn(2, 4)
-            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
-    s = cg.stats(g)
+    model = _CaptureAware(sync_always, shortcut)
+    calls = model.calls.clone()
+    s = _calls_equal(model, _trusting(__name__))
     if sync_always:  # the captured path syncs too: piecewise, its Linear graphed
         assert all(r.startswith("piecewise") for r in s.eager_calls), s
-        assert cg.stats(g.lin).captures == 1
-    else:  # the warm-up's sync is on the path a capture never takes: one graph, replayed
+        assert cg.stats(model.lin).captures == 1
+    else:  # the warm-up's sync or shortcut is on a path a capture never takes: one graph
         assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
-    # the rehearsal's write to the buffer is undone: it counts the real calls only (and a
-    # capture, which runs forward in this simulation; with the "skip" shortcut the warm-up
+    # the rehearsal's write to the buffer is undone: the buffer counts the 4 real calls (and
+    # a capture, which runs forward in this simulation; with the "skip" shortcut the warm-up
     # finds nothing, so a capture is made before the plan turns piecewise)
-    captured = not sync_always or shortcut == "skip"
-    assert g.calls.item() == ref.calls.item() + captured
+    assert model.calls.item() == calls.item() + 4 + (not sync_always or shortcut == "skip")
+
+
+def test_untrusted_code_that_asks_whether_it_is_captured_keeps_the_eager_paths_plan(faithful):
+    # A NaN fix-up skipped while captured: a graph of the captured path would miss it.
+    x = torch.randn(2, 4)
+    x[0, 0] = float("nan")
+    s = _calls_equal(_SkipsAFixUpWhenCaptured(), x=x)  # default policy: test code untrusted
+    assert s.eager == 4 and all(r.startswith("piecewise") for r in s.eager_calls), s
+
+
+@pytest.mark.parametrize("what", ["buffer", "input"])
+def test_a_captured_path_that_writes_what_the_eager_one_does_not_is_not_trusted(faithful,
+                                                                                 what):
+    model = _WritesOnlyWhenCaptured(what)
+    s = _calls_equal(model, _trusting(__name__))
+    assert s.eager == 4 and all(r.startswith("piecewise") for r in s.eager_calls), s
+    assert model.count.item() == 0  # the rehearsal's write was undone

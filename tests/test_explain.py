@@ -95,18 +95,23 @@ def test_explain_without_a_plan_and_of_functions():
         cg.explain(f, torch.ones(1))
 
 
+@pytest.mark.parametrize("trusted", [False, True])
 @pytest.mark.parametrize("sync_always", [False, True])
-def test_explain_plans_code_that_asks_whether_it_is_captured_on_its_captured_path(
-        monkeypatch, sync_always):
+def test_explain_plans_trusted_code_that_asks_whether_it_is_captured_on_its_captured_path(
+        monkeypatch, sync_always, trusted):
     from test_engine import _CaptureAware
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     model = _CaptureAware(sync_always)
+    policy = cg.OpPolicy()
+    if trusted:
+        policy.TRUSTED_CAPTURED_PATHS = (_CaptureAware.__module__,)
+    graphed = cg.graphify(model, op_policy=policy)
     calls = model.calls.clone()
     statuses = {m["path"]: m["status"]
-                for m in cg.explain(model, torch.randn(2, 4)).to_dict()["modules"]}
+                for m in cg.explain(graphed, torch.randn(2, 4)).to_dict()["modules"]}
     # the plain runs sync (the shortcut); the path taken while captured syncs only if
-    # sync_always
-    assert statuses == ({"": "eager", "lin": "graphed"} if sync_always
-                        else {"": "graphed"}), statuses  # whole: its parts not listed
+    # sync_always, and is the plan only where the code that asks is trusted
+    assert statuses == ({"": "graphed"} if trusted and not sync_always  # whole: parts unlisted
+                        else {"": "eager", "lin": "graphed"}), statuses
     assert torch.equal(model.calls, calls)  # left as it was
