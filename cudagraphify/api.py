@@ -193,8 +193,7 @@ def _install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -
     share = root.__dict__.get("_cudagraphify_share")  # a share_graph layer: pieces share too
     for path in paths:
         sub = _submodule(root, path)
-        if sub is root or isinstance(sub.__dict__.get("forward"), _GraphedForward) \
-                or _graphed_forward_of(type(sub)) is not None:
+        if sub is root or _graphed_forward(sub) is not None:
             continue  # graphed already (by the user, or an earlier plan)
         if share is not None:
             group, k = share
@@ -250,6 +249,12 @@ def _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_output
 def _graphed_forward_of(cls: type) -> _GraphedForward | None:
     attr = inspect.getattr_static(cls, "forward", None)
     return attr if isinstance(attr, _GraphedForward) else None
+
+
+def _graphed_forward(module: torch.nn.Module) -> _GraphedForward | None:
+    """The graphified forward of ``module``: its own (an instance graphified) or its class's."""
+    fwd = module.__dict__.get("forward")
+    return fwd if isinstance(fwd, _GraphedForward) else _graphed_forward_of(type(module))
 
 
 def graphify(
@@ -402,17 +407,14 @@ def _op_policy_of(module: torch.nn.Module, state: GraphedState | None) -> OpPoli
     """The ``op_policy`` ``module`` was graphified with (before its first call too)."""
     if state is not None:
         return state.options.op_policy
-    fwd = module.__dict__.get("forward")
-    if not isinstance(fwd, _GraphedForward):
-        fwd = _graphed_forward_of(type(module))
+    fwd = _graphed_forward(module)
     return fwd._self_dispatch.options.op_policy if fwd is not None else None
 
 
 def _state_of(target: Any) -> GraphedState | None:
     if isinstance(target, torch.nn.Module):
         state = target.__dict__.get(_STATE)
-        if state is None and not isinstance(target.__dict__.get("forward"), _GraphedForward) \
-                and _graphed_forward_of(type(target)) is None:
+        if state is None and _graphed_forward(target) is None:
             raise CudagraphifyUsageError(f"this {type(target).__name__} is not graphified")
         return state
     if isinstance(target, _GraphedForward):
@@ -455,8 +457,7 @@ def explain(target: Any, *example_args: Any, **example_kwargs: Any):
     from ._explain import build, probe_plan
 
     module = target if isinstance(target, torch.nn.Module) else None
-    graphed = module is None or isinstance(module.__dict__.get("forward"), _GraphedForward) \
-        or _graphed_forward_of(type(module)) is not None
+    graphed = module is None or _graphed_forward(module) is not None
     state = _state_of(target) if graphed else None
     name = (state.name if state is not None else
             type(target).__name__ if module is not None else
@@ -532,8 +533,7 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
             "so each layer's output would be overwritten by the next layer's call")
     mods = check_layers(layers, tuple(ignore_attrs))
     for i, layer in enumerate(mods):
-        if isinstance(layer.__dict__.get("forward"), _GraphedForward) \
-                or _graphed_forward_of(type(layer)) is not None:
+        if _graphed_forward(layer) is not None:
             raise CudagraphifyUsageError(
                 f"share_graph: layer {i} is graphified already; share_graph graphifies the "
                 "layers itself (ungraphify them first)")
