@@ -171,12 +171,17 @@ def _register(*modules: nn.Module) -> None:
             _tensors[t.data_ptr()] = t
 
 
-def test_gpt_blocks_share_through_the_reading_double_and_equal_eager(reading):
+def _shared_gpt(layers: int):
+    """A GPT of distinct layers, its copy with share_graph over the blocks, and the group."""
     torch.manual_seed(0)
-    ref = _distinct(GPT(32, 2, 4).eval())
+    ref = _distinct(GPT(32, 2, layers).eval())
     model = copy.deepcopy(ref)
     _register(model)
-    group = cg.share_graph(model.blocks)
+    return ref, model, cg.share_graph(model.blocks)
+
+
+def test_gpt_blocks_share_through_the_reading_double_and_equal_eager(reading):
+    ref, model, group = _shared_gpt(4)
     with torch.no_grad():
         for seq in (4, 6):
             for _ in range(3):
@@ -199,11 +204,7 @@ def test_a_missed_weight_slot_is_caught_by_the_check_against_eager(reading, monk
         return out
 
     monkeypatch.setattr(_share.RebasePlan, "patches", drop_one)
-    torch.manual_seed(0)
-    ref = _distinct(GPT(32, 2, 3).eval())
-    model = copy.deepcopy(ref)
-    _register(model)
-    group = cg.share_graph(model.blocks)
+    ref, model, group = _shared_gpt(3)
     with torch.no_grad():
         for _ in range(3):
             x = torch.randn(1, 4, 32)
