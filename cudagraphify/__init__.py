@@ -7,11 +7,11 @@ See README.md for how it decides what to capture and when a graph applies.
 """
 
 from ._cache import CachePolicy
-from ._engine import Stats
 from ._errors import CudagraphifyError, CudagraphifyUsageError, CudagraphifyWarning
 from ._region import GraphRegion, graph_region
 from ._share import ShareGroup
 from ._signature import Signature, mark_static
+from ._options import Stats
 from ._policy import OpPolicy
 from .api import explain, graphify, mark_safe, share_graph, stats, tag_op, ungraphify
 

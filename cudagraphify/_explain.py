@@ -13,14 +13,13 @@ from typing import Any
 
 import torch
 
-from ._engine import Stats, _Nested
+from ._engine import _Nested
+from ._options import Stats
+from ._wrap import share_of, state_of_module
 from ._policy import default_policy
 from ._probe import Probe, control_flow_findings, plan_pieces
 
 __all__ = ["Explanation", "probe_plan", "build"]
-
-_STATE = "_cudagraphify_state"
-
 
 class Explanation:
     """The report :func:`cudagraphify.explain` returns."""
@@ -125,7 +124,7 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
 
 
 def _live(module: torch.nn.Module) -> dict | None:
-    state = module.__dict__.get(_STATE)
+    state = state_of_module(module)
     if state is None:
         return None
     return dict(state.stats().__dict__)
@@ -158,7 +157,7 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         live = _live(sub)
         if live and (live["captures"] or live["replays"] or live["retargets"]):
             node["stats"] = live
-        share = sub.__dict__.get("_cudagraphify_share")
+        share = share_of(sub)
         if share is not None:
             group, k = share
             s = group.stats()

@@ -28,9 +28,10 @@ import torch
 
 from ._cache import GraphCache
 from ._errors import CudagraphifyError, CudagraphifyUsageError
+from ._options import Stats
 
 if TYPE_CHECKING:
-    from ._engine import GraphedState, Stats
+    from ._engine import GraphedState
 
 __all__ = ["GraphRegion", "graph_region", "current", "all_open"]
 
@@ -237,9 +238,7 @@ class GraphRegion:
         self.captures += 1
         self.capture_seconds += entry.capture_seconds
 
-    def stats(self) -> "Stats":
-        from ._engine import Stats
-
+    def stats(self) -> Stats:
         with self.lock:
             self._collect()
             caches = [cache for _, cache in self._caches.values()]

@@ -28,11 +28,12 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._errors import CudagraphifyError, CudagraphifyUsageError
+from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
 
 __all__ = ["ShareGroup", "first_difference", "plan_rebase", "Refused", "Storages"]
 
 _SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_cudagraphify_state",
-               "_cudagraphify_share", "forward", "_forward_hooks", "_forward_pre_hooks",
+               SHARE, "forward", "_forward_hooks", "_forward_pre_hooks",
                "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
                "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
                "_state_dict_pre_hooks", "_forward_hooks_with_kwargs",
@@ -497,11 +498,9 @@ class ShareGroup:
 
     def release(self) -> None:
         """Release every layer's graphs and the templates (the layers stay graphified)."""
-        from .api import _STATE
-
         with self._lock:
             for layer in self.layers:
-                state = layer.__dict__.get(_STATE)
+                state = state_of_module(layer)
                 if state is not None:
                     state.release()
             for t in self._templates.values():
@@ -513,13 +512,11 @@ class ShareGroup:
 
     def unshare(self) -> None:
         """Release everything and restore the layers' own forwards."""
-        from .api import ungraphify
-
         self.release()
         self.released = True
         for layer in self.layers:
-            if "_cudagraphify_share" in layer.__dict__:
-                ungraphify(layer)
+            if share_of(layer) is not None:
+                uninstall_instance(layer)
 
 
 def _layout(layer: torch.nn.Module) -> list:
@@ -547,7 +544,7 @@ def check_layers(layers: Any, ignore_attrs: tuple[str, ...]) -> list[torch.nn.Mo
         if any(layer is other for other in layers[:i]):
             raise CudagraphifyUsageError(f"share_graph: item {i} is the same module as an "
                                          "earlier one")
-        if "_cudagraphify_share" in layer.__dict__:
+        if share_of(layer) is not None:
             raise CudagraphifyUsageError(f"share_graph: layer {i} already shares a graph")
     for i, layer in enumerate(layers[1:], 1):
         diff = first_difference(layers[0], layer, ignore_attrs)

@@ -1,215 +1,24 @@
 """The public entry points: ``graphify``, ``ungraphify``, ``stats``, ``explain``, ``share_graph``.
 
-``graphify`` wraps ``forward`` (of a Module class, or of one instance) or a plain function with a
-wrapt ``FunctionWrapper``; the wrapper hands each call to the callable's
-:class:`~cudagraphify._engine.GraphedState`. Module hooks keep working: they run around the
-wrapped ``forward`` as usual.
+How the wrapper attaches lives in :mod:`._wrap`; what happens on a call, in :mod:`._engine`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 from typing import Any, Callable, Hashable
 
 import torch
-import wrapt
 
 from ._cache import CachePolicy, KeyFnPolicy
 from ._engine import GraphedState, Options, Stats
+from ._wrap import (SHARE, GraphedForward, graphed_forward, graphed_forward_of, install,
+                    state_of_module, uninstall_instance, wrap)
 from ._errors import CudagraphifyUsageError
 from ._policy import OpPolicy, default_policy
 from ._region import GraphRegion
 from ._signature import Signature
 
 __all__ = ["graphify", "ungraphify", "stats", "explain", "share_graph", "tag_op", "mark_safe"]
-
-_STATE = "_cudagraphify_state"
-
-
-class _Dispatch:
-    """The wrapt wrapper function of one ``graphify``: finds the state for a call and runs it."""
-
-    def __init__(self, options: Options, kind: str, owner: Any, had_own: bool):
-        self.options = options
-        self.kind = kind  # "class", "instance" or "function"
-        self.owner = owner
-        self.had_own = had_own
-        self.state: GraphedState | None = None  # for plain functions
-        self._bindings: dict[bool, tuple[frozenset[int], frozenset[str]]] = {}
-
-    def binding(self, fn: Callable, skip_self: bool) -> tuple[frozenset[int], frozenset[str]]:
-        b = self._bindings.get(skip_self)
-        if b is None:
-            b = self._bindings[skip_self] = _static_binding(fn, self.options.static_argnames,
-                                                            skip_self)
-        return b
-
-    def __call__(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
-        if _is_compiling():
-            # Traced by torch.compile: run through the graphs at run time, outside the trace
-            # (a graph break), instead of being traced into plain ops and bypassed.
-            return _outside_compile(self, wrapped, instance, args, kwargs)
-        if instance is None and self.kind == "instance":
-            instance = self.owner  # a forward kept as a plain function (torch.compile's module)
-        if isinstance(instance, torch.nn.Module):
-            state = instance.__dict__.get(_STATE)
-            if state is None:
-                state = self._new_state(instance, wrapped)
-            return state(wrapped, args, kwargs)
-        if instance is not None:
-            raise CudagraphifyUsageError(
-                "graphify wraps functions and torch.nn.Module forwards; "
-                f"{type(instance).__name__} is not a Module. Graphify a function that takes its "
-                "tensors as arguments instead")
-        state = self.state
-        if state is None:
-            positions, names = self.binding(wrapped, skip_self=False)
-            name = getattr(wrapped, "__qualname__", repr(wrapped))
-            state = self.state = GraphedState(None, self.options, name, positions, names)
-        return state(wrapped, args, kwargs)
-
-    def _new_state(self, module: torch.nn.Module, wrapped: Callable) -> GraphedState:
-        if self.kind == "instance":
-            positions, names = self.binding(wrapped, skip_self=False)
-        else:
-            positions, names = self.binding(getattr(wrapped, "__func__", wrapped), skip_self=True)
-        options = self.options
-        if _is_compiled(module):
-            # Compiled code is opaque to the probe (the warm-up traces, the capture runs
-            # kernels): no op screen; a failed capture still falls back to eager.
-            options = dataclasses.replace(options, probe=False)
-        state = GraphedState(module, options, f"{type(module).__name__}.forward",
-                             positions, names)
-        state.install_pieces = lambda paths: _install_pieces(module, paths, self.options)
-        state.share = module.__dict__.get("_cudagraphify_share")
-        if state.share is not None:
-            # The group's layers replay through one set of static buffers: one lock for all.
-            state.lock = state.share[0].lock
-        module.__dict__[_STATE] = state
-        return state
-
-
-_is_compiling = torch.compiler.is_compiling
-
-
-def _is_compiled(module: torch.nn.Module) -> bool:
-    """A ``torch.compile``'d or ``thunder.jit``'d module (its forward runs compiled code)."""
-    name = type(module).__name__
-    return (name == "OptimizedModule" and "_orig_mod" in module._modules) or \
-        (name == "ThunderModule" and "_model" in module._modules)
-
-
-_disabled_call: Callable | None = None
-
-
-def _outside_compile(dispatch: _Dispatch, wrapped: Callable, instance: Any, args: tuple,
-                     kwargs: dict) -> Any:
-    """Call ``dispatch`` where torch.compile does not trace (made on first use: building it
-    imports torch._dynamo, which costs a second at import time)."""
-    global _disabled_call
-    if _disabled_call is None:
-        _disabled_call = torch.compiler.disable(
-            lambda d, w, i, a, kw: d(w, i, a, kw))
-    return _disabled_call(dispatch, wrapped, instance, args, kwargs)
-
-
-class _OwnClass:
-    """A proxy reports its wrapped's class: ``isinstance(forward, types.MethodType)`` would
-    hold, and torch.compile (torch 2.11, wrapt 2.5) then traced the original
-    forward from ``__func__``, bypassing the graphs without a word. Reporting our own class
-    makes it call us (a graph break to the graphs, see ``_outside_compile``)."""
-
-    __slots__ = ()
-
-    @property
-    def __class__(self):
-        return type(self)
-
-
-class _BoundGraphedForward(_OwnClass, wrapt.BoundFunctionWrapper):
-    """A graphified class's forward, looked up on an instance."""
-
-
-class _GraphedForward(_OwnClass, wrapt.FunctionWrapper):
-    """The wrapper ``graphify`` installs. Its ``_self_`` state never leaks onto the wrapped."""
-
-    __bound_function_wrapper__ = _BoundGraphedForward
-
-    def __init__(self, wrapped: Callable, dispatch: _Dispatch):
-        super().__init__(wrapped, dispatch)
-        self._self_dispatch = dispatch
-
-    def __deepcopy__(self, memo):
-        # A deep-copied module gets the same options and a fresh, empty graph cache.
-        import copy
-
-        d = self._self_dispatch
-        return _GraphedForward(copy.deepcopy(self.__wrapped__, memo),
-                               _Dispatch(d.options, d.kind, None, d.had_own))
-
-    def __reduce_ex__(self, protocol):
-        raise CudagraphifyUsageError(
-            "a graphified forward cannot be pickled; call cudagraphify.ungraphify(...) first, "
-            "or graphify the class instead of the instance")
-
-
-def _static_binding(fn: Callable, static_argnames: tuple[str, ...],
-                    skip_self: bool) -> tuple[frozenset[int], frozenset[str]]:
-    """Positions and names of the arguments declared static, checked against ``fn``'s signature."""
-    if not static_argnames:
-        return frozenset(), frozenset()
-    fn = getattr(fn, "__wrapped__", fn) if isinstance(fn, _GraphedForward) else fn
-    try:
-        params = list(inspect.signature(fn).parameters.values())
-    except (TypeError, ValueError):
-        return frozenset(), frozenset(static_argnames)
-    if skip_self and params:
-        params = params[1:]
-    names = [p.name for p in params]
-    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
-    unknown = [n for n in static_argnames if n not in names]
-    if unknown and not takes_kwargs:
-        raise CudagraphifyUsageError(
-            f"static_argnames names {unknown} that {getattr(fn, '__qualname__', fn)} does not "
-            f"take; its arguments are {names}"
-        )
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    positions = frozenset(i for i, p in enumerate(params)
-                          if p.name in static_argnames and p.kind in positional)
-    return positions, frozenset(static_argnames)
-
-
-def _install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -> list:
-    """Graphify the submodules at ``paths`` (a piecewise plan); returns those it wrapped.
-
-    Pieces take the root's run options (warm-up, outputs, probe, op policy, enabled, bound) but
-    not its keying options: argument names and cache policies describe the root's forward.
-    """
-    options = Options(num_warmup_iters=options.num_warmup_iters, max_graphs=options.max_graphs,
-                      enabled=options.enabled, copy_outputs=options.copy_outputs,
-                      probe=options.probe, op_policy=options.op_policy)
-    installed = []
-    share = root.__dict__.get("_cudagraphify_share")  # a share_graph layer: pieces share too
-    for path in paths:
-        sub = _submodule(root, path)
-        if sub is root or _graphed_forward(sub) is not None:
-            continue  # graphed already (by the user, or an earlier plan)
-        if share is not None:
-            group, k = share
-            sub.__dict__["_cudagraphify_share"] = (group.piece_group(path), k)
-        _install(sub, sub.forward, options, "instance", False)
-        installed.append(sub)
-    return installed
-
-
-def _submodule(root: torch.nn.Module, path: str) -> torch.nn.Module:
-    """The submodule at a ``named_modules`` path (``get_submodule`` may be overridden: Thunder's
-    module resolves names inside the module it wraps)."""
-    for name in path.split(".") if path else ():
-        root = root._modules[name]
-    return root
-
 
 def _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_outputs, cache_policy,
              key_fn, probe="auto", op_policy=None) -> Options:
@@ -244,17 +53,6 @@ def _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_output
                    max_graphs=cache_policy.max_graphs, enabled=enabled,
                    copy_outputs=bool(copy_outputs), cache_policy=cache_policy, probe=probe,
                    op_policy=op_policy)
-
-
-def _graphed_forward_of(cls: type) -> _GraphedForward | None:
-    attr = inspect.getattr_static(cls, "forward", None)
-    return attr if isinstance(attr, _GraphedForward) else None
-
-
-def _graphed_forward(module: torch.nn.Module) -> _GraphedForward | None:
-    """The graphified forward of ``module``: its own (an instance graphified) or its class's."""
-    fwd = module.__dict__.get("forward")
-    return fwd if isinstance(fwd, _GraphedForward) else _graphed_forward_of(type(module))
 
 
 def graphify(
@@ -327,44 +125,29 @@ def _graphify(target: Any, options: Options) -> Any:
         if not issubclass(target, torch.nn.Module):
             raise CudagraphifyUsageError(
                 f"graphify on a class needs a torch.nn.Module subclass, got {target.__name__}")
-        if _graphed_forward_of(target) is not None:
+        if graphed_forward_of(target) is not None:
             raise CudagraphifyUsageError(f"{target.__name__} is already graphified")
         had_own = "forward" in target.__dict__
-        _install(target, target.forward, options, "class", had_own)
+        install(target, target.forward, options, "class", had_own)
         return target
     if isinstance(target, torch.nn.Module):
-        if isinstance(target.__dict__.get("forward"), _GraphedForward):
+        if isinstance(target.__dict__.get("forward"), GraphedForward):
             raise CudagraphifyUsageError(
                 f"this {type(target).__name__} instance is already graphified; "
                 "call cudagraphify.ungraphify(module) first to change its options")
-        if _graphed_forward_of(type(target)) is not None:
+        if graphed_forward_of(type(target)) is not None:
             raise CudagraphifyUsageError(
                 f"{type(target).__name__} is graphified as a class already; its instances are "
                 "graphed without graphify(instance)")
-        _install(target, target.forward, options, "instance", False)
+        install(target, target.forward, options, "instance", False)
         return target
-    if isinstance(target, _GraphedForward):
+    if isinstance(target, GraphedForward):
         raise CudagraphifyUsageError("this function is already graphified")
     if callable(target):
-        return _wrap(target, options, "function", None, True)
+        return wrap(target, options, "function", None, True)
     raise CudagraphifyUsageError(
         f"graphify expects a Module subclass, a Module instance or a function, got "
         f"{type(target).__name__}")
-
-
-def _wrap(fn: Callable, options: Options, kind: str, owner: Any, had_own: bool) -> _GraphedForward:
-    dispatch = _Dispatch(options, kind, owner, had_own)
-    # Check static_argnames against the signature now, not at the first call.
-    dispatch.binding(fn, skip_self=(kind == "class"))
-    return _GraphedForward(fn, dispatch)
-
-
-def _install(obj: Any, fn: Callable, options: Options, kind: str, had_own: bool) -> None:
-    proxy = _wrap(fn, options, kind, obj, had_own)
-    if kind == "class":
-        setattr(obj, "forward", proxy)
-    else:
-        obj.__dict__["forward"] = proxy
 
 
 def ungraphify(target: Any) -> Any:
@@ -373,7 +156,7 @@ def ungraphify(target: Any) -> Any:
     Returns the class, the module, or the original function.
     """
     if isinstance(target, type):
-        proxy = _graphed_forward_of(target)
+        proxy = graphed_forward_of(target)
         if proxy is None or proxy._self_dispatch.owner is not target:
             raise CudagraphifyUsageError(f"{target.__name__} is not graphified")
         if proxy._self_dispatch.had_own:
@@ -382,21 +165,14 @@ def ungraphify(target: Any) -> Any:
             delattr(target, "forward")
         return target
     if isinstance(target, torch.nn.Module):
-        if not isinstance(target.__dict__.get("forward"), _GraphedForward):
+        if not isinstance(target.__dict__.get("forward"), GraphedForward):
             how = ("through its class; call ungraphify(type(module))"
-                   if _graphed_forward_of(type(target)) is not None else "")
+                   if graphed_forward_of(type(target)) is not None else "")
             raise CudagraphifyUsageError(
                 f"this {type(target).__name__} instance is not graphified {how}".rstrip())
-        del target.__dict__["forward"]
-        target.__dict__.pop("_cudagraphify_share", None)  # leaves its share_graph group
-        state = target.__dict__.pop(_STATE, None)
-        if state is not None:
-            state.release()
-            for piece in state.pieces:  # submodules a piecewise plan graphified
-                if isinstance(piece.__dict__.get("forward"), _GraphedForward):
-                    ungraphify(piece)
+        uninstall_instance(target)
         return target
-    if isinstance(target, _GraphedForward):
+    if isinstance(target, GraphedForward):
         if target._self_dispatch.state is not None:
             target._self_dispatch.state.release()
         return target.__wrapped__
@@ -407,17 +183,17 @@ def _op_policy_of(module: torch.nn.Module, state: GraphedState | None) -> OpPoli
     """The ``op_policy`` ``module`` was graphified with (before its first call too)."""
     if state is not None:
         return state.options.op_policy
-    fwd = _graphed_forward(module)
+    fwd = graphed_forward(module)
     return fwd._self_dispatch.options.op_policy if fwd is not None else None
 
 
 def _state_of(target: Any) -> GraphedState | None:
     if isinstance(target, torch.nn.Module):
-        state = target.__dict__.get(_STATE)
-        if state is None and _graphed_forward(target) is None:
+        state = state_of_module(target)
+        if state is None and graphed_forward(target) is None:
             raise CudagraphifyUsageError(f"this {type(target).__name__} is not graphified")
         return state
-    if isinstance(target, _GraphedForward):
+    if isinstance(target, GraphedForward):
         return target._self_dispatch.state
     raise CudagraphifyUsageError(
         f"expected a graphified module, function or graph_region, got {type(target).__name__}")
@@ -439,7 +215,7 @@ def stats(target: Any) -> Stats:
 def _with_pieces(state: GraphedState) -> Stats:
     total = state.stats()
     for piece in state.pieces:
-        piece_state = piece.__dict__.get(_STATE)
+        piece_state = state_of_module(piece)
         if piece_state is not None:
             total = total + _with_pieces(piece_state)
     return total
@@ -457,7 +233,7 @@ def explain(target: Any, *example_args: Any, **example_kwargs: Any):
     from ._explain import build, probe_plan
 
     module = target if isinstance(target, torch.nn.Module) else None
-    graphed = module is None or _graphed_forward(module) is not None
+    graphed = module is None or graphed_forward(module) is not None
     state = _state_of(target) if graphed else None
     name = (state.name if state is not None else
             type(target).__name__ if module is not None else
@@ -533,13 +309,13 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
             "so each layer's output would be overwritten by the next layer's call")
     mods = check_layers(layers, tuple(ignore_attrs))
     for i, layer in enumerate(mods):
-        if _graphed_forward(layer) is not None:
+        if graphed_forward(layer) is not None:
             raise CudagraphifyUsageError(
                 f"share_graph: layer {i} is graphified already; share_graph graphifies the "
                 "layers itself (ungraphify them first)")
     group = ShareGroup(mods, tuple(ignore_attrs), strict,
                        max_templates=options.get("max_graphs", 16))
     for i, layer in enumerate(mods):
-        layer.__dict__["_cudagraphify_share"] = (group, i)
+        layer.__dict__[SHARE] = (group, i)
         graphify(layer, **options)
     return group

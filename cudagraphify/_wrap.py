@@ -1,0 +1,262 @@
+"""How ``graphify`` attaches to a module, a class or a function, and how it comes off again.
+
+A wrapt ``FunctionWrapper`` replaces ``forward`` (of a class, or of one instance) or wraps a plain
+function; its wrapper function (:class:`Dispatch`) finds the callable's
+:class:`~cudagraphify._engine.GraphedState` and hands it each call. Module hooks keep working:
+they run around the wrapped ``forward`` as usual. The per-module state lives in the module's own
+``__dict__`` under :data:`STATE` (and :data:`SHARE` for a ``share_graph`` layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+import torch
+import wrapt
+
+from ._engine import GraphedState
+from ._errors import CudagraphifyUsageError
+from ._options import Options
+
+__all__ = ["STATE", "SHARE", "GraphedForward", "graphed_forward", "graphed_forward_of", "install",
+           "wrap", "install_pieces", "uninstall_instance", "state_of_module", "share_of"]
+
+STATE = "_cudagraphify_state"  # a module's GraphedState, in its __dict__
+SHARE = "_cudagraphify_share"  # a share_graph layer's (ShareGroup, layer index), in its __dict__
+
+
+def state_of_module(module: torch.nn.Module) -> GraphedState | None:
+    """The module's GraphedState (None before its first graphed call)."""
+    return module.__dict__.get(STATE)
+
+
+def share_of(module: torch.nn.Module):
+    """The (ShareGroup, layer index) of a share_graph layer, else None."""
+    return module.__dict__.get(SHARE)
+
+
+class Dispatch:
+    """The wrapt wrapper function of one ``graphify``: finds the state for a call and runs it."""
+
+    def __init__(self, options: Options, kind: str, owner: Any, had_own: bool):
+        self.options = options
+        self.kind = kind  # "class", "instance" or "function"
+        self.owner = owner
+        self.had_own = had_own
+        self.state: GraphedState | None = None  # for plain functions
+        self._bindings: dict[bool, tuple[frozenset[int], frozenset[str]]] = {}
+
+    def binding(self, fn: Callable, skip_self: bool) -> tuple[frozenset[int], frozenset[str]]:
+        b = self._bindings.get(skip_self)
+        if b is None:
+            b = self._bindings[skip_self] = _static_binding(fn, self.options.static_argnames,
+                                                            skip_self)
+        return b
+
+    def __call__(self, wrapped: Callable, instance: Any, args: tuple, kwargs: dict) -> Any:
+        if _is_compiling():
+            # Traced by torch.compile: run through the graphs at run time, outside the trace
+            # (a graph break), instead of being traced into plain ops and bypassed.
+            return _outside_compile(self, wrapped, instance, args, kwargs)
+        if instance is None and self.kind == "instance":
+            instance = self.owner  # a forward kept as a plain function (torch.compile's module)
+        if isinstance(instance, torch.nn.Module):
+            state = instance.__dict__.get(STATE)
+            if state is None:
+                state = self._new_state(instance, wrapped)
+            return state(wrapped, args, kwargs)
+        if instance is not None:
+            raise CudagraphifyUsageError(
+                "graphify wraps functions and torch.nn.Module forwards; "
+                f"{type(instance).__name__} is not a Module. Graphify a function that takes its "
+                "tensors as arguments instead")
+        state = self.state
+        if state is None:
+            positions, names = self.binding(wrapped, skip_self=False)
+            name = getattr(wrapped, "__qualname__", repr(wrapped))
+            state = self.state = GraphedState(None, self.options, name, positions, names)
+        return state(wrapped, args, kwargs)
+
+    def _new_state(self, module: torch.nn.Module, wrapped: Callable) -> GraphedState:
+        if self.kind == "instance":
+            positions, names = self.binding(wrapped, skip_self=False)
+        else:
+            positions, names = self.binding(getattr(wrapped, "__func__", wrapped), skip_self=True)
+        options = self.options
+        if _is_compiled(module):
+            # Compiled code is opaque to the probe (the warm-up traces, the capture runs
+            # kernels): no op screen; a failed capture still falls back to eager.
+            options = dataclasses.replace(options, probe=False)
+        state = GraphedState(module, options, f"{type(module).__name__}.forward",
+                             positions, names)
+        state.install_pieces = lambda paths: install_pieces(module, paths, self.options)
+        state.share = share_of(module)
+        if state.share is not None:
+            # The group's layers replay through one set of static buffers: one lock for all.
+            state.lock = state.share[0].lock
+        module.__dict__[STATE] = state
+        return state
+
+
+_is_compiling = torch.compiler.is_compiling
+
+
+def _is_compiled(module: torch.nn.Module) -> bool:
+    """A ``torch.compile``'d or ``thunder.jit``'d module (its forward runs compiled code)."""
+    name = type(module).__name__
+    return (name == "OptimizedModule" and "_orig_mod" in module._modules) or \
+        (name == "ThunderModule" and "_model" in module._modules)
+
+
+_disabled_call: Callable | None = None
+
+
+def _outside_compile(dispatch: Dispatch, wrapped: Callable, instance: Any, args: tuple,
+                     kwargs: dict) -> Any:
+    """Call ``dispatch`` where torch.compile does not trace (made on first use: building it
+    imports torch._dynamo, which costs a second at import time)."""
+    global _disabled_call
+    if _disabled_call is None:
+        _disabled_call = torch.compiler.disable(
+            lambda d, w, i, a, kw: d(w, i, a, kw))
+    return _disabled_call(dispatch, wrapped, instance, args, kwargs)
+
+
+class _OwnClass:
+    """A proxy reports its wrapped's class: ``isinstance(forward, types.MethodType)`` would
+    hold, and torch.compile (torch 2.11, wrapt 2.5) then traced the original
+    forward from ``__func__``, bypassing the graphs without a word. Reporting our own class
+    makes it call us (a graph break to the graphs, see ``_outside_compile``)."""
+
+    __slots__ = ()
+
+    @property
+    def __class__(self):
+        return type(self)
+
+
+class BoundGraphedForward(_OwnClass, wrapt.BoundFunctionWrapper):
+    """A graphified class's forward, looked up on an instance."""
+
+
+class GraphedForward(_OwnClass, wrapt.FunctionWrapper):
+    """The wrapper ``graphify`` installs. Its ``_self_`` state never leaks onto the wrapped."""
+
+    __bound_function_wrapper__ = BoundGraphedForward
+
+    def __init__(self, wrapped: Callable, dispatch: Dispatch):
+        super().__init__(wrapped, dispatch)
+        self._self_dispatch = dispatch
+
+    def __deepcopy__(self, memo):
+        # A deep-copied module gets the same options and a fresh, empty graph cache.
+        import copy
+
+        d = self._self_dispatch
+        return GraphedForward(copy.deepcopy(self.__wrapped__, memo),
+                               Dispatch(d.options, d.kind, None, d.had_own))
+
+    def __reduce_ex__(self, protocol):
+        raise CudagraphifyUsageError(
+            "a graphified forward cannot be pickled; call cudagraphify.ungraphify(...) first, "
+            "or graphify the class instead of the instance")
+
+
+def _static_binding(fn: Callable, static_argnames: tuple[str, ...],
+                    skip_self: bool) -> tuple[frozenset[int], frozenset[str]]:
+    """Positions and names of the arguments declared static, checked against ``fn``'s signature."""
+    if not static_argnames:
+        return frozenset(), frozenset()
+    fn = getattr(fn, "__wrapped__", fn) if isinstance(fn, GraphedForward) else fn
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return frozenset(), frozenset(static_argnames)
+    if skip_self and params:
+        params = params[1:]
+    names = [p.name for p in params]
+    takes_kwargs = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+    unknown = [n for n in static_argnames if n not in names]
+    if unknown and not takes_kwargs:
+        raise CudagraphifyUsageError(
+            f"static_argnames names {unknown} that {getattr(fn, '__qualname__', fn)} does not "
+            f"take; its arguments are {names}"
+        )
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    positions = frozenset(i for i, p in enumerate(params)
+                          if p.name in static_argnames and p.kind in positional)
+    return positions, frozenset(static_argnames)
+
+
+def install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -> list:
+    """Graphify the submodules at ``paths`` (a piecewise plan); returns those it wrapped.
+
+    Pieces take the root's run options (warm-up, outputs, probe, op policy, enabled, bound) but
+    not its keying options: argument names and cache policies describe the root's forward.
+    """
+    options = Options(num_warmup_iters=options.num_warmup_iters, max_graphs=options.max_graphs,
+                      enabled=options.enabled, copy_outputs=options.copy_outputs,
+                      probe=options.probe, op_policy=options.op_policy)
+    installed = []
+    share = share_of(root)  # a share_graph layer: pieces share too
+    for path in paths:
+        sub = _submodule(root, path)
+        if sub is root or graphed_forward(sub) is not None:
+            continue  # graphed already (by the user, or an earlier plan)
+        if share is not None:
+            group, k = share
+            sub.__dict__[SHARE] = (group.piece_group(path), k)
+        install(sub, sub.forward, options, "instance", False)
+        installed.append(sub)
+    return installed
+
+
+def _submodule(root: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The submodule at a ``named_modules`` path (``get_submodule`` may be overridden: Thunder's
+    module resolves names inside the module it wraps)."""
+    for name in path.split(".") if path else ():
+        root = root._modules[name]
+    return root
+
+
+def graphed_forward_of(cls: type) -> GraphedForward | None:
+    attr = inspect.getattr_static(cls, "forward", None)
+    return attr if isinstance(attr, GraphedForward) else None
+
+
+def graphed_forward(module: torch.nn.Module) -> GraphedForward | None:
+    """The graphified forward of ``module``: its own (an instance graphified) or its class's."""
+    fwd = module.__dict__.get("forward")
+    return fwd if isinstance(fwd, GraphedForward) else graphed_forward_of(type(module))
+
+
+def wrap(fn: Callable, options: Options, kind: str, owner: Any, had_own: bool) -> GraphedForward:
+    dispatch = Dispatch(options, kind, owner, had_own)
+    # Check static_argnames against the signature now, not at the first call.
+    dispatch.binding(fn, skip_self=(kind == "class"))
+    return GraphedForward(fn, dispatch)
+
+
+def install(obj: Any, fn: Callable, options: Options, kind: str, had_own: bool) -> None:
+    proxy = wrap(fn, options, kind, obj, had_own)
+    if kind == "class":
+        setattr(obj, "forward", proxy)
+    else:
+        obj.__dict__["forward"] = proxy
+
+
+
+
+def uninstall_instance(module: torch.nn.Module) -> None:
+    """Restore an instance's own ``forward``, leave its share_graph group, release its graphs and
+    those of the submodules a piecewise plan graphified."""
+    del module.__dict__["forward"]
+    module.__dict__.pop(SHARE, None)
+    state = module.__dict__.pop(STATE, None)
+    if state is not None:
+        state.release()
+        for piece in state.pieces:
+            if isinstance(piece.__dict__.get("forward"), GraphedForward):
+                uninstall_instance(piece)
