@@ -81,11 +81,21 @@ class KeyFnPolicy(CachePolicy):
 
 
 class Owned:
-    """A cache entry's ``owner`` (the engine state that made it), held weakly: a region's
-    cache must not keep a deleted module, or its graphs, alive."""
+    """A cache entry (a graph, or an eager decision) and what it depends on.
+
+    ``owner``: the engine state that made it, held weakly (a region's cache must not keep a
+    deleted module, or its graphs, alive). ``state``: the module state the decision was made
+    under (a :class:`~cudagraphify._guards.StateGuard`, or None when it depends on none);
+    ``flags``: the global flags of its capture (a ``FlagsGuard``, or None); ``pinned``: leaves
+    read in place that are not keyed by address (parameters or buffers passed as arguments),
+    as (leaf index, address).
+    """
 
     __slots__ = ()
     _owner: "weakref.ref | None" = None
+    state: Any = None
+    flags: Any = None
+    pinned: tuple = ()
 
     @property
     def owner(self):
@@ -103,56 +113,96 @@ class Owned:
         ref = self._owner
         return ref is not None and ref() is None
 
+    def fits(self, leaves: list) -> bool:
+        """Whether this entry applies to a call with these leaves, under today's state."""
+        for i, ptr in self.pinned:
+            if leaves[i].data_ptr() != ptr:
+                return False
+        flags = self.flags
+        if flags is not None and not flags.check():
+            return False
+        state = self.state
+        return state is None or state.valid()
+
 
 class EagerEntry(Owned):
     """A signature decided eager, with the reason."""
 
-    __slots__ = ("reason", "_owner")
+    __slots__ = ("reason", "_owner", "state", "flags", "pinned")
 
-    def __init__(self, reason: str, owner=None):
+    def __init__(self, reason: str, owner=None, state=None, flags=None):
         self.reason = reason
         self.owner = owner
+        self.state = state
+        self.flags = flags
+        self.pinned = ()
 
     def release(self) -> None:
         pass
 
 
 class GraphCache:
-    """An LRU map from key to captured graph (or eager decision) that releases what it drops."""
+    """An LRU map from key to the entries made for it (graphs or eager decisions) that releases
+    what it drops.
+
+    A key can hold several entries (variants): one per module state and global flags a graph
+    was captured under (``model.train()`` then ``model.eval()``, a flag toggled back), each
+    checked by :meth:`Owned.fits`. ``max_graphs`` bounds the graphs over all keys.
+    """
 
     def __init__(self, policy: CachePolicy):
         self.policy = policy
-        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+        self._lru: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()  # id(entry) ->
+        self._by_key: dict[Hashable, list] = {}
         self.evictions = 0
 
-    def get(self, key: Hashable):
-        entry = self._entries.get(key)
-        if entry is not None:
-            self._entries.move_to_end(key)
-        return entry
+    def get(self, key: Hashable) -> list:
+        """The entries of ``key``, the most recently used first."""
+        entries = self._by_key.get(key)
+        if not entries:
+            return []
+        return sorted(entries, key=self._rank, reverse=True) if len(entries) > 1 else entries
+
+    def _rank(self, entry) -> int:
+        return self._order.get(id(entry), -1)
+
+    @property
+    def _order(self) -> dict[int, int]:
+        return {k: i for i, k in enumerate(self._lru)}
+
+    def touch(self, entry) -> None:
+        if id(entry) in self._lru:
+            self._lru.move_to_end(id(entry))
 
     def put(self, key: Hashable, entry) -> list:
         """Insert ``entry``; returns the entries evicted to make room (already released)."""
-        self._entries[key] = entry
-        self._entries.move_to_end(key)
+        self._lru[id(entry)] = (key, entry)
+        self._by_key.setdefault(key, []).append(entry)
         evicted = []
-        graphs = [k for k, e in self._entries.items() if not isinstance(e, EagerEntry)]
+        graphs = [e for _, e in self._lru.values() if not isinstance(e, EagerEntry)]
         while len(graphs) > self.policy.max_graphs:
             old = graphs.pop(0)
-            evicted.append(self._entries.pop(old))
-        if len(self._entries) - len(graphs) > _MAX_EAGER:
-            # eager decisions are cheap to make again: forget the oldest
-            for k in [k for k, e in self._entries.items() if isinstance(e, EagerEntry)][:-_MAX_EAGER]:
-                del self._entries[k]
+            self._drop(old)
+            evicted.append(old)
+        eager = [e for _, e in self._lru.values() if isinstance(e, EagerEntry)]
+        for old in eager[:-_MAX_EAGER]:  # eager decisions are cheap to make again
+            self._drop(old)
         for e in evicted:
             e.release()
         self.evictions += len(evicted)
         return evicted
 
-    def discard(self, key: Hashable) -> None:
-        """Drop and release the entry of ``key`` (not an eviction)."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
+    def _drop(self, entry) -> None:
+        key, _ = self._lru.pop(id(entry))
+        variants = self._by_key[key]
+        variants[:] = [e for e in variants if e is not entry]
+        if not variants:
+            del self._by_key[key]
+
+    def discard(self, entry) -> None:
+        """Drop and release ``entry`` (not an eviction)."""
+        if id(entry) in self._lru:
+            self._drop(entry)
             entry.release()
 
     def eviction_budget_spent(self) -> bool:
@@ -160,21 +210,18 @@ class GraphCache:
 
     def clear(self, owner=None) -> None:
         """Release every entry, or only those whose ``owner`` is ``owner``."""
-        if owner is None:
-            entries = list(self._entries.values())
-            self._entries.clear()
-        else:
-            keys = [k for k, e in self._entries.items() if e.owner is owner]
-            entries = [self._entries.pop(k) for k in keys]
+        entries = [e for _, e in self._lru.values() if owner is None or e.owner is owner]
+        for e in entries:
+            self._drop(e)
         for e in entries:
             e.release()
 
     def graphs(self, owner=None) -> list:
-        return [e for e in self._entries.values() if not isinstance(e, EagerEntry)
+        return [e for _, e in self._lru.values() if not isinstance(e, EagerEntry)
                 and (owner is None or e.owner is owner)]
 
     def items(self, owner=None):
-        return [(k, e) for k, e in self._entries.items() if owner is None or e.owner is owner]
+        return [(k, e) for k, e in self._lru.values() if owner is None or e.owner is owner]
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._lru)

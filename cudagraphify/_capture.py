@@ -1,7 +1,8 @@
 """How a graph is made: warm-up and capture on a side stream. The only module that drives CUDA.
 
-The engine talks to a backend object with five verbs (``supports``, ``in_capture``, ``warmup``,
-``capture``, ``stream_token``/``order_after``); :class:`CudaBackend` is the real one. Tests on a
+The engine talks to a backend object with a few verbs (``supports``, ``in_capture``,
+``warmup``, ``capture``, ``new_pool``, ``stream_token``/``order_after``/``drain``);
+:class:`CudaBackend` is the real one. Tests on a
 machine without a GPU substitute a simulated backend to exercise the engine's bookkeeping.
 """
 
@@ -17,6 +18,10 @@ import torch
 from ._errors import CaptureFailed, CudagraphifyError
 
 __all__ = ["CudaBackend", "Pool", "RawGraph", "default_backend", "set_backend"]
+
+# One C call (the Python wrapper adds a lookup and a check per call on the replay path).
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                     torch.cuda.is_current_stream_capturing)
 
 
 class Pool(tuple):
@@ -88,7 +93,7 @@ class CudaBackend:
 
     def in_capture(self) -> bool:
         """True while the caller's stream is being captured (someone else's graph)."""
-        return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+        return torch.cuda.is_initialized() and _capturing()
 
     def _capturing(self, device: torch.device) -> threading.RLock:
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -246,6 +251,13 @@ class CudaBackend:
 
     def stream_token(self, device: torch.device) -> int:
         return torch._C._cuda_getCurrentRawStream(device.index)
+
+    def drain(self, device: torch.device, token: int) -> None:
+        """Wait (on the host) until the work queued on stream ``token`` is done: memory a
+        released graph used (static buffers, its pool) may be handed to another stream at once,
+        and the caching allocator only orders reuse on the stream that allocated it."""
+        if torch.cuda.is_initialized() and not _capturing():
+            torch.cuda.ExternalStream(token, device=device).synchronize()
 
     def order_after(self, device: torch.device, token: int) -> None:
         """Make the caller's current stream wait for work queued on stream ``token``."""

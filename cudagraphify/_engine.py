@@ -1,12 +1,20 @@
-"""The per-callable state machine: key a call, then replay, capture, or run eagerly.
+"""The hot path of one graphed callable: replay, run eagerly, or hand a new signature's first
+call to :mod:`._first_call` and record what it decided.
 
 One :class:`GraphedState` exists per graphed module instance (or graphed function). A call:
 
-1. checks the statics guard (parameters and buffers still where the graphs read them);
-2. builds the signature and looks it up in the cache (the active region's, else the state's own);
-3. on a hit, replays; on an eager decision, runs eagerly; on a miss, runs the call eagerly on the
-   capture stream (the warm-up: that is this call's result), then captures a graph for the
-   signature. A capture that fails marks the signature eager with the reason.
+1. **fast path** — the entry the previous call replayed, for calls of positional tensors under
+   ``no_grad``/``inference_mode``: every guard in a few C calls (argument layouts, global flags,
+   parameter addresses and buffer layouts, the module-state epoch, the stream), then replay.
+2. **slow path** — the statics guard (parameters and buffers still where the graphs read them);
+   top-level arguments of opaque types decide "eager" without flattening anything; a cheap
+   per-structure verdict skips the full lookup for call shapes that keep deciding "eager";
+   else the signature is built, its key looked up (the active region's cache, else the
+   state's own), and the first entry that fits (module state, global flags) is replayed or
+   run eagerly;
+3. **first call** — :class:`~._first_call.FirstCall` warms up, screens, captures and verifies;
+   its :class:`~._first_call.Outcome` is recorded here (the engine is the only place that
+   counts or writes a cache).
 
 Nothing here touches ``torch.cuda``: the backend (``_capture``) does.
 """
@@ -14,55 +22,45 @@ Nothing here touches ``torch.cuda``: the backend (``_capture``) does.
 from __future__ import annotations
 
 import collections
-import sys
 import threading
-import time
-import traceback
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
-import torch.utils._pytree as pytree
 
-from . import _capture, _region
+from . import _capture, _guards, _region
 from ._cache import CachePolicy, EagerEntry, GraphCache
-from ._capture import _first_line
-from ._errors import CaptureFailed, CudagraphifyUsageError, warn_once
+from ._errors import CudagraphifyUsageError, warn_once
+from ._first_call import (DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Nested, Outcome,
+                          in_graphed_call, inputs_alias, nesting)
+from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
-from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
-                      static_output)
-from ._piecewise import go_piecewise, new_probe, probed, sequence_findings
-from ._probe import Finding
-from ._training import TrainingGraph, capture_training, warmup_backward
-from ._signature import Unkeyable, build_signature, unflatten_call
+from ._piecewise import PiecewiseEntry, plan
+from ._replay import CapturedGraph
+from ._signature import Unkeyable, build_signature, opaque_argument
 from ._statics import StaticState
+from ._training import TrainingGraph
+from ._writes import storage_of
 
-__all__ = ["GraphedState", "Options", "Stats", "in_graphed_call"]
+__all__ = ["GraphedState", "Options", "Stats", "in_graphed_call", "Nested", "drain"]
 
-_tls = threading.local()
+_Nested = Nested  # the name the test double of tests/conftest.py imports
+
 _MAX_DEFERRED = 8  # transient capture failures before a signature is decided for good
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
-
-
-def in_graphed_call() -> bool:
-    """True while this thread warms up or captures a graphed callable (nested calls run eagerly)."""
-    return getattr(_tls, "depth", 0) > 0
-
-
-class _Nested:
-    def __enter__(self):
-        _tls.depth = getattr(_tls, "depth", 0) + 1
-
-    def __exit__(self, *exc):
-        _tls.depth -= 1
+_MISS = object()
+_region_stack = _region.current
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 
 
 class GraphedState:
     """Caches, counters and the lock of one graphed callable."""
 
     def __init__(self, module: torch.nn.Module | None, options: Options, name: str,
-                 static_positions: frozenset[int], static_names: frozenset[str]):
+                 static_positions: frozenset[int], static_names: frozenset[str], *,
+                 install_pieces: Callable[[list[str]], list] | None = None, share=None):
+        _guards.install()
         self.name = name
         self.options = options
         self.policy = options.cache_policy or CachePolicy(max_graphs=options.max_graphs)
@@ -70,29 +68,35 @@ class GraphedState:
         self.statics = StaticState(module)
         self.static_positions = static_positions
         self.static_names = static_names
-        self.lock = self.policy.shared_lock or threading.RLock()
+        self.share = share  # (ShareGroup, layer index) under share_graph
+        # a share_graph group's layers replay through one set of static buffers: one lock
+        self.lock = share[0].lock if share is not None else (
+            self.policy.shared_lock or threading.RLock())
+        self.install_pieces = install_pieces  # graphifies submodules (a piecewise plan)
+        self.pieces: list = []  # submodules a piecewise plan graphified
+        self.last_plan: tuple | None = None
         self.captures = 0
+        self.retargets = 0  # graphs made from a share_graph template instead of a capture
+        self.replays = 0
         self.capture_seconds = 0.0
         self.warmup_seconds = 0.0
         self.eager_calls: collections.Counter[str] = collections.Counter()
         self.invalidations = 0
         self._warned: set[str] = set()
-        self.replays = 0
         self._retired_copies = 0
-        # piecewise graphing: set by the API (it graphifies submodules); what it installed
-        self.install_pieces: Callable[[list[str]], list] | None = None
-        self.pieces: list = []
-        self.last_plan: tuple | None = None
         self.accel = frozenset({"cuda"})  # device types whose work graphs capture
+        self._device: torch.device | None = None
         self._deferred = 0  # captures put off by a transient failure
         self._moves = 0  # calls that found parameters or buffers moved, since they last stood
         self._still = 0  # calls in a row since the last move
         self._moved_why = ""
-        self.train_eager: str | None = None  # why grad-mode calls run eagerly from now on
-        self._fsdp_checked = (-1, False)  # (FSDP2 registry size, resharded by a parent)
+        self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
+        self._parent_reshards = ParentReshard()
         self._stream_token: int | None = None
-        self.share: tuple | None = None  # (ShareGroup, layer index) under share_graph
-        self.retargets = 0  # graphs made from a share_graph template instead of a capture
+        self._fast: _Fast | None = None  # the last replayed entry's checks, or None
+        self._verdicts: dict = {}  # call structure -> _Verdict
+        self._verdict_epoch = _guards.epoch
+        self._shape = None  # the structure of the call in progress (under the lock)
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
     def __deepcopy__(self, memo) -> None:
@@ -105,6 +109,11 @@ class GraphedState:
 
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """Call ``fn(*args, **kwargs)`` through the graphs of this state."""
+        fast = self._fast
+        if fast is not None:
+            out = fast.call(args, kwargs)
+            if out is not _MISS:
+                return out
         enabled = self.options.enabled
         if enabled is not True and not (enabled() if callable(enabled) else enabled):
             return self._eager("disabled (enabled=False)", fn, args, kwargs, warn=False)
@@ -122,7 +131,17 @@ class GraphedState:
         with self.lock:
             return self._call(backend, region, fn, args, kwargs)
 
+    @property
+    def train_eager(self) -> str | None:
+        """Why grad-mode calls run eagerly from now on (None while they may be graphed)."""
+        return self._train_eager
+
+    def refuse_training(self, reason: str) -> None:
+        """From now on, grad-mode calls run eagerly (a backward found its parameters moved)."""
+        self._train_eager = reason
+
     def _call(self, backend, region, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        self._fast = None  # remade by a replay that qualifies
         moved = self.statics.changed()
         if moved is not None:
             self.invalidate(moved)
@@ -132,56 +151,89 @@ class GraphedState:
             self._still += 1
             if self._still >= _STILL_CALLS:
                 self._moves = 0
-        if torch.is_grad_enabled() and (self.train_eager
-                                        or _reshards_after_forward(self.statics.root)
-                                        or self._resharded_by_a_parent()):
-            return self._eager(self.train_eager or _RESHARDS, fn, args, kwargs)
         if self._moves > _MAX_MOVES:
             return self._eager(
                 f"parameters or buffers keep moving to new memory ({self._last_move(moved)}; "
                 "FSDP2 gathers them anew when it reshards): running eagerly until they stay "
                 f"put for {_STILL_CALLS} calls", fn, args, kwargs)
-        sig, leaves, static_flags = build_signature(
-            args, kwargs, self.statics.modules, self.static_positions, self.static_names)
-        if isinstance(sig, Unkeyable):
+        opaque = opaque_argument(args, kwargs, self.static_positions, self.static_names)
+        if opaque is not None:
             _refuse_tracers(args, kwargs)
-            return self._eager(sig.reason, fn, args, kwargs)
-        if sig.state[1] and _saved_tensors_hooks(False) is not None:
-            return self._eager("inside saved-tensor hooks (activation checkpointing, "
-                               "save_on_cpu): they must see the forward's own tensors, which a "
-                               "graph keeps to itself", fn, args, kwargs)
+            return self._eager(opaque, fn, args, kwargs)
+        if self._verdict_epoch != _guards.epoch:  # module state changed: decide afresh
+            self._verdicts.clear()
+            self._verdict_epoch = _guards.epoch
+        self._shape = shape = _structure(args, kwargs)
+        verdict = self._verdicts.get(shape)
+        if verdict is not None and verdict.skip():
+            return self._eager(verdict.reason, fn, args, kwargs)
+        sig, leaves, static_flags = build_signature(args, kwargs, self.static_positions,
+                                                    self.static_names)
+        if isinstance(sig, Unkeyable):
+            return self._eager(sig.reason, fn, args, kwargs, decided=True)
+        training = sig.state.grad and (
+            bool(self.statics.grad_params())
+            or any(isinstance(x, _Tensor) and x.requires_grad for x in leaves))
+        if training:
+            why = self._training_refused()
+            if why is not None:
+                return self._eager(why, fn, args, kwargs)
         cache = region.cache_for(self) if region is not None else self.cache
         key = self.policy.full_key(sig)
-        if sig.state[1] and self.statics.tensors:  # grad mode: which parameters require grad
+        if sig.state.grad and self.statics.tensors:  # which parameters require grad
             key = (key, self.statics.grad_pattern())
-        entry = cache.get(key)
-        owner = entry.owner if entry is not None else None
-        if owner is not self and entry is not None:
-            # A graph of another module (a shared policy): it reads that module's statics.
-            if owner is None:
-                if entry.orphaned:  # that module is gone, and its memory with it
-                    cache.discard(key)
-                    entry = None
-            else:
+        for entry in cache.get(key):
+            owner = entry.owner
+            if owner is not self:
+                # A graph of another module (a shared policy): it reads that module's statics.
+                if owner is None:
+                    if entry.orphaned:  # that module is gone, and its memory with it
+                        cache.discard(entry)
+                    continue
                 moved = owner.statics.changed()
                 if moved is not None:
                     owner.invalidate(moved)
-                    entry = None
-        if entry is not None:
+                    continue
+            if not entry.fits(leaves):
+                continue
+            cache.touch(entry)
             kind = type(entry)
             if kind is CapturedGraph or kind is TrainingGraph:
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
-            return self._eager(entry.reason, fn, args, kwargs)
+            return self._eager(entry.reason, fn, args, kwargs, decided=True)
         reason = self._ineligible(backend, leaves, cache)
         if reason is not None:
-            return self._decide_eager(cache, key, reason, lambda: fn(*args, **kwargs))
-        return self._warmup_and_capture(backend, region, cache, key, sig, leaves, static_flags,
-                                        fn, args, kwargs)
+            cache.put(key, EagerEntry(reason, self))
+            return self._eager(reason, fn, args, kwargs, decided=True)
+        first = FirstCall(self, backend, region, key, sig, leaves, static_flags, fn, args,
+                          kwargs, self._device)
+        try:
+            outcome = first.run()
+        finally:
+            self.warmup_seconds += first.warmup_seconds
+        return self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs)
+
+    def _training_refused(self) -> str | None:
+        if self._train_eager:
+            return self._train_eager
+        if reshards_after_forward(self.statics.root) or \
+                self._parent_reshards(self.statics.modules):
+            return RESHARDS
+        if _saved_tensors_hooks(False) is not None:
+            return ("inside saved-tensor hooks (activation checkpointing, save_on_cpu): they "
+                    "must see the forward's own tensors, which a graph keeps to itself")
+        return None
 
     def _replay(self, backend, region, entry, leaves: list, fn, args, kwargs) -> Any:
-        if entry.mutated and _inputs_alias(leaves):
-            return self._eager("inputs share memory and forward writes to them", fn, args,
-                               kwargs)
+        if entry.mutated:
+            if inputs_alias(leaves):
+                return self._eager("inputs share memory and forward writes to them", fn, args,
+                                   kwargs)
+            if entry.hazard and any(storage_of(leaves[i]) in entry.hazard
+                                    for i in entry.mutated):
+                return self._eager("an output of this graph (copy_outputs=False) is passed back "
+                                   "as an input the forward writes: the copy-back would "
+                                   "overwrite the new output", fn, args, kwargs)
         training = type(entry) is TrainingGraph
         if training and entry.pending():
             return self._eager("the backward of an earlier call with this signature has not run "
@@ -203,12 +255,15 @@ class GraphedState:
                 # Another stream replayed last: its copies may still be in flight.
                 backend.order_after(device, holder._stream_token)
             holder._stream_token = token
+        self._verdict_graphed()
         self.replays += 1
         if region is not None:
             region.replays += 1
         if training:
             return entry.run(leaves, self.statics.grad_params(), self)
-        return entry.run(leaves)
+        out = entry.run(leaves)
+        self._fast = _Fast.make(self, entry, region, backend, args, token)
+        return out
 
     def _last_move(self, moved: str | None) -> str:
         if moved is not None:
@@ -223,23 +278,103 @@ class GraphedState:
         return self.share[0] if self.share is not None else self
 
     def _eager(self, reason: str, fn: Callable, args: tuple, kwargs: dict,
-               warn: bool = True) -> Any:
+               warn: bool = True, decided: bool = False) -> Any:
+        """Count and warn (once per reason), then run ``fn`` eagerly. ``decided``: the full
+        lookup decided it (the call structure's verdict learns from it)."""
         self.eager_calls[reason] += 1
         if warn:
             warn_once(self._warned, self.name, reason)
+        if decided:
+            self._verdict_eager(reason)
         return fn(*args, **kwargs)
 
-    def _decide_eager(self, cache: GraphCache, key, reason: str, call: Callable[[], Any]) -> Any:
-        """Remember that ``key`` runs eagerly, count and warn; return ``call()``."""
-        cache.put(key, EagerEntry(reason, self))
+    # -- verdicts: cheap "eager" for call structures that keep deciding it -------------------
+
+    def _verdict_eager(self, reason: str) -> None:
+        shape = self._shape
+        if shape is None:
+            return
+        v = self._verdicts.get(shape)
+        if v is None:
+            if len(self._verdicts) > 256:
+                self._verdicts.clear()
+            v = self._verdicts[shape] = _Verdict()
+        v.eager(reason)
+
+    def _verdict_graphed(self) -> None:
+        v = self._verdicts.get(self._shape)
+        if v is not None:
+            v.graphed()
+
+    # -- recording a first call's outcome -----------------------------------------------------
+
+    def _record(self, outcome: Outcome, backend, region, cache: GraphCache, key, leaves: list,
+                fn, args, kwargs) -> Any:
+        kind = outcome.kind
+        if kind == GRAPHED:
+            return self._record_graph(outcome, backend, region, cache, key, leaves, fn, args,
+                                      kwargs)
+        if kind == DEFERRED and self._deferred < _MAX_DEFERRED:
+            self._deferred += 1
+            self.eager_calls[outcome.reason] += 1
+            warn_once(self._warned, self.name, outcome.reason)
+            return outcome.result
+        if kind == DEFERRED:
+            outcome = Outcome(EAGER, outcome.result, reason=outcome.reason.replace(
+                "capture deferred (retried on a later call)", "capture failed repeatedly"),
+                guard=outcome.guard, flags=outcome.flags)
+        if kind == PIECEWISE:
+            reason, pieces = plan(self.statics.root, outcome.findings, outcome.ran)
+            if pieces:
+                installed = self.install_pieces(pieces) if self.install_pieces else []
+                self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
+                self.last_plan = (outcome.findings, pieces)
+                entry = PiecewiseEntry(reason, self, outcome.findings, pieces, outcome.guard,
+                                       outcome.flags)
+            else:
+                entry = EagerEntry(reason, self, outcome.guard, outcome.flags)
+        else:
+            reason = outcome.reason
+            entry = EagerEntry(reason, self, outcome.guard, outcome.flags)
+        cache.put(key, entry)
         self.eager_calls[reason] += 1
         warn_once(self._warned, self.name, reason)
-        return call()
+        self._verdict_eager(reason)
+        return outcome.result
 
-    # -- deciding and capturing ------------------------------------------------------------
+    def _record_graph(self, outcome: Outcome, backend, region, cache, key, leaves, fn, args,
+                      kwargs) -> Any:
+        entry = outcome.entry
+        entry.owner = self
+        entry.state = outcome.guard
+        entry.flags = outcome.flags
+        if outcome.shared:
+            self.retargets += 1
+        else:
+            self.captures += 1
+        self.capture_seconds += entry.capture_seconds
+        if region is not None:
+            region.record_capture(entry)
+        evicted = cache.put(key, entry)
+        self._retired_copies += sum(e.input_copies for e in evicted)
+        if evicted:
+            warn_once(self._warned, self.name,
+                      f"more distinct signatures than max_graphs={self.policy.max_graphs}; "
+                      "least recently used graphs are released and re-captured when needed",
+                      what="evicts graphs")
+        self._stream_holder(region)._stream_token = backend.stream_token(entry.device)
+        self._verdict_graphed()
+        if outcome.replay:
+            # In a chaining region the first call returns the graph's own (aliased) outputs, so
+            # the next graphed call is captured reading them in place. Nothing was written, so
+            # replaying once more has no effect beyond its outputs.
+            return self._replay(backend, region, entry, leaves, fn, args, kwargs)
+        return outcome.result
 
     def _ineligible(self, backend, leaves: list, cache: GraphCache) -> str | None:
-        devices = {leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor)}
+        """Why no graph can be made for these leaves at all (before any warm-up), or None;
+        sets the device and the device types whose work graphs capture."""
+        devices = {leaf.device for leaf in leaves if isinstance(leaf, _Tensor)}
         devices |= self.statics.devices()
         if not devices:
             return "no tensors to graph (no tensor arguments, parameters or buffers)"
@@ -258,296 +393,24 @@ class GraphedState:
         self.accel = frozenset({device.type})
         return None
 
-    def _warmup_and_capture(self, backend, region, cache, key, sig, leaves, static_flags,
-                            fn, args, kwargs) -> Any:
-        device = self._device
-        training = torch.is_grad_enabled() and (
-            bool(self.statics.grad_params())
-            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
-        tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-        marks = _marks([x for _, x in tensors])
-        statics, buffers = self.statics.watchable()
-        static_marks = _marks(statics, buffers)
-        t0 = time.perf_counter()
-        probe = new_probe(self)
-        with _Nested():
-            result = backend.warmup(probed(probe, lambda: fn(*args, **kwargs)), device)
-        mutated = [tensors[j][0] for j in _written([x for _, x in tensors], marks)]
-        wrote = _written(statics, static_marks)
-        moved_statics = [statics[j] for j in wrote]
-        del static_marks  # copies of the buffers
-
-        def rehearse():
-            return self._rehearse(backend, device, fn, sig, leaves, mutated, statics, buffers,
-                                  wrote)
-        done = lambda: result  # noqa: E731 - the warm-up was this call
-        if probe is not None and probe.findings:
-            rehearsal = None
-            if probe.may_rehearse():
-                rehearsal = rehearse()
-            if rehearsal is None:
-                return go_piecewise(self, cache, key, probe.unsafe_paths(),
-                                    set(probe.sequences), result)
-            probe = rehearsal  # what the capture must match: the path taken while captured
-        if mutated and _inputs_alias(leaves):
-            return self._decide_eager(cache, key, "inputs share memory and forward writes to "
-                                      "them", done)
-        if mutated and training:
-            return self._decide_eager(cache, key, "forward writes to its tensor arguments while "
-                                      "autograd records", done)
-        # Objects named in static_argnames are passed as they are: extra runs would change them.
-        opaque = any(c[1] == "static-object" for c in sig.constants)
-        failed: CaptureFailed | None = None
-        second = None
-        try:
-            if not opaque:
-                self._extra_warmups(backend, device, fn, sig, leaves, training, moved_statics)
-        except Exception as e:  # noqa: BLE001 - the real call succeeded: its result stands
-            _forget_frames(e)
-            failed = CaptureFailed(f"extra warm-up failed: {_first_line(e)}",
-                                   transient=isinstance(e, torch.OutOfMemoryError))
-        self.warmup_seconds += time.perf_counter() - t0
-        try:
-            if failed is not None:
-                raise failed
-            second = new_probe(self, thunder=False)
-            run = probed(second, fn)
-            with _Nested():
-                if training:
-                    entry = capture_training(backend, run, sig, leaves, static_flags,
-                                             self.statics.grad_params(), device,
-                                             self.statics.storage_ptrs(),
-                                             self.statics.stand_ins)
-                else:
-                    entry = self._capture_inference(backend, region, run, sig, leaves,
-                                                    static_flags, mutated, device, key, result,
-                                                    bool(moved_statics))
-        except (CaptureFailed, torch.OutOfMemoryError) as e:
-            _forget_frames(e)
-            if not isinstance(e, CaptureFailed):  # static buffers or a pool, before capturing
-                e = CaptureFailed(f"out of memory preparing the capture: {_first_line(e)}",
-                                  transient=True)
-            if e.transient and self._deferred < _MAX_DEFERRED:
-                self._deferred += 1
-                reason = f"capture deferred (retried on a later call): {e}"
-                self.eager_calls[reason] += 1
-                warn_once(self._warned, self.name, reason)
-                return result
-            if probe is not None and self.statics.root is not None:
-                failed = {"": [Finding("", "capture", (), f"capture failed: {e}")]}
-                return go_piecewise(self, cache, key, failed, set(probe.sequences), result)
-            return self._decide_eager(cache, key, f"capture failed: {e}", done)
-        except OutputPlanError as e:
-            return self._decide_eager(cache, key, str(e), done)
-        shared = getattr(entry, "shared", False)  # made from a share_graph template
-        if probe is not None and second is not None and not shared:
-            differs = sequence_findings(probe, second)
-            if differs and probe.may_rehearse() and not probe.rehearse:
-                # the capture took the path the code takes while captured: compare with that
-                rehearsal = rehearse()
-                if rehearsal is not None:
-                    differs = sequence_findings(rehearsal, second)
-            if differs:
-                entry.release()
-                return go_piecewise(self, cache, key, differs, set(probe.sequences), result)
-        entry.owner = self
-        if shared:
-            self.retargets += 1
-        else:
-            self.captures += 1
-        self.capture_seconds += entry.capture_seconds
-        if region is not None:
-            region.record_capture(entry)
-        evicted = cache.put(key, entry)
-        self._retired_copies += sum(e.input_copies for e in evicted)
-        if evicted:
-            warn_once(self._warned, self.name,
-                      f"more distinct signatures than max_graphs={self.policy.max_graphs}; "
-                      "least recently used graphs are released and re-captured when needed",
-                      what="evicts graphs")
-        self._stream_holder(region)._stream_token = backend.stream_token(device)
-        if region is not None and region.chain and entry.seq is not None and not mutated \
-                and not moved_statics and not opaque:
-            # In a chaining region the first call returns the graph's own (aliased) outputs, so
-            # the next graphed call is captured reading them in place. Nothing was mutated, so
-            # replaying once more has no effect beyond its outputs.
-            return self._replay(backend, region, entry, leaves, fn, args, kwargs)
-        return result
-
-    def _rehearse(self, backend, device, fn, sig, leaves, mutated: list[int],
-                  statics: list[torch.Tensor], buffers: list[bool], wrote: list[int]):
-        """The probe of an eager run on which ``torch.cuda.is_current_stream_capturing()``
-        answers "yes", when that path is safe and writes what the real call wrote (else None).
-
-        Code that asks (HF transformers' mask building) takes another path while captured;
-        where the code that asks is trusted to compute the same on it
-        (``OpPolicy.trusts_captured_path``), the warm-up's findings (a host sync on the eager
-        path) do not apply to the graph. The run reads copies of the inputs; the buffers and
-        parameters it writes and the random state are restored, so only the real call's
-        effect remains. The capture must then take the same path, op for op (checked as for
-        any warm-up). ``statics``/``buffers``: ``StaticState.watchable()``; ``wrote``: which of
-        them the real call wrote; ``mutated``: which inputs it wrote."""
-        if any(c[1] == "static-object" for c in sig.constants):
-            return None  # objects passed as they are: another run would change them
-        marks = _marks(statics, buffers)  # buffers by value: the copies restore them
-        written = set(wrote)  # by the real call
-        with torch.no_grad():
-            saved = {j: statics[j].clone() for j in written}
-        rng = (torch.random.get_rng_state(),
-               torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-        copies = StaticInputs(leaves, [False] * len(leaves))
-        copy_marks = _marks([b for _, b in copies.copy])
-        rehearsal = new_probe(self)
-        rehearsal.rehearse = True
-        ran = False
-        try:
-            a, kw = unflatten_call(copies.leaves, sig)
-            with _Nested():
-                backend.warmup(probed(rehearsal, lambda: fn(*a, **kw)), device)
-            ran = True
-        except Exception:  # noqa: BLE001 - that path fails eagerly: keep the warm-up's plan
-            pass
-        finally:
-            wrote = _written(statics, marks)
-            with torch.no_grad():
-                for j in wrote:
-                    if isinstance(marks[j], torch.Tensor):
-                        statics[j].data.copy_(marks[j])
-                for j, v in saved.items():
-                    statics[j].data.copy_(v)
-            torch.random.set_rng_state(rng[0])
-            if rng[1] is not None:
-                torch.cuda.set_rng_state(rng[1], device)
-        # A path that writes what the eager one does not (or a parameter: restored only where
-        # the real call wrote it too) is not the same computation.
-        wrote_inputs = {copies.copy[k][0]
-                        for k in _written([b for _, b in copies.copy], copy_marks)}
-        if not ran or rehearsal.findings or not set(wrote) <= written \
-                or wrote_inputs != set(mutated):
-            return None
-        return rehearsal
-
-    def _extra_warmups(self, backend, device, fn, sig, leaves, training: bool,
-                       moved_statics: list[torch.Tensor]) -> None:
-        """Warm-up runs beyond the real call: on copies of the inputs; buffers the forward
-        updates (running statistics) are restored, so only the real call's effect remains."""
-        n = self.options.num_warmup_iters - 1
-        if training:
-            n = max(n, 1)  # the backward needs a warm-up of its own
-        if n == 0:
-            return
-        with torch.no_grad():
-            saved = [t.clone() for t in moved_statics]
-        try:
-            for _ in range(n):
-                copies = StaticInputs(leaves, [False] * len(leaves))
-                for i, buf in copies.copy:
-                    buf.requires_grad_(training and leaves[i].requires_grad)
-                a, kw = unflatten_call(copies.leaves, sig)
-                with _Nested():
-                    if training:
-                        wrt = self.statics.grad_params() + [b for _, b in copies.copy]
-                        backend.warmup(lambda: warmup_backward(lambda: fn(*a, **kw), wrt,
-                                                               self.statics.stand_ins), device)
-                    else:
-                        backend.warmup(lambda: fn(*a, **kw), device)
-        finally:  # a failed extra run leaves no trace in the buffers either
-            with torch.no_grad():
-                for t, v in zip(moved_statics, saved):
-                    # through .data: the real call's autograd graph saved these buffers
-                    # (BatchNorm's backward takes its running statistics) and checks versions
-                    t.data.copy_(v)
-
-    def _capture_inference(self, backend, region, fn, sig, leaves, static_flags, mutated,
-                           device, key, expected, writes_statics=False) -> CapturedGraph:
-        chain = region is not None and region.chain
-        borrow = region.borrowable(leaves) if chain else {}
-        borrow = {i: s for i, s in borrow.items() if not static_flags[i] and i not in mutated}
-        inputs = StaticInputs(leaves, static_flags, {i: s.tensor for i, s in borrow.items()})
-        held_before = [slot.users() for slot in borrow.values()]
-        a, kw = unflatten_call(inputs.leaves, sig)
-        pool = region.pool(backend, device) if region is not None else None
-        made = self._shared(backend, region, key, fn, a, kw, inputs, leaves, device, expected,
-                            bool(mutated) or writes_statics)
-        if made is not None:
-            raw, out, inputs = made
-        else:
-            if self.share is not None and region is None:
-                pool = self.share[0].pool(backend, device)
-            raw, out = backend.capture(lambda: fn(*a, **kw), device, pool=pool)
-        seq, forget = None, None
-        if chain:
-            seq, pool_output, forget = region.adopt()
-        elif self.options.copy_outputs:
-            pool_output = clone_output
-        else:
-            pool_output = static_output
-        try:
-            actions, spec = plan_outputs(out, inputs, leaves, self.statics.storage_ptrs(),
-                                         pool_output)
-        except OutputPlanError:
-            if forget is not None:
-                forget()
-            raw.release()
-            raise
-        entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out], device=device)
-        entry.shared = made is not None
-        entry.seq = seq
-        entry.borrowed = list(borrow.items())
-        if forget is not None:
-            entry.on_release.append(forget)
-        for slot, held in zip(borrow.values(), held_before):
-            # outputs that are views of a borrowed input are cudagraphify's own references
-            slot.own_more(slot.users() - held)
-            entry.on_release.append(lambda slot=slot, n=slot.users() - held: slot.own_more(-n))
-        return entry
-
-    def _shared(self, backend, region, key, fn, a, kw, inputs, leaves, device, expected,
-                writes: bool):
-        """This layer's graph made from its share_graph group's template, or None."""
-        if self.share is None:
-            return None
-        group, k = self.share
-        if region is not None:
-            group.refuse("called inside a graph_region (per-layer graphs in the region's pool)")
-            return None
-        if writes:
-            # Sharing replays graphs to check them (and runs a second layer once): each replay
-            # would apply the forward's writes (running statistics, a cache) once more.
-            group.refuse("forward writes to its buffers or inputs")
-            return None
-        if not getattr(backend, "can_share", False) or not self.options.copy_outputs:
-            group.refuse("the capture backend cannot read graphs" if self.options.copy_outputs
-                         else "copy_outputs=False (layers share one set of output buffers)")
-            return None
-        return group.make(k, key, fn, a, kw, inputs, leaves, backend, device, expected)
-
-    def _resharded_by_a_parent(self) -> bool:
-        """Whether an FSDP2 group of an enclosing ``fully_shard``ed module frees some of this
-        module's parameters after forward (looked up again when FSDP2's registry of sharded
-        modules changes size)."""
-        registry = sys.modules.get("torch.distributed._composable_state")
-        mapping = getattr(registry, "_module_state_mapping", None)
-        size = len(mapping) if mapping is not None else 0
-        if size != self._fsdp_checked[0]:
-            mine = {id(m) for m in self.statics.modules}
-            self._fsdp_checked = (size, size > 0 and any(
-                id(m) in mine for m in _resharded_param_owners(mapping)))
-        return self._fsdp_checked[1]
-
     # -- upkeep ----------------------------------------------------------------------------
 
     def invalidate(self, why: str) -> None:
         """Drop every graph (they read memory that is no longer the module's)."""
         self.invalidations += 1
-        self._fsdp_checked = (-1, False)  # the statics were re-read: its modules may differ
+        self._parent_reshards.forget()  # the statics were re-read: its modules may differ
         self.release()
         for region in _region.all_open():
             region.forget(self)
 
     def release(self) -> None:
-        """Release every graph of this callable's own cache."""
-        self._retired_copies += sum(g.input_copies for g in self.cache.graphs(self))
+        """Release every graph of this callable's own cache, once the work queued on the
+        stream that replayed last is done (its memory may be handed to another stream at once)."""
+        self._fast = None
+        graphs = self.cache.graphs(self)
+        if graphs:
+            drain(graphs[0].device, self._stream_holder(None)._stream_token)
+        self._retired_copies += sum(g.input_copies for g in graphs)
         self.cache.clear(owner=self)
 
     def stats(self) -> Stats:
@@ -572,72 +435,126 @@ class GraphedState:
                  else f"eager: {e.reason}") for k, e in self.cache.items(self)]
 
 
-def _forget_frames(error: BaseException) -> None:
-    """Clear the locals of a failed capture's frames: a traceback cycle would keep its tensors
-    (and their autograd graph, which blocks the next capture) alive until the GC runs."""
-    while error is not None:
-        traceback.clear_frames(error.__traceback__)
-        error = error.__cause__ or error.__context__
+def drain(device: torch.device | None, token: int | None) -> None:
+    """Wait until the work queued on stream ``token`` is done, before memory a graph used is
+    released (the allocator may hand it to another stream at once)."""
+    if device is None or token is None:
+        return
+    fn = getattr(_capture.default_backend(), "drain", None)
+    if fn is not None:
+        fn(device, token)
 
 
-def _marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
-    """What tells, after a call, whether it wrote each tensor: its version counter, or a copy
-    of its contents for inference tensors (they have no counter) and where ``by_value`` says so
-    (buffers: BatchNorm's kernels update running statistics without bumping the counter)."""
-    flags = by_value if by_value is not None else [False] * len(tensors)
-    return [t.clone() if v or t.is_inference() else t._version for t, v in zip(tensors, flags)]
+class _Verdict:
+    """How calls of one structure (argument types and container lengths) were decided lately.
 
+    After two full lookups in a row decided "eager", the next calls of that structure run
+    eagerly without a lookup, for a window that doubles (2, 4, ... 1024 calls) while the full
+    lookups keep deciding "eager". Running eagerly is always correct: the window only delays
+    graphing a call that could have been graphed. A graphed call, or a module-state change,
+    resets it."""
 
-def _written(tensors: list[torch.Tensor], marks: list) -> list[int]:
-    return [j for j, (t, m) in enumerate(zip(tensors, marks))
-            if (not torch.equal(t, m) if isinstance(m, torch.Tensor) else t._version != m)]
+    __slots__ = ("streak", "window", "left", "reason")
 
+    def __init__(self):
+        self.streak, self.window, self.left, self.reason = 0, 2, 0, ""
 
-_RESHARDS = ("FSDP2 shards this module (or one around it) with reshard_after_forward: it frees "
-             "the parameters after forward and gathers them anew, elsewhere, for backward, "
-             "where a backward graph cannot follow (inference calls still replay); shard it "
-             "with reshard_after_forward=False for training graphs")
-
-
-def _reshards_after_forward(module: torch.nn.Module | None) -> bool:
-    """Whether FSDP2 (``fully_shard``) frees ``module``'s parameters after each forward."""
-    # Looked up on the class: a module's __getattr__ raises (slowly) for a missing name, and
-    # this runs on every grad-mode call.
-    state = getattr(type(module), "_get_fsdp_state", None)
-    if state is None:
+    def skip(self) -> bool:
+        if self.left > 0:
+            self.left -= 1
+            return True
         return False
-    try:
-        group = state(module)._fsdp_param_group
-        return group is not None and group.post_forward_mesh_info is not None
-    except Exception:  # noqa: BLE001 - FSDP2 internals asserting: cannot tell, assume it does
-        return True
+
+    def eager(self, reason: str) -> None:
+        self.reason = reason
+        self.streak += 1
+        if self.streak >= 2:
+            self.left = self.window
+            self.window = min(self.window * 2, 1024)
+
+    def graphed(self) -> None:
+        self.streak, self.window, self.left = 0, 2, 0
 
 
-def _resharded_param_owners(mapping) -> Iterator[torch.nn.Module]:
-    """The modules whose parameters an FSDP2 group in ``mapping`` (FSDP2's registry of sharded
-    modules) frees after forward. A state whose internals cannot be read is skipped (a
-    backward still checks the addresses it reads)."""
-    for ref in list(mapping.values()):
-        try:
-            state = ref()
-            groups = getattr(state, "_fsdp_param_groups", None)
-            if groups is None:  # older FSDP2: one group per state
-                groups = [getattr(state, "_fsdp_param_group", None)]
-            owners = [m for group in groups if group is not None
-                      and getattr(group, "post_forward_mesh_info", None) is not None
-                      for param in group.fsdp_params
-                      for m in (param._module_info.module,
-                                *getattr(param._module_info, "shared_modules", ()))]
-        except Exception:  # noqa: BLE001 - FSDP2 internals changed or asserting
-            continue
-        yield from owners
+def _structure(args: tuple, kwargs: dict) -> tuple:
+    """The structure of a call without looking inside its containers: argument types, keyword
+    names and the lengths of top-level containers."""
+    return (tuple([type(a) if type(a) not in (tuple, list, dict) else (type(a), len(a))
+                   for a in args]),
+            tuple([(k, type(v) if type(v) not in (tuple, list, dict) else (type(v), len(v)))
+                   for k, v in kwargs.items()]))
+
+
+class _Fast:
+    """Every check of the entry the previous call replayed, in a few C calls, then its replay.
+
+    Made only for an inference graph of this callable's own, called with positional tensors
+    (plain tensors or parameters) while grad mode is off, with ``enabled=True`` and no moves
+    pending. Any failed check (or anything unusual) hands the call to the slow path."""
+
+    __slots__ = ("state", "entry", "region", "n", "tguard", "statics", "in_capture",
+                 "stream", "device", "holder", "inplace", "slots")
+
+    @staticmethod
+    def make(state: GraphedState, entry, region, backend, args: tuple, token) -> "_Fast | None":
+        if state.options.enabled is not True or state._moves or entry.owner is not state \
+                or entry.flags is None or torch.is_grad_enabled() or entry.hazard:
+            return None
+        if not args or not all(type(a) is _Tensor or type(a) is _Parameter for a in args):
+            return None
+        self = _Fast()
+        self.state, self.entry, self.region, self.n = state, entry, region, len(args)
+        self.tguard = _TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
+                                    dynamic_dims_strides=[list(a.stride()) for a in args])
+        self.statics = state.statics
+        self.in_capture = backend.in_capture
+        self.stream, self.device = backend.stream_token, entry.device
+        self.holder = state._stream_holder(region)
+        self.inplace = entry.inplace
+        self.slots = entry.seq is not None
+        return self
+
+    def call(self, args: tuple, kwargs: dict) -> Any:
+        if kwargs or len(args) != self.n or nesting[0] or _region_stack() is not self.region:
+            return _MISS
+        state, region = self.state, self.region
+        if region is not None:
+            with region.lock, state.lock:
+                return self._checked(args, state, region)
+        with state.lock:
+            return self._checked(args, state, None)
+
+    def _checked(self, args: tuple, state: GraphedState, region) -> Any:
+        entry = self.entry
+        if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
+                or not entry.flags.check() or self.in_capture():
+            return _MISS
+        guard = entry.state
+        if guard is not None and not guard.valid():
+            return _MISS
+        for i, ptr in self.inplace:
+            if args[i].data_ptr() != ptr:
+                return _MISS
+        if not self.statics.same():
+            return _MISS
+        if self.stream(self.device) != self.holder._stream_token:
+            return _MISS
+        if self.slots and not region.protect_before(entry, args):
+            return _MISS
+        state.replays += 1
+        if region is not None:
+            region.replays += 1
+        return entry.run(args)
+
+
+_TensorGuards = torch._C._dynamo.guards.TensorGuards
 
 
 def _refuse_tracers(args: tuple, kwargs: dict) -> None:
     """A clear error where a tracer calls a graphified module with its proxies for tensors
     (``thunder.jit`` over a model with graphified parts): running forward on them eagerly
     fails deep inside, and graphs could not be traced anyway."""
-    if any(type(x).__module__.startswith("thunder.") for x in pytree.tree_leaves((args, kwargs))):
+    if any(type(x).__module__.startswith("thunder.") for x in (*args, *kwargs.values())):
         raise CudagraphifyUsageError(
             "thunder.jit is tracing a graphified module (its tensors are Thunder proxies): "
             "graphify the thunder.jit'd model instead (graphify(thunder.jit(model))), or "
@@ -646,8 +563,3 @@ def _refuse_tracers(args: tuple, kwargs: dict) -> None:
 
 def _no_state() -> None:
     return None
-
-
-def _inputs_alias(leaves: list) -> bool:
-    ptrs = [x.untyped_storage().data_ptr() for x in leaves if isinstance(x, torch.Tensor)]
-    return len(set(ptrs)) != len(ptrs)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._engine import _Nested
+from ._first_call import Nested
 from ._options import Stats
 from ._wrap import share_of, state_of_module
 from ._policy import default_policy
@@ -89,7 +89,7 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
         for _ in range(2):
             probe = Probe(module, policy, accel=accel, thunder=True)
             probe.rehearse = rehearse
-            with torch.no_grad(), _Nested(), probe:
+            with torch.no_grad(), Nested(), probe:
                 module(*args, **kwargs)
             probes.append(probe)
             with torch.no_grad():

@@ -23,6 +23,7 @@ from torch.nn.modules import module as _module_mod
 from torch.overrides import TorchFunctionMode
 
 from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
+from ._writes import storage_of
 
 __all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
 
@@ -66,9 +67,14 @@ class _Mode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         caller = sys._getframe(1).f_code.co_filename
-        if not caller.startswith(_HERE) or caller == _OWN_MODELS:  # not cudagraphify's own calls
-            self.probe.record(func, args, kwargs)
-        return func(*args, **kwargs)
+        if caller.startswith(_HERE) and caller != _OWN_MODELS:  # cudagraphify's own calls
+            return func(*args, **kwargs)
+        probe = self.probe
+        probe.record(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if probe.known is not None:
+            probe.note_tensors(func, args, kwargs, out)
+        return out
 
 
 def _resolve(dotted: str) -> tuple[Any, str] | None:
@@ -159,6 +165,12 @@ class Probe:
         # A rehearsal: an eager run on which that question is answered "yes", so that code
         # which takes another path while captured takes it here, where the probe sees it.
         self.rehearse = False
+        # Tensors read that no op of this run made: ``known`` (storage addresses of the
+        # arguments and statics, set by the caller to start tracking) and ``produced`` are
+        # not outside memory; ``outside`` maps each other storage to where it was first read.
+        self.known: set[int] | None = None
+        self.produced: set[int] = set()
+        self.outside: dict[int, Finding] = {}
 
     @property
     def path(self) -> str:
@@ -175,6 +187,30 @@ class Probe:
                                 thunder=self.thunder, thunder_key=key)
         if tags and not self.policy.can_graph(func, tags):
             self.findings.append(Finding(self.path, name, tuple(sorted(tags)), _user_frame()))
+
+    def note_tensors(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        """Note the storages ``func`` read that no earlier op of the run produced and that are
+        not ``known``, and the storages it produced."""
+        for value in (*args, *kwargs.values()):
+            if isinstance(value, torch.Tensor):
+                self._read(func, value)
+            elif isinstance(value, (list, tuple)):
+                for v in value:
+                    if isinstance(v, torch.Tensor):
+                        self._read(func, v)
+        for value in (out if isinstance(out, (list, tuple)) else (out,)):
+            if isinstance(value, torch.Tensor):
+                ptr = storage_of(value)
+                if ptr:
+                    self.produced.add(ptr)
+
+    def _read(self, func: Any, t: torch.Tensor) -> None:
+        ptr = storage_of(t)
+        if ptr and ptr not in self.produced and ptr not in self.known \
+                and ptr not in self.outside:
+            what = f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
+            self.outside[ptr] = Finding(self.path, op_name(func), ("OUTSIDE_TENSOR",),
+                                        f"{_user_frame()} (reads a {what})")
 
     def may_rehearse(self) -> bool:
         """Whether the code asked if it is being captured, and every place that asked is

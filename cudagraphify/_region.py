@@ -211,7 +211,12 @@ class GraphRegion:
                 self._release(item[1])
 
     def _release(self, cache: GraphCache) -> None:
-        self.input_copies += sum(g.input_copies for g in cache.graphs())
+        graphs = cache.graphs()
+        if graphs:  # the stream that replayed last may still be using their memory
+            from ._engine import drain
+
+            drain(getattr(graphs[0], "device", None), self._stream_token)
+        self.input_copies += sum(g.input_copies for g in graphs)
         cache.clear()
 
     def forget(self, state: "GraphedState") -> None:

@@ -18,8 +18,8 @@ from ._cache import Owned
 from ._errors import CudagraphifyError
 from ._signature import is_constant
 
-__all__ = ["StaticInputs", "CapturedGraph", "plan_outputs", "OutputPlanError", "clone_output",
-           "static_output"]
+__all__ = ["StaticInputs", "CapturedGraph", "plan_outputs", "output_leaves", "OutputPlanError",
+           "clone_output", "static_output"]
 
 
 class OutputPlanError(CudagraphifyError):
@@ -64,11 +64,14 @@ class StaticInputs:
                 self.leaves.append(leaf)
 
     def storage_index(self) -> dict[int, int]:
-        """Map storage address → leaf index, for every tensor leaf (copied or read in place)."""
+        """Map storage address → leaf index, for every non-empty tensor leaf (copied or read
+        in place)."""
         out = {}
         for i, leaf in enumerate(self.leaves):
             if isinstance(leaf, torch.Tensor):
-                out.setdefault(leaf.untyped_storage().data_ptr(), i)
+                ptr = leaf.untyped_storage().data_ptr()
+                if ptr:
+                    out.setdefault(ptr, i)
         return out
 
 
@@ -104,6 +107,31 @@ def static_output(t: torch.Tensor) -> Callable:
     return lambda leaves, outs: t
 
 
+def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], Any]:
+    """Each flat output leaf of a capture as ``("tensor", t)``, ``("arg", leaf index)`` (a
+    non-tensor argument object returned as it is) or ``("const", value)``; and the spec.
+
+    The one rule for what a graph may return (inference and training plans build on it):
+    anything else raises :class:`OutputPlanError`."""
+    flat, spec = pytree.tree_flatten(out)
+    by_id = {id(leaf): i for i, leaf in enumerate(call_leaves) if not isinstance(leaf, torch.Tensor)}
+    kinds: list[tuple[str, Any]] = []
+    for leaf in flat:
+        if isinstance(leaf, torch.Tensor):
+            kinds.append(("tensor", leaf))
+        elif id(leaf) in by_id:
+            kinds.append(("arg", by_id[id(leaf)]))
+        elif is_constant(leaf):
+            kinds.append(("const", leaf))
+        else:
+            raise OutputPlanError(
+                f"forward returns an object of type {type(leaf).__name__} that is not a tensor, "
+                "an immutable value or an argument; a graph cannot tell what it holds (register "
+                "its type with torch.utils._pytree to make it transparent)"
+            )
+    return kinds, spec
+
+
 def plan_outputs(
     out: Any,
     inputs: StaticInputs,
@@ -113,50 +141,52 @@ def plan_outputs(
 ) -> tuple[list[Callable[[list], Any]], Any]:
     """Decide, once, how each output leaf of the capture is produced on replay.
 
-    - a tensor in the graph's pool: ``pool_output(t)`` says (a clone, the static tensor itself,
-      or a region's protected alias);
+    - an empty tensor: a fresh empty tensor (every empty tensor has address 0: it must never
+      be mistaken for an input or another output);
     - a tensor aliasing an input: the same view of the caller's input;
-    - a tensor in persistent memory (a parameter, a buffer): returned as is;
+    - a tensor in memory the caller owns (a parameter, a buffer, a tensor kept as a module
+      attribute): returned as is, never a graph slot;
+    - another tensor (in the graph's pool): ``pool_output(t)`` says (a clone, the static tensor
+      itself, or a region's protected alias);
     - an immutable value: returned as is; an argument object: the caller's object.
-    Anything else raises :class:`OutputPlanError`.
     """
-    flat, spec = pytree.tree_flatten(out)
+    kinds, spec = output_leaves(out, call_leaves)
     by_storage = inputs.storage_index()
-    by_id = {id(leaf): i for i, leaf in enumerate(call_leaves) if not isinstance(leaf, torch.Tensor)}
     actions: list[Callable[[list], Any]] = []
     seen: dict[int, int] = {}
-    for k, leaf in enumerate(flat):
-        if isinstance(leaf, torch.Tensor):
+    for k, (kind, leaf) in enumerate(kinds):
+        if kind == "tensor":
             if id(leaf) in seen:  # the same tensor twice: one copy, returned twice
                 j = seen[id(leaf)]
                 actions.append(lambda leaves, outs, j=j: outs[j])
                 continue
             seen[id(leaf)] = k
             ptr = leaf.untyped_storage().data_ptr()
-            i = by_storage.get(ptr)
-            if i is not None and inputs.same_layout.get(i, True):
+            i = by_storage.get(ptr) if ptr else None
+            if leaf.numel() == 0 or not ptr:
+                actions.append(clone_output(leaf))
+            elif i is not None and inputs.same_layout.get(i, True):
                 f = _view_of_input(i, leaf, inputs.leaves[i])
                 actions.append(lambda leaves, outs, f=f: f(leaves))
             elif ptr in persistent_storages:
                 actions.append(lambda leaves, outs, t=leaf: t)
             else:
                 actions.append(pool_output(leaf))
-        elif id(leaf) in by_id:
-            i = by_id[id(leaf)]
-            actions.append(lambda leaves, outs, i=i: leaves[i])
-        elif is_constant(leaf):
-            actions.append(lambda leaves, outs, v=leaf: v)
+        elif kind == "arg":
+            actions.append(lambda leaves, outs, i=leaf: leaves[i])
         else:
-            raise OutputPlanError(
-                f"forward returns an object of type {type(leaf).__name__} that is not a tensor, "
-                "an immutable value or an argument; a graph cannot tell what it holds (register "
-                "its type with torch.utils._pytree to make it transparent)"
-            )
+            actions.append(lambda leaves, outs, v=leaf: v)
     return actions, spec
 
 
 class CapturedGraph(Owned):
-    """A captured graph with its input and output plan. :meth:`run` is the replay fast path."""
+    """A captured graph with its input and output plan. :meth:`run` is the replay fast path.
+
+    ``hazard``: storages of static outputs the caller holds (``copy_outputs=False``) that a
+    copy-back into a written input must not overwrite (the engine then runs that call eagerly).
+    """
+
+    hazard: frozenset | set = frozenset()
 
     def __init__(self, raw, inputs: StaticInputs, mutated: list[int], actions: list, spec,
                  keep: list, device: torch.device):
@@ -171,6 +201,11 @@ class CapturedGraph(Owned):
         self._replay = raw.replay
         self._copy = inputs.copy
         self._copy_back = [(i, buf) for i, buf in inputs.copy if i in set(mutated)]
+        copied = {i for i, _ in inputs.copy}
+        # Leaves read in place (marked static, or statics passed as arguments): their address
+        # is the graph's.
+        self.inplace = [(i, leaf.data_ptr()) for i, leaf in enumerate(inputs.leaves)
+                        if isinstance(leaf, torch.Tensor) and i not in copied]
         self.mutated = list(mutated)
         self._actions = actions
         self._spec = spec

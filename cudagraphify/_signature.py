@@ -2,16 +2,16 @@
 
 A signature covers every tensor in the call's arguments (shape, stride, dtype, device,
 requires_grad, and the address of inputs that are read in place), every non-tensor argument by
-value, the nesting of the arguments, and the global state that changes what ``forward`` computes
-(training flags, grad mode, inference mode, autocast). Pure: nothing here touches CUDA.
+value, the nesting of the arguments, and the grad mode, inference mode and autocast state of the
+call. What the forward reads besides its arguments (module attributes such as ``training``,
+global flags) is guarded per graph by :mod:`._guards`. Pure: nothing here touches CUDA.
 """
 
 from __future__ import annotations
 
 import enum
-import operator
 import weakref
-from typing import Any, Hashable, NamedTuple, Sequence
+from typing import Any, Hashable, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -19,8 +19,11 @@ import torch.utils._pytree as pytree
 __all__ = [
     "Signature",
     "Unkeyable",
+    "CallState",
+    "Constant",
     "build_signature",
-    "global_state",
+    "call_state",
+    "opaque_argument",
     "is_constant",
     "mark_static",
     "is_marked_static",
@@ -86,6 +89,28 @@ class Unkeyable(NamedTuple):
     reason: str
 
 
+class CallState(NamedTuple):
+    """The thread's autograd and autocast state of a call (part of every key)."""
+
+    grad: bool
+    inference: bool
+    autocast_cuda: Any  # the autocast dtype, or False
+    autocast_cpu: Any
+
+
+class Constant(NamedTuple):
+    """A non-tensor leaf of the arguments: its index, its kind (its type, or
+    ``STATIC_OBJECT`` for an object named in ``static_argnames``) and its value (the object's
+    id for a static object)."""
+
+    index: int
+    kind: Any
+    value: Any
+
+
+STATIC_OBJECT = "static-object"
+
+
 class Signature(NamedTuple):
     """The parts of a call's signature, before a cache policy turns it into a key.
 
@@ -96,8 +121,13 @@ class Signature(NamedTuple):
 
     spec: Hashable
     tensors: tuple
-    constants: tuple
-    state: tuple
+    constants: tuple  # of Constant
+    state: CallState
+
+    @property
+    def static_objects(self) -> list[int]:
+        """Leaf indices of the objects named in ``static_argnames`` (passed as they are)."""
+        return [c.index for c in self.constants if c.kind == STATIC_OBJECT]
 
 
 def tensor_meta(t: torch.Tensor, static: bool) -> tuple:
@@ -106,18 +136,49 @@ def tensor_meta(t: torch.Tensor, static: bool) -> tuple:
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
-_training = operator.attrgetter("training")
-
-
-def global_state(modules: Sequence[torch.nn.Module]) -> tuple:
-    """Global and module state that changes what a forward computes."""
-    return (
-        tuple(map(_training, modules)),
+def call_state() -> CallState:
+    """Grad mode, inference mode and autocast of the calling thread."""
+    return CallState(
         torch.is_grad_enabled(),
         torch.is_inference_mode_enabled(),
         torch.is_autocast_enabled("cuda") and torch.get_autocast_dtype("cuda"),
         torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu"),
     )
+
+
+_opaque_types: dict[type, bool] = {}
+
+
+def _is_opaque(tp: type) -> bool:
+    hit = _opaque_types.get(tp)
+    if hit is None:
+        hit = not (issubclass(tp, torch.Tensor) or tp in pytree.SUPPORTED_NODES
+                   or issubclass(tp, _CONSTANT_TYPES) or tp in (tuple, list, dict))
+        if hit:  # a user type with value semantics is a constant (see is_constant)
+            hit = tp.__hash__ is None or tp.__hash__ is object.__hash__ \
+                or tp.__eq__ is object.__eq__
+        _opaque_types[tp] = hit
+    return hit
+
+
+def opaque_argument(args: tuple, kwargs: dict, static_positions: frozenset[int],
+                    static_names: frozenset[str]) -> str | None:
+    """Why the call cannot be keyed, judged from its top-level arguments alone (no flattening):
+    an argument of a type that is neither a tensor, an immutable value nor a container pytree
+    knows, and not named in ``static_argnames``. None when the top level looks keyable."""
+    for i, a in enumerate(args):
+        if _is_opaque(type(a)) and i not in static_positions:
+            return _opaque_reason(f"argument {i}", a)
+    for name, a in kwargs.items():
+        if _is_opaque(type(a)) and name not in static_names:
+            return _opaque_reason(f"argument {name!r}", a)
+    return None
+
+
+def _opaque_reason(where: str, value: Any) -> str:
+    return (f"{where} of type {type(value).__name__} is not a tensor or an immutable value; "
+            "name its argument in static_argnames=... if its tensors stay in place, or "
+            "register its type with torch.utils._pytree")
 
 
 def _unsupported_tensor(t: torch.Tensor) -> str | None:
@@ -133,7 +194,6 @@ def _unsupported_tensor(t: torch.Tensor) -> str | None:
 def build_signature(
     args: tuple,
     kwargs: dict,
-    modules: Sequence[torch.nn.Module],
     static_positions: frozenset[int],
     static_names: frozenset[str],
 ) -> tuple[Signature | Unkeyable, list, list[bool]]:
@@ -143,7 +203,7 @@ def build_signature(
     order the capture layer uses them, and per leaf whether it is read in place (marked static
     or named in ``static_argnames``) rather than copied.
     """
-    state = global_state(modules)
+    state = call_state()
     # Fast path: positional tensors only, no statics: no pytree work at all.
     if not kwargs and not static_positions and not _static_tensors:
         if all(type(a) is _Tensor and a.layout is _strided and not a.is_nested for a in args):
@@ -181,11 +241,11 @@ def build_signature(
         elif static_flags[idx]:
             # Declared static by name: the caller promises the object keeps its tensors in
             # place, so it is keyed by identity.
-            constants.append((idx, "static-object", id(leaf)))
+            constants.append(Constant(idx, STATIC_OBJECT, id(leaf)))
         elif type(leaf) is float:
-            constants.append((idx, float, leaf.hex()))  # -0.0 and 0.0 differ; nan equals nan
+            constants.append(Constant(idx, float, leaf.hex()))  # -0.0 and 0.0 differ; nan equals nan
         elif is_constant(leaf):
-            constants.append((idx, type(leaf), leaf))
+            constants.append(Constant(idx, type(leaf), leaf))
         else:
             return (
                 Unkeyable(

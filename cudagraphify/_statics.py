@@ -2,18 +2,20 @@
 
 A captured graph reads parameters and buffers at the addresses they had at capture. On each call
 the guard compares the addresses of the scanned tensors with the capture's (one C++ call on CUDA
-builds). Address equality means storage identity here because the guard keeps the captured
-storages alive: their memory cannot be freed and handed to another tensor while the guard holds
-them, so a new storage always shows a new address. Structural edits bump a global generation
-counter and force a full re-scan: ``setattr`` of a submodule, parameter or buffer (as
-``load_state_dict(assign=True)`` does) through PyTorch's module registration hooks, and direct
-writes into ``_parameters``/``_buffers``/``_modules`` (as ``.to()`` does for buffers) because the
-guard replaces those dicts by watched ones. A replaced submodule invalidates too, even without
-parameters.
+builds) and the shapes and strides of the buffers (they can be resized or ``set_`` in place).
+Address equality means storage identity here because the guard keeps the captured storages
+alive: their memory cannot be freed and handed to another tensor while the guard holds them, so
+a new storage always shows a new address. Structural edits bump a generation counter and force a
+full re-scan that compares every tensor's address, shape, stride and dtype: ``setattr`` of a
+submodule, parameter or buffer (as ``load_state_dict(assign=True)`` or ``self.w = self.w[:4]``
+do) through PyTorch's module registration hooks, and direct writes into
+``_parameters``/``_buffers``/``_modules`` (as ``.to()`` does for buffers) because the guard
+replaces those dicts by watched ones. A replaced submodule invalidates too, even without
+parameters. Modules a graphed *function* runs are adopted (:meth:`StaticState.adopt`) and
+guarded the same way.
 
-Not detected: ``p.data = t`` where ``t`` reuses ``p``'s exact memory with another shape or
-stride, and tensors a forward reads that are neither parameters, buffers nor arguments (plain
-tensor attributes, globals). Register such tensors as buffers.
+Not detected per call: in-place layout changes of parameters (``p.set_(...)``/``p.t_()`` under
+``no_grad``, ``p.data = view`` at the same address); only their addresses are checked per call.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ def _install_hooks() -> None:
 
 
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+_TensorGuards = torch._C._dynamo.guards.TensorGuards
 
 
 class _WatchedDict(dict):
@@ -104,11 +107,13 @@ def _watch(module: torch.nn.Module) -> None:
 
 
 class StaticState:
-    """The parameters and buffers of one module tree, and the guard on their identity."""
+    """The parameters and buffers of one module tree (plus the modules a graphed function
+    runs), and the guard on their identity and layout."""
 
     def __init__(self, root: torch.nn.Module | None):
         _install_hooks()
         self.root = root
+        self.roots: list[torch.nn.Module] = [root] if root is not None else []
         self.modules: list[torch.nn.Module] = []
         self._slots: list[tuple[dict, str]] = []
         self.tensors: list[torch.Tensor] = []
@@ -116,15 +121,34 @@ class StaticState:
         self._indices: list[int] = []
         self._held: list = []
         self._is_buffer: list[bool] = []
+        self._layout: list[tuple] = []
+        self._buffers: list[torch.Tensor] = []
+        self._buffer_layout: list[tuple] = []
+        self._buffer_guard = None
         self._generation = -1
         self.rescan()
 
+    def adopt(self, modules) -> bool:
+        """Guard ``modules`` (and their submodules) too: modules a graphed function ran, or
+        that a forward reached outside its own tree. Returns whether any was new."""
+        known = {id(m) for m in self.modules}
+        new = [m for m in modules if id(m) not in known]
+        if not new:
+            return False
+        self.roots.extend(new)
+        self.rescan()
+        return True
+
     def rescan(self) -> None:
-        """Re-read the module tree (after a structural change)."""
+        """Re-read the module trees (after a structural change)."""
         self._generation = _generation
-        if self.root is None:
-            return
-        self.modules = list(self.root.modules())
+        modules, seen_m = [], set()
+        for root in self.roots:
+            for m in root.modules():
+                if id(m) not in seen_m:
+                    seen_m.add(id(m))
+                    modules.append(m)
+        self.modules = modules
         for m in self.modules:
             _watch(m)
         slots = []
@@ -140,10 +164,20 @@ class StaticState:
         self.tensors = [d[n] for d, n in slots]
         self._is_buffer = [any(d is m._buffers for m in self.modules) for d, _ in slots]
         self.ptrs = [t.data_ptr() for t in self.tensors]
+        self._layout = [_layout(t) for t in self.tensors]
         # Holding the storages (not only the tensors, whose ``.data`` can be swapped) is what
         # makes an equal address mean the same memory.
         self._held = [t.untyped_storage() for t in self.tensors]
         self._indices = list(range(len(self.tensors)))
+        self._buffers = [t for t, b in zip(self.tensors, self._is_buffer) if b]
+        self._buffer_layout = [_layout(t) for t in self._buffers]
+        # Buffers can change shape or stride in place (resize_, set_): checked on every call,
+        # in C where it can be (falls back to Python when thread-local dispatch state, such as
+        # inference mode or autocast, differs from the scan's).
+        self._buffer_guard = _TensorGuards(
+            *self._buffers, dynamic_dims_sizes=[list(t.shape) for t in self._buffers],
+            dynamic_dims_strides=[list(t.stride()) for t in self._buffers]) \
+            if self._buffers else None
 
     def grad_params(self) -> list[torch.Tensor]:
         """The parameters and buffers that require grad now (as of the last ``changed()``)."""
@@ -190,33 +224,47 @@ class StaticState:
     def storage_ptrs(self) -> set[int]:
         return {t.untyped_storage().data_ptr() for t in self.tensors}
 
+    def same(self) -> bool:
+        """Whether the statics are as scanned: no structural write since (the dicts are
+        watched), the same addresses (``.data`` swaps move them) and the same buffer layouts
+        (``resize_``, ``set_``). No side effects: the fast path's check."""
+        if self._generation != _generation:
+            return False
+        if _ptrs_equal is not None:
+            same = _ptrs_equal(self.tensors, self.ptrs, self._indices)
+        else:
+            same = [t.data_ptr() for t in self.tensors] == self.ptrs
+        if same and self._buffer_guard is not None and not self._buffer_guard.check(
+                *self._buffers):
+            same = [_layout(t) for t in self._buffers] == self._buffer_layout
+        return same
+
     def changed(self) -> str | None:
         """Why the statics differ from the last scan, or None. Cheap: called on every call."""
         if self._generation != _generation:
-            old_ptrs, old_modules = self.ptrs, self.modules
+            old_layout, old_modules, old_slots = self._layout, self.modules, self._slots
             self.rescan()
-            if self.ptrs != old_ptrs:
-                return "a parameter or buffer was replaced or moved"
+            if self._layout != old_layout:
+                return f"parameter or buffer {_first_moved(old_slots, self._layout, old_layout)}" \
+                    " was replaced, moved or changed shape"
             if len(self.modules) != len(old_modules) or any(
                     a is not b for a, b in zip(self.modules, old_modules)):
                 return "a submodule was replaced"
             return None
-        # No structural write since the scan (the dicts are watched): the scanned tensor objects
-        # are still the module's; only ``.data`` swaps can have moved them.
-        current = self.tensors
-        if _ptrs_equal is not None:
-            same = _ptrs_equal(current, self.ptrs, self._indices)
-        else:
-            same = [t.data_ptr() for t in current] == self.ptrs
-        if same:
+        if self.same():
             return None
-        names = _first_moved(self._slots, current, self.ptrs)
+        old_slots, old_layout = self._slots, self._layout
         self.rescan()
-        return f"parameter or buffer {names} moved to new memory"
+        return f"parameter or buffer {_first_moved(old_slots, self._layout, old_layout)} " \
+            "moved to new memory or changed shape in place"
 
 
-def _first_moved(slots: Sequence[tuple[dict, str]], current: list, ptrs: list[int]) -> str:
-    for (d, name), t, p in zip(slots, current, ptrs):
-        if t is None or t.data_ptr() != p:
+def _layout(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+
+
+def _first_moved(slots: Sequence[tuple[dict, str]], now: list[tuple], then: list[tuple]) -> str:
+    for (d, name), a, b in zip(slots, now, then):
+        if a != b:
             return repr(name)
-    return "?"
+    return repr(slots[len(then)][1]) if len(slots) > len(then) else "?"

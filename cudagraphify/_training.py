@@ -25,10 +25,10 @@ import torch.utils._pytree as pytree
 
 from ._cache import Owned
 from ._errors import CudagraphifyError
-from ._replay import OutputPlanError, StaticInputs
-from ._signature import is_constant, unflatten_call
+from ._replay import OutputPlanError, StaticInputs, output_leaves
+from ._signature import unflatten_call
 
-__all__ = ["TrainingGraph", "capture_training", "warmup_backward"]
+__all__ = ["TrainingGraph", "capture_training", "saved_by_backward", "warmup_backward"]
 
 
 _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
@@ -74,6 +74,22 @@ def _hooks_silenced(tensors: list[torch.Tensor]):
             d.update(hooks)
 
 
+@contextlib.contextmanager
+def saved_by_backward():
+    """Collect the tensors autograd saves for backward inside the block (a list, filled as it
+    runs). A graphed training call saves the same ones (by position) so that autograd checks
+    their versions at backward, as it does eagerly: a tensor changed in place between forward
+    and backward raises the error eager raises, never a silent gradient."""
+    packed: list[torch.Tensor] = []
+
+    def pack(t):
+        packed.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield packed
+
+
 def warmup_backward(fn: Callable[[], Any], params: list[torch.Tensor],
                     stand_ins=contextlib.nullcontext) -> None:
     """One forward and backward on copies, without touching ``.grad`` (lazy init of backward).
@@ -96,8 +112,9 @@ class TrainingGraph(Owned):
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
                  out_tensors: list[torch.Tensor], out_diff: list[bool], rebuild, spec,
                  grad_out: list[torch.Tensor], grad_in: list,
-                 device: torch.device):
+                 device: torch.device, saved: frozenset = frozenset()):
         self.raw = fwd_raw
+        self.saved = sorted(saved)  # Function inputs saved for backward (version-checked)
         self._bwd_raw = bwd_raw
         self.device = device
         self.owner = None
@@ -211,7 +228,7 @@ class TrainingGraph(Owned):
         if statics is not None and [t.data_ptr() for t in statics.tensors] != statics.ptrs:
             # The caller's parameters or buffers (frozen ones included) moved since its forward,
             # whose guard found them where the graphs read them.
-            ctx.state.train_eager = MOVED_IN_BACKWARD
+            ctx.state.refuse_training(MOVED_IN_BACKWARD)
             raise CudagraphifyError(
                 "parameters moved to new memory between a graphed forward and its backward "
                 "(FSDP2 with reshard_after_forward frees them after forward and gathers them "
@@ -242,7 +259,9 @@ class TrainingGraph(Owned):
             AccumulateGrad adopts as ``.grad`` (no copy, as make_graphed_callables does). Before
             the next replay overwrites it, ``grads_held`` moves a ``.grad`` still holding it to
             a copy, and any other reference to it makes that call run eagerly.
-        - Anything else (inputs' gradients, hooked parameters, ``autograd.grad``): a copy.
+        - Anything else (inputs' gradients, parameters with tensor hooks or post-accumulate-grad
+          hooks, which may read ``.grad`` on another stream where no replay could wait for
+          them, ``autograd.grad``): a copy.
           (Hooks registered on the AccumulateGrad node itself, not the tensor, are not seen.)
         """
         grads, n, params = self._grad_in, self._n_user, ctx.params
@@ -254,6 +273,7 @@ class TrainingGraph(Owned):
                 p, node = params[i - n], edges[i][0]
                 if grads[i] is not None and node is not None and p.is_leaf \
                         and type(node) is _AccumulateGrad and not p._backward_hooks \
+                        and not getattr(p, "_post_accumulate_grad_hooks", None) \
                         and will_run(node):
                     mode[i] = 1 if p.grad is not None else 2
         except RuntimeError:  # autograd.grad asks for a parameter: it keeps what we return
@@ -282,6 +302,9 @@ class TrainingGraph(Owned):
 class _GraphedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, graph: TrainingGraph, state, *tensors):
+        # What eager autograd would save (found in the warm-up): its version counters are
+        # checked at backward, so an in-place change in between raises as it does eagerly.
+        ctx.save_for_backward(*[tensors[i] for i in graph.saved])
         outs = graph.forward(tensors)
         ctx.graph, ctx.state, ctx.gen, ctx.done = graph, state, graph.gen, False
         ctx.params = tensors[graph._n_user:]
@@ -296,27 +319,23 @@ class _GraphedFunction(torch.autograd.Function):
                 "double backward (create_graph=True) through a graphed call is not supported: "
                 "the backward graph records no autograd history; run this module eagerly "
                 "(graphify(..., enabled=False)) where you need higher-order gradients")
+        ctx.saved_tensors  # noqa: B018 - raises if one was changed in place since forward
         return (None, None) + ctx.graph.backward(ctx, grads)
 
 
 def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
-    """Which output leaves are graph tensors, and how to rebuild the rest."""
-    flat, spec = pytree.tree_flatten(out)
-    by_id = {id(x): i for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
-    tensors: list[torch.Tensor] = []
+    """Which output leaves are graph tensors, and how to rebuild the rest (the rule of
+    :func:`._replay.output_leaves`)."""
+    kinds, spec = output_leaves(out, leaves)
+    tensors = [leaf for kind, leaf in kinds if kind == "tensor"]
     slots: list[tuple[str, Any]] = []
-    for leaf in flat:
-        if isinstance(leaf, torch.Tensor):
-            slots.append(("t", len(tensors)))
-            tensors.append(leaf)
-        elif id(leaf) in by_id:
-            slots.append(("arg", by_id[id(leaf)]))
-        elif is_constant(leaf):
-            slots.append(("const", leaf))
+    n = 0
+    for kind, leaf in kinds:
+        if kind == "tensor":
+            slots.append(("t", n))
+            n += 1
         else:
-            raise OutputPlanError(
-                f"forward returns an object of type {type(leaf).__name__} that is not a tensor, "
-                "an immutable value or an argument")
+            slots.append((kind, leaf))
 
     def rebuild(call_leaves: list, outs: tuple) -> list:
         return [outs[v] if kind == "t" else call_leaves[v] if kind == "arg" else v
@@ -327,7 +346,8 @@ def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
 
 def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: list[bool],
                      params: list[torch.Tensor], device: torch.device,
-                     persistent: set[int], stand_ins=contextlib.nullcontext) -> TrainingGraph:
+                     persistent: set[int], stand_ins=contextlib.nullcontext,
+                     saved: set[int] = frozenset()) -> TrainingGraph:
     """Capture the forward and backward graphs of one signature (grad mode must be on).
 
     Under ``stand_ins()`` (see ``StaticState.stand_ins``) the module computes with aliases of
@@ -335,11 +355,11 @@ def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: lis
     """
     with stand_ins() as aliases:
         return _capture_training(backend, fn, sig, leaves, static_flags, params, aliases or {},
-                                 device, persistent)
+                                 device, persistent, frozenset(saved))
 
 
 def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, device,
-                      persistent) -> TrainingGraph:
+                      persistent, saved) -> TrainingGraph:
     # Inputs that require grad are always copied: their gradient flows through the Function.
     flags = [f and not (isinstance(x, torch.Tensor) and x.requires_grad)
              for x, f in zip(leaves, static_flags)]
@@ -386,4 +406,4 @@ def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, d
     it = iter(grads)
     grad_in = [next(it, None) if w else None for w in wants]
     return TrainingGraph(fwd_raw, bwd_raw, inputs, tensor_idx, out_tensors, diff, rebuild, spec,
-                         grad_out, grad_in, device)
+                         grad_out, grad_in, device, saved)

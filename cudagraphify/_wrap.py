@@ -89,13 +89,10 @@ class Dispatch:
             # Compiled code is opaque to the probe (the warm-up traces, the capture runs
             # kernels): no op screen; a failed capture still falls back to eager.
             options = dataclasses.replace(options, probe=False)
-        state = GraphedState(module, options, f"{type(module).__name__}.forward",
-                             positions, names)
-        state.install_pieces = lambda paths: install_pieces(module, paths, self.options)
-        state.share = share_of(module)
-        if state.share is not None:
-            # The group's layers replay through one set of static buffers: one lock for all.
-            state.lock = state.share[0].lock
+        state = GraphedState(
+            module, options, f"{type(module).__name__}.forward", positions, names,
+            install_pieces=lambda paths: install_pieces(module, paths, self.options),
+            share=share_of(module))
         module.__dict__[STATE] = state
         return state
 
@@ -193,12 +190,13 @@ def _static_binding(fn: Callable, static_argnames: tuple[str, ...],
 def install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -> list:
     """Graphify the submodules at ``paths`` (a piecewise plan); returns those it wrapped.
 
-    Pieces take the root's run options (warm-up, outputs, probe, op policy, enabled, bound) but
-    not its keying options: argument names and cache policies describe the root's forward.
+    Pieces take the root's run options (warm-up, probe, op policy, enabled, bound) but not its
+    keying options (argument names and cache policies describe the root's forward), and always
+    copy their outputs: a submodule called twice in one forward must not get its first result
+    overwritten by its second call.
     """
-    options = Options(num_warmup_iters=options.num_warmup_iters, max_graphs=options.max_graphs,
-                      enabled=options.enabled, copy_outputs=options.copy_outputs,
-                      probe=options.probe, op_policy=options.op_policy)
+    options = dataclasses.replace(options, static_argnames=(), cache_policy=None,
+                                  copy_outputs=True)
     installed = []
     share = share_of(root)  # a share_graph layer: pieces share too
     for path in paths:

@@ -1,4 +1,5 @@
-"""Graph caches: LRU order, release on eviction, the eviction budget, policy validation."""
+"""Graph caches: LRU order, release on eviction, variants of one key, the eviction budget,
+policy validation."""
 
 from __future__ import annotations
 
@@ -21,9 +22,23 @@ def test_lru_evicts_the_least_recently_used_and_releases_it():
     c = GraphCache(CachePolicy(max_graphs=2))
     a, b, d = Entry("a"), Entry("b"), Entry("d")
     c.put("a", a), c.put("b", b)
-    assert c.get("a") is a  # a is now most recent
+    assert c.get("a") == [a]
+    c.touch(a)  # a is now most recent
     assert c.put("d", d) == [b]
-    assert b.released and not a.released and c.get("b") is None and c.evictions == 1
+    assert b.released and not a.released and c.get("b") == [] and c.evictions == 1
+
+
+def test_variants_of_one_key_come_most_recently_used_first_and_evict_alone():
+    c = GraphCache(CachePolicy(max_graphs=2))
+    train, evaluate, other = Entry("train"), Entry("eval"), Entry("other")
+    c.put("k", train), c.put("k", evaluate)
+    assert c.get("k") == [evaluate, train]
+    c.touch(train)
+    assert c.get("k") == [train, evaluate]
+    assert c.put("j", other) == [evaluate]  # the least recently used variant goes alone
+    assert c.get("k") == [train] and evaluate.released and not train.released
+    c.discard(train)
+    assert c.get("k") == [] and train.released and c.evictions == 1
 
 
 def test_eager_decisions_do_not_count_against_max_graphs():

@@ -525,6 +525,7 @@ def test_backward_checks_the_callers_statics_not_the_capturing_modules(sim):
 
     frozen, w = torch.randn(3), torch.randn(3, requires_grad=True)
     state = types.SimpleNamespace(statics=Statics([w, frozen]), train_eager=None)
+    state.refuse_training = lambda reason: setattr(state, "train_eager", reason)
     replays = []
     graph = types.SimpleNamespace(
         _bwd_raw=types.SimpleNamespace(replay=lambda: replays.append(1)), gen=1, out_diff=[],
@@ -547,7 +548,7 @@ def test_the_graphed_autograd_function_passes_one_gradient_per_input():
     seen = []
 
     class Graph:
-        _n_user, gen, out_diff = 1, 0, [True]
+        _n_user, gen, out_diff, saved = 1, 0, [True], []
 
         def forward(self, tensors):
             return [(tensors[0] * tensors[1]).detach()]
@@ -563,6 +564,29 @@ def test_the_graphed_autograd_function_passes_one_gradient_per_input():
     assert seen == [state]
     torch.testing.assert_close(x.grad, torch.full((2, 3), 2.0))
     torch.testing.assert_close(w.grad, torch.full((3,), 6.0))
+
+
+def test_a_tensor_eager_would_save_changed_in_place_before_backward_raises_as_eagerly():
+    # The graphed Function saves what the warm-up saw autograd save (here: w), so autograd's
+    # own version check raises at backward, as it does eagerly, instead of a silent gradient.
+    from cudagraphify._training import _GraphedFunction
+
+    x, w = torch.randn(2, 3, requires_grad=True), torch.randn(3, requires_grad=True)
+
+    class Graph:
+        _n_user, gen, out_diff, saved = 1, 0, [True], [1]
+
+        def forward(self, tensors):
+            return [(tensors[0] * tensors[1]).detach()]
+
+        def backward(self, ctx, grads):
+            return grads[0] * 2, grads[0].sum(0)
+
+    (y,) = _GraphedFunction.apply(Graph(), None, x, w)
+    with torch.no_grad():
+        w.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
 
 
 def _chain(n=4, seed=0):

@@ -212,7 +212,7 @@ def test_a_missed_weight_slot_is_caught_by_the_check_against_eager(reading, monk
     s = group.stats()
     # the template layer's own graph checks out; the others read its weight and are refused
     assert s["retargets"] == 1 and s["per_layer"] == 2, s
-    assert all("does not match its eager output" in r for r in s["reasons"]), s["reasons"]
+    assert all("does not equal its eager output" in r for r in s["reasons"]), s["reasons"]
 
 
 class _Scaled(nn.Module):
@@ -241,7 +241,7 @@ def test_a_per_layer_scalar_is_refused_when_strict_and_caught_otherwise(reading)
         assert s["retargets"] <= 1 and s["per_layer"] >= 2, (strict, s)
         why = " ".join(s["reasons"])
         assert ("not a rebased parameter address" if strict else
-                "does not match its eager output") in why, (strict, why)
+                "does not equal its eager output") in why, (strict, why)
 
 
 def test_templates_are_capped_and_release_frees_everything(reading):

@@ -36,7 +36,7 @@ calls = st.lists(leaves, min_size=1, max_size=3)
 
 def key(args, grad):
     with torch.set_grad_enabled(grad):
-        sig, _, _ = build_signature(tuple(args), {}, [], NONE, NONE)
+        sig, _, _ = build_signature(tuple(args), {}, NONE, NONE)
     assert not isinstance(sig, Unkeyable)
     return CachePolicy().full_key(sig)
 

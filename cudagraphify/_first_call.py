@@ -1,0 +1,577 @@
+"""A signature's first call, as named phases that return an :class:`Outcome`.
+
+1. ``warm_up`` — the real call: eager, on the capture stream, under the probe (the ops and
+   their tags, the tensors they read), the recorder (module attributes read, modules run, module
+   attributes written) and the write watch (memory written, whichever tensor object it came
+   through). Its result is this call's result.
+2. ``screen`` — before anything is captured: unsafe ops (unless a rehearsal of the captured path
+   clears them), submodules whose hooks must run on every call, tensors read from outside the
+   arguments, parameters, buffers and module attributes, inputs that alias while written.
+3. ``capture`` — the extra warm-ups (on copies, their writes undone), then the capture, again
+   under the probe and the recorder.
+4. ``verify`` — the capture ran the warm-up's ops (else data-dependent control flow) and wrote
+   no module attribute (Python state a replay cannot repeat); the graph's guards are made from
+   what the capture's run read.
+
+Nothing here records counters or touches a cache: the engine turns the outcome into both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from . import _guards
+from ._capture import _first_line
+from ._errors import CaptureFailed
+from ._guards import FlagsGuard, Recorder, StateGuard, recording
+from ._piecewise import new_probe, probed, sequence_findings
+from ._probe import Finding, Probe
+from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
+                      static_output)
+from ._signature import Signature, unflatten_call
+from ._training import capture_training, saved_by_backward, warmup_backward
+from ._writes import WriteWatch, storage_of
+
+__all__ = ["FirstCall", "Outcome", "GRAPHED", "EAGER", "PIECEWISE", "DEFERRED", "Nested",
+           "in_graphed_call", "inputs_alias", "nesting"]
+
+GRAPHED, EAGER, PIECEWISE, DEFERRED = "graphed", "eager", "piecewise", "deferred"
+
+_tls = threading.local()
+nesting = [0]  # warm-ups and captures in progress, any thread (the fast path's cheap check)
+_nesting_lock = threading.Lock()
+
+
+def in_graphed_call() -> bool:
+    """True while this thread warms up or captures a graphed callable (nested calls run eagerly)."""
+    return getattr(_tls, "depth", 0) > 0
+
+
+class Nested:
+    """Marks a warm-up or capture in progress on this thread (nested graphed calls run eagerly
+    and become part of it)."""
+
+    def __enter__(self):
+        _tls.depth = getattr(_tls, "depth", 0) + 1
+        with _nesting_lock:
+            nesting[0] += 1
+
+    def __exit__(self, *exc):
+        _tls.depth -= 1
+        with _nesting_lock:
+            nesting[0] -= 1
+
+
+@dataclass
+class Outcome:
+    """What a first call decided. ``kind`` is one of GRAPHED, EAGER, PIECEWISE, DEFERRED."""
+
+    kind: str
+    result: Any
+    reason: str = ""
+    entry: Any = None  # GRAPHED: the CapturedGraph or TrainingGraph
+    findings: dict[str, list[Finding]] = field(default_factory=dict)  # PIECEWISE
+    ran: set[str] = field(default_factory=set)  # PIECEWISE: module paths that ran
+    guard: StateGuard | None = None  # the module state the decision depends on
+    flags: FlagsGuard | None = None
+    replay: bool = False  # GRAPHED: replay once now (a chaining region hands out aliases)
+    shared: bool = False  # GRAPHED: made from a share_graph template
+
+
+class FirstCall:
+    """The pipeline for one signature's first call (see the module docs). ``run()`` returns
+    the :class:`Outcome`; ``warmup_seconds`` how long the eager runs took."""
+
+    def __init__(self, state, backend, region, key, sig: Signature, leaves: list,
+                 static_flags: list[bool], fn: Callable, args: tuple, kwargs: dict,
+                 device: torch.device):
+        self.state = state  # the GraphedState: its statics, options and share group are read
+        self.backend = backend
+        self.region = region
+        self.key = key
+        self.sig = sig
+        self.leaves = leaves
+        self.static_flags = list(static_flags)
+        self.fn = fn
+        self.args = args
+        self.kwargs = kwargs
+        self.device = device
+        self.statics = state.statics
+        self.warmup_seconds = 0.0
+        self.opaque = bool(sig.static_objects)  # objects passed as they are: no extra runs
+        self.training = False
+        self.result: Any = None
+        self.saved: set[int] = set()  # training: Function inputs autograd saves for backward
+
+    # -- 1. warm up ------------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        self.warm_up()
+        outcome = self.screen()
+        if outcome is None:
+            outcome = self.capture()
+        if outcome.flags is None:
+            outcome.flags = self.flags
+        return outcome
+
+    def warm_up(self) -> None:
+        leaves, statics = self.leaves, self.statics
+        self.training = torch.is_grad_enabled() and (
+            bool(statics.grad_params())
+            or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
+        self.flags = FlagsGuard()  # as the call found them (the warm-up must not move them)
+        tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+        self.tensor_idx = [i for i, _ in tensors]
+        marks = _marks([x for _, x in tensors])
+        # Copied inputs are also compared by value: a kernel launched outside aten (Triton,
+        # C++) writes where neither version counters nor the write watch look.
+        before = {i: x.clone() for i, x in tensors if not self.static_flags[i]
+                  and not x.is_inference()}
+        self.watchable, buffers = statics.watchable()
+        static_marks = _marks(self.watchable, buffers)
+        self.probe = probe = new_probe(self.state)
+        if probe is not None:
+            probe.known = {storage_of(x) for _, x in tensors} | statics.storage_ptrs()
+        self.recorder = rec = Recorder()
+        watch = WriteWatch() if probe is not None else None
+        self.hooks_before = _guards.global_hooks()
+        t0 = time.perf_counter()
+        with Nested(), recording(rec), (watch if watch is not None else contextlib.nullcontext()):
+            self.result = self.backend.warmup(
+                probed(probe, lambda: self.fn(*self.args, **self.kwargs)), self.device)
+        self.warmup_seconds += time.perf_counter() - t0
+        written = watch.storages if watch is not None else set()
+        # A graphed function (or a forward) may run modules outside the tree it was given:
+        # their parameters and buffers are guarded too.
+        statics.adopt(rec.called.values())
+        self.static_storages = statics.storage_ptrs()
+        # Inputs that are parameters or buffers are read in place (never copied in or back);
+        # their address is checked on every call (a user-marked input's is in the key).
+        self.pinned = []
+        for i, x in tensors:
+            if not self.static_flags[i] and storage_of(x) in self.static_storages:
+                self.static_flags[i] = True
+                self.pinned.append((i, x.data_ptr()))
+        written_idx = set(_written([x for _, x in tensors], marks))
+        self.mutated = sorted(
+            {tensors[j][0] for j in written_idx}
+            | {i for i, x in tensors if storage_of(x) in written}
+            | {i for i, b in before.items() if not _same_values(leaves[i], b)})
+        wrote = set(_written(self.watchable, static_marks)) | {
+            j for j, t in enumerate(self.watchable) if storage_of(t) in written}
+        self.wrote_statics = sorted(wrote)
+        self.warm_guard = self._guard(rec)
+
+    # -- 2. screen -------------------------------------------------------------------------
+
+    def screen(self) -> Outcome | None:
+        probe = self.probe
+        findings: dict[str, list[Finding]] = {}
+        if probe is not None and probe.findings:
+            rehearsal = self._rehearse() if probe.may_rehearse() else None
+            if rehearsal is None:
+                for f in probe.findings:
+                    findings.setdefault(f.path, []).append(f)
+            else:
+                self.probe = probe = rehearsal  # what the capture must match
+        for path, f in self._hook_findings():
+            findings.setdefault(path, []).append(f)
+        if probe is not None:
+            for f in self._outside_tensors(probe):
+                findings.setdefault(f.path, []).append(f)
+        if findings:
+            ran = set(probe.sequences) if probe is not None else {""}
+            return Outcome(PIECEWISE, self.result, findings=findings, ran=ran,
+                           guard=self.warm_guard)
+        if self.mutated and inputs_alias(self.leaves):
+            return self._eager("inputs share memory and forward writes to them")
+        if self.mutated and self.training:
+            return self._eager("forward writes to its tensor arguments while autograd records")
+        return None
+
+    def _hook_findings(self) -> list[tuple[str, Finding]]:
+        """Hooks are Python that must run on every call: a module with hooks is graphed on its
+        own (its hooks run around its graph), so its parent cannot hold it in a graph."""
+        root = self.statics.root
+        names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
+        out = []
+        if self.hooks_before:
+            out.append(("", Finding("", "global module hooks", ("PYTHON_HOOK",),
+                                    "torch.nn.modules.module.register_module_*_hook: they run "
+                                    "around every module, on every call")))
+        for m in self.statics.modules:
+            if m is root or not _guards.hooked(m):
+                continue
+            path = names.get(id(m))
+            if path is None:  # a module outside the tree (a graphed function ran it)
+                out.append(("", Finding("", f"hooks of {type(m).__name__}", ("PYTHON_HOOK",),
+                                        "its hooks must run on every call")))
+            else:
+                parent = path.rpartition(".")[0]
+                out.append((parent, Finding(parent, f"hooks of {path}", ("PYTHON_HOOK",),
+                                            "its hooks must run on every call: it is graphed "
+                                            "on its own")))
+        return out
+
+    def _outside_tensors(self, probe: Probe) -> list[Finding]:
+        """Tensors the run read that are neither arguments, parameters, buffers, module
+        attributes nor inside a ``static_argnames`` object: nothing would tell a replay that
+        one was replaced (or freed)."""
+        if not probe.outside:
+            return []
+        known = set(self.static_storages)
+        known.update(storage_of(t) for t in self.warm_guard.tensors)
+        for i in self.sig.static_objects:
+            known.update(storage_of(t) for t in _tensors_in(self.leaves[i]))
+        return [Finding(f.path, f.op, f.tags,
+                        f"{f.where}: a tensor that is not an argument, parameter, buffer or "
+                        "module attribute (a global or a closure variable?): pass it as an "
+                        "argument or register it as a buffer")
+                for ptr, f in probe.outside.items() if ptr not in known]
+
+    def _eager(self, reason: str, guard: StateGuard | None = None) -> Outcome:
+        return Outcome(EAGER, self.result, reason=reason,
+                       guard=guard if guard is not None else self.warm_guard)
+
+    # -- 3. capture ------------------------------------------------------------------------
+
+    def capture(self) -> Outcome:
+        failed: CaptureFailed | None = None
+        try:
+            if not self.opaque:
+                self._extra_warmups()
+        except Exception as e:  # noqa: BLE001 - the real call succeeded: its result stands
+            _forget_frames(e)
+            failed = CaptureFailed(f"extra warm-up failed: {_first_line(e)}",
+                                   transient=isinstance(e, torch.OutOfMemoryError))
+        second = new_probe(self.state, thunder=False)
+        rec = Recorder()
+        try:
+            if failed is not None:
+                raise failed
+            run = probed(second, self.fn)
+            with Nested(), recording(rec):
+                if self.training:
+                    entry = capture_training(
+                        self.backend, run, self.sig, self.leaves, self.static_flags,
+                        self.statics.grad_params(), self.device, self._persistent(),
+                        self.statics.stand_ins, self.saved)
+                else:
+                    entry = self._capture_inference(run)
+        except (CaptureFailed, torch.OutOfMemoryError) as e:
+            _forget_frames(e)
+            if not isinstance(e, CaptureFailed):  # static buffers or a pool, before capturing
+                e = CaptureFailed(f"out of memory preparing the capture: {_first_line(e)}",
+                                  transient=True)
+            if e.transient:
+                return Outcome(DEFERRED, self.result, reason=f"capture deferred (retried on a "
+                               f"later call): {e}", guard=self.warm_guard)
+            if self.probe is not None and self.statics.root is not None:
+                found = {"": [Finding("", "capture", (), f"capture failed: {e}")]}
+                return Outcome(PIECEWISE, self.result, findings=found,
+                               ran=set(self.probe.sequences), guard=self.warm_guard)
+            return self._eager(f"capture failed: {e}")
+        except OutputPlanError as e:
+            return self._eager(str(e))
+        return self.verify(entry, second, rec)
+
+    def _persistent(self) -> set[int]:
+        """Storages the caller owns (parameters, buffers, tensors kept as module attributes):
+        returned as they are, never treated as a graph's output slots."""
+        return self.static_storages | {storage_of(t) for t in self.warm_guard.tensors}
+
+    def _extra_warmups(self) -> None:
+        """Warm-up runs beyond the real call: on copies of the inputs; what the real call
+        wrote in parameters and buffers is restored after them, so only its effect remains."""
+        n = self.state.options.num_warmup_iters - 1
+        if self.training:
+            n = max(n, 1)  # the backward needs a warm-up of its own
+        if n == 0:
+            return
+        written = [self.watchable[j] for j in self.wrote_statics]
+        with torch.no_grad():
+            saved = [t.clone() for t in written]
+        statics, leaves, sig, fn = self.statics, self.leaves, self.sig, self.fn
+        try:
+            for _ in range(n):
+                copies = StaticInputs(leaves, [False] * len(leaves))
+                for i, buf in copies.copy:
+                    buf.requires_grad_(self.training and leaves[i].requires_grad)
+                a, kw = unflatten_call(copies.leaves, sig)
+                with Nested():
+                    if self.training:
+                        wrt = statics.grad_params() + [b for _, b in copies.copy]
+                        with saved_by_backward() as packed:
+                            self.backend.warmup(lambda: warmup_backward(
+                                lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
+                        self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
+                    else:
+                        self.backend.warmup(lambda: fn(*a, **kw), self.device)
+        finally:  # a failed extra run leaves no trace in the buffers either
+            with torch.no_grad():
+                for t, v in zip(written, saved):
+                    # through .data: the real call's autograd graph saved these buffers
+                    # (BatchNorm's backward takes its running statistics) and checks versions
+                    t.data.copy_(v)
+
+    def _capture_inference(self, fn: Callable) -> CapturedGraph:
+        region, leaves, state = self.region, self.leaves, self.state
+        chain = region is not None and region.chain
+        mutated = self.mutated
+        borrow = region.borrowable(leaves) if chain else {}
+        borrow = {i: s for i, s in borrow.items() if not self.static_flags[i] and i not in mutated}
+        inputs = StaticInputs(leaves, self.static_flags, {i: s.tensor for i, s in borrow.items()})
+        held_before = [slot.users() for slot in borrow.values()]
+        a, kw = unflatten_call(inputs.leaves, self.sig)
+        made = self._shared(fn, a, kw, inputs)
+        if made is not None:
+            raw, out, inputs = made
+        else:
+            pool = region.pool(self.backend, self.device) if region is not None else None
+            if state.share is not None and region is None:
+                pool = state.share[0].pool(self.backend, self.device)
+            raw, out = self.backend.capture(lambda: fn(*a, **kw), self.device, pool=pool)
+        seq, forget = None, None
+        copy_outputs = state.options.copy_outputs
+        if chain:
+            seq, pool_output, forget = region.adopt()
+        elif copy_outputs:
+            pool_output = clone_output
+        else:
+            pool_output = static_output
+        try:
+            actions, spec = plan_outputs(out, inputs, leaves, self._persistent(), pool_output)
+        except OutputPlanError:
+            if forget is not None:
+                forget()
+            raw.release()
+            raise
+        entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out],
+                              device=self.device)
+        entry.shared = made is not None
+        entry.seq = seq
+        entry.borrowed = list(borrow.items())
+        if mutated and not chain and not copy_outputs:
+            # The caller holds the graph's own outputs: one passed back as an input the forward
+            # writes would be overwritten by the copy-back after the replay.
+            entry.hazard = {storage_of(t) for t in _tensors_in(out)} - {0}
+        if forget is not None:
+            entry.on_release.append(forget)
+        for slot, held in zip(borrow.values(), held_before):
+            # outputs that are views of a borrowed input are cudagraphify's own references
+            slot.own_more(slot.users() - held)
+            entry.on_release.append(lambda slot=slot, n=slot.users() - held: slot.own_more(-n))
+        return entry
+
+    def _shared(self, fn, a, kw, inputs):
+        """This layer's graph made from its share_graph group's template, or None."""
+        state = self.state
+        if state.share is None:
+            return None
+        group, k = state.share
+        if self.region is not None:
+            group.refuse("called inside a graph_region (per-layer graphs in the region's pool)")
+            return None
+        if self.mutated or self.wrote_statics:
+            # Sharing replays graphs to check them (and runs a second layer once): each replay
+            # would apply the forward's writes (running statistics, a cache) once more.
+            group.refuse("forward writes to its buffers or inputs")
+            return None
+        if not getattr(self.backend, "can_share", False):
+            group.refuse("the capture backend cannot read graphs")
+            return None
+        return group.make(k, self.key, fn, a, kw, inputs, self.leaves, self.backend,
+                          self.device, self.result, self.warm_guard)
+
+    # -- 4. verify -------------------------------------------------------------------------
+
+    def verify(self, entry, second: Probe | None, rec: Recorder) -> Outcome:
+        shared = getattr(entry, "shared", False)  # made from a share_graph template
+        probe = self.probe
+        if rec.writes and not shared:
+            entry.release()
+            return self._writes_refused(rec)
+        if probe is not None and second is not None and not shared:
+            differs = sequence_findings(probe, second)
+            if differs and probe.may_rehearse() and not probe.rehearse:
+                # the capture took the path the code takes while captured: compare with that
+                rehearsal = self._rehearse()
+                if rehearsal is not None:
+                    differs = sequence_findings(rehearsal, second)
+            if differs:
+                entry.release()
+                return Outcome(PIECEWISE, self.result, findings=differs,
+                               ran=set(probe.sequences), guard=self.warm_guard)
+        # The graph computes what the capture's run computed: it stands while what that run
+        # read stands (a layer's graph made from a template: what its own warm-up read).
+        guard = self.warm_guard if shared else self._guard(rec)
+        entry.pinned = tuple(self.pinned)
+        chain = self.region is not None and self.region.chain and entry.seq is not None
+        replay = chain and not self.mutated and not self.wrote_statics and not self.opaque
+        return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
+                       shared=shared)
+
+    def _writes_refused(self, rec: Recorder) -> Outcome:
+        module, name, old, new = rec.writes[0]
+        root = self.statics.root
+        names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
+        path = names.get(id(module), "")
+        what = f"{type(module).__name__}.{name}"
+        finding = Finding(path, f"sets {what}", ("PYTHON_STATE",),
+                          f"{_guards._short(old)} -> {_guards._short(new)}: a Python side "
+                          "effect on every call, which a replay cannot repeat")
+        if self.probe is None or root is None:
+            return self._eager(f"forward sets {what} on every call ({finding.where})")
+        return Outcome(PIECEWISE, self.result, findings={path: [finding]},
+                       ran=set(self.probe.sequences), guard=self.warm_guard)
+
+    def _guard(self, rec: Recorder) -> StateGuard:
+        root = self.statics.root
+        modules = [m for m in self.statics.modules if m is not root]
+        return StateGuard(list(rec.reads.values()),
+                          hooks=lambda: _guards.hook_fingerprint(modules))
+
+    # -- the captured path of capture-aware code -------------------------------------------
+
+    def _rehearse(self) -> Probe | None:
+        """The probe of an eager run on which ``torch.cuda.is_current_stream_capturing()``
+        answers "yes", when that path is safe and writes what the real call wrote (else None).
+
+        Code that asks (HF transformers' mask building) takes another path while captured;
+        where the code that asks is trusted to compute the same on it
+        (``OpPolicy.trusts_captured_path``), the warm-up's findings (a host sync on the eager
+        path) do not apply to the graph. The run reads copies of the inputs; the buffers and
+        parameters it writes and the random state are restored, so only the real call's
+        effect remains. The capture must then take the same path, op for op."""
+        if self.opaque:
+            return None  # objects passed as they are: another run would change them
+        statics, buffers = self.statics.watchable()
+        with _restored(statics, buffers, self.wrote_statics, self.device) as wrote:
+            copies = StaticInputs(self.leaves, [False] * len(self.leaves))
+            copy_marks = _marks([b for _, b in copies.copy])
+            rehearsal = new_probe(self.state)
+            rehearsal.rehearse = True
+            ran = False
+            try:
+                a, kw = unflatten_call(copies.leaves, self.sig)
+                with Nested():
+                    self.backend.warmup(probed(rehearsal, lambda: self.fn(*a, **kw)),
+                                        self.device)
+                ran = True
+            except Exception:  # noqa: BLE001 - that path fails eagerly: keep the warm-up's plan
+                pass
+        # A path that writes what the eager one does not (or a parameter: restored only where
+        # the real call wrote it too) is not the same computation.
+        wrote_inputs = {copies.copy[k][0]
+                        for k in _written([b for _, b in copies.copy], copy_marks)}
+        if not ran or rehearsal.findings or not set(wrote) <= set(self.wrote_statics) \
+                or wrote_inputs != set(self.mutated):
+            return None
+        return rehearsal
+
+
+@contextlib.contextmanager
+def _restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: list[int],
+              device: torch.device):
+    """Inside the block, the statics and the random state may change; afterwards they are as
+    before. Yields the list (filled on exit) of the statics the block wrote."""
+    marks = _marks(statics, buffers)  # buffers by value: the copies restore them
+    with torch.no_grad():
+        saved = {j: statics[j].clone() for j in wrote_before}
+    rng = (torch.random.get_rng_state(),
+           torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    wrote: list[int] = []
+    try:
+        yield wrote
+    finally:
+        wrote.extend(_written(statics, marks))
+        with torch.no_grad():
+            for j in wrote:
+                if isinstance(marks[j], torch.Tensor):
+                    statics[j].data.copy_(marks[j])
+            for j, v in saved.items():
+                statics[j].data.copy_(v)
+        torch.random.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], device)
+
+
+def _saved_indices(packed: list[torch.Tensor], copies: StaticInputs, tensor_idx: list[int],
+                   statics) -> set[int]:
+    """Which tensors of a graphed training call autograd saves for backward (by storage):
+    positions among the autograd Function's inputs (the user's tensors, then the parameters
+    that require grad)."""
+    storages = {storage_of(t) for t in packed} - {0}
+    out = set()
+    by_leaf = dict(copies.copy)
+    for pos, i in enumerate(tensor_idx):
+        buf = by_leaf.get(i)
+        if buf is not None and storage_of(buf) in storages:
+            out.add(pos)
+    n = len(tensor_idx)
+    for k, p in enumerate(statics.grad_params()):
+        if storage_of(p) in storages:
+            out.add(n + k)
+    return out
+
+
+def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors reachable from ``value`` (containers and object attributes, 4 levels)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 4:
+        return []
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        d = getattr(value, "__dict__", None)
+        items = list(d.values()) if isinstance(d, dict) else []
+    return [t for item in items for t in _tensors_in(item, depth + 1)]
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Clear the locals of a failed capture's frames: a traceback cycle would keep its tensors
+    (and their autograd graph, which blocks the next capture) alive until the GC runs."""
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
+
+
+def _marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
+    """What tells, after a call, whether it wrote each tensor: its version counter, or a copy
+    of its contents for inference tensors (they have no counter) and where ``by_value`` says so
+    (buffers: BatchNorm's kernels update running statistics without bumping the counter)."""
+    flags = by_value if by_value is not None else [False] * len(tensors)
+    return [t.clone() if v or t.is_inference() else t._version for t, v in zip(tensors, flags)]
+
+
+def _written(tensors: list[torch.Tensor], marks: list) -> list[int]:
+    return [j for j, (t, m) in enumerate(zip(tensors, marks))
+            if (not _same_values(t, m) if isinstance(m, torch.Tensor) else t._version != m)]
+
+
+def _same_values(t: torch.Tensor, before: torch.Tensor) -> bool:
+    """Whether ``t`` holds what a copy made earlier holds (NaN equals NaN here)."""
+    if t.shape != before.shape or t.dtype != before.dtype:
+        return False
+    if torch.equal(t, before):
+        return True
+    if t.is_floating_point() or t.is_complex():
+        return bool(((t == before) | (t.isnan() & before.isnan())).all())
+    return False
+
+
+def inputs_alias(leaves) -> bool:
+    """Whether two non-empty tensor leaves share memory."""
+    ptrs = [x.untyped_storage().data_ptr() for x in leaves
+            if isinstance(x, torch.Tensor) and x.numel()]
+    return len(set(ptrs)) != len(ptrs)

@@ -1,0 +1,460 @@
+"""What a replay must see besides its arguments: module state, hooks and global flags.
+
+A graph replays fixed kernels with fixed scalars on fixed memory. Everything a forward's Python
+read to choose them must still hold when the graph replays. This module records what a run reads
+and guards it cheaply:
+
+- **The epoch**: one global counter, bumped by every write no per-call check can see:
+  ``nn.Module.__setattr__``/``__delattr__`` (patched once, on first use), module hook
+  registration and removal, and writes into a module's ``_parameters``/``_buffers``/``_modules``
+  (see :mod:`._statics`). A call whose epoch equals the one its graph was last validated at
+  skips every attribute check.
+- **Reads**: while a :class:`Recorder` is active on a thread, ``nn.Module.__getattribute__``
+  records every instance attribute a module's code reads (``self.scale``, ``self.training``,
+  ``self.config``) with the value read, and module pre-hooks record which modules ran. A
+  :class:`StateGuard` compares those values again when the epoch moved; mutable values (a dict,
+  a list, a dataclass or an HF config) are checked on every call (dict versions, snapshots), and
+  tensors kept as plain attributes are held and checked (address, shape, and for CPU scalars
+  their value).
+- **Global flags** that change which kernels run (:func:`global_flags`): Dynamo's
+  ``GlobalStateGuard`` (grad mode, autocast, default dtype, deterministic algorithms, TF32 and
+  reduced-precision matmul) and a tuple of the others (inference mode, cuDNN flags, SDPA
+  backends, fp32 precision, current device).
+
+Not seen (documented): class attributes changed on the class, writes straight into a module's
+``__dict__`` or through ``object.__setattr__``, non-tensor Python globals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import threading
+from typing import Any, Callable, Iterator
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_mod
+from torch.utils import hooks as _torch_hooks
+
+from ._signature import is_constant
+
+__all__ = ["bump", "install", "Recorder", "recording", "StateGuard", "global_flags",
+           "FlagsGuard", "hook_fingerprint", "INTERNAL_ATTRS"]
+
+_counter = itertools.count(1)
+epoch = 0  # read as ``_guards.epoch``: bumped by every module write the per-call path cannot see
+
+
+def bump(*_args: Any) -> None:
+    """Something a graph may depend on changed: every state guard checks itself again."""
+    global epoch
+    epoch = next(_counter)  # unique per bump, so two threads bumping never look unchanged
+
+
+_installed = False
+_install_lock = threading.Lock()
+_HOOK_METHODS = ("register_forward_hook", "register_forward_pre_hook", "register_backward_hook",
+                 "register_full_backward_hook", "register_full_backward_pre_hook")
+_GLOBAL_HOOK_FUNCTIONS = ("register_module_forward_hook", "register_module_forward_pre_hook",
+                          "register_module_backward_hook", "register_module_full_backward_hook",
+                          "register_module_full_backward_pre_hook")
+
+
+def _bumping(fn: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        bump()
+        return fn(*args, **kwargs)
+
+    wrapper.__name__ = fn.__name__
+    wrapper.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
+    wrapper.__doc__ = fn.__doc__
+    wrapper.__wrapped__ = fn
+    return wrapper
+
+
+def install() -> None:
+    """Patch, once per process, the writes that bump the epoch (see the module docs)."""
+    global _installed
+    with _install_lock:
+        if _installed:
+            return
+        cls = nn.Module
+        set_attr, del_attr = cls.__setattr__, cls.__delattr__
+
+        def __setattr__(self, name, value):  # noqa: N807 - the patched special method
+            global epoch
+            epoch = next(_counter)
+            rec = _recorders.get(threading.get_ident())
+            if rec is not None:
+                rec.wrote(self, name, value)
+            set_attr(self, name, value)
+
+        def __delattr__(self, name):  # noqa: N807
+            global epoch
+            epoch = next(_counter)
+            del_attr(self, name)
+
+        cls.__setattr__ = __setattr__
+        cls.__delattr__ = __delattr__
+        for name in _HOOK_METHODS:
+            setattr(cls, name, _bumping(getattr(cls, name)))
+        for name in _GLOBAL_HOOK_FUNCTIONS:
+            fn = getattr(_module_mod, name, None)
+            if fn is not None:
+                setattr(_module_mod, name, _bumping(fn))
+                if getattr(torch.nn.modules, name, None) is fn:
+                    setattr(torch.nn.modules, name, getattr(_module_mod, name))
+        _torch_hooks.RemovableHandle.remove = _bumping(_torch_hooks.RemovableHandle.remove)
+        _installed = True
+
+
+# -- hooks ---------------------------------------------------------------------------------
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
+               "_forward_hooks_always_called")
+_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
+                      "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+def hooked(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks of its own."""
+    d = module.__dict__
+    return any(d.get(name) for name in _HOOK_DICTS[:4])
+
+
+def hook_fingerprint(modules: list[nn.Module]) -> tuple:
+    """Which hooks each of ``modules`` and the process (global module hooks) has: compared
+    again when the epoch moves."""
+    own = tuple((i, tuple(tuple(m.__dict__.get(n, ())) for n in _HOOK_DICTS[:4]))
+                for i, m in enumerate(modules) if hooked(m))
+    return own, tuple(tuple(getattr(_module_mod, n, ())) for n in _GLOBAL_HOOK_DICTS)
+
+
+def global_hooks() -> bool:
+    return any(getattr(_module_mod, n, None) for n in _GLOBAL_HOOK_DICTS)
+
+
+# -- global flags --------------------------------------------------------------------------
+
+_C = torch._C
+_GlobalStateGuard = torch._C._dynamo.guards.GlobalStateGuard
+
+
+def _getter(name: str, *args: Any) -> Callable[[], Any]:
+    fn = getattr(_C, name, None)
+    if fn is None:
+        return lambda: None
+    if args:
+        def call():
+            try:
+                return fn(*args)
+            except RuntimeError:
+                return None
+        return call
+    return fn
+
+
+_FLAG_GETTERS: tuple[Callable[[], Any], ...] = (
+    torch.is_inference_mode_enabled,
+    _getter("_get_cudnn_enabled"), _getter("_get_cudnn_benchmark"),
+    _getter("_get_cudnn_deterministic"), _getter("_get_cudnn_allow_tf32"),
+    _getter("_get_flash_sdp_enabled"), _getter("_get_mem_efficient_sdp_enabled"),
+    _getter("_get_math_sdp_enabled"), _getter("_get_cudnn_sdp_enabled"),
+    _getter("_get_math_sdp_allow_fp16_bf16_reduction"),
+    _getter("_get_fp32_precision_getter", "cuda", "conv"),
+    _getter("_get_fp32_precision_getter", "cuda", "rnn"),
+)
+_priority = _getter("_get_sdp_priority_order")
+_device = getattr(_C, "_cuda_getDevice", None)
+
+
+def global_flags() -> tuple:
+    """The global settings a ``GlobalStateGuard`` does not cover that change what kernels
+    compute (one tuple; part of a signature's key)."""
+    flags = [f() for f in _FLAG_GETTERS]
+    order = _priority()
+    flags.append(tuple(order) if order is not None else None)
+    flags.append(_device() if _device is not None and torch.cuda.is_initialized() else None)
+    return tuple(flags)
+
+
+class FlagsGuard:
+    """Global flags as they were when a graph was captured; ``check()`` on every call."""
+
+    __slots__ = ("_state", "flags")
+
+    def __init__(self):
+        self._state = _GlobalStateGuard()
+        self.flags = global_flags()
+
+    def check(self) -> bool:
+        return self._state.check() and global_flags() == self.flags
+
+    def reason(self) -> str:
+        if not self._state.check():
+            return f"global state changed: {self._state.reason()}"
+        now = global_flags()
+        names = ("inference mode", "cudnn.enabled", "cudnn.benchmark", "cudnn.deterministic",
+                 "cudnn.allow_tf32", "flash SDPA", "mem-efficient SDPA", "math SDPA",
+                 "cuDNN SDPA", "math SDPA fp16/bf16 reduction", "fp32 precision (conv)",
+                 "fp32 precision (rnn)", "SDPA priority", "current device")
+        diff = [f"{n}: {a} -> {b}" for n, a, b in zip(names, self.flags, now) if a != b]
+        return "global flags changed (" + "; ".join(diff) + ")"
+
+
+# -- recording reads -------------------------------------------------------------------------
+
+# Module attributes that are torch's own bookkeeping (hooks and registries) or cudagraphify's:
+# they are guarded elsewhere (statics, hooks) or not at all (state dict hooks).
+INTERNAL_ATTRS = frozenset({
+    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
+    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
+    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
+    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+    "_load_state_dict_post_hooks", "_cudagraphify_state", "_cudagraphify_share", "forward",
+    "__dict__", "__class__",
+})
+
+_REGISTRIES = ("_parameters", "_buffers", "_modules")
+_recorders: dict[int, "Recorder"] = {}  # thread id -> the recorder active on that thread
+_patch_users = 0
+_patch_lock = threading.Lock()
+_object_getattribute = object.__getattribute__
+
+
+def _recording_getattribute(self, name):
+    value = _object_getattribute(self, name)
+    rec = _recorders.get(threading.get_ident())
+    if rec is not None and name not in INTERNAL_ATTRS:
+        d = _object_getattribute(self, "__dict__")
+        if name in d and d[name] is value:
+            rec.read(self, name, value)
+    return value
+
+
+@dataclasses.dataclass
+class Read:
+    module: nn.Module
+    name: str
+    value: Any
+
+
+class Recorder:
+    """What one run of a forward read from modules, which modules ran, and which module
+    attributes it changed."""
+
+    def __init__(self):
+        self.reads: dict[tuple[int, str], Read] = {}
+        self.called: dict[int, nn.Module] = {}
+        self.writes: list[tuple[nn.Module, str, Any, Any]] = []
+        self._thread = threading.get_ident()
+
+    def read(self, module: nn.Module, name: str, value: Any) -> None:
+        key = (id(module), name)
+        if key not in self.reads:  # the first read is what the run's code saw first
+            self.reads[key] = Read(module, name, value)
+
+    def wrote(self, module: nn.Module, name: str, value: Any) -> None:
+        d = module.__dict__
+        if name in INTERNAL_ATTRS or any(name in d.get(k, ()) for k in _REGISTRIES):
+            return  # a parameter, buffer or submodule: the statics guard sees those
+        old = d.get(name, _MISSING)
+        if not _same(old, value):
+            self.writes.append((module, name, old, value))
+
+    def _pre(self, module, args):
+        if threading.get_ident() == self._thread:
+            self.called.setdefault(id(module), module)
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<missing>"
+
+
+_MISSING = _Missing()
+
+
+@contextlib.contextmanager
+def recording(rec: Recorder) -> Iterator[Recorder]:
+    """Record, on this thread, the module attributes read and the modules run (see module docs)."""
+    global _patch_users
+    install()
+    with _patch_lock:
+        _patch_users += 1
+        if _patch_users == 1:
+            nn.Module.__getattribute__ = _recording_getattribute
+    tid = threading.get_ident()
+    outer = _recorders.get(tid)
+    _recorders[tid] = rec
+    handle = _module_mod.register_module_forward_pre_hook(rec._pre)
+    try:
+        yield rec
+    finally:
+        handle.remove()
+        if outer is not None:
+            _recorders[tid] = outer
+        else:
+            _recorders.pop(tid, None)
+        with _patch_lock:
+            _patch_users -= 1
+            if _patch_users == 0:
+                del nn.Module.__getattribute__
+
+
+# -- guarding what was read ------------------------------------------------------------------
+
+_dict_version = torch._C._dynamo.guards.dict_version
+_MAX_WATCHED = 256  # mutable objects watched per graph; beyond that the read is refused
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two attribute values would drive a forward the same way."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or not is_constant(a):
+        return False
+    try:
+        return bool(a == b) or (a != a and b != b)  # NaN equals NaN here
+    except Exception:  # noqa: BLE001 - an __eq__ that raises: not the same
+        return False
+
+
+class Unguardable(Exception):
+    """A value a forward read cannot be guarded; the message says what and why."""
+
+
+def _watch(value: Any, out: list[Callable[[], bool]], tensors: list[torch.Tensor],
+           seen: set[int], depth: int) -> None:
+    """Per-call checks that ``value`` (a mutable object a forward read) still holds what it
+    held; tensors found inside are collected (held and checked by the caller)."""
+    if id(value) in seen or is_constant(value) or callable(value) and not isinstance(
+            value, (dict, list)) and not dataclasses.is_dataclass(value):
+        return
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return
+    if isinstance(value, nn.Module):
+        return  # its state is the module tree's (guarded as a module it ran, or by identity)
+    seen.add(id(value))
+    if len(seen) > _MAX_WATCHED:
+        raise Unguardable(f"reads {_MAX_WATCHED}+ mutable objects (containers nested too deep "
+                          "to check on every call)")
+    if depth > 4:
+        raise Unguardable("reads a container nested more than 4 deep")
+    if isinstance(value, dict):
+        d = value
+    elif isinstance(value, (list, set, frozenset, bytearray)):
+        snapshot = list(value) if not isinstance(value, (set, frozenset)) else set(value)
+        ids = [id(v) for v in snapshot]
+        kind = type(value)
+        if kind in (set, frozenset):
+            out.append(lambda v=value, s=frozenset(ids): frozenset(map(id, v)) == s)
+        else:
+            out.append(lambda v=value, s=ids: len(v) == len(s) and list(map(id, v)) == s)
+        for item in snapshot:
+            if not is_constant(item):
+                _watch(item, out, tensors, seen, depth + 1)
+        return
+    elif isinstance(value, tuple):
+        for item in value:
+            _watch(item, out, tensors, seen, depth + 1)
+        return
+    else:
+        d = getattr(value, "__dict__", None)
+        if not isinstance(d, dict):
+            return  # no instance dict (slots, C objects): held by identity only
+    version = _dict_version(d)
+    out.append(lambda d=d, v=version: _dict_version(d) == v)
+    for item in list(d.values()):
+        if not is_constant(item):
+            _watch(item, out, tensors, seen, depth + 1)
+
+
+class StateGuard:
+    """The module state one graph (or one eager decision) depends on.
+
+    ``valid()`` is True while every read value is what the run read: values are compared again
+    when the epoch moved; mutable objects, held tensors and CPU scalars on every call.
+    ``why()`` says what changed.
+    """
+
+    def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None):
+        self._reads = [(r.module, r.name, r.value) for r in reads]
+        self._hooks = hooks
+        self._hooks_then = hooks() if hooks is not None else None
+        self.epoch = epoch
+        checks: list[Callable[[], bool]] = []
+        tensors: list[torch.Tensor] = []
+        seen: set[int] = set()
+        for _, _, value in self._reads:
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif not is_constant(value):
+                _watch(value, checks, tensors, seen, 0)
+        self.tensors = _unique(tensors)  # held: never freed under a graph that reads them
+        for t in self.tensors:
+            checks.append(_tensor_check(t))
+        self._checks = checks
+        self.volatile = bool(checks)
+
+    @property
+    def reads(self) -> list[tuple[nn.Module, str, Any]]:
+        """(module, attribute, value read) for every attribute the run read."""
+        return list(self._reads)
+
+    def valid(self) -> bool:
+        if self.epoch != epoch:
+            if self._changed() is not None:
+                return False
+            self.epoch = epoch
+        if self.volatile:
+            for check in self._checks:
+                if not check():
+                    return False
+        return True
+
+    def _changed(self) -> str | None:
+        for module, name, value in self._reads:
+            now = module.__dict__.get(name, _MISSING)
+            if not _same(now, value):
+                return f"{type(module).__name__}.{name} changed ({_short(value)} -> {_short(now)})"
+        if self._hooks is not None and self._hooks() != self._hooks_then:
+            return "hooks were added to or removed from a module it runs"
+        return None
+
+    def why(self) -> str:
+        changed = self._changed()
+        if changed is not None:
+            return changed
+        if any(not check() for check in self._checks):
+            return "a mutable object or a tensor kept as a module attribute changed"
+        return "unchanged"
+
+
+def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _tensor_check(t: torch.Tensor) -> Callable[[], bool]:
+    """A per-call check that ``t`` (held) still has the address and layout, and for a CPU
+    scalar the value, a graph read."""
+    meta = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+    if t.device.type == "cpu" and t.numel() <= 64:
+        value = t.tolist()
+        return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == meta \
+            and t.tolist() == value
+    return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == meta
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
