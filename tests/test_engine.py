@@ -18,7 +18,6 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from conftest import SimGraph
 from cudagraphify._models import GPT
 from cudagraphify._training import TrainingGraph
 
@@ -370,8 +369,7 @@ def test_region_owns_and_releases_its_graphs(sim):
 
 
 def test_a_region_holds_callables_weakly_and_releases_a_deleted_ones_graphs():
-    # (The simulated backend's graphs hold the captured Python function, so a real module
-    # deleted inside a region is tested on the GPU: tests/test_gpu_faults.py.)
+    # (A real module deleted inside a region is tested on the GPU: tests/test_gpu_faults.py.)
     from cudagraphify._cache import Owned
     from cudagraphify._region import GraphRegion
 
@@ -1107,21 +1105,8 @@ class _WritesOnlyWhenCaptured(nn.Module):
 @pytest.fixture
 def faithful(sim, monkeypatch):
     """The simulated capture, answering torch.cuda.is_current_stream_capturing() as a real
-    one does: "yes" while it captures and while a graph replays (a replay runs what was
-    captured)."""
-    replaying = []
-    replay = SimGraph.replay
-
-    def replay_captured(self):
-        replaying.append(True)
-        try:
-            replay(self)
-        finally:
-            replaying.pop()
-
-    monkeypatch.setattr(SimGraph, "replay", replay_captured)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing",
-                        lambda: sim.capturing or bool(replaying))
+    one does: "yes" while it captures (a replay runs no Python that could ask)."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: sim.capturing)
     return sim
 
 

@@ -79,16 +79,15 @@ class ReadingBackend(SimBackend):
     """The simulated backend, with graphs the share_graph diff can read."""
 
     can_share = True
+    graph_class = _ReadableGraph
 
     def capture(self, fn, device, pool=None, keep_graph=False):
         rec = _Recorder()
         with rec:
-            g, out = super().capture(fn, device, pool)
-        graph = _ReadableGraph(fn, out, self)
+            graph, out = super().capture(fn, device, pool)
         graph._handle = id(graph)
         _traces[graph._handle] = rec.trace
         _outputs[graph._handle] = out
-        self.graphs[-1] = graph
         return graph, out
 
 
