@@ -36,10 +36,9 @@ from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
 from ._replay import CapturedGraph
-from ._signature import Unkeyable, build_signature, opaque_argument
+from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
 from ._statics import StaticState
 from ._training import TrainingGraph
-from ._writes import storage_of
 
 __all__ = ["GraphedState", "Options", "Stats", "in_graphed_call", "Nested", "drain"]
 

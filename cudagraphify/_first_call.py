@@ -1,9 +1,9 @@
 """A signature's first call, as named phases that return an :class:`Outcome`.
 
 1. ``warm_up`` — the real call: eager, on the capture stream, under the probe (the ops and
-   their tags, the tensors they read), the recorder (module attributes read, modules run, module
-   attributes written) and the write watch (memory written, whichever tensor object it came
-   through). Its result is this call's result.
+   their tags, the tensors they read, the memory they write in place whichever tensor object
+   it came through) and the recorder (module attributes read, modules run, module attributes
+   written). Its result is this call's result.
 2. ``screen`` — before anything is captured: unsafe ops (unless a rehearsal of the captured path
    clears them), submodules whose hooks must run on every call, tensors read from outside the
    arguments, parameters, buffers and module attributes, inputs that alias while written.
@@ -35,9 +35,8 @@ from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
-from ._signature import Signature, unflatten_call
+from ._signature import Signature, storage_of, unflatten_call
 from ._training import capture_training, saved_by_backward, warmup_backward
-from ._writes import WriteWatch, storage_of
 
 __all__ = ["FirstCall", "Outcome", "GRAPHED", "EAGER", "PIECEWISE", "DEFERRED", "Nested",
            "in_graphed_call", "inputs_alias", "nesting"]
@@ -139,15 +138,15 @@ class FirstCall:
         self.probe = probe = new_probe(self.state)
         if probe is not None:
             probe.known = {storage_of(x) for _, x in tensors} | statics.storage_ptrs()
+            probe.written = set()
         self.recorder = rec = Recorder()
-        watch = WriteWatch() if probe is not None else None
         self.hooks_before = _guards.global_hooks()
         t0 = time.perf_counter()
-        with Nested(), recording(rec), (watch if watch is not None else contextlib.nullcontext()):
+        with Nested(), recording(rec):
             self.result = self.backend.warmup(
                 probed(probe, lambda: self.fn(*self.args, **self.kwargs)), self.device)
         self.warmup_seconds += time.perf_counter() - t0
-        written = watch.storages if watch is not None else set()
+        written = probe.written if probe is not None else set()
         # A graphed function (or a forward) may run modules outside the tree it was given:
         # their parameters and buffers are guarded too.
         statics.adopt(rec.called.values())
@@ -252,6 +251,8 @@ class FirstCall:
             failed = CaptureFailed(f"extra warm-up failed: {_first_line(e)}",
                                    transient=isinstance(e, torch.OutOfMemoryError))
         second = new_probe(self.state, thunder=False)
+        if second is not None:
+            second.known = set()  # track what the capture's ops produce (see verify)
         rec = Recorder()
         try:
             if failed is not None:
@@ -398,6 +399,10 @@ class FirstCall:
         if rec.writes and not shared:
             entry.release()
             return self._writes_refused(rec)
+        outside = [] if shared else self._outside_outputs(entry, second)
+        if outside:
+            entry.release()
+            return self._eager_or_piecewise(outside)
         if probe is not None and second is not None and not shared:
             differs = sequence_findings(probe, second)
             if differs and probe.may_rehearse() and not probe.rehearse:
@@ -418,6 +423,30 @@ class FirstCall:
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
                        shared=shared)
 
+    def _outside_outputs(self, entry, second: Probe | None) -> list[Finding]:
+        """Outputs that no op of the capture made and that are none of the arguments,
+        parameters, buffers or module attributes (a global returned as it is): a replay would
+        hand out the tensor it captured, whatever the name now refers to."""
+        if second is None:
+            return []
+        mine = set(self._persistent()) | second.produced
+        mine.update(storage_of(x) for x in self.leaves if isinstance(x, torch.Tensor))
+        mine.update(storage_of(x) for x in entry.static_leaves())
+        return [Finding("", "return", ("OUTSIDE_TENSOR",),
+                        f"forward returns a {tuple(t.shape)} tensor that is not an argument, "
+                        "parameter, buffer or module attribute (a global or a closure "
+                        "variable?): pass it as an argument or register it as a buffer")
+                for t in entry.output_tensors() if storage_of(t) not in mine | {0}]
+
+    def _eager_or_piecewise(self, findings: list[Finding]) -> Outcome:
+        if self.probe is None or self.statics.root is None:
+            return self._eager(f"unsafe op {findings[0]}")
+        found: dict[str, list[Finding]] = {}
+        for f in findings:
+            found.setdefault(f.path, []).append(f)
+        return Outcome(PIECEWISE, self.result, findings=found, ran=set(self.probe.sequences),
+                       guard=self.warm_guard)
+
     def _writes_refused(self, rec: Recorder) -> Outcome:
         module, name, old, new = rec.writes[0]
         root = self.statics.root
@@ -429,8 +458,7 @@ class FirstCall:
                           "effect on every call, which a replay cannot repeat")
         if self.probe is None or root is None:
             return self._eager(f"forward sets {what} on every call ({finding.where})")
-        return Outcome(PIECEWISE, self.result, findings={path: [finding]},
-                       ran=set(self.probe.sequences), guard=self.warm_guard)
+        return self._eager_or_piecewise([finding])
 
     def _guard(self, rec: Recorder) -> StateGuard:
         root = self.statics.root

@@ -23,7 +23,7 @@ from torch.nn.modules import module as _module_mod
 from torch.overrides import TorchFunctionMode
 
 from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
-from ._writes import storage_of
+from ._signature import storage_of
 
 __all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
 
@@ -71,6 +71,8 @@ class _Mode(TorchFunctionMode):
             return func(*args, **kwargs)
         probe = self.probe
         probe.record(func, args, kwargs)
+        if probe.written is not None:
+            probe.note_writes(func, args, kwargs)
         out = func(*args, **kwargs)
         if probe.known is not None:
             probe.note_tensors(func, args, kwargs, out)
@@ -171,6 +173,10 @@ class Probe:
         self.known: set[int] | None = None
         self.produced: set[int] = set()
         self.outside: dict[int, Finding] = {}
+        # Storages written in place (set to a set to start tracking): version counters miss
+        # writes made through another tensor object on the same memory (``x.data``, a view of
+        # ``.data``, a detached alias).
+        self.written: set[int] | None = None
 
     @property
     def path(self) -> str:
@@ -187,6 +193,17 @@ class Probe:
                                 thunder=self.thunder, thunder_key=key)
         if tags and not self.policy.can_graph(func, tags):
             self.findings.append(Finding(self.path, name, tuple(sorted(tags)), _user_frame()))
+
+    def note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+        """Note the storages ``func`` writes: the first argument of an in-place op
+        (``add_``, ``copy_``, ``__setitem__``, ``__iadd__``, ``inplace=True``), ``out=``, and
+        what a custom op's schema declares written."""
+        written = self.written
+        for t in _written_by(func, args, kwargs):
+            if isinstance(t, torch.Tensor):
+                ptr = storage_of(t)
+                if ptr:
+                    written.add(ptr)
 
     def note_tensors(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Note the storages ``func`` read that no earlier op of the run produced and that are
@@ -263,6 +280,31 @@ class Probe:
         for f in self.findings:
             out[f.path].append(f)
         return dict(out)
+
+
+_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
+                              "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
+                              "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
+
+
+def _written_by(func: Any, args: tuple, kwargs: dict) -> list:
+    """The tensors (or lists of them) a call writes in place, as far as its name, its ``out=``
+    and ``inplace=`` arguments and a custom op's schema tell."""
+    out = []
+    schema = getattr(func, "_schema", None)
+    if schema is not None:  # an OpOverload: its schema says what it writes
+        for i, arg in enumerate(schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write:
+                out.append(args[i] if i < len(args) else kwargs.get(arg.name))
+        return [t for v in out for t in (v if isinstance(v, (list, tuple)) else (v,))]
+    name = getattr(func, "__name__", "") or ""
+    if args and ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
+                 or kwargs.get("inplace") is True):
+        out.append(args[0])
+    target = kwargs.get("out")
+    if target is not None:
+        out.extend(target if isinstance(target, (list, tuple)) else (target,))
+    return out
 
 
 def differing_paths(a: Probe, b: Probe) -> set[str]:

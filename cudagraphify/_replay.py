@@ -217,6 +217,15 @@ class CapturedGraph(Owned):
     def pool_bytes(self) -> int:
         return self.raw.pool_bytes if self.raw is not None else 0
 
+    def output_tensors(self) -> list[torch.Tensor]:
+        """The capture's output tensors (static outputs, or what they alias)."""
+        return [t for t in pytree.tree_leaves(self._keep) if isinstance(t, torch.Tensor)]
+
+    def static_leaves(self) -> list[torch.Tensor]:
+        """The tensors the graph reads its inputs from (static buffers, or leaves in place)."""
+        return [t for t in self._inputs.leaves if isinstance(t, torch.Tensor)] \
+            if self._inputs is not None else []
+
     @property
     def capture_seconds(self) -> float:
         return self.raw.capture_seconds

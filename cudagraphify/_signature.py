@@ -24,6 +24,7 @@ __all__ = [
     "build_signature",
     "call_state",
     "opaque_argument",
+    "storage_of",
     "is_constant",
     "mark_static",
     "is_marked_static",
@@ -128,6 +129,14 @@ class Signature(NamedTuple):
     def static_objects(self) -> list[int]:
         """Leaf indices of the objects named in ``static_argnames`` (passed as they are)."""
         return [c.index for c in self.constants if c.kind == STATIC_OBJECT]
+
+
+def storage_of(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage (0 for an empty one, or where it has none)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return 0
 
 
 def tensor_meta(t: torch.Tensor, static: bool) -> tuple:

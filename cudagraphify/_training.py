@@ -161,6 +161,15 @@ class TrainingGraph(Owned):
             return 0.0
         return self.raw.capture_seconds + self._bwd_raw.capture_seconds
 
+    def output_tensors(self) -> list[torch.Tensor]:
+        """The forward capture's output tensors."""
+        return list(self._outs)
+
+    def static_leaves(self) -> list[torch.Tensor]:
+        """The tensors the graph reads its inputs from."""
+        return [t for t in self._inputs.leaves if isinstance(t, torch.Tensor)] \
+            if self._inputs is not None else []
+
     def pending(self) -> bool:
         """An earlier call's backward has not run and its autograd graph is still alive."""
         ctx = self._last_ctx() if self._last_ctx is not None else None

@@ -7,7 +7,9 @@ What it models:
 
 - ``capture(fn)`` runs ``fn`` once under a ``TorchDispatchMode`` that records every aten op in
   order (the op, its arguments as they were, its outputs) and returns what ``fn`` returned. An
-  exception in ``fn`` raises ``CaptureFailed``. ``in_capture()`` is true on the capturing thread
+  exception in ``fn`` raises ``CaptureFailed``. Memory that existed before the capture and that
+  it wrote (running statistics, an input written in place, a KV cache) is put back as it was
+  afterwards: a CUDA capture runs no kernel. ``in_capture()`` is true on the capturing thread
   while ``fn`` runs. Autograd's backward runs on the calling thread on a CPU, so a captured
   ``torch.autograd.grad`` records the backward's ops too.
 - Addresses: every tensor an op read or wrote is kept as a tensor made from its storage with the
@@ -89,6 +91,9 @@ class _Recorder(TorchDispatchMode):
         self.storages: dict[int, torch.UntypedStorage] = {}  # StorageImpl address -> storage
         self.fresh_storages: set[int] = set()  # first seen as an op's output: the "pool"
         self.unreplayable: list[str] = []  # ops whose outputs are not tensors (host syncs)
+        # contents of memory that existed before the capture and that it wrote: a CUDA capture
+        # runs no kernel, so the capture leaves it as it was (``restore``)
+        self.saved: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
 
     def _spec(self, t: torch.Tensor, output: bool = False) -> _Ref:
         s = t.untyped_storage()
@@ -104,10 +109,28 @@ class _Recorder(TorchDispatchMode):
             self.specs.append((s,) + key[1:])
         return _Ref(i, False)
 
+    def _keep(self, t: torch.Tensor) -> None:
+        s = t.untyped_storage()
+        if s._cdata not in self.fresh_storages and s._cdata not in self.saved:
+            with torch._C._DisableTorchDispatch():
+                self.saved[s._cdata] = (s, s.clone())
+
+    def restore(self) -> None:
+        """Put back what the capture wrote into memory it did not make."""
+        with torch._C._DisableTorchDispatch():
+            for s, copy in self.saved.values():
+                s.copy_(copy)
+        self.saved.clear()
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         # arguments as they are when the op starts (an in-place op may change their metadata)
         before = pytree.tree_map_only(torch.Tensor, self._spec, (args, kwargs))
+        # every op may write what it reads (BatchNorm updates its running statistics without
+        # declaring it in its schema): keep what memory made before the capture held
+        for t in pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                self._keep(t)
         out = func(*args, **kwargs)
         returned = {id(t) for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
         (a, kw) = pytree.tree_map(
@@ -235,6 +258,7 @@ class SimBackend:
             raise CaptureFailed(f"{type(e).__name__}: {e}") from e
         finally:
             self._tls.depth -= 1
+            rec.restore()
         self.captures += 1
         g = self.graph_class(rec, self, pool, time.perf_counter() - t0)
         self.graphs.append(g)

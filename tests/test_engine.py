@@ -1141,10 +1141,9 @@ def test_trusted_code_that_asks_whether_it_is_captured_is_planned_on_its_capture
         assert cg.stats(model.lin).captures == 1
     else:  # the warm-up's sync or shortcut is on a path a capture never takes: one graph
         assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
-    # the rehearsal's write to the buffer is undone: the buffer counts the 4 real calls (and
-    # a capture, which runs forward in this simulation; with the "skip" shortcut the warm-up
-    # finds nothing, so a capture is made before the plan turns piecewise)
-    assert model.calls.item() == calls.item() + 4 + (not sync_always or shortcut == "skip")
+    # the rehearsal's write to the buffer is undone, and a capture runs no kernel: the buffer
+    # counts the 4 real calls
+    assert model.calls.item() == calls.item() + 4
 
 
 def test_untrusted_code_that_asks_whether_it_is_captured_keeps_the_eager_paths_plan(faithful):
