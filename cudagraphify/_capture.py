@@ -8,6 +8,7 @@ machine without a GPU substitute a simulated backend to exercise the engine's bo
 
 from __future__ import annotations
 
+import functools
 import gc
 import threading
 import time
@@ -20,8 +21,8 @@ from ._errors import CaptureFailed, CudagraphifyError
 __all__ = ["CudaBackend", "Pool", "RawGraph", "default_backend", "set_backend"]
 
 # One C call (the Python wrapper adds a lookup and a check per call on the replay path).
-_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
-                     torch.cuda.is_current_stream_capturing)
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                            torch.cuda.is_current_stream_capturing)
 
 
 class Pool(tuple):
@@ -93,7 +94,7 @@ class CudaBackend:
 
     def in_capture(self) -> bool:
         """True while the caller's stream is being captured (someone else's graph)."""
-        return torch.cuda.is_initialized() and _capturing()
+        return torch.cuda.is_initialized() and _stream_capturing()
 
     def _capturing(self, device: torch.device) -> threading.RLock:
         idx = device.index if device.index is not None else torch.cuda.current_device()
@@ -252,11 +253,18 @@ class CudaBackend:
     def stream_token(self, device: torch.device) -> int:
         return torch._C._cuda_getCurrentRawStream(device.index)
 
+    def stream_getter(self, device: torch.device) -> Callable[[], int]:
+        """``stream_token(device)`` as one C call (the replay path's)."""
+        return functools.partial(torch._C._cuda_getCurrentRawStream, device.index)
+
+    # The replay path's capture check: graphs exist, so CUDA is up.
+    in_capture_now = staticmethod(_stream_capturing)
+
     def drain(self, device: torch.device, token: int) -> None:
         """Wait (on the host) until the work queued on stream ``token`` is done: memory a
         released graph used (static buffers, its pool) may be handed to another stream at once,
         and the caching allocator only orders reuse on the stream that allocated it."""
-        if torch.cuda.is_initialized() and not _capturing():
+        if torch.cuda.is_initialized() and not _stream_capturing():
             torch.cuda.ExternalStream(token, device=device).synchronize()
 
     def order_after(self, device: torch.device, token: int) -> None:

@@ -22,6 +22,7 @@ Nothing here touches ``torch.cuda``: the backend (``_capture``) does.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 from typing import Any, Callable
 
@@ -492,7 +493,7 @@ class _Fast:
     pending. Any failed check (or anything unusual) hands the call to the slow path."""
 
     __slots__ = ("state", "entry", "region", "n", "tguard", "statics", "in_capture",
-                 "stream", "device", "holder", "inplace", "slots")
+                 "stream", "holder", "inplace", "slots")
 
     @staticmethod
     def make(state: GraphedState, entry, region, backend, args: tuple, token) -> "_Fast | None":
@@ -506,8 +507,10 @@ class _Fast:
         self.tguard = _TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
                                     dynamic_dims_strides=[list(a.stride()) for a in args])
         self.statics = state.statics
-        self.in_capture = backend.in_capture
-        self.stream, self.device = backend.stream_token, entry.device
+        self.in_capture = getattr(backend, "in_capture_now", backend.in_capture)
+        getter = getattr(backend, "stream_getter", None)
+        self.stream = getter(entry.device) if getter is not None else functools.partial(
+            backend.stream_token, entry.device)
         self.holder = state._stream_holder(region)
         self.inplace = entry.inplace
         self.slots = entry.seq is not None
@@ -536,7 +539,7 @@ class _Fast:
                 return _MISS
         if not self.statics.same():
             return _MISS
-        if self.stream(self.device) != self.holder._stream_token:
+        if self.stream() != self.holder._stream_token:
             return _MISS
         if self.slots and not region.protect_before(entry, args):
             return _MISS

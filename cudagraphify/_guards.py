@@ -169,15 +169,17 @@ _FLAG_GETTERS: tuple[Callable[[], Any], ...] = (
 )
 _priority = _getter("_get_sdp_priority_order")
 _device = getattr(_C, "_cuda_getDevice", None)
+_cuda = torch.cuda
 
 
 def global_flags() -> tuple:
     """The global settings a ``GlobalStateGuard`` does not cover that change what kernels
-    compute (one tuple; part of a signature's key)."""
+    compute (one tuple, compared on every call of a graph)."""
     flags = [f() for f in _FLAG_GETTERS]
     order = _priority()
     flags.append(tuple(order) if order is not None else None)
-    flags.append(_device() if _device is not None and torch.cuda.is_initialized() else None)
+    # (the current device, once CUDA is up: asking earlier would initialise it)
+    flags.append(_device() if _device is not None and _cuda._initialized else None)
     return tuple(flags)
 
 
