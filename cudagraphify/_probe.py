@@ -27,8 +27,8 @@ from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
 __all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# cudagraphify's own machinery; its reference models (_models.py) count as user code
-_OWN_MODELS = os.path.join(_HERE, "_models.py")
+# cudagraphify's own machinery; its reference models (bench/models.py) count as user code
+_OWN_MODELS = os.path.join(_HERE, "bench", "models.py")
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 
 def main() -> None:

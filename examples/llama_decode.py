@@ -22,7 +22,7 @@ import torch
 import cudagraphify as cg
 # A StaticCache built the way the installed transformers wants, and the decode step: a plain
 # function of the new token, its position and the cache (see its source; 10 lines).
-from cudagraphify.bench_decode import decode_step, static_cache
+from cudagraphify.bench.decode import decode_step, static_cache
 
 
 def generate(step, prefill, cache, prompt, positions, new_tokens: int):

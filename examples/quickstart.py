@@ -14,7 +14,7 @@ import warnings
 import torch
 
 import cudagraphify as cg
-from cudagraphify._models import GPT, WORKLOADS, GPTConfig
+from cudagraphify.bench.models import GPT, WORKLOADS, GPTConfig
 
 
 def us_per_call(fn, x, calls=50, repeats=5):

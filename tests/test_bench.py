@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from cudagraphify import bench, bench_decode
+from cudagraphify import bench
+from cudagraphify.bench import decode as bench_decode, workloads
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
@@ -58,7 +59,7 @@ def test_arguments_pick_columns_decode_and_sizes():
     for bad in (["--columns", "xla"], ["--decode-tokens", "1"], ["--columns"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
-    assert set(bench.COLUMNS) == {"graphify", "nocopy", "layers", "region", "share", "mgc",
+    assert set(workloads.COLUMNS) == {"graphify", "nocopy", "layers", "region", "share", "mgc",
                                   "compile", "thunder"}
 
 
@@ -73,7 +74,7 @@ def _full_row():
            "torch_compile_compile_s": 40.2, "torch_compile_peak_mb": 9.0,
            "torch_compile_max_abs_err": 0.0078125,
            "thunder_skipped": "not importable (ModuleNotFoundError: No module named 'thunder')"}
-    return bench.add_ratios(row)
+    return workloads.add_ratios(row)
 
 
 def test_ratios_to_eager_and_to_the_manual_graph():
@@ -86,11 +87,11 @@ def test_ratios_to_eager_and_to_the_manual_graph():
 
 
 def test_table_prints_every_column_with_its_numbers_or_why_not():
-    text = bench.format_workload(_full_row())
+    text = workloads.format_workload(_full_row())
     lines = text.splitlines()
     assert lines[0] == "A: GPTConfig(...)" and "µs/call" in lines[1] and "peak MB" in lines[1]
     by_heading = {h: next(ln for ln in lines if ln.strip().startswith(h))
-                  for _, h in list(bench.ALWAYS) + list(bench.COLUMNS.values())}
+                  for _, h in list(workloads.ALWAYS) + list(workloads.COLUMNS.values())}
     assert by_heading["graphify"].split()[1:] == ["510", "0.189", "1.020", "0.030", "5.0",
                                                  "0.0e+00"]
     assert by_heading["manual graph (floor)"].split()[3:6] == ["500", "0.185", "1.000"]
@@ -99,7 +100,7 @@ def test_table_prints_every_column_with_its_numbers_or_why_not():
     assert "(first call, compiling: 40.2 s)" in by_heading["torch.compile reduce-overhead"]
     assert "skipped: not importable" in by_heading["thunder.jit + CUDAGraphTransform"]
     assert by_heading["share_graph(blocks)"].endswith("not run")
-    only = bench.format_workload(_full_row(), ["graphify"])
+    only = workloads.format_workload(_full_row(), ["graphify"])
     assert len(only.splitlines()) == 2 + 3 and "thunder" not in only
 
 
@@ -211,12 +212,12 @@ def test_workload_columns_on_cpu_record_numbers_errors_and_skips(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2**20)
-    monkeypatch.setattr(bench, "_manual_graph", lambda model, x: model)
-    monkeypatch.setattr(bench, "_thunder_missing", lambda: "not importable (test)")
-    cfg = bench.GPTConfig(32, 2, 2, 1, 4, torch.float32)
+    monkeypatch.setattr(workloads, "_manual_graph", lambda model, x: model)
+    monkeypatch.setattr(workloads, "_thunder_missing", lambda: "not importable (test)")
+    cfg = workloads.GPTConfig(32, 2, 2, 1, 4, torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = bench.bench_workload("B", cfg, calls=2, repeats=1, quick=True, device="cpu")
+        row = workloads.bench_workload("B", cfg, calls=2, repeats=1, quick=True, device="cpu")
     for prefix in ("eager", "manual_graph", "graphify", "graphify_nocopy", "per_layer",
                    "per_layer_region", "share_graph"):
         assert row[f"{prefix}_us"] > 0 and row[f"{prefix}_peak_mb"] == 1.0, prefix
@@ -230,9 +231,9 @@ def test_workload_columns_on_cpu_record_numbers_errors_and_skips(monkeypatch, ca
     assert row["per_layer_region_input_copies"] >= 0 and "share_graph_captures" in row
     assert "B: make_graphed_callables failed" in capsys.readouterr().err
     json.dumps(row)  # the row goes into --json as it is
-    assert "error: " in bench.format_workload(row)
+    assert "error: " in workloads.format_workload(row)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = bench.bench_workload("A", cfg, calls=2, repeats=1, columns=["thunder"],
-                                   quick=True, device="cpu")
+        row = workloads.bench_workload("A", cfg, calls=2, repeats=1, columns=["thunder"],
+                                       quick=True, device="cpu")
     assert row["thunder_skipped"] == "not importable (test)" and "graphify_us" not in row

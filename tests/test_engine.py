@@ -19,7 +19,7 @@ from torch import nn
 
 import cudagraphify as cg
 from conftest import SimGraph
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 from cudagraphify._training import TrainingGraph
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 
 class Logger(nn.Module):
@@ -57,7 +57,7 @@ def test_explain_leaves_the_module_and_rng_as_they_were():
 def test_explain_gpt_with_item_keeps_attention_and_mlp_graphed():
     text = str(cg.explain(GPT(32, 2, 2, sync="item").eval(), torch.randn(1, 4, 32)))
     assert "blocks.0 (SyncBlock): eager" in text
-    assert "Tensor.item [HOST_SYNC] at _models.py:" in text
+    assert "Tensor.item [HOST_SYNC] at models.py:" in text
     assert "blocks.1.attn (Attention): graphed" in text
     assert text.count("(Attention): graphed") == 2 and text.count("(MLP): graphed") == 2
 

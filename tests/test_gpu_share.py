@@ -11,7 +11,7 @@ from torch import nn
 
 import cudagraphify as cg
 from conftest import assert_chain_matches
-from cudagraphify._models import GPT, GPTConfig
+from cudagraphify.bench.models import GPT, GPTConfig
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 

@@ -7,7 +7,7 @@ import random
 import torch
 from torch import nn
 
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 from cudagraphify._policy import OpPolicy
 from cudagraphify._probe import Probe, control_flow_findings, differing_paths, plan_pieces
 
@@ -27,7 +27,7 @@ def test_item_in_a_block_keeps_attention_and_mlp_graphed():
     found = probe.unsafe_paths()
     assert set(found) == {"blocks.0", "blocks.1"}
     (f,) = found["blocks.0"]
-    assert f.op == "Tensor.item" and f.tags == ("HOST_SYNC",) and f.where.startswith("_models.py:")
+    assert f.op == "Tensor.item" and f.tags == ("HOST_SYNC",) and f.where.startswith("models.py:")
     pieces = plan_pieces(model, set(found), set(probe.sequences))
     assert pieces == ["blocks.0.ln1", "blocks.0.attn", "blocks.0.ln2", "blocks.0.mlp",
                       "blocks.1.ln1", "blocks.1.attn", "blocks.1.ln2", "blocks.1.mlp", "ln_f"]

@@ -14,7 +14,7 @@ import cudagraphify as cg
 from conftest import assert_chain_matches
 from cudagraphify._cugraph import GraphNode
 from cudagraphify._share import Refused, Storages, first_difference, plan_rebase
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 
 class Layer(nn.Module):

@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cudagraphify as cg
 from cudagraphify import _cugraph, _share
 from cudagraphify._cugraph import GraphNode
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 from conftest import SimBackend, SimGraph
 
 _traces: dict[int, list] = {}

@@ -1,4 +1,4 @@
-"""Reference models for the demo, the tests and the benchmark (the GPT stack of the design notes).
+"""Reference models for the benchmark and the tests (the GPT stack of the design notes).
 
 Pre-LN transformer blocks: LayerNorm, fused qkv Linear, causal ``scaled_dot_product_attention``,
 output projection, LayerNorm, 4x MLP with GELU; a final LayerNorm. Inputs are hidden states of
