@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from cudagraphify import bench
-from cudagraphify.bench import decode as bench_decode, workloads
+from cudagraphify.bench import decode as bench_decode, overhead, workloads
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
@@ -237,3 +237,77 @@ def test_workload_columns_on_cpu_record_numbers_errors_and_skips(monkeypatch, ca
         row = workloads.bench_workload("A", cfg, calls=2, repeats=1, columns=["thunder"],
                                        quick=True, device="cpu")
     assert row["thunder_skipped"] == "not importable (test)" and "graphify_us" not in row
+
+
+def test_overhead_argument_runs_alone_unless_workloads_are_named():
+    assert not bench.parse_args([]).overhead
+    a = bench.parse_args(["--overhead"])
+    assert a.overhead and a.workloads == []  # only the overhead section
+    assert bench.parse_args(["--overhead", "--workloads", "A"]).workloads == ["A"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
+def test_cpu_mode_overhead_says_it_needs_a_gpu(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    assert bench.main(["--overhead", "--json", str(out)]) == 0
+    assert "overhead: not run: needs a CUDA GPU" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["workload"] == "overhead" and "needs a CUDA GPU" in row["not_run"]
+
+
+def test_overhead_rows_compare_each_with_its_reference_and_target():
+    us = {"eager": 20.0, "raw_replay": 3.0, "hand_copy": 6.0, "hand_copy_clone": 9.0,
+          "graphify": 14.0, "graphify_nocopy": 11.5, "region": 10.0, "opaque_eager": 21.0,
+          "opaque_graphify": 23.0, "ineligible_eager": 30.0, "ineligible_graphify": 40.0,
+          "hf_decode_eager": 1000.0, "hf_decode_graphify": 1020.0}
+    lines = {item["key"]: item for item in overhead.compare(us)}
+    assert list(lines) == [line.key for line in overhead.LINES]
+    g = lines["graphify"]
+    assert (g["reference"], g["reference_us"], g["diff_us"], g["met"]) == (
+        "hand_copy_clone", 9.0, 5.0, True)  # hand copy-in + replay + clone + 5 µs: just met
+    assert lines["graphify_nocopy"]["met"] is False  # 11.5 > hand copy-in + replay + 5
+    assert lines["region"]["reference"] == "hand_copy" and lines["region"]["met"]
+    assert lines["opaque_graphify"]["met"] and not lines["ineligible_graphify"]["met"]
+    assert lines["hf_decode_graphify"]["ratio"] == pytest.approx(1.02)
+    assert lines["hf_decode_graphify"]["met"] and lines["hf_decode_graphify"]["target"] == (
+        "<= 1.03 x ref")
+    assert lines["eager"]["met"] is None and lines["eager"]["target"] == ""
+    del us["hf_decode_graphify"]
+    row = {"calls": 10, "repeats": 3, "us": us, "lines": overhead.compare(us),
+           "counters": {"graphify": {"captures": 1, "replays": 12, "eager_calls": {}}},
+           "skipped": {"hf_decode": "transformers is not importable (x)"}}
+    text = overhead.format_overhead(row)
+    by_label = {line.label: next(ln for ln in text.splitlines()
+                                 if ln.strip().startswith(line.label)) for line in overhead.LINES}
+    assert by_label["graphify"].split()[1:] == ["14.0", "hand", "copy-in", "+", "replay", "+",
+                                               "clone", "9.0", "+5.0", "1.556", "<=", "ref",
+                                               "+", "5", "µs", "ok"]
+    assert by_label["graphify(copy_outputs=False)"].endswith("MISSED")
+    assert "skipped: transformers is not importable (x)" in by_label[
+        "HF Llama decode step, graphify"]
+    assert "graphify: captures 1, replays 12, eager calls: none" in text
+
+
+def test_overhead_section_runs_every_row_on_a_cpu_with_a_stand_in_capture():
+    """The section's bookkeeping, with the hand capture stood in for (graphify runs eagerly on
+    a CPU): every row has a number or a reason, and the graphified rows their counters."""
+    def capture(fn, x):
+        static_x = x.clone()
+        static_y = fn(static_x)
+
+        class Graph:
+            def replay(self):
+                static_y.copy_(fn(static_x))
+        return Graph(), static_x, static_y
+
+    row = overhead.bench_overhead(2, 1, decode_steps=2, decode_repeats=1, device="cpu",
+                                  capture=capture)
+    timed = [line.key for line in overhead.LINES if not line.key.startswith("hf_decode")]
+    assert all(row["us"][k] > 0 for k in timed)
+    assert set(row["counters"]) >= {"graphify", "graphify_nocopy", "region", "opaque_graphify",
+                                    "ineligible_graphify"}
+    assert "of type Scale" in next(iter(row["counters"]["opaque_graphify"]["eager_calls"]))
+    assert ("hf_decode_eager" in row["us"]) != ("hf_decode" in row["skipped"])
+    json.dumps(row)
+    text = overhead.format_overhead(row)
+    assert all(line.label in text for line in overhead.LINES)

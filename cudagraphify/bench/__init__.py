@@ -1,7 +1,7 @@
 """The benchmark: eager vs ``graphify`` vs what users would use instead, in one process and run.
 
     python -m cudagraphify.bench [--workloads A B C] [--columns ...] [--decode] [--quick]
-                                 [--train A] [--share 12 24 48] [--sync item]
+                                 [--train A] [--share 12 24 48] [--sync item] [--overhead]
                                  [--json out.json] [--chart out.png]
     python -m cudagraphify.bench.compose [--quick] [--json compose.json]
 
@@ -12,6 +12,7 @@ The sections, one module each:
   Thunder); on a CPU, the eager model only.
 - :mod:`.decode`: ``--decode``, greedy decode of an HF transformers Llama with a static cache.
 - :mod:`.sections`: ``--train``, ``--share``, ``--sync``.
+- :mod:`.overhead`: ``--overhead``, the call path's cost in µs per call against the targets.
 - :mod:`.compose`: FSDP2, DDP, torch.compile, checkpointing and Thunder with and without
   cudagraphify (its own command).
 - :mod:`.models`: the reference GPT the benchmark and the tests use; :mod:`._common`: timing.
@@ -29,6 +30,7 @@ import torch
 
 from .decode import DECODE_CPU_SIZES, bench_decode, format_decode
 from .models import WORKLOADS
+from .overhead import bench_overhead, format_overhead
 from .sections import (SHARE_HEADING, bench_share, bench_sync, bench_training, format_share,
                        format_sync, format_training)
 from .workloads import BENCH_WORKLOADS, COLUMNS, bench_cpu, bench_workload, format_workload
@@ -62,9 +64,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--share", nargs="*", type=int, default=[], metavar="L",
                    help="also compare share_graph with per-layer graphs on workload A at these "
                         "depths (e.g. 12 24 48)")
+    p.add_argument("--overhead", action="store_true",
+                   help="also time the call path's overhead in µs per call (a Linear(64, 64); "
+                        "hand-made graph, graphify, eager-decided calls, an HF Llama decode "
+                        "step) against the targets; alone (no --workloads), only this section")
     p.add_argument("--chart", metavar="PNG",
                    help="also draw µs per call of each workload and column (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.overhead and args.workloads is None:
+        args.workloads = []
     if args.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2 (the first token comes from the prefill)")
     return args
@@ -84,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
                              device="cpu", dtype=torch.float32, sizes=DECODE_CPU_SIZES)
             rows.append(r)
             print(format_decode(r), flush=True)
+        if args.overhead:
+            r = {"workload": "overhead",
+                 "not_run": "needs a CUDA GPU (it times graph replays against eager)"}
+            rows.append(r)
+            print(format_overhead(r), flush=True)
         _finish(rows, args, device="cpu")
         return 0
     names = ["A", "B", "C"] if args.workloads is None else args.workloads
@@ -102,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         r = bench_decode(args.decode_tokens, decode_repeats, args.decode_batch)
         rows.append(r)
         print(format_decode(r), flush=True)
+    if args.overhead:
+        r = bench_overhead(*((200, 5) if args.quick else (1000, 11)),
+                           decode_repeats=decode_repeats)
+        rows.append(r)
+        print(format_overhead(r), flush=True)
     for sync in args.sync:
         r = bench_sync("A", WORKLOADS["A"], sync, calls, repeats)
         rows.append(r)

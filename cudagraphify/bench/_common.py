@@ -9,7 +9,7 @@ import time
 
 import torch
 
-__all__ = ["time_per_call", "error_text", "free_memory", "progress"]
+__all__ = ["time_per_call", "hand_capture", "error_text", "free_memory", "progress"]
 
 
 def time_per_call(fn, x, calls: int, repeats: int, sync=None) -> float:
@@ -24,6 +24,22 @@ def time_per_call(fn, x, calls: int, repeats: int, sync=None) -> float:
         sync()
         samples.append((time.perf_counter() - t0) / calls * 1e6)
     return statistics.median(samples)
+
+
+def hand_capture(fn, x, warmups: int = 3):
+    """A hand-made ``torch.cuda.CUDAGraph`` of ``fn(static_x)``, as its docs show (warm-up on a
+    side stream, then capture): ``(graph, static_x, static_y)``."""
+    static_x = x.clone()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        static_y = fn(static_x)
+    return g, static_x, static_y
 
 
 def error_text(e: BaseException, limit: int = 300) -> str:

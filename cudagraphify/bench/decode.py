@@ -40,17 +40,25 @@ def static_cache(transformers, config, batch: int, max_len: int, device, dtype):
     raise error
 
 
+def cache_keyword(model) -> str:
+    """The name under which ``model.forward`` takes the KV cache (``cache`` since transformers
+    5.2x, ``past_key_values`` before) and its output returns it."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
+
+
 def decode_step(model):
     """``step(input_ids, cache_position, cache)``: one greedy token per sequence, (batch, 1).
     Every per-step value is a tensor, so one graph serves every step."""
     # transformers 4.x takes cache_position (where the static cache writes); 5.x keeps that
     # position in the cache (a tensor) and takes position_ids only.
     takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+    keyword = cache_keyword(model)
 
     def step(input_ids, cache_position, cache):
         extra = {"cache_position": cache_position} if takes_cache_position else {}
         out = model(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
-                    past_key_values=cache, use_cache=True, **extra)
+                    use_cache=True, **{keyword: cache}, **extra)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     return step

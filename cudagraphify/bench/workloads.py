@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from ._common import error_text, free_memory, progress, time_per_call
+from ._common import error_text, free_memory, hand_capture, progress, time_per_call
 from .models import GPT, WORKLOADS, GPTConfig
 
 __all__ = ["BENCH_WORKLOADS", "COLUMNS", "ALWAYS", "bench_workload", "add_ratios",
@@ -43,20 +43,9 @@ ALWAYS = (("eager", "eager"), ("manual_graph", "manual graph (floor)"))
 QUICK_COMPILE_WORKLOADS = ("A",)
 
 
-
-
 def _manual_graph(model, x):
     """The floor: one hand-made CUDAGraph of the whole model (copy in, replay, no copy out)."""
-    static_x = x.clone()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            model(static_x)
-    torch.cuda.current_stream().wait_stream(side)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        static_y = model(static_x)
+    g, static_x, static_y = hand_capture(model, x)
 
     def run(inp):
         static_x.copy_(inp)
@@ -65,10 +54,6 @@ def _manual_graph(model, x):
 
     run.graph = g  # keeps the graph alive with the callable
     return run
-
-
-
-
 
 
 def _measure(row: dict, label: str, model: torch.nn.Module, build: Callable, x, ref,
