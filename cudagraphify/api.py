@@ -226,17 +226,20 @@ def explain(target: Any, *example_args: Any, **example_kwargs: Any):
     return build(name, module, plan, stats_, decisions)
 
 
-def tag_op(fn: Callable, *tags) -> None:
-    """Tag ``fn`` (your function or custom op) for every graphed call that uses it.
+def tag_op(fn: Callable | str, *tags) -> None:
+    """Tag ``fn`` (a torch function, Tensor method or custom op, or the name of a non-op call
+    such as ``"torch.cuda.synchronize"``) for every graphed call that uses it.
 
     Tags are :class:`Tag` objects or their names (``"HOST_SYNC"``...); a call whose tags the
-    policy refuses runs eagerly while its safe neighbours stay graphed.
+    policy refuses runs eagerly while its safe neighbours stay graphed. Anything the probe would
+    never see (a plain Python function, an unknown name) raises a
+    :class:`CudagraphifyUsageError`.
     """
     default_policy.tag_op(fn, *tags)
 
 
-def mark_safe(fn: Callable) -> None:
-    """Declare ``fn`` safe to capture, whatever other tags it has."""
+def mark_safe(fn: Callable | str) -> None:
+    """Declare ``fn`` (as for :func:`tag_op`) safe to capture, whatever other tags it has."""
     default_policy.mark_safe(fn)
 
 
