@@ -303,7 +303,13 @@ class OpPolicy:
         return frozenset(found)
 
     def can_graph(self, func: Any, tags: frozenset) -> bool:
-        """True when a call with these tags may be captured. Override to change the decision."""
+        """True when a call of ``func`` with these tags may be captured. Override to change the
+        decision.
+
+        The probe asks about every call it records (torch functions, Tensor methods, custom
+        ops, and the non-op calls of :data:`NON_OP_CALLS` by name), tagged or not: most ops
+        come with no tags, and a subclass may refuse such an op by ``func`` alone. Default: no
+        unsafe tag, or ``SAFE``."""
         return "SAFE" in tags or not (tags & UNSAFE)
 
 

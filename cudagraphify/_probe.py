@@ -173,7 +173,7 @@ class Probe:
                         for a in args)
         tags = self.policy.tags(func, args, kwargs, accel=self.accel,
                                 thunder=self.thunder, thunder_key=key)
-        if tags and not self.policy.can_graph(func, tags):
+        if not self.policy.can_graph(func, tags):  # asked about every call, tagged or not
             self.findings.append(Finding(self.path, name, tuple(sorted(tags)), _user_frame()))
 
     def may_rehearse(self) -> bool:

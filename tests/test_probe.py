@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from cudagraphify.bench.models import GPT
-from cudagraphify._policy import OpPolicy
+from cudagraphify._policy import OpPolicy, op_name
 from cudagraphify._probe import Probe, control_flow_findings, differing_paths, plan_pieces
 
 ACC = frozenset({"cuda", "cpu"})
@@ -200,3 +200,34 @@ def test_probes_on_two_threads_interleaved_restore_torch():
     assert torch.manual_seed is original
     assert [f.op for f in a.findings] == ["torch.manual_seed"]
     assert [f.op for f in b.findings] == ["torch.manual_seed"]
+
+
+def test_the_policy_is_asked_about_every_call_so_it_can_refuse_an_untagged_op(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU torch
+
+    class NoTanh(OpPolicy):
+        def __init__(self):
+            super().__init__()
+            self.asked = []
+
+        def can_graph(self, func, tags):
+            self.asked.append((func, tags))
+            return func is not torch.Tensor.tanh and super().can_graph(func, tags)
+
+    class Squash(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            torch.cuda.is_current_stream_capturing()  # a non-op call, with no tags either
+            return self.lin(x).tanh()
+
+    model, policy = Squash(), NoTanh()
+    probe = run(model, torch.randn(2, 4), policy=policy)
+    asked = {op_name(f) for f, tags in policy.asked if not tags}
+    assert {"Tensor.tanh", "F.linear", "torch.cuda.is_current_stream_capturing"} <= asked
+    (f,) = probe.findings
+    assert (f.path, f.op, f.tags) == ("", "Tensor.tanh", ())
+    assert plan_pieces(model, set(probe.unsafe_paths()), set(probe.sequences)) == ["lin"]
+    assert run(model, torch.randn(2, 4)).findings == []  # the default policy graphs it whole
