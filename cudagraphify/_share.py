@@ -22,7 +22,7 @@ import contextlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -45,11 +45,31 @@ class Refused(Exception):
     """Sharing is not proven for this signature; the reason says why."""
 
 
-def _describe(t: torch.Tensor | None) -> Any:
+class _TensorLayout(NamedTuple):
+    """What must agree between two layers' parameters (or buffers) of one name."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    device: torch.device
+    requires_grad: bool
+    storage_offset: int
+    storage_bytes: int
+
+
+def _describe(t: torch.Tensor | None) -> _TensorLayout | None:
     if t is None:
         return None
-    return (tuple(t.shape), t.dtype, t.stride(), t.device, t.requires_grad, t.storage_offset(),
-            t.untyped_storage().nbytes())
+    return _TensorLayout(tuple(t.shape), t.dtype, t.stride(), t.device, t.requires_grad,
+                         t.storage_offset(), t.untyped_storage().nbytes())
+
+
+def _layout_difference(x: _TensorLayout | None, y: _TensorLayout | None) -> str:
+    """The fields in which two layouts differ, named: ``dtype torch.float32 vs torch.float16``."""
+    if x is None or y is None:
+        return f"{'None' if x is None else 'a tensor'} vs {'None' if y is None else 'a tensor'}"
+    return ", ".join(f"{name.replace('_', ' ')} {a} vs {b}"
+                     for name, a, b in zip(x._fields, x, y) if a != b)
 
 
 def _plain(v: Any) -> bool:
@@ -87,7 +107,7 @@ def first_difference(a: torch.nn.Module, b: torch.nn.Module,
             for n in da:
                 x, y = _describe(da[n]), _describe(db[n])
                 if x != y:
-                    return f"{where}.{n}: {x} vs {y}"
+                    return f"{name + '.' if name else ''}{n}: {_layout_difference(x, y)}"
         for attr, va in sa.__dict__.items():
             if attr in _SKIP_ATTRS or attr in ignore or f"{name}.{attr}" in ignore:
                 continue

@@ -64,6 +64,25 @@ def test_identical_layers_pass_and_each_difference_is_named():
     assert "lin.weight" in first_difference(a, b)
 
 
+def test_a_parameter_difference_names_the_fields_that_differ():
+    a = Layer()
+    b = Layer()
+    b.lin.weight = nn.Parameter(b.lin.weight.detach().half())
+    assert first_difference(a, b) == ("lin.weight: dtype torch.float32 vs torch.float16, "
+                                      "storage bytes 64 vs 32")
+    b = Layer()
+    b.lin.weight.requires_grad_(False)
+    assert first_difference(a, b) == "lin.weight: requires grad True vs False"
+    b = Layer()
+    b.lin.weight = nn.Parameter(b.lin.weight.detach().t().contiguous().t())
+    assert first_difference(a, b) == "lin.weight: stride (4, 1) vs (1, 4)"
+    b = Layer(d=5)
+    assert first_difference(a, b).startswith("lin.weight: shape (4, 4) vs (5, 5), stride")
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2, bias=False)
+    b.register_parameter("bias", None)
+    assert first_difference(a, b) == "bias: a tensor vs None"  # a parameter of the root
+
+
 def test_share_graph_refuses_bad_input_with_the_first_difference():
     layers = _stack()
     with pytest.raises(cg.CudagraphifyError, match=r"layer 1 differs from layer 0: layer_idx: 0 vs 1"):
