@@ -8,6 +8,7 @@ run on the example inputs (on a CPU too), restoring the module's buffers and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -33,7 +34,7 @@ class Explanation:
     def to_dict(self) -> dict:
         return {"name": self.name, "modules": self.nodes,
                 "signatures": [{"key": repr(k), "decision": d} for k, d in self.decisions],
-                "stats": dict(self.stats.__dict__)}
+                "stats": dataclasses.asdict(self.stats)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, default=str)
@@ -127,7 +128,7 @@ def _live(module: torch.nn.Module) -> dict | None:
     state = state_of_module(module)
     if state is None:
         return None
-    return dict(state.stats().__dict__)
+    return dataclasses.asdict(state.stats())
 
 
 def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
@@ -161,8 +162,8 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         if share is not None:
             group, k = share
             s = group.stats()
-            node["share"] = {"layer": k, "layers": s["layers"], "captures": s["captures"],
-                             "retargets": s["retargets"], "per_layer": s["per_layer"],
-                             "reasons": s["reasons"]}
+            node["share"] = {"layer": k, "layers": s.layers, "captures": s.captures,
+                             "retargets": s.retargets, "per_layer": s.per_layer,
+                             "reasons": s.reasons}
         nodes.append(node)
     return Explanation(name, nodes, stats, decisions)

@@ -111,7 +111,16 @@ def _cache_options(cache_policy, key_fn, max_graphs) -> dict:
 
 @dataclass
 class Stats:
-    """Counters of one graphed callable (or one region). A snapshot: it does not update."""
+    """Counters of a graphified callable, a region or a share_graph group. A snapshot: it does
+    not update. Fields a kind does not have stay at their empty defaults.
+
+    A :class:`~cudagraphify.ShareGroup`'s: ``captures`` and ``capture_seconds`` are the group's
+    own (template captures and the captures diffed against them), ``retargets`` the layer graphs
+    made from templates, ``per_layer`` those captured per layer (sharing refused, the reasons in
+    ``reasons``), ``rebased_slots`` / ``unproven_slots`` per signature, ``template_pool_bytes``,
+    ``build_seconds`` (building layers' graphs from templates), ``pieces`` (a piecewise plan's
+    groups, by path); the calls (replays, eager calls, graphs, pool bytes) are its layers' summed.
+    """
 
     captures: int = 0
     replays: int = 0
@@ -125,17 +134,33 @@ class Stats:
     input_copies: int = 0
     moved_outputs: int = 0  # region outputs still held at the next replay, moved to a copy
     retargets: int = 0  # graphs made from a share_graph template (no capture of their own)
+    # share_graph groups
+    layers: int = 0
+    per_layer: int = 0  # layer graphs captured on their own (sharing refused)
+    reasons: dict[str, int] = field(default_factory=dict)  # why sharing was refused
+    rebased_slots: dict[str, int] = field(default_factory=dict)  # per signature
+    unproven_slots: dict[str, int] = field(default_factory=dict)  # per signature
+    template_pool_bytes: int = 0
+    build_seconds: float = 0.0
+    pieces: dict[str, "Stats"] = field(default_factory=dict)  # path -> the piece group's
 
     @property
     def eager(self) -> int:
         return sum(self.eager_calls.values())
 
     def __add__(self, other: "Stats") -> "Stats":
-        """Counters of two callables together (a piecewise root and its graphed pieces)."""
+        """Counters of two callables together (a piecewise root and its graphed pieces): numbers
+        add up, and so do the values of dicts under the same key."""
         if not isinstance(other, Stats):
             return NotImplemented
-        eager = dict(self.eager_calls)
-        for reason, n in other.eager_calls.items():
-            eager[reason] = eager.get(reason, 0) + n
-        return Stats(**{f: (eager if f == "eager_calls" else getattr(self, f) + getattr(other, f))
+        return Stats(**{f: _plus(getattr(self, f), getattr(other, f))
                         for f in self.__dataclass_fields__})
+
+
+def _plus(a: Any, b: Any) -> Any:
+    if isinstance(a, dict):
+        out = dict(a)
+        for k, v in b.items():
+            out[k] = out[k] + v if k in out else v
+        return out
+    return a + b

@@ -19,6 +19,7 @@ layer captures its own graph in the group's one memory pool, and the reason is r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._errors import CudagraphifyError, CudagraphifyUsageError
+from ._options import Stats
 from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
 
 __all__ = ["ShareGroup", "first_difference", "plan_rebase", "Refused", "Storages"]
@@ -500,21 +502,25 @@ class ShareGroup:
 
     # -- reporting and release ---------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> Stats:
+        """The group's counters (see :class:`~cudagraphify.Stats`): its own captures and
+        sharing decisions, and its layers' calls summed."""
         with self._lock:
             return self._stats()
 
-    def _stats(self) -> dict:
-        return {"layers": len(self.layers), "captures": self.captures,
-                "retargets": self.retargets, "per_layer": self.per_layer,
-                "rebased_slots": {str(k): t.plan.count for k, t in self._templates.items()
-                                  if t.plan is not None},
-                "unproven_slots": {str(k): t.plan.unproven for k, t in self._templates.items()
-                                   if t.plan is not None and t.plan.unproven},
-                "template_pool_bytes": sum(t.raw.pool_bytes for t in self._templates.values()),
-                "capture_seconds": self.capture_seconds, "build_seconds": self.build_seconds,
-                "reasons": dict(self.reasons),
-                "pieces": {path: g.stats() for path, g in self.pieces.items()}}
+    def _stats(self) -> Stats:
+        calls = sum((state.stats() for state in map(state_of_module, self.layers)
+                     if state is not None), Stats())
+        plans = {str(k): t.plan for k, t in self._templates.items() if t.plan is not None}
+        return dataclasses.replace(
+            calls, captures=self.captures, retargets=self.retargets,
+            capture_seconds=self.capture_seconds, layers=len(self.layers),
+            per_layer=self.per_layer, reasons=dict(self.reasons),
+            rebased_slots={k: plan.count for k, plan in plans.items()},
+            unproven_slots={k: plan.unproven for k, plan in plans.items() if plan.unproven},
+            template_pool_bytes=sum(t.raw.pool_bytes for t in self._templates.values()),
+            build_seconds=self.build_seconds,
+            pieces={path: g.stats() for path, g in self.pieces.items()})
 
     def release(self) -> None:
         """Release every layer's graphs and the templates (the layers stay graphified)."""

@@ -17,6 +17,7 @@ from ._wrap import (SHARE, GraphedForward, graphed_forward, graphed_forward_of, 
 from ._errors import CudagraphifyUsageError
 from ._policy import OpPolicy, default_policy
 from ._region import GraphRegion
+from ._share import ShareGroup, check_layers
 from ._signature import Signature
 
 __all__ = ["graphify", "ungraphify", "stats", "explain", "share_graph", "tag_op", "mark_safe"]
@@ -172,13 +173,14 @@ def _state_of(target: Any) -> GraphedState | None:
 
 
 def stats(target: Any) -> Stats:
-    """Counters of a graphified module, function, or a :class:`graph_region`.
+    """Counters of a graphified module, function, a :class:`graph_region` or a
+    :class:`ShareGroup` (the same as ``group.stats()``).
 
     captures, replays, eager calls by reason, capture seconds, graph pool bytes (reserved by the
     live graphs' pools), live graphs, evictions, invalidations (parameters moved). A module run
     piecewise counts its graphed submodules' calls too (its own eager calls say "piecewise").
     """
-    if isinstance(target, GraphRegion):
+    if isinstance(target, (GraphRegion, ShareGroup)):
         return target.stats()
     state = _state_of(target)
     return _with_pieces(state) if state is not None else Stats()
@@ -256,7 +258,7 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
     that graph whose weight addresses are its own, checked once against its eager output. No
     weights are copied per call, and graph memory does not grow with the number of layers.
 
-    Where sharing cannot be proven (see ``group.stats()["reasons"]``: random ops, training,
+    Where sharing cannot be proven (see ``group.stats().reasons``: random ops, training,
     calls inside a ``graph_region``, a kernel argument that is not a rebased address), each layer
     captures its own graph in one memory pool shared by the group.
 
@@ -274,8 +276,6 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
 
     Returns the :class:`ShareGroup` (``stats()``, ``release()``, ``unshare()``).
     """
-    from ._share import ShareGroup, check_layers
-
     if isinstance(ignore_attrs, str):
         ignore_attrs = (ignore_attrs,)
     options = Options.build("share_graph", **options)

@@ -122,9 +122,9 @@ def bench_share(name: str, cfg: GPTConfig, depths: list[int], calls: int, repeat
                 pool = sum(st.graph_pool_bytes for st in stats)
                 if label == "share_graph":
                     gs = group.stats()
-                    pool += gs["template_pool_bytes"]
-                    row["share_graph_stats"] = gs
-                    row["share_graph_capture_s"] = gs["capture_seconds"] + gs["build_seconds"]
+                    pool += gs.template_pool_bytes
+                    row["share_graph_stats"] = dataclasses.asdict(gs)
+                    row["share_graph_capture_s"] = gs.capture_seconds + gs.build_seconds
                 row[f"{label}_pool_mb"] = pool / 2**20
                 del model
         row["share_vs_per_layer_us"] = row["share_graph_us"] / row["per_layer_us"]

@@ -153,10 +153,9 @@ def _builders(x) -> dict[str, tuple[Callable, int, str | None]]:
 
         def finish(row):
             gs = group.stats()
-            row["share_graph_captures"], row["share_graph_retargets"] = (gs["captures"],
-                                                                         gs["retargets"])
-            row["share_graph_per_layer"] = gs["per_layer"]
-            row["share_graph_reasons"] = gs["reasons"]
+            row["share_graph_captures"], row["share_graph_retargets"] = gs.captures, gs.retargets
+            row["share_graph_per_layer"] = gs.per_layer
+            row["share_graph_reasons"] = gs.reasons
             group.unshare()
         return m, finish
 
