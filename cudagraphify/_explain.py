@@ -60,7 +60,7 @@ class Explanation:
                              f"from {share['captures']} captures, {share['per_layer']} per "
                              f"layer{': ' + why if why else ''}")
             for reason in node.get("reasons", []):
-                lines.append(f"{'  ' * depth}  - {reason}")
+                lines.append(f"{'  ' * depth}  - {reason['text']}")
         s = self.stats
         if s.captures or s.replays or s.eager:
             lines.append(f"calls: {s.captures} captures, {s.replays} replays, {s.eager} eager")
@@ -139,18 +139,29 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         return Explanation(name, nodes, stats, decisions)
     findings, pieces, ran = plan if plan is not None else ({}, None, None)
     graphed = set(pieces or ())
+    # called, but every call ran eagerly before anything was planned (no CUDA, disabled...)
+    unplanned = plan is None and stats.eager > 0
     for path, sub in module.named_modules():
         node: dict[str, Any] = {"path": path, "type": type(sub).__name__}
         inside = next((g for g in graphed if g and path.startswith(g + ".")), None)
-        if inside is not None or ("" in graphed and path):
-            continue  # part of an ancestor's graph: not listed
-        if plan is None:
+        if inside is not None or ("" in graphed and path) or (unplanned and path):
+            continue  # part of an ancestor's graph, or of its eager run: not listed
+        if unplanned:
+            node["status"] = "eager, nothing planned"
+            node["reasons"] = [{"text": f"ran eagerly: {reason} ({n} call{'s' * (n != 1)})",
+                                "reason": reason, "calls": n}
+                               for reason, n in stats.eager_calls.items()]
+        elif plan is None:
             node["status"] = "no plan yet (call it, or explain it with example inputs)"
         elif path in graphed or (path == "" and "" in graphed):
             node["status"] = "graphed"
-        elif path in findings or any(f.startswith(path + ".") or path == "" for f in findings):
+        elif path in findings or any(_below(path, f) for f in findings):
             node["status"] = "eager"
-            node["reasons"] = [str(f) for f in findings.get(path, [])]
+            node["reasons"] = [f.to_dict() for f in findings.get(path, [])]
+            below = sorted(f for f in findings if _below(path, f))
+            if below:
+                node["reasons"].append({"text": "unsafe ops in its submodule(s) "
+                                                + ", ".join(below), "submodules": below})
         elif ran is not None and not any(r == path or r.startswith(path + ".") for r in ran):
             node["status"] = "not run"
         else:
@@ -167,3 +178,8 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
                              "reasons": s.reasons}
         nodes.append(node)
     return Explanation(name, nodes, stats, decisions)
+
+
+def _below(path: str, other: str) -> bool:
+    """True when ``other`` is a module path strictly inside ``path``."""
+    return other != path and (path == "" or other.startswith(path + "."))
