@@ -311,3 +311,36 @@ def test_overhead_section_runs_every_row_on_a_cpu_with_a_stand_in_capture():
     json.dumps(row)
     text = overhead.format_overhead(row)
     assert all(line.label in text for line in overhead.LINES)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
+def test_cpu_mode_says_which_sections_need_a_gpu(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert bench.main(["--workloads", "--train", "A", "--share", "12", "24", "--sync", "item",
+                       "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for workload in ("A-train", "A-share-L12", "A-share-L24", "A-item"):
+        assert any(ln.startswith(f"{workload}: not run: needs a CUDA GPU (") for ln in lines), (
+            workload, lines)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["A-train", "A-share-L12", "A-share-L24", "A-item"]
+    assert all(r["not_run"].startswith("needs a CUDA GPU") for r in rows)
+
+
+def test_chart_without_matplotlib_is_an_error_before_anything_runs(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--workloads", "T", "--chart", "out.png"])
+    assert e.value.code != 0
+    assert "--chart needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
+def test_a_chart_that_is_not_written_exits_non_zero(tmp_path, capsys):
+    assert bench.main(["--overhead", "--chart", str(tmp_path / "c.png")]) == 1
+    assert "cudagraphify.bench: no chart: no timed rows" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()

@@ -23,7 +23,9 @@ Progress goes to stderr, rows to stdout; ``--json`` and ``--chart`` write them d
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
+import sys
 import warnings
 
 import torch
@@ -71,6 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chart", metavar="PNG",
                    help="also draw µs per call of each workload and column (needs matplotlib)")
     args = p.parse_args(argv)
+    if args.chart and importlib.util.find_spec("matplotlib") is None:
+        p.error("--chart needs matplotlib: pip install matplotlib (or leave --chart out)")
     if args.overhead and args.workloads is None:
         args.workloads = []
     if args.decode_tokens < 2:
@@ -83,22 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     calls, repeats = (20, 5) if args.quick else (100, 11)
     decode_repeats = 3 if args.quick else 7
     if not torch.cuda.is_available():
-        print("cudagraphify.bench: no CUDA GPU here: graphs need one, so only the eager model is "
-              "timed, on the CPU (graphify would run it eagerly too).")
-        names = ["T", "A", "B"] if args.workloads is None else args.workloads
-        rows = [bench_cpu(name, BENCH_WORKLOADS[name], calls, repeats) for name in names]
-        if args.decode:
-            r = bench_decode(args.decode_tokens, decode_repeats, args.decode_batch,
-                             device="cpu", dtype=torch.float32, sizes=DECODE_CPU_SIZES)
-            rows.append(r)
-            print(format_decode(r), flush=True)
-        if args.overhead:
-            r = {"workload": "overhead",
-                 "not_run": "needs a CUDA GPU (it times graph replays against eager)"}
-            rows.append(r)
-            print(format_overhead(r), flush=True)
-        _finish(rows, args, device="cpu")
-        return 0
+        rows = _on_cpu(args, calls, repeats, decode_repeats)
+        return _finish(rows, args, device="cpu")
     names = ["A", "B", "C"] if args.workloads is None else args.workloads
     columns = list(COLUMNS) if args.columns is None else args.columns
     warnings.simplefilter("ignore")
@@ -133,16 +123,52 @@ def main(argv: list[str] | None = None) -> int:
     for r in bench_share("A", WORKLOADS["A"], args.share, calls, repeats) if args.share else []:
         rows.append(r)
         print(format_share(r), flush=True)
-    _finish(rows, args, device=torch.cuda.get_device_name())
-    return 0
+    return _finish(rows, args, device=torch.cuda.get_device_name())
 
 
-def _finish(rows: list, args, device: str) -> None:
+# What each GPU-only section would have measured, for its line on a CPU.
+_GPU_ONLY = {
+    "overhead": "it times graph replays against eager",
+    "train": "a training step through forward and backward graphs",
+    "share": "share_graph builds each layer's graph from a captured template",
+    "sync": "graphify's piecewise plan around a host sync, against eager",
+}
+
+
+def _on_cpu(args, calls: int, repeats: int, decode_repeats: int) -> list[dict]:
+    """The rows a machine without a GPU can give: eager on the CPU, and a line for each
+    section that needs a GPU."""
+    print("cudagraphify.bench: no CUDA GPU here: graphs need one, so only the eager model is "
+          "timed, on the CPU (graphify would run it eagerly too).")
+    names = ["T", "A", "B"] if args.workloads is None else args.workloads
+    rows = [bench_cpu(name, BENCH_WORKLOADS[name], calls, repeats) for name in names]
+    if args.decode:
+        rows.append(bench_decode(args.decode_tokens, decode_repeats, args.decode_batch,
+                                 device="cpu", dtype=torch.float32, sizes=DECODE_CPU_SIZES))
+        print(format_decode(rows[-1]), flush=True)
+    skipped = ([("overhead", "overhead")] * args.overhead
+               + [(f"{name}-train", "train") for name in args.train]
+               + [(f"A-share-L{depth}", "share") for depth in args.share]
+               + [(f"A-{sync}", "sync") for sync in args.sync])
+    for workload, section in skipped:
+        rows.append({"workload": workload,
+                     "not_run": f"needs a CUDA GPU ({_GPU_ONLY[section]})"})
+        print(f"{workload}: not run: {rows[-1]['not_run']}", flush=True)
+    return rows
+
+
+def _finish(rows: list, args, device: str) -> int:
+    """Write the rows down (``--json``, ``--chart``); the exit status (1: no chart written)."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"torch": torch.__version__, "device": device, "rows": rows}, f, indent=1)
     if args.chart:
-        print(draw_chart(rows, args.chart))
+        done = draw_chart(rows, args.chart)
+        if not done.startswith("chart written"):
+            print(f"cudagraphify.bench: {done}", file=sys.stderr)
+            return 1
+        print(done)
+    return 0
 
 
 def draw_chart(rows: list, path: str) -> str:

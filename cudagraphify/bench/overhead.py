@@ -224,8 +224,6 @@ def compare(us: dict) -> list[dict]:
 
 def format_overhead(row: dict) -> str:
     """The section as a table: µs, reference, difference, ratio, target and whether it is met."""
-    if "not_run" in row:
-        return f"overhead: not run: {row['not_run']}"
     labels = {line.key: line.label for line in LINES}
     lines = [f"overhead: µs per call, median of {row['repeats']} loops of {row['calls']} calls "
              "(Linear(64, 64), (4, 64) input, no_grad; HF decode: µs per step)",
