@@ -21,7 +21,6 @@ class Attention(nn.Module):
         self.proj = nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
         q, k, v = (z.unflatten(-1, (self.heads, -1)).transpose(1, 2)
                    for z in self.qkv(x).chunk(3, dim=-1))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)

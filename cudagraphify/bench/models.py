@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "Attention", "MLP", "Block", "SyncBlock", "GPT", "WORKLOADS"]
+__all__ = ["GPTConfig", "Attention", "MLP", "Block", "SyncBlock", "GPT", "WORKLOADS",
+           "model_and_input"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x)
+
+
+def model_and_input(cfg: GPTConfig, device: str | torch.device = "cpu",
+                    sync: str | None = None) -> tuple[GPT, torch.Tensor]:
+    """A workload's GPT (built right after ``torch.manual_seed(0)``) and an input of its shape."""
+    torch.manual_seed(0)
+    model = GPT.from_config(cfg, device, sync)
+    return model, torch.randn(cfg.batch, cfg.seq, cfg.dim, device=device, dtype=cfg.dtype)

@@ -10,7 +10,7 @@ import time
 import torch
 
 from ._common import progress, time_per_call
-from .models import GPT, GPTConfig
+from .models import GPT, GPTConfig, model_and_input
 
 __all__ = ["bench_training", "bench_share", "bench_sync", "format_training", "format_share",
            "format_sync"]
@@ -35,9 +35,8 @@ def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
     """
     import cudagraphify as cg
 
-    torch.manual_seed(0)
-    base = GPT.from_config(cfg, "cuda").train()
-    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, device="cuda", dtype=cfg.dtype)
+    base, x = model_and_input(cfg, "cuda")
+    base.train()
     row: dict = {"workload": f"{name}-train", "config": repr(cfg)}
 
     def step(fn, module, mode):
@@ -94,9 +93,7 @@ def bench_share(name: str, cfg: GPTConfig, depths: list[int], calls: int, repeat
     rows = []
     for depth in depths:
         c = dataclasses.replace(cfg, layers=depth)
-        torch.manual_seed(0)
-        ref = GPT.from_config(c, "cuda")
-        x = torch.randn(c.batch, c.seq, c.dim, device="cuda", dtype=c.dtype)
+        ref, x = model_and_input(c, "cuda")
         row: dict = {"workload": f"{name}-share-L{depth}", "config": repr(c)}
         with torch.no_grad():
             want = ref(x)
@@ -137,9 +134,7 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
     same GPT without the sync."""
     import cudagraphify as cg
 
-    torch.manual_seed(0)
-    model = GPT.from_config(cfg, "cuda", sync=sync)
-    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, device="cuda", dtype=cfg.dtype)
+    model, x = model_and_input(cfg, "cuda", sync)
     row: dict = {"workload": f"{name}-{sync}", "config": repr(cfg)}
     with torch.no_grad():
         ref = model(x)

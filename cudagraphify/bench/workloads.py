@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ._common import error_text, free_memory, hand_capture, progress, time_per_call
-from .models import GPT, WORKLOADS, GPTConfig
+from .models import WORKLOADS, GPTConfig, model_and_input
 
 __all__ = ["BENCH_WORKLOADS", "COLUMNS", "ALWAYS", "bench_workload", "add_ratios",
            "format_workload", "bench_cpu"]
@@ -207,9 +207,7 @@ def bench_workload(name: str, cfg: GPTConfig, calls: int, repeats: int,
     """One GPT workload (inference, ``torch.no_grad()``) through each column (``COLUMNS``
     names; default: all). Row keys: ``{prefix}_us``, ``_vs_eager``, ``_vs_manual``,
     ``_first_call_s``, ``_peak_mb``, ``_max_abs_err``, or ``_error`` / ``_skipped``."""
-    torch.manual_seed(0)
-    model = GPT.from_config(cfg, device)
-    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, device=device, dtype=cfg.dtype)
+    model, x = model_and_input(cfg, device)
     row: dict = {"workload": name, "config": repr(cfg)}
     columns = list(COLUMNS) if columns is None else columns
     builders = _builders(x)
@@ -290,9 +288,7 @@ def format_workload(row: dict, columns: list[str] | None = None) -> str:
 
 def bench_cpu(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
     """Eager µs per call of a workload on the CPU (what a machine without a GPU can tell)."""
-    torch.manual_seed(0)
-    model = GPT.from_config(cfg, "cpu")
-    x = torch.randn(cfg.batch, cfg.seq, cfg.dim, dtype=cfg.dtype)
+    model, x = model_and_input(cfg, "cpu")
     progress(f"{name}: timing the eager model on the CPU")
     with torch.no_grad():
         eager = time_per_call(model, x, calls, repeats, sync=lambda: None)
