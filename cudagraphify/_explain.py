@@ -8,6 +8,7 @@ run on the example inputs (on a CPU too), restoring the module's buffers and the
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any
 
@@ -33,7 +34,7 @@ class Explanation:
     def to_dict(self) -> dict:
         return {"name": self.name, "modules": self.nodes,
                 "signatures": [{"key": repr(k), "decision": d} for k, d in self.decisions],
-                "stats": dict(self.stats.__dict__)}
+                "stats": dataclasses.asdict(self.stats)}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, default=str)
@@ -59,7 +60,7 @@ class Explanation:
                              f"from {share['captures']} captures, {share['per_layer']} per "
                              f"layer{': ' + why if why else ''}")
             for reason in node.get("reasons", []):
-                lines.append(f"{'  ' * depth}  - {reason}")
+                lines.append(f"{'  ' * depth}  - {reason['text']}")
         s = self.stats
         if s.captures or s.replays or s.eager:
             lines.append(f"calls: {s.captures} captures, {s.replays} replays, {s.eager} eager")
@@ -127,7 +128,7 @@ def _live(module: torch.nn.Module) -> dict | None:
     state = state_of_module(module)
     if state is None:
         return None
-    return dict(state.stats().__dict__)
+    return dataclasses.asdict(state.stats())
 
 
 def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
@@ -138,18 +139,29 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         return Explanation(name, nodes, stats, decisions)
     findings, pieces, ran = plan if plan is not None else ({}, None, None)
     graphed = set(pieces or ())
+    # called, but every call ran eagerly before anything was planned (no CUDA, disabled...)
+    unplanned = plan is None and stats.eager > 0
     for path, sub in module.named_modules():
         node: dict[str, Any] = {"path": path, "type": type(sub).__name__}
         inside = next((g for g in graphed if g and path.startswith(g + ".")), None)
-        if inside is not None or ("" in graphed and path):
-            continue  # part of an ancestor's graph: not listed
-        if plan is None:
+        if inside is not None or ("" in graphed and path) or (unplanned and path):
+            continue  # part of an ancestor's graph, or of its eager run: not listed
+        if unplanned:
+            node["status"] = "eager, nothing planned"
+            node["reasons"] = [{"text": f"ran eagerly: {reason} ({n} call{'s' * (n != 1)})",
+                                "reason": reason, "calls": n}
+                               for reason, n in stats.eager_calls.items()]
+        elif plan is None:
             node["status"] = "no plan yet (call it, or explain it with example inputs)"
         elif path in graphed or (path == "" and "" in graphed):
             node["status"] = "graphed"
-        elif path in findings or any(f.startswith(path + ".") or path == "" for f in findings):
+        elif path in findings or any(_below(path, f) for f in findings):
             node["status"] = "eager"
-            node["reasons"] = [str(f) for f in findings.get(path, [])]
+            node["reasons"] = [f.to_dict() for f in findings.get(path, [])]
+            below = sorted(f for f in findings if _below(path, f))
+            if below:
+                node["reasons"].append({"text": "unsafe ops in its submodule(s) "
+                                                + ", ".join(below), "submodules": below})
         elif ran is not None and not any(r == path or r.startswith(path + ".") for r in ran):
             node["status"] = "not run"
         else:
@@ -161,8 +173,13 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         if share is not None:
             group, k = share
             s = group.stats()
-            node["share"] = {"layer": k, "layers": s["layers"], "captures": s["captures"],
-                             "retargets": s["retargets"], "per_layer": s["per_layer"],
-                             "reasons": s["reasons"]}
+            node["share"] = {"layer": k, "layers": s.layers, "captures": s.captures,
+                             "retargets": s.retargets, "per_layer": s.per_layer,
+                             "reasons": s.reasons}
         nodes.append(node)
     return Explanation(name, nodes, stats, decisions)
+
+
+def _below(path: str, other: str) -> bool:
+    """True when ``other`` is a module path strictly inside ``path``."""
+    return other != path and (path == "" or other.startswith(path + "."))

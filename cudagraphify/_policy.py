@@ -24,6 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ._errors import CudagraphifyUsageError
 from ._tags import UNSAFE, tag_name, thunder_tags
 
 __all__ = ["OpPolicy", "default_policy", "op_name", "NON_OP_CALLS"]
@@ -213,12 +214,37 @@ def _visible(fn: Any) -> bool:
         getattr(fn, "__self__", None) is torch._C._VariableFunctions
 
 
+def _check_target(caller: str, fn: Any) -> None:
+    """Refuse what the probe would never match: anything but a torch function, Tensor method,
+    custom op, or the name of a non-op call it wraps."""
+    if isinstance(fn, str):
+        if fn not in NON_OP_CALLS:
+            raise CudagraphifyUsageError(
+                f"{caller}: {fn!r} is not the name of a call the probe wraps; names stand only "
+                f"for these non-op calls: {', '.join(NON_OP_CALLS)}. For a torch function, "
+                "Tensor method or custom op, pass the object itself (torch.nonzero, "
+                "torch.Tensor.item, torch.ops.mylib.my_op)")
+        return
+    if not callable(fn):
+        raise CudagraphifyUsageError(
+            f"{caller}: {fn!r} ({type(fn).__name__}) is not a function, op or name: pass a "
+            "torch function, Tensor method or custom op (torch.library), or the name of a "
+            "non-op call such as 'torch.cuda.synchronize'")
+    if not _visible(fn):
+        raise CudagraphifyUsageError(
+            f"{caller}: {getattr(fn, '__qualname__', fn)!r} is a plain Python function: the "
+            "probe sees torch functions, Tensor methods and custom ops (torch.library), not the "
+            "Python functions that call them. Tag the torch op it calls, or register it as a "
+            "custom op, or name a non-op call (e.g. 'torch.cuda.synchronize')")
+
+
 class OpPolicy:
     """Tags calls and decides whether they can be captured. Subclass to change the decision.
 
-    ``tag_op(fn, *tags)`` tags a torch function, Tensor method or custom op wherever it is
-    called;
-    ``mark_safe(fn)`` overrides every other tag of ``fn``. Tags are ``Tag`` objects or names.
+    ``tag_op(fn, *tags)`` tags a torch function, Tensor method or custom op (or a non-op call
+    of :data:`NON_OP_CALLS`, by name) wherever it is called; ``mark_safe(fn)`` overrides every
+    other tag of ``fn``. Tags are ``Tag`` objects or names. Both refuse what the probe never
+    sees (a plain Python function, another name) with a ``CudagraphifyUsageError``.
     """
 
     # Packages whose code asks ``torch.cuda.is_current_stream_capturing()`` only to skip work
@@ -239,17 +265,19 @@ class OpPolicy:
         return module_name.startswith(self.TRUSTED_CAPTURED_PATHS)
 
     def tag_op(self, fn: Callable, *tags) -> None:
+        _check_target("tag_op", fn)
         if not tags:
-            raise ValueError("tag_op needs at least one tag")
-        if not _visible(fn):
-            raise ValueError(
-                f"{getattr(fn, '__qualname__', fn)!r} is a plain Python function: the probe sees "
-                "torch functions, Tensor methods and custom ops (torch.library), not the Python "
-                "functions that call them. Tag the torch op it calls, or register it as a custom "
-                "op, or name a non-op call (e.g. 'torch.cuda.synchronize')")
-        self._overrides[fn] = self._overrides.get(fn, frozenset()) | {tag_name(t) for t in tags}
+            raise CudagraphifyUsageError(
+                "tag_op needs at least one tag, as tag_op(fn, 'HOST_SYNC') or "
+                "tag_op(fn, Tag.HOST_SYNC); to declare fn safe, call mark_safe(fn)")
+        try:
+            names = {tag_name(t) for t in tags}
+        except ValueError as e:
+            raise CudagraphifyUsageError(f"tag_op: {e}") from None
+        self._overrides[fn] = self._overrides.get(fn, frozenset()) | names
 
     def mark_safe(self, fn: Callable) -> None:
+        _check_target("mark_safe", fn)
         self._overrides[fn] = frozenset({"SAFE"})
 
     def overrides(self, fn: Any) -> frozenset[str] | None:
@@ -275,7 +303,13 @@ class OpPolicy:
         return frozenset(found)
 
     def can_graph(self, func: Any, tags: frozenset) -> bool:
-        """True when a call with these tags may be captured. Override to change the decision."""
+        """True when a call of ``func`` with these tags may be captured. Override to change the
+        decision.
+
+        The probe asks about every call it records (torch functions, Tensor methods, custom
+        ops, and the non-op calls of :data:`NON_OP_CALLS` by name), tagged or not: most ops
+        come with no tags, and a subclass may refuse such an op by ``func`` alone. Default: no
+        unsafe tag, or ``SAFE``."""
         return "SAFE" in tags or not (tags & UNSAFE)
 
 

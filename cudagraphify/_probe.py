@@ -11,6 +11,7 @@ picks the largest submodules with no finding: they are graphed, the rest runs ea
 from __future__ import annotations
 
 import collections
+import functools
 import importlib
 import os
 import sys
@@ -28,35 +29,78 @@ from ._signature import storage_of
 __all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
-# cudagraphify's own machinery; its reference models (_models.py) count as user code
-_OWN_MODELS = os.path.join(_HERE, "_models.py")
+# cudagraphify's own machinery; its reference models (bench/models.py) count as user code
+_OWN_MODELS = os.path.join(_HERE, "bench", "models.py")
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 @dataclass(frozen=True)
 class Finding:
-    """A call the policy refused: where it ran and why."""
+    """A call the policy refused (or another reason a module is unsafe): where and why."""
 
     path: str  # module path inside the probed root ("" for the root itself)
     op: str
     tags: tuple[str, ...]
-    where: str  # file:line of the user's code that made the call
+    where: str  # file:line of the user's code that made the call, or what happened instead
+    file: str | None = None  # that file, relative to its project or site-packages
+    line: int | None = None
+
+    @classmethod
+    def at_caller(cls, path: str, op: str, tags: tuple[str, ...]) -> "Finding":
+        """A finding located at the user's code that made the call being recorded."""
+        frame = _user_frame()
+        if frame is None:
+            return cls(path, op, tags, "?")
+        return cls(path, op, tags, f"{frame[0]}:{frame[1]}", *frame)
 
     def __str__(self) -> str:
         tags = f" [{', '.join(self.tags)}]" if self.tags else ""
         return f"{self.op}{tags} at {self.where}"
 
+    def to_dict(self) -> dict:
+        """op, tags, file and line as fields (``detail`` where it has no file: control flow,
+        a failed capture); ``text`` is ``str()``."""
+        out = {"text": str(self), "op": self.op, "tags": list(self.tags), "file": self.file,
+               "line": self.line}
+        if self.file is None:
+            out["detail"] = self.where
+        return out
 
-def _user_frame() -> str:
+
+def _user_frame() -> tuple[str, int] | None:
+    """(file, line) of the innermost caller outside cudagraphify, torch and wrapt."""
     frame = sys._getframe(2)
     while frame is not None:
         f = frame.f_code.co_filename
         internal = (f.startswith(_HERE) and f != _OWN_MODELS) or f.startswith(_TORCH) \
             or os.sep + "wrapt" + os.sep in f
         if not internal:
-            return f"{os.path.basename(f)}:{frame.f_lineno}"
+            return _relative(f), frame.f_lineno
         frame = frame.f_back
-    return "?"
+    return None
+
+
+_PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
+
+
+@functools.lru_cache(maxsize=1024)
+def _relative(filename: str) -> str:
+    """``filename`` as a reader finds it: inside site-packages, from there
+    (``transformers/models/llama/modeling_llama.py``); else from its project's root (the
+    nearest folder with a pyproject.toml, setup.py, setup.cfg or .git); else its name."""
+    path = os.path.abspath(filename)
+    parts = path.split(os.sep)
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in ("site-packages", "dist-packages"):
+            return "/".join(parts[i + 1:])
+    folder = os.path.dirname(path)
+    while True:
+        if any(os.path.exists(os.path.join(folder, m)) for m in _PROJECT_MARKERS):
+            return os.path.relpath(path, folder).replace(os.sep, "/")
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return os.path.basename(path)
+        folder = parent
 
 
 class _Mode(TorchFunctionMode):
@@ -191,8 +235,8 @@ class Probe:
                         for a in args)
         tags = self.policy.tags(func, args, kwargs, accel=self.accel,
                                 thunder=self.thunder, thunder_key=key)
-        if tags and not self.policy.can_graph(func, tags):
-            self.findings.append(Finding(self.path, name, tuple(sorted(tags)), _user_frame()))
+        if not self.policy.can_graph(func, tags):  # asked about every call, tagged or not
+            self.findings.append(Finding.at_caller(self.path, name, tuple(sorted(tags))))
 
     def note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
         """Note the storages ``func`` writes: the first argument of an in-place op
@@ -240,7 +284,7 @@ class Probe:
         own = self.policy.overrides(name)
         final = frozenset(own) if own is not None else frozenset(tags)
         if not self.policy.can_graph(name, final):
-            self.findings.append(Finding(self.path, name, tuple(sorted(final)), _user_frame()))
+            self.findings.append(Finding.at_caller(self.path, name, tuple(sorted(final))))
 
     # Module hooks and the non-op wrappers are process-wide: only the probing thread counts.
     def _pre(self, module, args):

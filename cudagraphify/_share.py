@@ -19,15 +19,17 @@ layer captures its own graph in the group's one memory pool, and the reason is r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
 from ._errors import CudagraphifyError, CudagraphifyUsageError
+from ._options import Stats
 from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
 
 __all__ = ["ShareGroup", "first_difference", "plan_rebase", "Refused", "Storages"]
@@ -45,11 +47,31 @@ class Refused(Exception):
     """Sharing is not proven for this signature; the reason says why."""
 
 
-def _describe(t: torch.Tensor | None) -> Any:
+class _TensorLayout(NamedTuple):
+    """What must agree between two layers' parameters (or buffers) of one name."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    device: torch.device
+    requires_grad: bool
+    storage_offset: int
+    storage_bytes: int
+
+
+def _describe(t: torch.Tensor | None) -> _TensorLayout | None:
     if t is None:
         return None
-    return (tuple(t.shape), t.dtype, t.stride(), t.device, t.requires_grad, t.storage_offset(),
-            t.untyped_storage().nbytes())
+    return _TensorLayout(tuple(t.shape), t.dtype, t.stride(), t.device, t.requires_grad,
+                         t.storage_offset(), t.untyped_storage().nbytes())
+
+
+def _layout_difference(x: _TensorLayout | None, y: _TensorLayout | None) -> str:
+    """The fields in which two layouts differ, named: ``dtype torch.float32 vs torch.float16``."""
+    if x is None or y is None:
+        return f"{'None' if x is None else 'a tensor'} vs {'None' if y is None else 'a tensor'}"
+    return ", ".join(f"{name.replace('_', ' ')} {a} vs {b}"
+                     for name, a, b in zip(x._fields, x, y) if a != b)
 
 
 def _plain(v: Any) -> bool:
@@ -87,7 +109,7 @@ def first_difference(a: torch.nn.Module, b: torch.nn.Module,
             for n in da:
                 x, y = _describe(da[n]), _describe(db[n])
                 if x != y:
-                    return f"{where}.{n}: {x} vs {y}"
+                    return f"{name + '.' if name else ''}{n}: {_layout_difference(x, y)}"
         for attr, va in sa.__dict__.items():
             if attr in _SKIP_ATTRS or attr in ignore or f"{name}.{attr}" in ignore:
                 continue
@@ -521,21 +543,25 @@ class ShareGroup:
 
     # -- reporting and release ---------------------------------------------------------------
 
-    def stats(self) -> dict:
+    def stats(self) -> Stats:
+        """The group's counters (see :class:`~cudagraphify.Stats`): its own captures and
+        sharing decisions, and its layers' calls summed."""
         with self._lock:
             return self._stats()
 
-    def _stats(self) -> dict:
-        return {"layers": len(self.layers), "captures": self.captures,
-                "retargets": self.retargets, "per_layer": self.per_layer,
-                "rebased_slots": {str(k): t.plan.count for k, t in self._templates.items()
-                                  if t.plan is not None},
-                "unproven_slots": {str(k): t.plan.unproven for k, t in self._templates.items()
-                                   if t.plan is not None and t.plan.unproven},
-                "template_pool_bytes": sum(t.raw.pool_bytes for t in self._templates.values()),
-                "capture_seconds": self.capture_seconds, "build_seconds": self.build_seconds,
-                "reasons": dict(self.reasons),
-                "pieces": {path: g.stats() for path, g in self.pieces.items()}}
+    def _stats(self) -> Stats:
+        calls = sum((state.stats() for state in map(state_of_module, self.layers)
+                     if state is not None), Stats())
+        plans = {str(k): t.plan for k, t in self._templates.items() if t.plan is not None}
+        return dataclasses.replace(
+            calls, captures=self.captures, retargets=self.retargets,
+            capture_seconds=self.capture_seconds, layers=len(self.layers),
+            per_layer=self.per_layer, reasons=dict(self.reasons),
+            rebased_slots={k: plan.count for k, plan in plans.items()},
+            unproven_slots={k: plan.unproven for k, plan in plans.items() if plan.unproven},
+            template_pool_bytes=sum(t.raw.pool_bytes for t in self._templates.values()),
+            build_seconds=self.build_seconds,
+            pieces={path: g.stats() for path, g in self.pieces.items()})
 
     def release(self) -> None:
         """Release every layer's graphs and the templates (the layers stay graphified)."""

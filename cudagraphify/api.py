@@ -9,50 +9,18 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from ._cache import CachePolicy, KeyFnPolicy
-from ._engine import GraphedState, Options, Stats
+from ._cache import CachePolicy
+from ._engine import GraphedState
+from ._options import Options, Stats
 from ._wrap import (SHARE, GraphedForward, graphed_forward, graphed_forward_of, install,
                     state_of_module, uninstall_instance, wrap)
 from ._errors import CudagraphifyUsageError
 from ._policy import OpPolicy, default_policy
 from ._region import GraphRegion
+from ._share import ShareGroup, check_layers
 from ._signature import Signature
 
 __all__ = ["graphify", "ungraphify", "stats", "explain", "share_graph", "tag_op", "mark_safe"]
-
-def _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_outputs, cache_policy,
-             key_fn, probe="auto", op_policy=None) -> Options:
-    if not isinstance(num_warmup_iters, int) or isinstance(num_warmup_iters, bool) \
-            or num_warmup_iters < 1:
-        raise CudagraphifyUsageError(
-            f"num_warmup_iters must be an int >= 1, got {num_warmup_iters!r}")
-    if isinstance(static_argnames, str):
-        static_argnames = (static_argnames,)
-    static_argnames = tuple(static_argnames)
-    if not all(isinstance(n, str) for n in static_argnames):
-        raise CudagraphifyUsageError(f"static_argnames must be names, got {static_argnames!r}")
-    if not (isinstance(enabled, bool) or callable(enabled)):
-        raise CudagraphifyUsageError(f"enabled must be a bool or a callable, got {enabled!r}")
-    if cache_policy is not None and key_fn is not None:
-        raise CudagraphifyUsageError("give cache_policy or key_fn, not both")
-    if cache_policy is not None and not isinstance(cache_policy, CachePolicy):
-        raise CudagraphifyUsageError(
-            f"cache_policy must be a cudagraphify.CachePolicy, got {type(cache_policy).__name__}")
-    if probe not in ("auto", "thunder", False):
-        raise CudagraphifyUsageError(f'probe must be "auto", "thunder" or False, got {probe!r}')
-    if op_policy is not None and not isinstance(op_policy, OpPolicy):
-        raise CudagraphifyUsageError(
-            f"op_policy must be a cudagraphify.OpPolicy, got {type(op_policy).__name__}")
-    if key_fn is not None:
-        if not callable(key_fn):
-            raise CudagraphifyUsageError(f"key_fn must be callable, got {key_fn!r}")
-        cache_policy = KeyFnPolicy(key_fn, max_graphs=max_graphs)
-    elif cache_policy is None:
-        cache_policy = CachePolicy(max_graphs=max_graphs)
-    return Options(num_warmup_iters=num_warmup_iters, static_argnames=static_argnames,
-                   max_graphs=cache_policy.max_graphs, enabled=enabled,
-                   copy_outputs=bool(copy_outputs), cache_policy=cache_policy, probe=probe,
-                   op_policy=op_policy)
 
 
 def graphify(
@@ -61,7 +29,7 @@ def graphify(
     *,
     num_warmup_iters: int = 1,
     static_argnames: tuple[str, ...] | str = (),
-    max_graphs: int = 16,
+    max_graphs: int | None = None,
     enabled: bool | Callable[[], bool] = True,
     copy_outputs: bool = True,
     cache_policy: CachePolicy | None = None,
@@ -90,7 +58,9 @@ def graphify(
         num_warmup_iters: eager runs before capture (the first is the real call).
         static_argnames: arguments read in place instead of copied: their tensors' addresses
             become part of the signature (see :func:`mark_static`).
-        max_graphs: graphs kept per callable; the least recently used is released beyond it.
+        max_graphs: graphs kept per callable (default 16); the least recently used is released
+            beyond it. With ``cache_policy``, the policy's ``max_graphs`` bounds the cache: give
+            it there (a different value here is an error).
         enabled: ``False`` (or a callable returning ``False``) runs eagerly.
         copy_outputs: ``True`` (default) returns fresh copies of outputs that live in the graph's
             memory, so a later call never overwrites them. ``False`` returns the graph's own
@@ -113,8 +83,11 @@ def graphify(
         forward reads from outside its arguments (globals, plain attributes) are read at the
         address they had at capture.
     """
-    options = _options(num_warmup_iters, static_argnames, max_graphs, enabled, copy_outputs,
-                       cache_policy, key_fn, probe, op_policy)
+    options = Options.build("graphify", num_warmup_iters=num_warmup_iters,
+                            static_argnames=static_argnames, max_graphs=max_graphs,
+                            enabled=enabled, copy_outputs=copy_outputs,
+                            cache_policy=cache_policy, key_fn=key_fn, probe=probe,
+                            op_policy=op_policy)
     if target is None:
         return lambda t: _graphify(t, options)
     return _graphify(target, options)
@@ -200,13 +173,14 @@ def _state_of(target: Any) -> GraphedState | None:
 
 
 def stats(target: Any) -> Stats:
-    """Counters of a graphified module, function, or a :class:`graph_region`.
+    """Counters of a graphified module, function, a :class:`graph_region` or a
+    :class:`ShareGroup` (the same as ``group.stats()``).
 
     captures, replays, eager calls by reason, capture seconds, graph pool bytes (reserved by the
     live graphs' pools), live graphs, evictions, invalidations (parameters moved). A module run
     piecewise counts its graphed submodules' calls too (its own eager calls say "piecewise").
     """
-    if isinstance(target, GraphRegion):
+    if isinstance(target, (GraphRegion, ShareGroup)):
         return target.stats()
     state = _state_of(target)
     return _with_pieces(state) if state is not None else Stats()
@@ -254,17 +228,20 @@ def explain(target: Any, *example_args: Any, **example_kwargs: Any):
     return build(name, module, plan, stats_, decisions)
 
 
-def tag_op(fn: Callable, *tags) -> None:
-    """Tag ``fn`` (your function or custom op) for every graphed call that uses it.
+def tag_op(fn: Callable | str, *tags) -> None:
+    """Tag ``fn`` (a torch function, Tensor method or custom op, or the name of a non-op call
+    such as ``"torch.cuda.synchronize"``) for every graphed call that uses it.
 
     Tags are :class:`Tag` objects or their names (``"HOST_SYNC"``...); a call whose tags the
-    policy refuses runs eagerly while its safe neighbours stay graphed.
+    policy refuses runs eagerly while its safe neighbours stay graphed. Anything the probe would
+    never see (a plain Python function, an unknown name) raises a
+    :class:`CudagraphifyUsageError`.
     """
     default_policy.tag_op(fn, *tags)
 
 
-def mark_safe(fn: Callable) -> None:
-    """Declare ``fn`` safe to capture, whatever other tags it has."""
+def mark_safe(fn: Callable | str) -> None:
+    """Declare ``fn`` (as for :func:`tag_op`) safe to capture, whatever other tags it has."""
     default_policy.mark_safe(fn)
 
 
@@ -281,7 +258,7 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
     that graph whose weight addresses are its own, checked once against its eager output. No
     weights are copied per call, and graph memory does not grow with the number of layers.
 
-    Where sharing cannot be proven (see ``group.stats()["reasons"]``: random ops, training,
+    Where sharing cannot be proven (see ``group.stats().reasons``: random ops, training,
     calls inside a ``graph_region``, a kernel argument that is not a rebased address), each layer
     captures its own graph in one memory pool shared by the group.
 
@@ -299,11 +276,10 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
 
     Returns the :class:`ShareGroup` (``stats()``, ``release()``, ``unshare()``).
     """
-    from ._share import ShareGroup, check_layers
-
     if isinstance(ignore_attrs, str):
         ignore_attrs = (ignore_attrs,)
-    if options.get("copy_outputs", True) is False:
+    options = Options.build("share_graph", **options)
+    if not options.copy_outputs:
         raise CudagraphifyUsageError(
             "share_graph with copy_outputs=False: the layers share one set of output buffers, "
             "so each layer's output would be overwritten by the next layer's call")
@@ -313,9 +289,8 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
             raise CudagraphifyUsageError(
                 f"share_graph: layer {i} is graphified already; share_graph graphifies the "
                 "layers itself (ungraphify them first)")
-    group = ShareGroup(mods, tuple(ignore_attrs), strict,
-                       max_templates=options.get("max_graphs", 16))
+    group = ShareGroup(mods, tuple(ignore_attrs), strict, max_templates=options.max_graphs)
     for i, layer in enumerate(mods):
         layer.__dict__[SHARE] = (group, i)
-        graphify(layer, **options)
+        _graphify(layer, options)
     return group

@@ -11,7 +11,7 @@ import warnings
 import torch
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from gpt import GPT  # examples/gpt.py: a small GPT in plain PyTorch
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ a tiny model.
 
 from __future__ import annotations
 
+import inspect
 import sys
 import time
 import warnings
@@ -20,9 +21,31 @@ import warnings
 import torch
 
 import cudagraphify as cg
-# A StaticCache built the way the installed transformers wants, and the decode step: a plain
-# function of the new token, its position and the cache (see its source; 10 lines).
-from cudagraphify.bench_decode import decode_step, static_cache
+
+
+def static_cache(transformers, config, max_len: int, device, dtype):
+    """A ``transformers.StaticCache`` for one sequence, with the constructor the installed
+    version has (transformers 5 makes its tensors on the first update)."""
+    try:
+        return transformers.StaticCache(config=config, max_batch_size=1, max_cache_len=max_len,
+                                        device=device, dtype=dtype)
+    except TypeError:
+        return transformers.StaticCache(config=config, max_cache_len=max_len)
+
+
+def decode_step(model):
+    """``step(token, position, cache)``: the next greedy token, (1, 1). Everything that changes
+    from step to step is a tensor, so one graph serves every step."""
+    params = inspect.signature(model.forward).parameters
+    cache_name = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5
+
+    def step(token, position, cache):
+        extra = {"cache_position": position} if "cache_position" in params else {}  # 4.x
+        out = model(input_ids=token, position_ids=position.unsqueeze(0), use_cache=True,
+                    **{cache_name: cache}, **extra)
+        return out.logits[:, -1].argmax(-1, keepdim=True)
+
+    return step
 
 
 def generate(step, prefill, cache, prompt, positions, new_tokens: int):
@@ -67,7 +90,7 @@ def main() -> None:
 
     step = decode_step(model)
     graphed_step = cg.graphify(step, static_argnames=("cache",))
-    caches = [static_cache(transformers, config, 1, prompt_len + new_tokens, device, dtype)
+    caches = [static_cache(transformers, config, prompt_len + new_tokens, device, dtype)
               for _ in range(2)]  # one for eager, one for the graph
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", cg.CudagraphifyWarning)

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from gpt import GPT  # examples/gpt.py: a small GPT in plain PyTorch
 
 
 def main() -> None:
@@ -34,9 +34,9 @@ def main() -> None:
         print("no CUDA GPU here: every block ran eagerly")
         return
     s = group.stats()
-    print(f"{s['layers']} blocks: {s['captures']} captures, {s['retargets']} block graphs made "
-          f"from them, {s['per_layer']} captured on their own {s['reasons'] or ''}; "
-          f"graph pool {s['template_pool_bytes'] / 2**20:.1f} MB; {seconds:.3f} s for the 10 "
+    print(f"{s.layers} blocks: {s.captures} captures, {s.retargets} block graphs made "
+          f"from them, {s.per_layer} captured on their own {s.reasons or ''}; "
+          f"graph pool {s.template_pool_bytes / 2**20:.1f} MB; {seconds:.3f} s for the 10 "
           "forwards, warm-ups included")
 
 

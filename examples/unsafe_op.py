@@ -14,13 +14,13 @@ import warnings
 import torch
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from gpt import GPT  # examples/gpt.py: a small GPT in plain PyTorch
 
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(0)
-    eager = GPT(256, 4, 2, sync="item").to(device).eval()
+    eager = GPT(256, 4, 2, sync=True).to(device).eval()
     x = torch.randn(1, 8, 256, device=device)
     print(cg.explain(eager, x))  # the plan, from a probe run; the model is left as it was
 

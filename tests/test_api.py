@@ -133,6 +133,49 @@ def test_usage_errors_are_clear():
         cg.graphify(op_policy=object())
 
 
+@pytest.mark.parametrize("value", [None, 0, 1, "no"])
+def test_copy_outputs_takes_only_a_bool(value):
+    with pytest.raises(cg.CudagraphifyUsageError,
+                       match=rf"copy_outputs must be True or False, got {value!r}: True"):
+        cg.graphify(Net(), copy_outputs=value)
+    assert issubclass(cg.CudagraphifyUsageError, CudagraphifyError)
+
+
+def test_static_argnames_must_be_names():
+    with pytest.raises(cg.CudagraphifyUsageError,
+                       match=r"static_argnames must be an argument name or a tuple of names, "
+                             r"got 3; e.g. static_argnames=\('cache',\)"):
+        cg.graphify(Net(), static_argnames=3)
+    with pytest.raises(cg.CudagraphifyUsageError, match=r"got \('x', 2\)"):
+        cg.graphify(Net(), static_argnames=("x", 2))
+    cg.graphify(Net(), static_argnames="scale")  # one name
+
+
+def test_max_graphs_and_a_cache_policy_must_agree():
+    with pytest.raises(cg.CudagraphifyUsageError,
+                       match=r"max_graphs=4 and a cache_policy with max_graphs=2: .*"
+                             r"CachePolicy\(max_graphs=4, \.\.\.\)"):
+        cg.graphify(lambda x: x, cache_policy=cg.CachePolicy(max_graphs=2), max_graphs=4)
+    f = cg.graphify(lambda x: x, cache_policy=cg.CachePolicy(max_graphs=2), max_graphs=2)
+    assert f._self_dispatch.options.max_graphs == 2
+    f = cg.graphify(lambda x: x, cache_policy=cg.CachePolicy(max_graphs=2))
+    assert f._self_dispatch.options.max_graphs == 2
+    assert cg.graphify(lambda x: x)._self_dispatch.options.max_graphs == 16
+    assert cg.graphify(lambda x: x, key_fn=hash, max_graphs=3)._self_dispatch.options \
+        .cache_policy.max_graphs == 3
+
+
+def test_share_graph_names_itself_for_an_unknown_option():
+    layers = [Net(), Net()]
+    with pytest.raises(cg.CudagraphifyUsageError,
+                       match=r"share_graph\(\) got unknown option\(s\) bogus; its options are "
+                             r"num_warmup_iters, .*op_policy"):
+        cg.share_graph(layers, bogus=1)
+    with pytest.raises(cg.CudagraphifyUsageError, match="copy_outputs must be True or False"):
+        cg.share_graph(layers, copy_outputs=0)
+    assert all("forward" not in m.__dict__ for m in layers)  # nothing was installed
+
+
 def test_instance_of_graphified_class_cannot_be_graphified_again():
     class E(Net):
         pass

@@ -11,7 +11,8 @@ import warnings
 import pytest
 import torch
 
-from cudagraphify import bench, bench_decode
+from cudagraphify import bench
+from cudagraphify.bench import decode as bench_decode, overhead, workloads
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
@@ -58,7 +59,7 @@ def test_arguments_pick_columns_decode_and_sizes():
     for bad in (["--columns", "xla"], ["--decode-tokens", "1"], ["--columns"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
-    assert set(bench.COLUMNS) == {"graphify", "nocopy", "layers", "region", "share", "mgc",
+    assert set(workloads.COLUMNS) == {"graphify", "nocopy", "layers", "region", "share", "mgc",
                                   "compile", "thunder"}
 
 
@@ -73,7 +74,7 @@ def _full_row():
            "torch_compile_compile_s": 40.2, "torch_compile_peak_mb": 9.0,
            "torch_compile_max_abs_err": 0.0078125,
            "thunder_skipped": "not importable (ModuleNotFoundError: No module named 'thunder')"}
-    return bench.add_ratios(row)
+    return workloads.add_ratios(row)
 
 
 def test_ratios_to_eager_and_to_the_manual_graph():
@@ -86,11 +87,11 @@ def test_ratios_to_eager_and_to_the_manual_graph():
 
 
 def test_table_prints_every_column_with_its_numbers_or_why_not():
-    text = bench.format_workload(_full_row())
+    text = workloads.format_workload(_full_row())
     lines = text.splitlines()
     assert lines[0] == "A: GPTConfig(...)" and "µs/call" in lines[1] and "peak MB" in lines[1]
     by_heading = {h: next(ln for ln in lines if ln.strip().startswith(h))
-                  for _, h in list(bench.ALWAYS) + list(bench.COLUMNS.values())}
+                  for _, h in list(workloads.ALWAYS) + list(workloads.COLUMNS.values())}
     assert by_heading["graphify"].split()[1:] == ["510", "0.189", "1.020", "0.030", "5.0",
                                                  "0.0e+00"]
     assert by_heading["manual graph (floor)"].split()[3:6] == ["500", "0.185", "1.000"]
@@ -99,7 +100,7 @@ def test_table_prints_every_column_with_its_numbers_or_why_not():
     assert "(first call, compiling: 40.2 s)" in by_heading["torch.compile reduce-overhead"]
     assert "skipped: not importable" in by_heading["thunder.jit + CUDAGraphTransform"]
     assert by_heading["share_graph(blocks)"].endswith("not run")
-    only = bench.format_workload(_full_row(), ["graphify"])
+    only = workloads.format_workload(_full_row(), ["graphify"])
     assert len(only.splitlines()) == 2 + 3 and "thunder" not in only
 
 
@@ -211,12 +212,12 @@ def test_workload_columns_on_cpu_record_numbers_errors_and_skips(monkeypatch, ca
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda *a: None)
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda *a: 0)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 2**20)
-    monkeypatch.setattr(bench, "_manual_graph", lambda model, x: model)
-    monkeypatch.setattr(bench, "_thunder_missing", lambda: "not importable (test)")
-    cfg = bench.GPTConfig(32, 2, 2, 1, 4, torch.float32)
+    monkeypatch.setattr(workloads, "_manual_graph", lambda model, x: model)
+    monkeypatch.setattr(workloads, "_thunder_missing", lambda: "not importable (test)")
+    cfg = workloads.GPTConfig(32, 2, 2, 1, 4, torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = bench.bench_workload("B", cfg, calls=2, repeats=1, quick=True, device="cpu")
+        row = workloads.bench_workload("B", cfg, calls=2, repeats=1, quick=True, device="cpu")
     for prefix in ("eager", "manual_graph", "graphify", "graphify_nocopy", "per_layer",
                    "per_layer_region", "share_graph"):
         assert row[f"{prefix}_us"] > 0 and row[f"{prefix}_peak_mb"] == 1.0, prefix
@@ -230,9 +231,116 @@ def test_workload_columns_on_cpu_record_numbers_errors_and_skips(monkeypatch, ca
     assert row["per_layer_region_input_copies"] >= 0 and "share_graph_captures" in row
     assert "B: make_graphed_callables failed" in capsys.readouterr().err
     json.dumps(row)  # the row goes into --json as it is
-    assert "error: " in bench.format_workload(row)
+    assert "error: " in workloads.format_workload(row)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        row = bench.bench_workload("A", cfg, calls=2, repeats=1, columns=["thunder"],
-                                   quick=True, device="cpu")
+        row = workloads.bench_workload("A", cfg, calls=2, repeats=1, columns=["thunder"],
+                                       quick=True, device="cpu")
     assert row["thunder_skipped"] == "not importable (test)" and "graphify_us" not in row
+
+
+def test_overhead_argument_runs_alone_unless_workloads_are_named():
+    assert not bench.parse_args([]).overhead
+    a = bench.parse_args(["--overhead"])
+    assert a.overhead and a.workloads == []  # only the overhead section
+    assert bench.parse_args(["--overhead", "--workloads", "A"]).workloads == ["A"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
+def test_cpu_mode_overhead_says_it_needs_a_gpu(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    assert bench.main(["--overhead", "--json", str(out)]) == 0
+    assert "overhead: not run: needs a CUDA GPU" in capsys.readouterr().out
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["workload"] == "overhead" and "needs a CUDA GPU" in row["not_run"]
+
+
+def test_overhead_rows_compare_each_with_its_reference_and_target():
+    us = {"eager": 20.0, "raw_replay": 3.0, "hand_copy": 6.0, "hand_copy_clone": 9.0,
+          "graphify": 14.0, "graphify_nocopy": 11.5, "region": 10.0, "opaque_eager": 21.0,
+          "opaque_graphify": 23.0, "ineligible_eager": 30.0, "ineligible_graphify": 40.0,
+          "hf_decode_eager": 1000.0, "hf_decode_graphify": 1020.0}
+    lines = {item["key"]: item for item in overhead.compare(us)}
+    assert list(lines) == [line.key for line in overhead.LINES]
+    g = lines["graphify"]
+    assert (g["reference"], g["reference_us"], g["diff_us"], g["met"]) == (
+        "hand_copy_clone", 9.0, 5.0, True)  # hand copy-in + replay + clone + 5 µs: just met
+    assert lines["graphify_nocopy"]["met"] is False  # 11.5 > hand copy-in + replay + 5
+    assert lines["region"]["reference"] == "hand_copy" and lines["region"]["met"]
+    assert lines["opaque_graphify"]["met"] and not lines["ineligible_graphify"]["met"]
+    assert lines["hf_decode_graphify"]["ratio"] == pytest.approx(1.02)
+    assert lines["hf_decode_graphify"]["met"] and lines["hf_decode_graphify"]["target"] == (
+        "<= 1.03 x ref")
+    assert lines["eager"]["met"] is None and lines["eager"]["target"] == ""
+    del us["hf_decode_graphify"]
+    row = {"calls": 10, "repeats": 3, "us": us, "lines": overhead.compare(us),
+           "counters": {"graphify": {"captures": 1, "replays": 12, "eager_calls": {}}},
+           "skipped": {"hf_decode": "transformers is not importable (x)"}}
+    text = overhead.format_overhead(row)
+    by_label = {line.label: next(ln for ln in text.splitlines()
+                                 if ln.strip().startswith(line.label)) for line in overhead.LINES}
+    assert by_label["graphify"].split()[1:] == ["14.0", "hand", "copy-in", "+", "replay", "+",
+                                               "clone", "9.0", "+5.0", "1.556", "<=", "ref",
+                                               "+", "5", "µs", "ok"]
+    assert by_label["graphify(copy_outputs=False)"].endswith("MISSED")
+    assert "skipped: transformers is not importable (x)" in by_label[
+        "HF Llama decode step, graphify"]
+    assert "graphify: captures 1, replays 12, eager calls: none" in text
+
+
+def test_overhead_section_runs_every_row_on_a_cpu_with_a_stand_in_capture():
+    """The section's bookkeeping, with the hand capture stood in for (graphify runs eagerly on
+    a CPU): every row has a number or a reason, and the graphified rows their counters."""
+    def capture(fn, x):
+        static_x = x.clone()
+        static_y = fn(static_x)
+
+        class Graph:
+            def replay(self):
+                static_y.copy_(fn(static_x))
+        return Graph(), static_x, static_y
+
+    row = overhead.bench_overhead(2, 1, decode_steps=2, decode_repeats=1, device="cpu",
+                                  capture=capture)
+    timed = [line.key for line in overhead.LINES if not line.key.startswith("hf_decode")]
+    assert all(row["us"][k] > 0 for k in timed)
+    assert set(row["counters"]) >= {"graphify", "graphify_nocopy", "region", "opaque_graphify",
+                                    "ineligible_graphify"}
+    assert "of type Scale" in next(iter(row["counters"]["opaque_graphify"]["eager_calls"]))
+    assert ("hf_decode_eager" in row["us"]) != ("hf_decode" in row["skipped"])
+    json.dumps(row)
+    text = overhead.format_overhead(row)
+    assert all(line.label in text for line in overhead.LINES)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
+def test_cpu_mode_says_which_sections_need_a_gpu(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert bench.main(["--workloads", "--train", "A", "--share", "12", "24", "--sync", "item",
+                       "--json", str(out)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for workload in ("A-train", "A-share-L12", "A-share-L24", "A-item"):
+        assert any(ln.startswith(f"{workload}: not run: needs a CUDA GPU (") for ln in lines), (
+            workload, lines)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["workload"] for r in rows] == ["A-train", "A-share-L12", "A-share-L24", "A-item"]
+    assert all(r["not_run"].startswith("needs a CUDA GPU") for r in rows)
+
+
+def test_chart_without_matplotlib_is_an_error_before_anything_runs(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--workloads", "T", "--chart", "out.png"])
+    assert e.value.code != 0
+    assert "--chart needs matplotlib: pip install matplotlib" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
+def test_a_chart_that_is_not_written_exits_non_zero(tmp_path, capsys):
+    assert bench.main(["--overhead", "--chart", str(tmp_path / "c.png")]) == 1
+    assert "cudagraphify.bench: no chart: no timed rows" in capsys.readouterr().err
+    assert not (tmp_path / "c.png").exists()

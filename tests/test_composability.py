@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")

@@ -18,7 +18,7 @@ from torch import nn
 
 import cudagraphify as cg
 from conftest import contexts
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 
 def _both(fn: Callable[[nn.Module], None]) -> Callable:

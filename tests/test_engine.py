@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 from cudagraphify._training import TrainingGraph
 
 

@@ -9,8 +9,18 @@ import sys
 
 import pytest
 
-EXAMPLES = sorted((pathlib.Path(__file__).parent.parent / "examples").glob("*.py"))
+HELPERS = {"gpt.py"}  # modules the examples import, not examples
+EXAMPLES = sorted(p for p in (pathlib.Path(__file__).parent.parent / "examples").glob("*.py")
+                  if p.name not in HELPERS)
 NEEDS = {"llama_decode.py": "transformers"}  # examples that need a package the tests do not
+
+
+def test_examples_use_only_the_public_api():
+    """An example imports cudagraphify itself, never a private module or the benchmark."""
+    for path in EXAMPLES + [EXAMPLES[0].parent / h for h in HELPERS]:
+        text = path.read_text()
+        assert "from cudagraphify." not in text and "import cudagraphify." not in text, path.name
+        assert "cg._" not in text and "cudagraphify._" not in text, path.name
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 
 class Logger(nn.Module):
@@ -32,13 +32,17 @@ def test_explain_names_the_op_its_tags_and_its_line():
     line = next(i for i, t in enumerate(open(__file__), 1) if "LINE_FORMAT" in t)
     report = cg.explain(model, torch.randn(8, 4))
     text = str(report)
-    assert f"Tensor.__format__ [HOST_SYNC] at test_explain.py:{line}" in text
+    assert f"Tensor.__format__ [HOST_SYNC] at tests/test_explain.py:{line}" in text
     assert "Logger (Logger): eager" in text
     assert "lin (Linear): graphed" in text and "bn (BatchNorm1d): graphed" in text
     data = report.to_dict()
     statuses = {m["path"]: m["status"] for m in data["modules"]}
     assert statuses == {"": "eager", "lin": "graphed", "bn": "graphed", "drop": "graphed"}
-    json.loads(report.to_json())
+    # the reason as fields, for programs
+    (reason,) = json.loads(report.to_json())["modules"][0]["reasons"]
+    assert reason == {"text": f"Tensor.__format__ [HOST_SYNC] at tests/test_explain.py:{line}",
+                      "op": "Tensor.__format__", "tags": ["HOST_SYNC"],
+                      "file": "tests/test_explain.py", "line": line}
 
 
 def test_explain_leaves_the_module_and_rng_as_they_were():
@@ -57,7 +61,11 @@ def test_explain_leaves_the_module_and_rng_as_they_were():
 def test_explain_gpt_with_item_keeps_attention_and_mlp_graphed():
     text = str(cg.explain(GPT(32, 2, 2, sync="item").eval(), torch.randn(1, 4, 32)))
     assert "blocks.0 (SyncBlock): eager" in text
-    assert "Tensor.item [HOST_SYNC] at _models.py:" in text
+    assert "Tensor.item [HOST_SYNC] at cudagraphify/bench/models.py:" in text
+    # the root and the ModuleList are eager because of their children, and say which
+    assert "GPT (GPT): eager\n  - unsafe ops in its submodule(s) blocks.0, blocks.1\n" in text
+    assert "  blocks (ModuleList): eager\n    - unsafe ops in its submodule(s) blocks.0, " \
+           "blocks.1\n" in text
     assert "blocks.1.attn (Attention): graphed" in text
     assert text.count("(Attention): graphed") == 2 and text.count("(MLP): graphed") == 2
 
@@ -82,6 +90,24 @@ def test_explain_after_calls_shows_the_plan_and_live_counters(sim):
     assert cg.stats(g.blocks[1].mlp).replays == 2
     cg.ungraphify(g)
     assert "forward" not in g.blocks[0].attn.__dict__  # pieces are undone with their root
+
+
+def test_explain_after_eager_calls_says_why_nothing_was_planned():
+    g = cg.graphify(Logger().eval())
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            g(torch.randn(8, 4))
+    report = cg.explain(g)
+    text = str(report)
+    assert "no plan" not in text
+    assert text.splitlines()[:2] == [
+        "Logger.forward (Logger): eager, nothing planned",
+        "  - ran eagerly: tensors are on cpu, not on a CUDA device (2 calls)"]
+    (root,) = report.to_dict()["modules"]  # its submodules ran inside its eager calls
+    assert root["reasons"] == [{"text": "ran eagerly: tensors are on cpu, not on a CUDA device "
+                                        "(2 calls)",
+                                "reason": "tensors are on cpu, not on a CUDA device", "calls": 2}]
 
 
 def test_explain_without_a_plan_and_of_functions():

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify._models import GPT, GPTConfig
+from cudagraphify.bench.models import GPT, GPTConfig
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 
@@ -464,7 +464,7 @@ def test_gpt_with_a_sync_in_every_block_keeps_the_rest_graphed(sync):
             s = cg.stats(piece)
             assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
     text = str(cg.explain(g))
-    assert f"Tensor.{sync}" in text and "_models.py:" in text
+    assert f"Tensor.{sync}" in text and "models.py:" in text
 
 
 def test_inference_mode_and_buffers_written_by_forward():

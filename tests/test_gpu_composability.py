@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 

@@ -77,7 +77,7 @@ from torch import nn
 
 import cudagraphify as cg
 from cudagraphify import _capture
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import cudagraphify as cg
 from conftest import assert_chain_matches
-from cudagraphify._models import GPT, GPTConfig
+from cudagraphify.bench.models import GPT, GPTConfig
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 
@@ -47,14 +47,14 @@ def test_gpt_blocks_share_one_capture_and_match_eager_layer_by_layer(dtype):
                     torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"layer {k}, T={seq}")
                 torch.testing.assert_close(y, y_ref, rtol=0, atol=0)
     s = group.stats()
-    assert s["per_layer"] == 0, (s["reasons"], s["unproven_slots"])
+    assert s.per_layer == 0, (s.reasons, s.unproven_slots)
     # per shape: the template, a second layer (and the first again, if the diff needs it)
-    assert 2 * 2 <= s["captures"] <= 3 * 2 and s["retargets"] == 6 * 2, s
+    assert 2 * 2 <= s.captures <= 3 * 2 and s.retargets == 6 * 2, s
     assert all(cg.stats(b).captures == 0 and cg.stats(b).retargets == 2 for b in model.blocks)
     assert all(cg.stats(b).replays == 8 for b in model.blocks)  # 5 calls x 2 shapes, minus firsts
     # No weights live in graph memory: the templates' pool holds activations only.
     weight_bytes = sum(p.numel() * p.element_size() for p in model.blocks.parameters())
-    assert 0 < s["template_pool_bytes"] < weight_bytes
+    assert 0 < s.template_pool_bytes < weight_bytes
     assert sum(cg.stats(b).graph_pool_bytes for b in model.blocks) == 0
     group.release()
     assert all(cg.stats(b).graphs == 0 for b in model.blocks)
@@ -77,7 +77,7 @@ def test_weights_are_read_in_place_and_a_replaced_parameter_retargets_one_layer(
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = group.stats()
-    assert 2 <= s["captures"] <= 3 and (s["retargets"], s["per_layer"]) == (5, 0), s
+    assert 2 <= s.captures <= 3 and (s.retargets, s.per_layer) == (5, 0), s
     assert cg.stats(model.blocks[1]).invalidations == 1
 
 
@@ -105,8 +105,8 @@ def test_an_unproven_difference_falls_back_to_per_layer_graphs_in_one_pool():
         for _ in range(3):
             assert_chain_matches(layers, ref, x)
     s = group.stats()
-    assert s["retargets"] == 0 and s["per_layer"] == 3
-    (reason,) = s["reasons"]
+    assert s.retargets == 0 and s.per_layer == 3
+    (reason,) = s.reasons
     assert "not a rebased parameter address" in reason
     assert [cg.stats(m).captures for m in layers] == [1, 1, 1]
     assert [cg.stats(m).replays for m in layers] == [2, 2, 2]
@@ -122,7 +122,7 @@ def test_dropout_in_train_mode_refuses_sharing():
         outs = [layers[0](x) for _ in range(3)]
         for m in layers[1:]:
             m(x)
-    assert "random ops" in " ".join(group.stats()["reasons"])
+    assert "random ops" in " ".join(group.stats().reasons)
     assert not torch.equal(outs[1], outs[2])  # fresh masks per replay (per-layer graphs)
     kept = (outs[2] != 0).float().mean().item()
     assert 0.4 < kept < 0.6
@@ -158,17 +158,17 @@ def test_hf_llama_layers_share_one_capture():
     # argument in one H200 run, for one length of two). That length then goes per layer, with
     # the reason; the other lengths share (at least half of them: that happened in one run of
     # many, to one length in two).
-    assert s["retargets"] >= n // 2 and s["retargets"] + s["per_layer"] == n, s
-    assert s["per_layer"] % 6 == 0 and s["unproven_slots"], s
-    assert all("not a rebased parameter address" in r for r in s["reasons"]), s["reasons"]
-    assert 2 * len(seqs) <= s["captures"] <= 3 * len(seqs), s
+    assert s.retargets >= n // 2 and s.retargets + s.per_layer == n, s
+    assert s.per_layer % 6 == 0 and s.unproven_slots, s
+    assert all("not a rebased parameter address" in r for r in s.reasons), s.reasons
+    assert 2 * len(seqs) <= s.captures <= 3 * len(seqs), s
     s = strict.stats()
     # strict keeps no unproven byte: a signature whose layers differ in those bytes goes per
     # layer (all 6 layers of it); where the bytes happen to be equal there is nothing to prove
     # (run 13 on the H200: one of the two lengths shared, the other refused)
-    assert not s["unproven_slots"] and s["retargets"] + s["per_layer"] == n, s
-    assert s["per_layer"] % 6 == 0, s
-    assert all("not a rebased parameter address" in r for r in s["reasons"]), s["reasons"]
+    assert not s.unproven_slots and s.retargets + s.per_layer == n, s
+    assert s.per_layer % 6 == 0, s
+    assert all("not a rebased parameter address" in r for r in s.reasons), s.reasons
 
 
 def test_blocks_with_a_host_sync_share_each_graphed_piece():
@@ -181,9 +181,9 @@ def test_blocks_with_a_host_sync_share_each_graphed_piece():
             x = torch.randn(1, 16, 256, device=DEV)
             torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = group.stats()
-    assert set(s["pieces"]) == {"ln1", "attn", "ln2", "mlp"}
-    for path, piece in s["pieces"].items():
-        assert 2 <= piece["captures"] <= 3 and (piece["retargets"], piece["per_layer"]) == (4, 0), \
+    assert set(s.pieces) == {"ln1", "attn", "ln2", "mlp"}
+    for path, piece in s.pieces.items():
+        assert 2 <= piece.captures <= 3 and (piece.retargets, piece.per_layer) == (4, 0), \
             (path, piece)
     # call 1 decides piecewise, call 2 makes the pieces, calls 3 and 4 replay them
     assert all(cg.stats(b.attn).replays == 2 for b in model.blocks)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 

@@ -95,15 +95,37 @@ def test_user_tags_and_safe_override():
     pol.mark_safe(torch.Tensor.item)
     tags = pol.tags(torch.Tensor.item, (s0,), {}, accel=ACC)
     assert tags == {"SAFE"} and pol.can_graph(torch.Tensor.item, tags)
-    with pytest.raises(ValueError, match="unknown tag"):
+    with pytest.raises(cg.CudagraphifyUsageError, match="tag_op: unknown tag 'NOT_A_TAG'"):
         pol.tag_op(my_op, "NOT_A_TAG")
-
-    def plain(t):  # the probe never sees a Python function: refused, with the way out
-        return t
-
-    with pytest.raises(ValueError, match="plain Python function.*custom op"):
-        pol.tag_op(plain, "HOST_SYNC")
+    with pytest.raises(cg.CudagraphifyUsageError, match="at least one tag.*mark_safe"):
+        pol.tag_op(my_op)
     pol.tag_op("torch.cuda.synchronize", "SAFE")  # non-op calls are tagged by name
+    pol.mark_safe("torch.cuda.synchronize")
+
+
+def plain(t):
+    return t
+
+
+@pytest.mark.parametrize("call", ["tag_op", "mark_safe"])
+@pytest.mark.parametrize("target, message", [
+    # the probe never sees a Python function: refused, with the way out
+    (plain, r"'plain' is a plain Python function: .*custom op"),
+    (42, r"42 \(int\) is not a function, op or name: pass a torch function"),
+    (None, r"None \(NoneType\) is not a function, op or name"),
+    ("no.such.thing", r"'no.such.thing' is not the name of a call the probe wraps; names stand "
+                      r"only for these non-op calls: torch.cuda.synchronize, .*pass the object "
+                      r"itself"),
+    ("torch.nonzero", r"'torch.nonzero' is not the name"),  # would never match the op
+])
+def test_tag_op_and_mark_safe_refuse_what_the_probe_never_sees(call, target, message):
+    pol = OpPolicy()
+    args = (target, "HOST_SYNC") if call == "tag_op" else (target,)
+    with pytest.raises(cg.CudagraphifyUsageError, match=rf"{call}: {message}"):
+        getattr(pol, call)(*args)
+    with pytest.raises(cg.CudagraphifyError):
+        getattr(cg, call)(*args)  # the public functions, on the default policy
+    assert pol.overrides(target) is None  # nothing was recorded
 
 
 def test_subclassed_policy_decides():

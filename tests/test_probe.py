@@ -7,8 +7,8 @@ import random
 import torch
 from torch import nn
 
-from cudagraphify._models import GPT
-from cudagraphify._policy import OpPolicy
+from cudagraphify.bench.models import GPT
+from cudagraphify._policy import OpPolicy, op_name
 from cudagraphify._probe import Probe, control_flow_findings, differing_paths, plan_pieces
 
 ACC = frozenset({"cuda", "cpu"})
@@ -27,7 +27,8 @@ def test_item_in_a_block_keeps_attention_and_mlp_graphed():
     found = probe.unsafe_paths()
     assert set(found) == {"blocks.0", "blocks.1"}
     (f,) = found["blocks.0"]
-    assert f.op == "Tensor.item" and f.tags == ("HOST_SYNC",) and f.where.startswith("_models.py:")
+    assert f.op == "Tensor.item" and f.tags == ("HOST_SYNC",) and f.where.startswith("cudagraphify/bench/models.py:")
+    assert f.file == "cudagraphify/bench/models.py" and f.where == f"{f.file}:{f.line}"
     pieces = plan_pieces(model, set(found), set(probe.sequences))
     assert pieces == ["blocks.0.ln1", "blocks.0.attn", "blocks.0.ln2", "blocks.0.mlp",
                       "blocks.1.ln1", "blocks.1.attn", "blocks.1.ln2", "blocks.1.mlp", "ln_f"]
@@ -200,3 +201,46 @@ def test_probes_on_two_threads_interleaved_restore_torch():
     assert torch.manual_seed is original
     assert [f.op for f in a.findings] == ["torch.manual_seed"]
     assert [f.op for f in b.findings] == ["torch.manual_seed"]
+
+
+def test_the_policy_is_asked_about_every_call_so_it_can_refuse_an_untagged_op(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)  # CPU torch
+
+    class NoTanh(OpPolicy):
+        def __init__(self):
+            super().__init__()
+            self.asked = []
+
+        def can_graph(self, func, tags):
+            self.asked.append((func, tags))
+            return func is not torch.Tensor.tanh and super().can_graph(func, tags)
+
+    class Squash(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            torch.cuda.is_current_stream_capturing()  # a non-op call, with no tags either
+            return self.lin(x).tanh()
+
+    model, policy = Squash(), NoTanh()
+    probe = run(model, torch.randn(2, 4), policy=policy)
+    asked = {op_name(f) for f, tags in policy.asked if not tags}
+    assert {"Tensor.tanh", "F.linear", "torch.cuda.is_current_stream_capturing"} <= asked
+    (f,) = probe.findings
+    assert (f.path, f.op, f.tags) == ("", "Tensor.tanh", ())
+    assert plan_pieces(model, set(probe.unsafe_paths()), set(probe.sequences)) == ["lin"]
+    assert run(model, torch.randn(2, 4)).findings == []  # the default policy graphs it whole
+
+
+def test_a_finding_names_its_file_from_the_project_or_site_packages(tmp_path):
+    from cudagraphify._probe import _relative
+
+    lib = tmp_path / "venv" / "lib" / "python3.12" / "site-packages" / "transformers" / "models"
+    assert _relative(str(lib / "llama" / "modeling_llama.py")) == (
+        "transformers/models/llama/modeling_llama.py")
+    (tmp_path / "proj" / "pkg").mkdir(parents=True)
+    (tmp_path / "proj" / "pyproject.toml").write_text("")
+    assert _relative(str(tmp_path / "proj" / "pkg" / "model.py")) == "pkg/model.py"
+    assert _relative(__file__) == "tests/test_probe.py"  # this project's own root

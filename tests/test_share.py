@@ -14,7 +14,7 @@ import cudagraphify as cg
 from conftest import assert_chain_matches
 from cudagraphify._cugraph import GraphNode
 from cudagraphify._share import Refused, Storages, first_difference, plan_rebase
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 
 
 class Layer(nn.Module):
@@ -64,6 +64,25 @@ def test_identical_layers_pass_and_each_difference_is_named():
     assert "lin.weight" in first_difference(a, b)
 
 
+def test_a_parameter_difference_names_the_fields_that_differ():
+    a = Layer()
+    b = Layer()
+    b.lin.weight = nn.Parameter(b.lin.weight.detach().half())
+    assert first_difference(a, b) == ("lin.weight: dtype torch.float32 vs torch.float16, "
+                                      "storage bytes 64 vs 32")
+    b = Layer()
+    b.lin.weight.requires_grad_(False)
+    assert first_difference(a, b) == "lin.weight: requires grad True vs False"
+    b = Layer()
+    b.lin.weight = nn.Parameter(b.lin.weight.detach().t().contiguous().t())
+    assert first_difference(a, b) == "lin.weight: stride (4, 1) vs (1, 4)"
+    b = Layer(d=5)
+    assert first_difference(a, b).startswith("lin.weight: shape (4, 4) vs (5, 5), stride")
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2, bias=False)
+    b.register_parameter("bias", None)
+    assert first_difference(a, b) == "bias: a tensor vs None"  # a parameter of the root
+
+
 def test_share_graph_refuses_bad_input_with_the_first_difference():
     layers = _stack()
     with pytest.raises(cg.CudagraphifyError, match=r"layer 1 differs from layer 0: layer_idx: 0 vs 1"):
@@ -104,8 +123,8 @@ def test_layers_call_through_the_group_and_fall_back_per_layer_without_a_graph_r
         for _ in range(3):
             assert_chain_matches(layers, ref, x)
     s = group.stats()
-    assert s["per_layer"] == 3 and s["retargets"] == 0
-    assert s["reasons"] == {"the capture backend cannot read graphs": 3}
+    assert s.per_layer == 3 and s.retargets == 0
+    assert s.reasons == {"the capture backend cannot read graphs": 3}
     assert [cg.stats(m).captures for m in layers] == [1, 1, 1]
     assert [cg.stats(m).replays for m in layers] == [2, 2, 2]
     group.release()
@@ -113,7 +132,7 @@ def test_layers_call_through_the_group_and_fall_back_per_layer_without_a_graph_r
     with cg.graph_region():
         with torch.no_grad():
             layers[0](x)
-    assert "called inside a graph_region" in " ".join(group.stats()["reasons"])
+    assert "called inside a graph_region" in " ".join(group.stats().reasons)
 
 
 # -- the diff --------------------------------------------------------------------------------
@@ -261,12 +280,12 @@ def test_a_piecewise_layer_shares_each_safe_piece_across_layers(sim):
         for _ in range(3):
             torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = group.stats()
-    assert s["per_layer"] == 0 and s["captures"] == 0  # the blocks themselves run eagerly
-    assert set(s["pieces"]) == {"ln1", "attn", "ln2", "mlp"}
-    for path, piece in s["pieces"].items():
+    assert s.per_layer == 0 and s.captures == 0  # the blocks themselves run eagerly
+    assert set(s.pieces) == {"ln1", "attn", "ln2", "mlp"}
+    for path, piece in s.pieces.items():
         # each piece of every block went to its path's group (the simulated backend cannot
         # read graphs, so each captured on its own in the group's pool)
-        assert piece["layers"] == 3 and piece["per_layer"] == 3, (path, piece)
+        assert piece.layers == 3 and piece.per_layer == 3, (path, piece)
     shared = [b.get_submodule("attn").__dict__["_cudagraphify_share"] for b in model.blocks]
     assert all(g is group.pieces["attn"] for g, _ in shared) and [k for _, k in shared] == [0, 1, 2]
     group.unshare()
@@ -311,7 +330,32 @@ def test_a_forward_that_writes_its_buffers_is_not_shared_and_layers_share_one_lo
     with torch.no_grad():
         for _ in range(3):
             assert_chain_matches(layers, ref, x)
-    assert group.stats()["reasons"] == {"forward writes to its buffers or inputs": 3}
+    assert group.stats().reasons == {"forward writes to its buffers or inputs": 3}
     assert all(m.__dict__["_cudagraphify_state"].lock is group.lock for m in layers)
     group.release()
     assert group._pools == {}
+
+
+def test_a_group_reports_one_stats_type_through_cg_stats_too(sim):
+    layers = _stack()
+    ref = copy.deepcopy(layers)
+    group = cg.share_graph(layers, ignore_attrs="layer_idx")
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            y = x
+            for layer, r in zip(layers, ref):
+                x, y = layer(x), r(y)
+            torch.testing.assert_close(x, y, rtol=0, atol=0)
+    s = cg.stats(group)
+    assert isinstance(s, cg.Stats) and s == group.stats()
+    assert (s.layers, s.per_layer, s.retargets, s.captures) == (3, 3, 0, 0)
+    assert s.reasons == {"the capture backend cannot read graphs": 3}
+    # the layers' calls, summed: each layer captured its own graph and replayed it twice
+    assert (s.replays, s.graphs) == (6, 3) and s.replays == sum(cg.stats(m).replays
+                                                                for m in layers)
+    both = s + s
+    assert (both.layers, both.per_layer, both.replays) == (6, 6, 12)
+    assert both.reasons == {"the capture backend cannot read graphs": 6}
+    assert cg.Stats(pieces={"a": s}) + cg.Stats(pieces={"a": s, "b": s}) == cg.Stats(
+        pieces={"a": both, "b": s})

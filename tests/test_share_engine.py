@@ -25,7 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import cudagraphify as cg
 from cudagraphify import _cugraph, _share
 from cudagraphify._cugraph import GraphNode
-from cudagraphify._models import GPT
+from cudagraphify.bench.models import GPT
 from conftest import SimBackend, SimGraph
 
 _traces: dict[int, list] = {}
@@ -188,8 +188,8 @@ def test_gpt_blocks_share_through_the_reading_double_and_equal_eager(reading):
                 torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = group.stats()
     # per shape: the template and one layer to diff with (no third capture needed here)
-    assert (s["captures"], s["retargets"], s["per_layer"]) == (4, 8, 0), s
-    assert all(n > 0 for n in s["rebased_slots"].values())
+    assert (s.captures, s.retargets, s.per_layer) == (4, 8, 0), s
+    assert all(n > 0 for n in s.rebased_slots.values())
     assert all(cg.stats(b).replays == 4 for b in model.blocks)
 
 
@@ -210,8 +210,8 @@ def test_a_missed_weight_slot_is_caught_by_the_check_against_eager(reading, monk
             torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = group.stats()
     # the template layer's own graph checks out; the others read its weight and are refused
-    assert s["retargets"] == 1 and s["per_layer"] == 2, s
-    assert all("does not equal its eager output" in r for r in s["reasons"]), s["reasons"]
+    assert s.retargets == 1 and s.per_layer == 2, s
+    assert all("does not equal its eager output" in r for r in s.reasons), s.reasons
 
 
 class _Scaled(nn.Module):
@@ -237,8 +237,8 @@ def test_a_per_layer_scalar_is_refused_when_strict_and_caught_otherwise(reading)
                 for m, r in zip(layers, ref):
                     torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
         s = group.stats()
-        assert s["retargets"] <= 1 and s["per_layer"] >= 2, (strict, s)
-        why = " ".join(s["reasons"])
+        assert s.retargets <= 1 and s.per_layer >= 2, (strict, s)
+        why = " ".join(s.reasons)
         assert ("not a rebased parameter address" if strict else
                 "does not equal its eager output") in why, (strict, why)
 
@@ -255,8 +255,8 @@ def test_templates_are_capped_and_release_frees_everything(reading):
             x = torch.randn(1, seq, 32)
             torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
     s = group.stats()
-    assert len(s["rebased_slots"]) == 2 and s["retargets"] == 6 and s["per_layer"] == 3, s
-    assert "more than max_graphs=2 signatures shared" in s["reasons"]
+    assert len(s.rebased_slots) == 2 and s.retargets == 6 and s.per_layer == 3, s
+    assert "more than max_graphs=2 signatures shared" in s.reasons
     # each template ran its partner layer eagerly once before capturing it
     assert reading.warmups - warmups == 3 * 3 + 2
     group.release()
@@ -266,4 +266,4 @@ def test_templates_are_capped_and_release_frees_everything(reading):
         x = torch.randn(1, 3, 32)
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
         torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
-    assert len(group.stats()["rebased_slots"]) == 1
+    assert len(group.stats().rebased_slots) == 1

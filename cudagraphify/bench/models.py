@@ -1,4 +1,4 @@
-"""Reference models for the demo, the tests and the benchmark (the GPT stack of the design notes).
+"""Reference models for the benchmark and the tests (the GPT stack of the design notes).
 
 Pre-LN transformer blocks: LayerNorm, fused qkv Linear, causal ``scaled_dot_product_attention``,
 output projection, LayerNorm, 4x MLP with GELU; a final LayerNorm. Inputs are hidden states of
@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "Attention", "MLP", "Block", "SyncBlock", "GPT", "WORKLOADS"]
+__all__ = ["GPTConfig", "Attention", "MLP", "Block", "SyncBlock", "GPT", "WORKLOADS",
+           "model_and_input"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +110,11 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.ln_f(x)
+
+
+def model_and_input(cfg: GPTConfig, device: str | torch.device = "cpu",
+                    sync: str | None = None) -> tuple[GPT, torch.Tensor]:
+    """A workload's GPT (built right after ``torch.manual_seed(0)``) and an input of its shape."""
+    torch.manual_seed(0)
+    model = GPT.from_config(cfg, device, sync)
+    return model, torch.randn(cfg.batch, cfg.seq, cfg.dim, device=device, dtype=cfg.dtype)

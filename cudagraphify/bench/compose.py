@@ -1,7 +1,7 @@
 """Composability benchmark: each combination of cudagraphify with another system, against the
 same stack without cudagraphify, on workload A (or another), in one process and run.
 
-    python -m cudagraphify.bench_compose [--workload A] [--quick] [--json out.json]
+    python -m cudagraphify.bench.compose [--workload A] [--quick] [--json out.json]
 
 FSDP2 and DDP run over NCCL with world size 1 (this process). Each row says whether the
 combination works (graphs replayed, outputs equal), runs eagerly with cudagraphify's reason, or
@@ -21,14 +21,14 @@ import warnings
 
 import torch
 
-from ._models import GPT, WORKLOADS, GPTConfig
-from .bench import time_per_call
+from ._common import progress, time_per_call
+from .models import GPT, WORKLOADS, GPTConfig
 
 __all__ = ["main"]
 
 
 def _progress(message: str) -> None:
-    print(f"[bench_compose] {message}", file=sys.stderr, flush=True)
+    progress(f"compose: {message}")
 
 
 def _model(cfg: GPTConfig) -> torch.nn.Module:
@@ -239,7 +239,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m cudagraphify.bench_compose",
+    p = argparse.ArgumentParser(prog="python -m cudagraphify.bench.compose",
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default="A", choices=sorted(WORKLOADS))
     p.add_argument("--only", nargs="*", default=None, help="combination keys to run")
@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="write the rows as JSON to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
-        print("bench_compose: no CUDA GPU here; FSDP2/DDP/compile with CUDA graphs need one.")
+        print("cudagraphify.bench.compose: no CUDA GPU here; FSDP2/DDP/compile with CUDA graphs need one.")
         return 0
     import torch.distributed as dist
 

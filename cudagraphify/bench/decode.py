@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from .bench import _error_text, _free_memory, _progress
+from ._common import error_text, free_memory, progress
 
 # Greedy decode of an HF transformers Llama from a small config (random weights, nothing
 # downloaded) with a static KV cache: the decode anchor of the design notes.
@@ -40,17 +40,25 @@ def static_cache(transformers, config, batch: int, max_len: int, device, dtype):
     raise error
 
 
+def cache_keyword(model) -> str:
+    """The name under which ``model.forward`` takes the KV cache (``cache`` since transformers
+    5.2x, ``past_key_values`` before) and its output returns it."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
+
+
 def decode_step(model):
     """``step(input_ids, cache_position, cache)``: one greedy token per sequence, (batch, 1).
     Every per-step value is a tensor, so one graph serves every step."""
     # transformers 4.x takes cache_position (where the static cache writes); 5.x keeps that
     # position in the cache (a tensor) and takes position_ids only.
     takes_cache_position = "cache_position" in inspect.signature(model.forward).parameters
+    keyword = cache_keyword(model)
 
     def step(input_ids, cache_position, cache):
         extra = {"cache_position": cache_position} if takes_cache_position else {}
         out = model(input_ids=input_ids, position_ids=cache_position.unsqueeze(0),
-                    past_key_values=cache, use_cache=True, **extra)
+                    use_cache=True, **{keyword: cache}, **extra)
         return out.logits[:, -1].argmax(-1, keepdim=True)
 
     return step
@@ -88,13 +96,13 @@ def bench_decode(new_tokens: int = 64, repeats: int = 5, batch: int = 1, prompt_
     try:
         import transformers
     except Exception as e:
-        row["error"] = f"transformers is not importable ({_error_text(e, 160)})"
+        row["error"] = f"transformers is not importable ({error_text(e, 160)})"
         return row
     try:
         _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, device, dtype,
                      sizes)
     except Exception as e:  # an API this code did not foresee: say so, keep the other rows
-        row["error"] = _error_text(e)
+        row["error"] = error_text(e)
     return row
 
 
@@ -123,12 +131,12 @@ def _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, devi
         return [t for t, _, _ in runs]
 
     with torch.no_grad():
-        _progress(f"llama-decode: eager ({new_tokens} tokens, {repeats} runs)")
+        progress(f"llama-decode: eager ({new_tokens} tokens, {repeats} runs)")
         eager_cache = static_cache(transformers, config, batch, prompt_len + new_tokens,
                                     device, dtype)
         ref, _, _ = _generate(step, step, eager_cache, prompt, positions, new_tokens, sync)
         if on_gpu:  # the extra peak memory of one eager decode run (its cache already made)
-            _free_memory()
+            free_memory()
             before = torch.cuda.memory_allocated()
             torch.cuda.reset_peak_memory_stats()
             _generate(step, step, eager_cache, prompt, positions, new_tokens, sync)
@@ -137,14 +145,14 @@ def _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, devi
         row["eager_runs_identical"] = all(torch.equal(t, ref) for t in eager_runs)
         if not on_gpu:
             return
-        _progress("llama-decode: graphify (the first decode step warms up and captures)")
+        progress("llama-decode: graphify (the first decode step warms up and captures)")
         graphed = cg.graphify(step, static_argnames=("cache",))
         cache = static_cache(transformers, config, batch, prompt_len + new_tokens, device,
                               dtype)
         # transformers 5 allocates a static cache's tensors on its first update: make them
         # before measuring, so that the peak below is the graph's, not the cache's
         _generate(step, step, cache, prompt, positions, 2, sync)
-        _free_memory()
+        free_memory()
         before = torch.cuda.memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         first_tokens, _, first = _generate(graphed, step, cache, prompt, positions, new_tokens,

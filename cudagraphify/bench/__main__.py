@@ -1,0 +1,7 @@
+"""``python -m cudagraphify.bench``: see :mod:`cudagraphify.bench`."""
+
+import sys
+
+from . import main
+
+sys.exit(main())

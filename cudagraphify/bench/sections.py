@@ -1,0 +1,196 @@
+"""The benchmark's optional sections on workload A's GPT: a training step (``--train``),
+``share_graph`` against per-layer graphs at several depths (``--share``), and a host sync in every
+block (``--sync``). Each returns its row(s); ``format_*`` puts a row in words."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from ._common import progress, time_per_call
+from .models import GPT, GPTConfig, model_and_input
+
+__all__ = ["bench_training", "bench_share", "bench_sync", "format_training", "format_share",
+           "format_sync"]
+
+
+def _peak_extra_mb(fn, x, steps: int = 3) -> float:
+    """Peak memory above what was allocated before, over a few calls (MB)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(steps):
+        fn(x)
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - before) / 2**20
+
+
+def bench_training(name: str, cfg: GPTConfig, calls: int, repeats: int) -> dict:
+    """A training step (forward, ``.sum().backward()``): eager, graphify, make_graphed_callables.
+
+    Two ways to treat gradients: ``accumulate`` (``.grad`` adds up over steps, as in gradient
+    accumulation) and ``set_to_none`` (``zero_grad(set_to_none=True)`` before every step).
+    """
+    import cudagraphify as cg
+
+    base, x = model_and_input(cfg, "cuda")
+    base.train()
+    row: dict = {"workload": f"{name}-train", "config": repr(cfg)}
+
+    def step(fn, module, mode):
+        params = list(module.parameters())
+
+        def run(inp):
+            if mode == "set_to_none":
+                for p in params:
+                    p.grad = None
+            fn(inp).sum().backward()
+        return run
+
+    def fresh():
+        m = GPT.from_config(cfg, "cuda").train()
+        m.load_state_dict(base.state_dict())
+        return m
+
+    g = cg.graphify(fresh())
+    progress(f"{name}-train: graphify (forward and backward captures), then "
+              "make_graphed_callables")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    step(g, g, "accumulate")(x), step(g, g, "accumulate")(x)
+    torch.cuda.synchronize()
+    row["graphify_first_call_s"] = time.perf_counter() - t0
+    mgc_model = fresh()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    mgc = torch.cuda.make_graphed_callables(mgc_model, (x,))
+    step(mgc, mgc_model, "accumulate")(x)
+    torch.cuda.synchronize()
+    row["make_graphed_callables_first_call_s"] = time.perf_counter() - t0
+    for mode in ("accumulate", "set_to_none"):
+        for label, fn, module in (("eager", base, base), ("graphify", g, g),
+                                  ("make_graphed_callables", mgc, mgc_model)):
+            run = step(fn, module, mode)
+            row[f"{label}_{mode}_us"] = time_per_call(run, x, calls, repeats)
+            row[f"{label}_{mode}_peak_mb"] = _peak_extra_mb(run, x)
+        row[f"graphify_vs_eager_{mode}"] = row[f"graphify_{mode}_us"] / row[f"eager_{mode}_us"]
+        row[f"graphify_vs_make_graphed_callables_{mode}"] = (
+            row[f"graphify_{mode}_us"] / row[f"make_graphed_callables_{mode}_us"])
+    s = cg.stats(g)
+    row["graphify_captures"], row["graphify_replays"] = s.captures, s.replays
+    row["graphify_eager_calls"] = s.eager
+    row["graphify_warmup_s"], row["graphify_capture_s"] = s.warmup_seconds, s.capture_seconds
+    return row
+
+
+def bench_share(name: str, cfg: GPTConfig, depths: list[int], calls: int, repeats: int) -> list:
+    """share_graph vs per-layer graphify over the blocks of a GPT of each depth: time to the
+    first graphed forward, capture seconds, µs per forward, graph pool MB, error vs eager."""
+    import cudagraphify as cg
+
+    rows = []
+    for depth in depths:
+        c = dataclasses.replace(cfg, layers=depth)
+        ref, x = model_and_input(c, "cuda")
+        row: dict = {"workload": f"{name}-share-L{depth}", "config": repr(c)}
+        with torch.no_grad():
+            want = ref(x)
+            row["eager_us"] = time_per_call(ref, x, calls, repeats)
+            for label in ("per_layer", "share_graph"):
+                progress(f"{name} L={depth}: {label}")
+                model = GPT.from_config(c, "cuda")
+                model.load_state_dict(ref.state_dict())
+                if label == "share_graph":
+                    group = cg.share_graph(model.blocks)
+                else:
+                    for blk in model.blocks:
+                        cg.graphify(blk)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                model(x)  # warm-up + capture (or retarget) of every block
+                torch.cuda.synchronize()
+                row[f"{label}_first_call_s"] = time.perf_counter() - t0
+                stats = [cg.stats(b) for b in model.blocks]
+                row[f"{label}_capture_s"] = sum(st.capture_seconds for st in stats)
+                row[f"{label}_us"] = time_per_call(model, x, calls, repeats)
+                row[f"{label}_max_abs_err"] = (model(x).float() - want.float()).abs().max().item()
+                pool = sum(st.graph_pool_bytes for st in stats)
+                if label == "share_graph":
+                    gs = group.stats()
+                    pool += gs.template_pool_bytes
+                    row["share_graph_stats"] = dataclasses.asdict(gs)
+                    row["share_graph_capture_s"] = gs.capture_seconds + gs.build_seconds
+                row[f"{label}_pool_mb"] = pool / 2**20
+                del model
+        row["share_vs_per_layer_us"] = row["share_graph_us"] / row["per_layer_us"]
+        rows.append(row)
+    return rows
+
+
+def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -> dict:
+    """A GPT with a host sync in every block: eager vs graphify (piecewise) vs graphify of the
+    same GPT without the sync."""
+    import cudagraphify as cg
+
+    model, x = model_and_input(cfg, "cuda", sync)
+    row: dict = {"workload": f"{name}-{sync}", "config": repr(cfg)}
+    with torch.no_grad():
+        ref = model(x)
+        row["eager_us"] = time_per_call(model, x, calls, repeats)
+        graphed = GPT.from_config(cfg, "cuda", sync=sync)
+        graphed.load_state_dict(model.state_dict())
+        cg.graphify(graphed)
+        for _ in range(3):
+            graphed(x)
+        row["graphify_us"] = time_per_call(graphed, x, calls, repeats)
+        row["graphify_max_abs_err"] = (graphed(x).float() - ref.float()).abs().max().item()
+        row["explain"] = str(cg.explain(graphed))
+        plain = GPT.from_config(cfg, "cuda")
+        plain.load_state_dict(model.state_dict())
+        cg.graphify(plain)
+        plain(x), plain(x)
+        row["graphify_without_sync_us"] = time_per_call(plain, x, calls, repeats)
+    row["graphify_vs_eager"] = row["graphify_us"] / row["eager_us"]
+    row["graphify_vs_graphify_without_sync"] = row["graphify_us"] / row["graphify_without_sync_us"]
+    return row
+
+
+def format_sync(r: dict) -> str:
+    return (f"{r['workload']}: eager {r['eager_us']:.0f} µs, graphify (piecewise) "
+            f"{r['graphify_us']:.0f} µs ({r['graphify_vs_eager']:.3f} of eager), graphify "
+            f"without the sync {r['graphify_without_sync_us']:.0f} µs; max abs err "
+            f"{r['graphify_max_abs_err']:.2e}\n{r['explain']}")
+
+
+def format_training(r: dict) -> str:
+    name = r["workload"]
+    lines = [f"{name} ({mode}): eager {r[f'eager_{mode}_us']:.0f} µs, graphify "
+             f"{r[f'graphify_{mode}_us']:.0f} µs, make_graphed_callables "
+             f"{r[f'make_graphed_callables_{mode}_us']:.0f} µs; graphify/mgc "
+             f"{r[f'graphify_vs_make_graphed_callables_{mode}']:.3f}; peak MB eager "
+             f"{r[f'eager_{mode}_peak_mb']:.0f} graphify {r[f'graphify_{mode}_peak_mb']:.0f} "
+             f"mgc {r[f'make_graphed_callables_{mode}_peak_mb']:.0f}"
+             for mode in ("accumulate", "set_to_none")]
+    lines.append(f"{name} first call: graphify {r['graphify_first_call_s']:.3f} s (warm-up "
+                 f"{r['graphify_warmup_s']:.3f} s, capture {r['graphify_capture_s']:.3f} s), "
+                 f"make_graphed_callables {r['make_graphed_callables_first_call_s']:.3f} s")
+    return "\n".join(lines)
+
+
+SHARE_HEADING = ("share_graph vs per-layer graphify (workload A blocks): first call s, capture s, "
+                 "µs per forward, pool MB")
+
+
+def format_share(r: dict) -> str:
+    gs = r["share_graph_stats"]
+    return (f"{r['workload']}: eager {r['eager_us']:.0f} µs | per-layer "
+            f"{r['per_layer_first_call_s']:.3f} s, {r['per_layer_capture_s']:.3f} s, "
+            f"{r['per_layer_us']:.0f} µs, {r['per_layer_pool_mb']:.1f} MB | share_graph "
+            f"{r['share_graph_first_call_s']:.3f} s, {r['share_graph_capture_s']:.3f} s "
+            f"(of it build {gs['build_seconds']:.3f} s), {r['share_graph_us']:.0f} µs, "
+            f"{r['share_graph_pool_mb']:.1f} MB | share/per-layer "
+            f"{r['share_vs_per_layer_us']:.3f}; captures {gs['captures']}, retargets "
+            f"{gs['retargets']}, per-layer {gs['per_layer']} {gs['reasons'] or ''}; err "
+            f"{r['share_graph_max_abs_err']:.1e}")
