@@ -3,15 +3,16 @@ call to :mod:`._first_call` and record what it decided.
 
 One :class:`GraphedState` exists per graphed module instance (or graphed function). A call:
 
-1. **fast path** — the entry the previous call replayed, for calls of positional tensors under
-   ``no_grad``/``inference_mode``: every guard in a few C calls (argument layouts, global flags,
-   parameter addresses and buffer layouts, the module-state epoch, the stream), then replay.
+1. **fast path** — the entry the previous call replayed, for calls whose arguments are tensors,
+   under ``no_grad``/``inference_mode``: every guard in a few C calls (argument layouts, global
+   flags, parameter addresses and buffer layouts, the module-state epoch, the stream), then
+   replay.
+   Likewise the previous call's decision to run eagerly (an opaque argument, or a remembered
+   eager or piecewise decision), re-checked cheaply (:class:`_EagerFast`).
 2. **slow path** — the statics guard (parameters and buffers still where the graphs read them);
-   top-level arguments of opaque types decide "eager" without flattening anything; a cheap
-   per-structure verdict skips the full lookup for call shapes that keep deciding "eager";
-   else the signature is built, its key looked up (the active region's cache, else the
-   state's own), and the first entry that fits (module state, global flags) is replayed or
-   run eagerly;
+   top-level arguments of opaque types decide "eager" without flattening anything; else the
+   signature is built, its key looked up (the active region's cache, else the state's own),
+   and the first entry that fits (module state, global flags) is replayed or run eagerly;
 3. **first call** — :class:`~._first_call.FirstCall` warms up, screens, captures and verifies;
    its :class:`~._first_call.Outcome` is recorded here (the engine is the only place that
    counts or writes a cache).
@@ -37,7 +38,7 @@ from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
 from ._replay import CapturedGraph
-from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
+from ._signature import Unkeyable, is_opaque, build_signature, opaque_argument, storage_of
 from ._statics import StaticState
 from ._training import TrainingGraph
 
@@ -93,10 +94,8 @@ class GraphedState:
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
         self._stream_token: int | None = None
-        self._fast: _Fast | None = None  # the last replayed entry's checks, or None
-        self._verdicts: dict = {}  # call structure -> _Verdict
-        self._verdict_epoch = _guards.epoch
-        self._shape = None  # the structure of the call in progress (under the lock)
+        # the previous call's decision, checked cheaply: _Fast (a replay) or _EagerFast
+        self._fast: _Fast | _EagerFast | None = None
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
     def __deepcopy__(self, memo) -> None:
@@ -111,7 +110,7 @@ class GraphedState:
         """Call ``fn(*args, **kwargs)`` through the graphs of this state."""
         fast = self._fast
         if fast is not None:
-            out = fast.call(args, kwargs)
+            out = fast.call(fn, args, kwargs)
             if out is not _MISS:
                 return out
         enabled = self.options.enabled
@@ -151,6 +150,10 @@ class GraphedState:
             self._still += 1
             if self._still >= _STILL_CALLS:
                 self._moves = 0
+        if torch.is_grad_enabled():
+            why = self._training_refused()
+            if why is not None:
+                return self._eager(why, fn, args, kwargs)
         if self._moves > _MAX_MOVES:
             return self._eager(
                 f"parameters or buffers keep moving to new memory ({self._last_move(moved)}; "
@@ -159,25 +162,16 @@ class GraphedState:
         opaque = opaque_argument(args, kwargs, self.static_positions, self.static_names)
         if opaque is not None:
             _refuse_tracers(args, kwargs)
+            self._fast = _EagerFast.opaque(self, region, opaque, args, kwargs)
             return self._eager(opaque, fn, args, kwargs)
-        if self._verdict_epoch != _guards.epoch:  # module state changed: decide afresh
-            self._verdicts.clear()
-            self._verdict_epoch = _guards.epoch
-        self._shape = shape = _structure(args, kwargs)
-        verdict = self._verdicts.get(shape)
-        if verdict is not None and verdict.skip():
-            return self._eager(verdict.reason, fn, args, kwargs)
         sig, leaves, static_flags = build_signature(args, kwargs, self.static_positions,
                                                     self.static_names)
         if isinstance(sig, Unkeyable):
-            return self._eager(sig.reason, fn, args, kwargs, decided=True)
-        training = sig.state.grad and (
-            bool(self.statics.grad_params())
-            or any(isinstance(x, _Tensor) and x.requires_grad for x in leaves))
-        if training:
-            why = self._training_refused()
-            if why is not None:
-                return self._eager(why, fn, args, kwargs)
+            return self._eager(sig.reason, fn, args, kwargs)
+        if sig.state.grad and _saved_tensors_hooks(False) is not None:
+            return self._eager("inside saved-tensor hooks (activation checkpointing, "
+                               "save_on_cpu): they must see the forward's own tensors, which a "
+                               "graph keeps to itself", fn, args, kwargs)
         cache = region.cache_for(self) if region is not None else self.cache
         key = self.policy.full_key(sig)
         if sig.state.grad and self.statics.tensors:  # which parameters require grad
@@ -200,11 +194,12 @@ class GraphedState:
             kind = type(entry)
             if kind is CapturedGraph or kind is TrainingGraph:
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
-            return self._eager(entry.reason, fn, args, kwargs, decided=True)
+            self._fast = _EagerFast.decided(self, region, entry, args, kwargs)
+            return self._eager(entry.reason, fn, args, kwargs)
         reason = self._ineligible(backend, leaves, cache)
         if reason is not None:
             cache.put(key, EagerEntry(reason, self))
-            return self._eager(reason, fn, args, kwargs, decided=True)
+            return self._eager(reason, fn, args, kwargs)
         first = FirstCall(self, backend, region, key, sig, leaves, static_flags, fn, args,
                           kwargs, self._device)
         try:
@@ -214,14 +209,12 @@ class GraphedState:
         return self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs)
 
     def _training_refused(self) -> str | None:
+        """Why grad-mode calls run eagerly (a backward cannot follow), or None."""
         if self._train_eager:
             return self._train_eager
         if reshards_after_forward(self.statics.root) or \
                 self._parent_reshards(self.statics.modules):
             return RESHARDS
-        if _saved_tensors_hooks(False) is not None:
-            return ("inside saved-tensor hooks (activation checkpointing, save_on_cpu): they "
-                    "must see the forward's own tensors, which a graph keeps to itself")
         return None
 
     def _replay(self, backend, region, entry, leaves: list, fn, args, kwargs) -> Any:
@@ -255,14 +248,13 @@ class GraphedState:
                 # Another stream replayed last: its copies may still be in flight.
                 backend.order_after(device, holder._stream_token)
             holder._stream_token = token
-        self._verdict_graphed()
         self.replays += 1
         if region is not None:
             region.replays += 1
         if training:
             return entry.run(leaves, self.statics.grad_params(), self)
         out = entry.run(leaves)
-        self._fast = _Fast.make(self, entry, region, backend, args, token)
+        self._fast = _Fast.make(self, entry, region, backend, args, kwargs, token)
         return out
 
     def _last_move(self, moved: str | None) -> str:
@@ -278,33 +270,12 @@ class GraphedState:
         return self.share[0] if self.share is not None else self
 
     def _eager(self, reason: str, fn: Callable, args: tuple, kwargs: dict,
-               warn: bool = True, decided: bool = False) -> Any:
-        """Count and warn (once per reason), then run ``fn`` eagerly. ``decided``: the full
-        lookup decided it (the call structure's verdict learns from it)."""
+               warn: bool = True) -> Any:
+        """Count and warn (once per reason), then run ``fn`` eagerly."""
         self.eager_calls[reason] += 1
         if warn:
             warn_once(self._warned, self.name, reason)
-        if decided:
-            self._verdict_eager(reason)
         return fn(*args, **kwargs)
-
-    # -- verdicts: cheap "eager" for call structures that keep deciding it -------------------
-
-    def _verdict_eager(self, reason: str) -> None:
-        shape = self._shape
-        if shape is None:
-            return
-        v = self._verdicts.get(shape)
-        if v is None:
-            if len(self._verdicts) > 256:
-                self._verdicts.clear()
-            v = self._verdicts[shape] = _Verdict()
-        v.eager(reason)
-
-    def _verdict_graphed(self) -> None:
-        v = self._verdicts.get(self._shape)
-        if v is not None:
-            v.graphed()
 
     # -- recording a first call's outcome -----------------------------------------------------
 
@@ -339,7 +310,6 @@ class GraphedState:
         cache.put(key, entry)
         self.eager_calls[reason] += 1
         warn_once(self._warned, self.name, reason)
-        self._verdict_eager(reason)
         return outcome.result
 
     def _record_graph(self, outcome: Outcome, backend, region, cache, key, leaves, fn, args,
@@ -363,7 +333,6 @@ class GraphedState:
                       "least recently used graphs are released and re-captured when needed",
                       what="evicts graphs")
         self._stream_holder(region)._stream_token = backend.stream_token(entry.device)
-        self._verdict_graphed()
         if outcome.replay:
             # In a chaining region the first call returns the graph's own (aliased) outputs, so
             # the next graphed call is captured reading them in place. Nothing was written, so
@@ -445,67 +414,104 @@ def drain(device: torch.device | None, token: int | None) -> None:
         fn(device, token)
 
 
-class _Verdict:
-    """How calls of one structure (argument types and container lengths) were decided lately.
+class _EagerFast:
+    """The previous call's decision to run eagerly, for calls that would decide the same.
 
-    After two full lookups in a row decided "eager", the next calls of that structure run
-    eagerly without a lookup, for a window that doubles (2, 4, ... 1024 calls) while the full
-    lookups keep deciding "eager". Running eagerly is always correct: the window only delays
-    graphing a call that could have been graphed. A graphed call, or a module-state change,
-    resets it."""
+    - ``opaque``: a top-level argument of a type the signature cannot hold; a call with the
+      same argument names, and that type in that place, runs eagerly without more ado.
+    - ``decided``: a remembered decision (an eager or piecewise entry) for calls whose tensor
+      arguments have the same layouts (checked in C), whose other top-level arguments are the
+      same objects, while the entry's module state and global flags hold.
 
-    __slots__ = ("streak", "window", "left", "reason")
+    Running eagerly is always correct; these checks only make sure that a call that could be
+    graphed is not kept from its graph."""
 
-    def __init__(self):
-        self.streak, self.window, self.left, self.reason = 0, 2, 0, ""
+    __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
+                 "same", "entry")
 
-    def skip(self) -> bool:
-        if self.left > 0:
-            self.left -= 1
-            return True
-        return False
+    @staticmethod
+    def opaque(state: GraphedState, region, reason: str, args: tuple,
+               kwargs: dict) -> "_EagerFast | None":
+        if state.options.enabled is not True:
+            return None
+        self = _EagerFast._new(state, region, reason, args, kwargs)
+        values = (*args, *kwargs.values())
+        self.types = [(i, type(v)) for i, v in enumerate(values) if is_opaque(type(v))]
+        return self
 
-    def eager(self, reason: str) -> None:
-        self.reason = reason
-        self.streak += 1
-        if self.streak >= 2:
-            self.left = self.window
-            self.window = min(self.window * 2, 1024)
+    @staticmethod
+    def decided(state: GraphedState, region, entry, args: tuple,
+                kwargs: dict) -> "_EagerFast | None":
+        if state.options.enabled is not True:
+            return None
+        self = _EagerFast._new(state, region, entry.reason, args, kwargs)
+        values = (*args, *kwargs.values())
+        self.tensors = [i for i, v in enumerate(values) if type(v) is _Tensor
+                        or type(v) is _Parameter]
+        if len(self.tensors) != sum(isinstance(v, _Tensor) for v in values):
+            return None  # a tensor subclass: decide again
+        ts = [values[i] for i in self.tensors]
+        self.tguard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
+                                    dynamic_dims_strides=[list(t.stride()) for t in ts])
+        self.same = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
+        self.entry = entry
+        return self
 
-    def graphed(self) -> None:
-        self.streak, self.window, self.left = 0, 2, 0
+    @staticmethod
+    def _new(state, region, reason, args, kwargs) -> "_EagerFast":
+        self = _EagerFast()
+        self.state, self.region, self.reason = state, region, reason
+        self.n, self.names = len(args), tuple(kwargs)
+        self.types, self.tensors, self.tguard, self.same, self.entry = (), (), None, (), None
+        return self
 
-
-def _structure(args: tuple, kwargs: dict) -> tuple:
-    """The structure of a call without looking inside its containers: argument types, keyword
-    names and the lengths of top-level containers."""
-    return (tuple([type(a) if type(a) not in (tuple, list, dict) else (type(a), len(a))
-                   for a in args]),
-            tuple([(k, type(v) if type(v) not in (tuple, list, dict) else (type(v), len(v)))
-                   for k, v in kwargs.items()]))
+    def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if len(args) != self.n or tuple(kwargs) != self.names \
+                or _region_stack() is not self.region:
+            return _MISS
+        values = (*args, *kwargs.values()) if kwargs else args
+        if self.types:
+            for i, tp in self.types:
+                if type(values[i]) is not tp:
+                    return _MISS
+        else:
+            for i, v in self.same:
+                if values[i] is not v:
+                    return _MISS
+            if not self.tguard.check(*[values[i] for i in self.tensors]):
+                return _MISS
+            entry = self.entry
+            if (entry.flags is not None and not entry.flags.check()) or (
+                    entry.state is not None and not entry.state.valid()):
+                return _MISS
+        self.state.eager_calls[self.reason] += 1
+        return fn(*args, **kwargs)
 
 
 class _Fast:
     """Every check of the entry the previous call replayed, in a few C calls, then its replay.
 
-    Made only for an inference graph of this callable's own, called with positional tensors
-    (plain tensors or parameters) while grad mode is off, with ``enabled=True`` and no moves
+    Made only for an inference graph of this callable's own, called with tensors (plain tensors
+    or parameters; positional, or by keyword in the same order) while grad mode is off, with ``enabled=True`` and no moves
     pending. Any failed check (or anything unusual) hands the call to the slow path."""
 
-    __slots__ = ("state", "entry", "region", "n", "tguard", "statics", "in_capture",
+    __slots__ = ("state", "entry", "region", "n", "names", "tguard", "statics", "in_capture",
                  "stream", "holder", "inplace", "slots")
 
     @staticmethod
-    def make(state: GraphedState, entry, region, backend, args: tuple, token) -> "_Fast | None":
+    def make(state: GraphedState, entry, region, backend, args: tuple, kwargs: dict,
+             token) -> "_Fast | None":
         if state.options.enabled is not True or state._moves or entry.owner is not state \
                 or entry.flags is None or torch.is_grad_enabled() or entry.hazard:
             return None
-        if not args or not all(type(a) is _Tensor or type(a) is _Parameter for a in args):
+        leaves = (*args, *kwargs.values())  # the order build_signature flattens them in
+        if not leaves or not all(type(a) is _Tensor or type(a) is _Parameter for a in leaves):
             return None
         self = _Fast()
         self.state, self.entry, self.region, self.n = state, entry, region, len(args)
-        self.tguard = _TensorGuards(*args, dynamic_dims_sizes=[list(a.shape) for a in args],
-                                    dynamic_dims_strides=[list(a.stride()) for a in args])
+        self.names = tuple(kwargs)
+        self.tguard = _TensorGuards(*leaves, dynamic_dims_sizes=[list(a.shape) for a in leaves],
+                                    dynamic_dims_strides=[list(a.stride()) for a in leaves])
         self.statics = state.statics
         self.in_capture = getattr(backend, "in_capture_now", backend.in_capture)
         getter = getattr(backend, "stream_getter", None)
@@ -516,8 +522,14 @@ class _Fast:
         self.slots = entry.seq is not None
         return self
 
-    def call(self, args: tuple, kwargs: dict) -> Any:
-        if kwargs or len(args) != self.n or nesting[0] or _region_stack() is not self.region:
+    def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if len(args) != self.n or nesting[0] or _region_stack() is not self.region:
+            return _MISS
+        if kwargs:
+            if tuple(kwargs) != self.names:
+                return _MISS
+            args = (*args, *kwargs.values())
+        elif self.names:
             return _MISS
         state, region = self.state, self.region
         if region is not None:

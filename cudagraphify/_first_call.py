@@ -108,6 +108,7 @@ class FirstCall:
         self.training = False
         self.result: Any = None
         self.saved: set[int] = set()  # training: Function inputs autograd saves for backward
+        self.short_of_memory = ""  # why the inputs could not be copied to check writes
 
     # -- 1. warm up ------------------------------------------------------------------------
 
@@ -129,10 +130,14 @@ class FirstCall:
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.tensor_idx = [i for i, _ in tensors]
         marks = _marks([x for _, x in tensors])
-        # Copied inputs are also compared by value: a kernel launched outside aten (Triton,
-        # C++) writes where neither version counters nor the write watch look.
-        before = {i: x.clone() for i, x in tensors if not self.static_flags[i]
-                  and not x.is_inference()}
+        # Copied inputs are also compared by value: a kernel launched outside torch's Python
+        # API (Triton, C++) writes where neither version counters nor the probe look.
+        try:
+            before = {i: x.clone() for i, x in tensors if not self.static_flags[i]
+                      and not x.is_inference()}
+        except torch.OutOfMemoryError as e:  # the call itself must not fail for it
+            before = None
+            self.short_of_memory = f"out of memory preparing the capture: {_first_line(e)}"
         self.watchable, buffers = statics.watchable()
         static_marks = _marks(self.watchable, buffers)
         self.probe = probe = new_probe(self.state)
@@ -162,7 +167,8 @@ class FirstCall:
         self.mutated = sorted(
             {tensors[j][0] for j in written_idx}
             | {i for i, x in tensors if storage_of(x) in written}
-            | {i for i, b in before.items() if not _same_values(leaves[i], b)})
+            | {i for i, b in (before or {}).items() if not _same_values(leaves[i], b)})
+        del before
         wrote = set(_written(self.watchable, static_marks)) | {
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
         self.wrote_statics = sorted(wrote)
@@ -171,6 +177,9 @@ class FirstCall:
     # -- 2. screen -------------------------------------------------------------------------
 
     def screen(self) -> Outcome | None:
+        if self.short_of_memory:  # writes could not be checked: try again on a later call
+            return Outcome(DEFERRED, self.result, reason=f"capture deferred (retried on a later "
+                           f"call): {self.short_of_memory}", guard=self.warm_guard)
         probe = self.probe
         findings: dict[str, list[Finding]] = {}
         if probe is not None and probe.findings:
@@ -464,7 +473,8 @@ class FirstCall:
         root = self.statics.root
         modules = [m for m in self.statics.modules if m is not root]
         return StateGuard(list(rec.reads.values()),
-                          hooks=lambda: _guards.hook_fingerprint(modules))
+                          hooks=lambda: _guards.hook_fingerprint(modules),
+                          bindings=_guards.function_bindings(self.fn))
 
     # -- the captured path of capture-aware code -------------------------------------------
 

@@ -4,10 +4,10 @@ A graph replays fixed kernels with fixed scalars on fixed memory. Everything a f
 read to choose them must still hold when the graph replays. This module records what a run reads
 and guards it cheaply:
 
-- **The epoch**: one global counter, bumped by every write no per-call check can see:
-  ``nn.Module.__setattr__``/``__delattr__`` (patched once, on first use), module hook
-  registration and removal, and writes into a module's ``_parameters``/``_buffers``/``_modules``
-  (see :mod:`._statics`). A call whose epoch equals the one its graph was last validated at
+- **The epoch**: one global counter, bumped by every write to a module a graph depends on (a
+  *watched* one, see :mod:`._statics`) that no per-call check can see:
+  ``nn.Module.__setattr__``/``__delattr__`` (patched once, on first use), and module hook
+  registration and removal. Modules no graph reads never bump it. A call whose epoch equals the one its graph was last validated at
   skips every attribute check.
 - **Reads**: while a :class:`Recorder` is active on a thread, ``nn.Module.__getattribute__``
   records every instance attribute a module's code reads (``self.scale``, ``self.training``,
@@ -39,9 +39,10 @@ from torch.nn.modules import module as _module_mod
 from torch.utils import hooks as _torch_hooks
 
 from ._signature import is_constant
+from ._statics import _WatchedDict, watch, watched
 
 __all__ = ["bump", "install", "Recorder", "recording", "StateGuard", "global_flags",
-           "FlagsGuard", "hook_fingerprint", "INTERNAL_ATTRS"]
+           "FlagsGuard", "hook_fingerprint", "INTERNAL_ATTRS", "function_bindings"]
 
 _counter = itertools.count(1)
 epoch = 0  # read as ``_guards.epoch``: bumped by every module write the per-call path cannot see
@@ -62,9 +63,12 @@ _GLOBAL_HOOK_FUNCTIONS = ("register_module_forward_hook", "register_module_forwa
                           "register_module_full_backward_pre_hook")
 
 
-def _bumping(fn: Callable) -> Callable:
+def _bumping(fn: Callable, watched_only: bool = False) -> Callable:
+    """``fn`` that bumps the epoch first (for a module method with ``watched_only``: only when
+    a graph depends on the module)."""
     def wrapper(*args, **kwargs):
-        bump()
+        if not watched_only or (args and watched(args[0])):
+            bump()
         return fn(*args, **kwargs)
 
     wrapper.__name__ = fn.__name__
@@ -84,22 +88,24 @@ def install() -> None:
         set_attr, del_attr = cls.__setattr__, cls.__delattr__
 
         def __setattr__(self, name, value):  # noqa: N807 - the patched special method
-            global epoch
-            epoch = next(_counter)
-            rec = _recorders.get(threading.get_ident())
-            if rec is not None:
-                rec.wrote(self, name, value)
+            if type(self.__dict__.get("_parameters")) is _WatchedDict:  # a graph reads it
+                global epoch
+                epoch = next(_counter)
+                rec = _recorders.get(threading.get_ident())
+                if rec is not None:
+                    rec.wrote(self, name, value)
             set_attr(self, name, value)
 
         def __delattr__(self, name):  # noqa: N807
-            global epoch
-            epoch = next(_counter)
+            if type(self.__dict__.get("_parameters")) is _WatchedDict:
+                global epoch
+                epoch = next(_counter)
             del_attr(self, name)
 
         cls.__setattr__ = __setattr__
         cls.__delattr__ = __delattr__
         for name in _HOOK_METHODS:
-            setattr(cls, name, _bumping(getattr(cls, name)))
+            setattr(cls, name, _bumping(getattr(cls, name), watched_only=True))
         for name in _GLOBAL_HOOK_FUNCTIONS:
             fn = getattr(_module_mod, name, None)
             if fn is not None:
@@ -130,11 +136,33 @@ def hook_fingerprint(modules: list[nn.Module]) -> tuple:
     again when the epoch moves."""
     own = tuple((i, tuple(tuple(m.__dict__.get(n, ())) for n in _HOOK_DICTS[:4]))
                 for i, m in enumerate(modules) if hooked(m))
-    return own, tuple(tuple(getattr(_module_mod, n, ())) for n in _GLOBAL_HOOK_DICTS)
+    return own, _global_hook_ids()
+
+
+_OWN_HOOKS: set[int] = set()  # handle ids of the global hooks cudagraphify's probes register
+
+
+def _global_hook_ids() -> tuple:
+    return tuple(tuple(k for k in getattr(_module_mod, n, ()) if k not in _OWN_HOOKS)
+                 for n in _GLOBAL_HOOK_DICTS)
 
 
 def global_hooks() -> bool:
-    return any(getattr(_module_mod, n, None) for n in _GLOBAL_HOOK_DICTS)
+    """Whether the process has global module hooks (besides cudagraphify's own probes')."""
+    return any(_global_hook_ids())
+
+
+@contextlib.contextmanager
+def own_global_hook(register: Callable, hook: Callable, **kwargs) -> Iterator[None]:
+    """``register(hook)`` (a ``register_module_*_hook``) for the block: cudagraphify's own,
+    so it does not count as the user's global hook (see :func:`global_hooks`)."""
+    handle = register(hook, **kwargs)
+    _OWN_HOOKS.add(handle.id)
+    try:
+        yield
+    finally:
+        handle.remove()
+        _OWN_HOOKS.discard(handle.id)
 
 
 # -- global flags --------------------------------------------------------------------------
@@ -292,11 +320,10 @@ def recording(rec: Recorder) -> Iterator[Recorder]:
     tid = threading.get_ident()
     outer = _recorders.get(tid)
     _recorders[tid] = rec
-    handle = _module_mod.register_module_forward_pre_hook(rec._pre)
     try:
-        yield rec
+        with own_global_hook(_module_mod.register_module_forward_pre_hook, rec._pre):
+            yield rec
     finally:
-        handle.remove()
         if outer is not None:
             _recorders[tid] = outer
         else:
@@ -384,8 +411,14 @@ class StateGuard:
     ``why()`` says what changed.
     """
 
-    def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None):
+    def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None,
+                 bindings: list[tuple[str, Callable[[], Any], Any]] = ()):
         self._reads = [(r.module, r.name, r.value) for r in reads]
+        for r in reads:  # their attribute writes must bump the epoch
+            watch(r.module)
+        # names outside modules (a graphed function's closure cells and globals) that held a
+        # tensor: (what, how to read it now, the tensor), checked on every call
+        self._bindings = list(bindings)
         self._hooks = hooks
         self._hooks_then = hooks() if hooks is not None else None
         self.epoch = epoch
@@ -397,6 +430,9 @@ class StateGuard:
                 tensors.append(value)
             elif not is_constant(value):
                 _watch(value, checks, tensors, seen, 0)
+        for _, read, value in self._bindings:
+            checks.append(lambda read=read, value=value: read() is value)
+            tensors.append(value)
         self.tensors = _unique(tensors)  # held: never freed under a graph that reads them
         for t in self.tensors:
             checks.append(_tensor_check(t))
@@ -432,9 +468,42 @@ class StateGuard:
         changed = self._changed()
         if changed is not None:
             return changed
+        for what, read, value in self._bindings:
+            if read() is not value:
+                return f"{what} now names another object"
         if any(not check() for check in self._checks):
-            return "a mutable object or a tensor kept as a module attribute changed"
+            return ("a mutable object, or a tensor kept as a module attribute or named by the "
+                    "function, changed")
         return "unchanged"
+
+
+def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
+    """The tensors a graphed function (or forward) names directly, outside its arguments: in
+    its closure cells and among the globals its own code reads. Each as (what, how to read the
+    name now, the tensor); a :class:`StateGuard` holds them and checks the names still refer
+    to them, with their addresses and layouts. (Functions it calls are not looked into: a
+    tensor they read shows as a tensor from outside.)"""
+    func = getattr(fn, "__func__", fn)
+    func = getattr(func, "__wrapped__", func)
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return []
+    out = []
+    for name, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(value, torch.Tensor):
+            out.append((f"closure variable {name!r} of {func.__qualname__}",
+                        lambda cell=cell: cell.cell_contents, value))
+    space = getattr(func, "__globals__", {})
+    for name in code.co_names:
+        value = space.get(name)
+        if isinstance(value, torch.Tensor):
+            out.append((f"global {name!r} of {func.__module__}",
+                        lambda space=space, name=name: space.get(name), value))
+    return out
 
 
 def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

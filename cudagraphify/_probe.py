@@ -23,6 +23,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 from torch.overrides import TorchFunctionMode
 
+from ._guards import own_global_hook
 from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
 from ._signature import storage_of
 
@@ -300,9 +301,13 @@ class Probe:
     def __enter__(self) -> "Probe":
         self._thread = threading.get_ident()
         if self.names:
-            self._undo.append(_module_mod.register_module_forward_pre_hook(self._pre).remove)
-            self._undo.append(
-                _module_mod.register_module_forward_hook(self._post, always_call=True).remove)
+            for register, hook, kw in (
+                    (_module_mod.register_module_forward_pre_hook, self._pre, {}),
+                    (_module_mod.register_module_forward_hook, self._post,
+                     {"always_call": True})):
+                ctx = own_global_hook(register, hook, **kw)
+                ctx.__enter__()
+                self._undo.append(lambda ctx=ctx: ctx.__exit__(None, None, None))
         _acquire_patches()
         outer = _active.get(self._thread)
         _active[self._thread] = self

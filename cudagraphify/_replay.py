@@ -251,6 +251,7 @@ class CapturedGraph(Owned):
             hook()
         self.on_release = []
         raw, self.raw = self.raw, None
+        self._replay = None
         self._keep = []
         self._inputs = None
         self._copy = self._copy_back = []

@@ -23,6 +23,7 @@ __all__ = [
     "Constant",
     "build_signature",
     "call_state",
+    "is_opaque",
     "opaque_argument",
     "storage_of",
     "is_constant",
@@ -158,7 +159,7 @@ def call_state() -> CallState:
 _opaque_types: dict[type, bool] = {}
 
 
-def _is_opaque(tp: type) -> bool:
+def is_opaque(tp: type) -> bool:
     hit = _opaque_types.get(tp)
     if hit is None:
         hit = not (issubclass(tp, torch.Tensor) or tp in pytree.SUPPORTED_NODES
@@ -176,10 +177,10 @@ def opaque_argument(args: tuple, kwargs: dict, static_positions: frozenset[int],
     an argument of a type that is neither a tensor, an immutable value nor a container pytree
     knows, and not named in ``static_argnames``. None when the top level looks keyable."""
     for i, a in enumerate(args):
-        if _is_opaque(type(a)) and i not in static_positions:
+        if is_opaque(type(a)) and i not in static_positions:
             return _opaque_reason(f"argument {i}", a)
     for name, a in kwargs.items():
-        if _is_opaque(type(a)) and name not in static_names:
+        if is_opaque(type(a)) and name not in static_names:
             return _opaque_reason(f"argument {name!r}", a)
     return None
 

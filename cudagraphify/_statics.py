@@ -6,11 +6,12 @@ builds) and the shapes and strides of the buffers (they can be resized or ``set_
 Address equality means storage identity here because the guard keeps the captured storages
 alive: their memory cannot be freed and handed to another tensor while the guard holds them, so
 a new storage always shows a new address. Structural edits bump a generation counter and force a
-full re-scan that compares every tensor's address, shape, stride and dtype: ``setattr`` of a
-submodule, parameter or buffer (as ``load_state_dict(assign=True)`` or ``self.w = self.w[:4]``
-do) through PyTorch's module registration hooks, and direct writes into
-``_parameters``/``_buffers``/``_modules`` (as ``.to()`` does for buffers) because the guard
-replaces those dicts by watched ones. A replaced submodule invalidates too, even without
+full re-scan that compares every tensor's address, shape, stride and dtype: every write into a
+scanned module's ``_parameters``/``_buffers``/``_modules`` (``setattr`` of a submodule,
+parameter or buffer as ``load_state_dict(assign=True)`` or ``self.w = self.w[:4]`` do, and
+direct writes as ``.to()`` makes for buffers), because the guard replaces those dicts by watched
+ones. Modules no graph depends on never bump it (HF models build a new ``ModuleList`` by
+slicing ``self.layers`` on every forward). A replaced submodule invalidates too, even without
 parameters. Modules a graphed *function* runs are adopted (:meth:`StaticState.adopt`) and
 guarded the same way.
 
@@ -26,34 +27,23 @@ from typing import Iterator, Sequence
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_mod
 
-__all__ = ["StaticState", "generation"]
+__all__ = ["StaticState", "generation", "watch", "watched"]
 
 _generation = 0
-_hooks_installed = False
-_hooks_lock = threading.Lock()
+_lock = threading.Lock()
 
 
 def _bump(*_args) -> None:
     global _generation
-    _generation += 1
+    with _lock:
+        _generation += 1
 
 
 def generation() -> int:
-    """Counter bumped whenever any module registers or replaces a submodule, parameter or buffer."""
+    """Counter bumped whenever a watched module (one a graph depends on) registers, replaces or
+    deletes a submodule, parameter or buffer."""
     return _generation
-
-
-def _install_hooks() -> None:
-    global _hooks_installed
-    with _hooks_lock:
-        if _hooks_installed:
-            return
-        _module_mod.register_module_parameter_registration_hook(_bump)
-        _module_mod.register_module_buffer_registration_hook(_bump)
-        _module_mod.register_module_module_registration_hook(_bump)
-        _hooks_installed = True
 
 
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
@@ -99,6 +89,16 @@ class _WatchedDict(dict):
         return (dict, (dict(self),))
 
 
+def watched(module: torch.nn.Module) -> bool:
+    """Whether a graph depends on ``module`` (its registries report writes)."""
+    return type(module.__dict__.get("_parameters")) is _WatchedDict
+
+
+def watch(module: torch.nn.Module) -> None:
+    """Make ``module``'s registries report writes (``watched`` from now on)."""
+    _watch(module)
+
+
 def _watch(module: torch.nn.Module) -> None:
     for attr in ("_parameters", "_buffers", "_modules"):
         d = module.__dict__.get(attr)
@@ -111,7 +111,6 @@ class StaticState:
     runs), and the guard on their identity and layout."""
 
     def __init__(self, root: torch.nn.Module | None):
-        _install_hooks()
         self.root = root
         self.roots: list[torch.nn.Module] = [root] if root is not None else []
         self.modules: list[torch.nn.Module] = []

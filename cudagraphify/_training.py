@@ -301,7 +301,7 @@ class TrainingGraph(Owned):
         for raw in (self.raw, self._bwd_raw):
             if raw is not None:
                 raw.release()
-        self._bwd_raw = None
+        self.raw = self._bwd_raw = None
         self._outs = self._grad_out = self._grad_in = []
         self._param_bufs, self._storages, self._handed = [], [], False
         self._inputs = None

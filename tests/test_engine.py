@@ -1161,3 +1161,138 @@ def test_a_captured_path_that_writes_what_the_eager_one_does_not_is_not_trusted(
     s = _calls_equal(model, _trusting(__name__))
     assert s.eager == 4 and all(r.startswith("piecewise") for r in s.eager_calls), s
     assert model.count.item() == 0  # the rehearsal's write was undone
+
+
+# -- the per-call paths ----------------------------------------------------------------------
+
+class _Sliced(nn.Module):
+    """As HF models: a new ModuleList from ``self.layers[:n]`` on every forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers[: len(self.layers)]:
+            x = layer(x)
+        return x
+
+
+def test_modules_built_in_forward_do_not_make_every_call_recheck_the_statics(sim):
+    from cudagraphify import _statics
+
+    ref = _Sliced()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        g(torch.randn(2, 4))
+        before = _statics.generation()
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+    # the ModuleLists built by slicing belong to no graph: the guards' generation stands
+    assert _statics.generation() == before
+    assert cg.stats(g).replays == 3 and g._cudagraphify_state._fast is not None
+
+
+def test_the_fast_path_takes_keyword_tensors_in_the_same_order(sim):
+    class KW(nn.Module):
+        def forward(self, x, y):
+            return x * 2 + y
+
+    g = cg.graphify(KW())
+    with torch.no_grad():
+        for _ in range(3):
+            x, y = torch.randn(3), torch.randn(3)
+            torch.testing.assert_close(g(x, y=y), x * 2 + y, rtol=0, atol=0)
+        assert g._cudagraphify_state._fast is not None
+        x, y = torch.randn(3), torch.randn(3)
+        torch.testing.assert_close(g(y=y, x=x), x * 2 + y, rtol=0, atol=0)  # another key
+    assert cg.stats(g).captures == 2
+
+
+def test_an_eager_decision_never_keeps_a_graphed_signature_from_its_graph(sim):
+    # calls decided eager (meta tensors: no graph there) between calls of a graphed signature
+    # with the same argument types: the graphed one still replays every time
+    @cg.graphify
+    def f(x):
+        return x * 2 + 1
+
+    with torch.no_grad():
+        x = torch.randn(3)
+        f(x)
+        for _ in range(3):
+            f(torch.randn(3, device="meta"))
+            torch.testing.assert_close(f(x), x * 2 + 1, rtol=0, atol=0)
+    s = cg.stats(f)
+    assert s.replays == 3 and s.eager == 3, s
+
+
+def test_a_remembered_eager_decision_is_checked_cheaply_and_counted(sim):
+    class Opaque:
+        pass
+
+    class Takes(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x, extra):
+            return self.lin(x)
+
+    g = cg.graphify(Takes())
+    o = Opaque()
+    with torch.no_grad():
+        for _ in range(4):
+            g(torch.randn(2, 4), o)
+        state = g._cudagraphify_state
+        assert type(state._fast).__name__ == "_EagerFast"
+        x = torch.randn(2, 4)
+        out = g(x, 3)  # an immutable value instead: keyable, so graphed
+        g(x, 3)
+    s = cg.stats(g)
+    (reason,) = [r for r in s.eager_calls if "Opaque" in r]
+    assert s.eager_calls[reason] == 4 and s.captures == 1 and s.replays == 1
+    torch.testing.assert_close(out, g.lin(x), rtol=0, atol=0)
+
+
+def test_a_graphed_function_holds_and_guards_its_closure_tensors(sim):
+    w = torch.randn(4, 4)
+
+    @cg.graphify
+    def f(x):
+        return x @ w
+
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(f(x), x @ w, rtol=0, atol=0)
+        assert cg.stats(f).replays == 2
+        w = torch.randn(4, 4)  # the closure variable now names another tensor
+        for _ in range(2):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(f(x), x @ w, rtol=0, atol=0)
+    assert cg.stats(f).captures == 2
+
+
+_W = torch.randn(4, 4)
+
+
+def _uses_global(x):
+    return x @ _W
+
+
+def test_a_graphed_function_holds_and_guards_the_global_tensors_it_names(sim):
+    global _W
+    f = cg.graphify(_uses_global)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(f(x), x @ _W, rtol=0, atol=0)
+        _W = torch.randn(4, 4)
+        for _ in range(2):
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(f(x), x @ _W, rtol=0, atol=0)
+        _W.resize_(2, 2)  # the same tensor, another layout: eager raises, so must the call
+        with pytest.raises(RuntimeError):
+            f(torch.randn(2, 4))
+    assert cg.stats(f).captures == 2
