@@ -50,8 +50,8 @@ _MAX_DEFERRED = 8  # transient capture failures before a signature is decided fo
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
-_MISS = object()
-_region_stack = _region.current
+MISS = _MISS = object()  # a fast path's answer: not for this call, take the full path
+_stack_get = _region.stack_var().get
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 
 
@@ -421,10 +421,11 @@ class _EagerFast:
       same argument names, and that type in that place, runs eagerly without more ado.
     - ``decided``: a remembered decision (an eager or piecewise entry) for calls whose tensor
       arguments have the same layouts (checked in C), whose other top-level arguments are the
-      same objects, while the entry's module state and global flags hold.
+      same objects, while the entry's module state holds.
 
     Running eagerly is always correct; these checks only make sure that a call that could be
-    graphed is not kept from its graph."""
+    graphed is not kept from its graph (a change of global flags alone is not looked for: it
+    turns no eager decision into a graph)."""
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
                  "same", "entry")
@@ -466,10 +467,17 @@ class _EagerFast:
         return self
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if len(args) != self.n or tuple(kwargs) != self.names \
-                or _region_stack() is not self.region:
+        stack = _stack_get()
+        if len(args) != self.n or (stack[-1] if stack else None) is not self.region:
             return _MISS
-        values = (*args, *kwargs.values()) if kwargs else args
+        if kwargs:
+            if tuple(kwargs) != self.names:
+                return _MISS
+            values = (*args, *kwargs.values())
+        elif self.names:
+            return _MISS
+        else:
+            values = args
         if self.types:
             for i, tp in self.types:
                 if type(values[i]) is not tp:
@@ -480,9 +488,9 @@ class _EagerFast:
                     return _MISS
             if not self.tguard.check(*[values[i] for i in self.tensors]):
                 return _MISS
-            entry = self.entry
-            if (entry.flags is not None and not entry.flags.check()) or (
-                    entry.state is not None and not entry.state.valid()):
+            # (global flags are not checked: they change no eager decision)
+            state = self.entry.state
+            if state is not None and not state.valid():
                 return _MISS
         self.state.eager_calls[self.reason] += 1
         return fn(*args, **kwargs)
@@ -492,11 +500,12 @@ class _Fast:
     """Every check of the entry the previous call replayed, in a few C calls, then its replay.
 
     Made only for an inference graph of this callable's own, called with tensors (plain tensors
-    or parameters; positional, or by keyword in the same order) while grad mode is off, with ``enabled=True`` and no moves
-    pending. Any failed check (or anything unusual) hands the call to the slow path."""
+    or parameters; positional, or by keyword in the same order) while grad mode is off, with
+    ``enabled=True`` and no moves pending. Any failed check (or anything unusual) hands the
+    call to the slow path, which decides it afresh."""
 
-    __slots__ = ("state", "entry", "region", "n", "names", "tguard", "statics", "in_capture",
-                 "stream", "holder", "inplace", "slots")
+    __slots__ = ("state", "entry", "region", "n", "names", "tguard", "flags", "guard", "same",
+                 "in_capture", "stream", "holder", "inplace", "lock")
 
     @staticmethod
     def make(state: GraphedState, entry, region, backend, args: tuple, kwargs: dict,
@@ -512,18 +521,20 @@ class _Fast:
         self.names = tuple(kwargs)
         self.tguard = _TensorGuards(*leaves, dynamic_dims_sizes=[list(a.shape) for a in leaves],
                                     dynamic_dims_strides=[list(a.stride()) for a in leaves])
-        self.statics = state.statics
+        self.flags = entry.flags.check
+        self.guard = entry.state
+        self.same = state.statics.same
         self.in_capture = getattr(backend, "in_capture_now", backend.in_capture)
         getter = getattr(backend, "stream_getter", None)
         self.stream = getter(entry.device) if getter is not None else functools.partial(
             backend.stream_token, entry.device)
         self.holder = state._stream_holder(region)
         self.inplace = entry.inplace
-        self.slots = entry.seq is not None
+        self.lock = state.lock
         return self
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if len(args) != self.n or nesting[0] or _region_stack() is not self.region:
+        if len(args) != self.n or nesting[0]:
             return _MISS
         if kwargs:
             if tuple(kwargs) != self.names:
@@ -531,33 +542,37 @@ class _Fast:
             args = (*args, *kwargs.values())
         elif self.names:
             return _MISS
-        state, region = self.state, self.region
-        if region is not None:
-            with region.lock, state.lock:
-                return self._checked(args, state, region)
-        with state.lock:
-            return self._checked(args, state, None)
-
-    def _checked(self, args: tuple, state: GraphedState, region) -> Any:
-        entry = self.entry
-        if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
-                or not entry.flags.check() or self.in_capture():
+        stack = _stack_get()  # the regions entered (the innermost is in effect)
+        region = self.region
+        if region is None:
+            if stack:
+                return _MISS
+            with self.lock:
+                return self._replay(args, None)
+        if not stack or stack[-1] is not region:
             return _MISS
-        guard = entry.state
-        if guard is not None and not guard.valid():
+        with region.lock, self.lock:
+            return self._replay(args, region)
+
+    def _replay(self, args: tuple, region) -> Any:
+        entry, state = self.entry, self.state
+        if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
+                or not self.flags() or self.in_capture():
+            return _MISS
+        guard = self.guard
+        if guard is not None and (guard.epoch != _guards.epoch or guard.volatile) \
+                and not guard.valid():
             return _MISS
         for i, ptr in self.inplace:
             if args[i].data_ptr() != ptr:
                 return _MISS
-        if not self.statics.same():
+        if not self.same() or self.stream() != self.holder._stream_token:
             return _MISS
-        if self.stream() != self.holder._stream_token:
-            return _MISS
-        if self.slots and not region.protect_before(entry, args):
-            return _MISS
-        state.replays += 1
         if region is not None:
+            if entry.seq is not None and not region.protect_before(entry, args):
+                return _MISS
             region.replays += 1
+        state.replays += 1
         return entry.run(args)
 
 

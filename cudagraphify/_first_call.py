@@ -126,7 +126,6 @@ class FirstCall:
         self.training = torch.is_grad_enabled() and (
             bool(statics.grad_params())
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
-        self.flags = FlagsGuard()  # as the call found them (the warm-up must not move them)
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.tensor_idx = [i for i, _ in tensors]
         marks = _marks([x for _, x in tensors])
@@ -151,6 +150,9 @@ class FirstCall:
             self.result = self.backend.warmup(
                 probed(probe, lambda: self.fn(*self.args, **self.kwargs)), self.device)
         self.warmup_seconds += time.perf_counter() - t0
+        # the global flags that choose the kernels of the ops it made (all, where unknown)
+        self.flags = FlagsGuard({op for seq in probe.sequences.values() for op in seq}
+                                if probe is not None else None)
         written = probe.written if probe is not None else set()
         # A graphed function (or a forward) may run modules outside the tree it was given:
         # their parameters and buffers are guarded too.

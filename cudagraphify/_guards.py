@@ -16,10 +16,11 @@ and guards it cheaply:
   a list, a dataclass or an HF config) are checked on every call (dict versions, snapshots), and
   tensors kept as plain attributes are held and checked (address, shape, and for CPU scalars
   their value).
-- **Global flags** that change which kernels run (:func:`global_flags`): Dynamo's
+- **Global flags** that change which kernels run (:class:`FlagsGuard`): Dynamo's
   ``GlobalStateGuard`` (grad mode, autocast, default dtype, deterministic algorithms, TF32 and
-  reduced-precision matmul) and a tuple of the others (inference mode, cuDNN flags, SDPA
-  backends, fp32 precision, current device).
+  reduced-precision matmul) and the others (the current device; cuDNN flags and
+  fp32 precision where the graph has convolutions, batch norms or RNNs, the SDPA backends
+  where it has attention).
 
 Not seen (documented): class attributes changed on the class, writes straight into a module's
 ``__dict__`` or through ``object.__setattr__``, non-tensor Python globals.
@@ -41,8 +42,8 @@ from torch.utils import hooks as _torch_hooks
 from ._signature import is_constant
 from ._statics import _WatchedDict, watch, watched
 
-__all__ = ["bump", "install", "Recorder", "recording", "StateGuard", "global_flags",
-           "FlagsGuard", "hook_fingerprint", "INTERNAL_ATTRS", "function_bindings"]
+__all__ = ["bump", "install", "Recorder", "recording", "StateGuard", "FlagsGuard",
+           "hook_fingerprint", "INTERNAL_ATTRS", "function_bindings"]
 
 _counter = itertools.count(1)
 epoch = 0  # read as ``_guards.epoch``: bumped by every module write the per-call path cannot see
@@ -185,53 +186,67 @@ def _getter(name: str, *args: Any) -> Callable[[], Any]:
     return fn
 
 
-_FLAG_GETTERS: tuple[Callable[[], Any], ...] = (
-    torch.is_inference_mode_enabled,
-    _getter("_get_cudnn_enabled"), _getter("_get_cudnn_benchmark"),
-    _getter("_get_cudnn_deterministic"), _getter("_get_cudnn_allow_tf32"),
-    _getter("_get_flash_sdp_enabled"), _getter("_get_mem_efficient_sdp_enabled"),
-    _getter("_get_math_sdp_enabled"), _getter("_get_cudnn_sdp_enabled"),
-    _getter("_get_math_sdp_allow_fp16_bf16_reduction"),
-    _getter("_get_fp32_precision_getter", "cuda", "conv"),
-    _getter("_get_fp32_precision_getter", "cuda", "rnn"),
-)
+_CUDNN = (("cudnn.enabled", _getter("_get_cudnn_enabled")),
+          ("cudnn.benchmark", _getter("_get_cudnn_benchmark")),
+          ("cudnn.deterministic", _getter("_get_cudnn_deterministic")),
+          ("cudnn.allow_tf32", _getter("_get_cudnn_allow_tf32")),
+          ("fp32 precision (conv)", _getter("_get_fp32_precision_getter", "cuda", "conv")),
+          ("fp32 precision (rnn)", _getter("_get_fp32_precision_getter", "cuda", "rnn")))
 _priority = _getter("_get_sdp_priority_order")
+_SDPA = (("flash SDPA", _getter("_get_flash_sdp_enabled")),
+         ("mem-efficient SDPA", _getter("_get_mem_efficient_sdp_enabled")),
+         ("math SDPA", _getter("_get_math_sdp_enabled")),
+         ("cuDNN SDPA", _getter("_get_cudnn_sdp_enabled")),
+         ("math SDPA fp16/bf16 reduction", _getter("_get_math_sdp_allow_fp16_bf16_reduction")),
+         ("SDPA priority", lambda: tuple(_priority() or ())))
 _device = getattr(_C, "_cuda_getDevice", None)
 _cuda = torch.cuda
+# ops whose kernels the cuDNN flags (and fp32 precision for conv/rnn) choose, by name
+_CUDNN_OPS = ("conv", "batch_norm", "instance_norm", "lstm", "gru", "rnn", "ctc_loss",
+              "grid_sampl", "affine_grid")
 
 
-def global_flags() -> tuple:
-    """The global settings a ``GlobalStateGuard`` does not cover that change what kernels
-    compute (one tuple, compared on every call of a graph)."""
-    flags = [f() for f in _FLAG_GETTERS]
-    order = _priority()
-    flags.append(tuple(order) if order is not None else None)
-    # (the current device, once CUDA is up: asking earlier would initialise it)
-    flags.append(_device() if _device is not None and _cuda._initialized else None)
-    return tuple(flags)
+def _current_device():
+    # (once CUDA is up: asking earlier would initialise it; None on a build without CUDA)
+    return _device() if _cuda._initialized and _device is not None else None
 
 
 class FlagsGuard:
-    """Global flags as they were when a graph was captured; ``check()`` on every call."""
+    """Global flags as they were when a graph was captured; ``check()`` on every call.
 
-    __slots__ = ("_state", "flags")
+    Dynamo's ``GlobalStateGuard`` (grad mode, autocast, default dtype, deterministic
+    algorithms, TF32 and reduced-precision matmul) in one C call, plus the current device, and
+    the flags that choose the kernels of the ops the run made: the cuDNN flags where it ran
+    convolutions, batch norms or RNNs, the SDPA backends where it ran
+    ``scaled_dot_product_attention``. ``ops``: the op names the run made (None: not known, so
+    every flag). (Inference mode is part of every key, and of the tensor guards.)"""
 
-    def __init__(self):
+    __slots__ = ("_state", "_getters", "_read", "flags")
+
+    def __init__(self, ops: set[str] | None = None):
+        getters = []
+        if ops is None or any(p in op for op in ops for p in _CUDNN_OPS):
+            getters.extend(_CUDNN)
+        if ops is None or any("scaled_dot_product_attention" in op for op in ops):
+            getters.extend(_SDPA)
+        getters.append(("current device", _current_device))
+        self._getters = tuple(getters)
+        # one frame that calls each getter (most are C functions) and makes the tuple
+        names = [f"g{i}" for i in range(len(getters))]
+        self._read = eval(f"lambda {', '.join(f'{n}={n}' for n in names)}: "  # noqa: S307
+                          f"({', '.join(f'{n}()' for n in names)},)",
+                          dict(zip(names, (read for _, read in getters))))
         self._state = _GlobalStateGuard()
-        self.flags = global_flags()
+        self.flags = self._read()
 
     def check(self) -> bool:
-        return self._state.check() and global_flags() == self.flags
+        return self._state.check() and self._read() == self.flags
 
     def reason(self) -> str:
         if not self._state.check():
             return f"global state changed: {self._state.reason()}"
-        now = global_flags()
-        names = ("inference mode", "cudnn.enabled", "cudnn.benchmark", "cudnn.deterministic",
-                 "cudnn.allow_tf32", "flash SDPA", "mem-efficient SDPA", "math SDPA",
-                 "cuDNN SDPA", "math SDPA fp16/bf16 reduction", "fp32 precision (conv)",
-                 "fp32 precision (rnn)", "SDPA priority", "current device")
-        diff = [f"{n}: {a} -> {b}" for n, a, b in zip(names, self.flags, now) if a != b]
+        diff = [f"{name}: {a} -> {b}" for (name, _), a, b in
+                zip(self._getters, self.flags, self._read()) if a != b]
         return "global flags changed (" + "; ".join(diff) + ")"
 
 

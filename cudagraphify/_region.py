@@ -44,6 +44,11 @@ def current() -> "GraphRegion | None":
     return stack[-1] if stack else None
 
 
+def stack_var() -> contextvars.ContextVar:
+    """The context variable holding the tuple of regions entered (the last is in effect)."""
+    return _stack
+
+
 def all_open() -> list["GraphRegion"]:
     return list(_open)
 
@@ -264,6 +269,8 @@ class GraphRegion:
             for cache in caches:
                 self._release(cache)
             self._pools.clear()
+            self._slots.clear()  # their tensors live in the pool: nothing may keep it
+            self._live.clear()
             self.closed = True
         _open.discard(self)
 

@@ -199,7 +199,7 @@ class CapturedGraph(Owned):
         self.on_release: list[Callable[[], None]] = []
         self.input_copies = 0
         self._replay = raw.replay
-        self._copy = inputs.copy
+        self._copy_in = [(i, buf, buf.data_ptr()) for i, buf in inputs.copy]
         self._copy_back = [(i, buf) for i, buf in inputs.copy if i in set(mutated)]
         copied = {i for i, _ in inputs.copy}
         # Leaves read in place (marked static, or statics passed as arguments): their address
@@ -231,9 +231,9 @@ class CapturedGraph(Owned):
         return self.raw.capture_seconds
 
     def run(self, leaves: list) -> Any:
-        for i, buf in self._copy:
+        for i, buf, ptr in self._copy_in:
             x = leaves[i]
-            if x.data_ptr() != buf.data_ptr():
+            if x.data_ptr() != ptr:
                 buf.copy_(x)
                 self.input_copies += 1
         self._replay()
@@ -252,9 +252,10 @@ class CapturedGraph(Owned):
         self.on_release = []
         raw, self.raw = self.raw, None
         self._replay = None
+        self.borrowed = []
         self._keep = []
         self._inputs = None
-        self._copy = self._copy_back = []
+        self._copy_back = self._copy_in = []
         self._actions = []
         if raw is not None:
             raw.release()

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import torch
 import wrapt
 
-from ._engine import GraphedState
+from ._engine import MISS, GraphedState
 from ._errors import CudagraphifyUsageError
 from ._options import Options
 
@@ -66,6 +66,11 @@ class Dispatch:
             state = instance.__dict__.get(STATE)
             if state is None:
                 state = self._new_state(instance, wrapped)
+            fast = state._fast  # the previous call's decision, re-checked (see _engine)
+            if fast is not None:
+                out = fast.call(wrapped, args, kwargs)
+                if out is not MISS:
+                    return out
             return state(wrapped, args, kwargs)
         if instance is not None:
             raise CudagraphifyUsageError(
