@@ -18,7 +18,7 @@ import torch
 
 from ._errors import CaptureFailed, CudagraphifyError
 
-__all__ = ["CudaBackend", "Pool", "RawGraph", "default_backend", "set_backend"]
+__all__ = ["CudaBackend", "Pool", "RawGraph", "default_backend", "drain", "set_backend"]
 
 # One C call (the Python wrapper adds a lookup and a check per call on the replay path).
 _stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
@@ -283,6 +283,17 @@ def _check_healthy(cause: BaseException) -> None:
 
 
 _backend: Any = CudaBackend()
+
+
+def drain(device: torch.device | None, token: int | None) -> None:
+    """Wait until the work queued on stream ``token`` is done, before memory a graph used is
+    released (the allocator may hand it to another stream at once); a no-op for a backend
+    without streams."""
+    if device is None or token is None:
+        return
+    fn = getattr(_backend, "drain", None)
+    if fn is not None:
+        fn(device, token)
 
 
 def default_backend():

@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 
 from . import _capture, _guards, _region
+from ._capture import drain
 from ._cache import CachePolicy, EagerEntry, GraphCache
 from ._errors import CudagraphifyUsageError, warn_once
 from ._first_call import (DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Nested, Outcome,
@@ -42,7 +43,7 @@ from ._signature import Unkeyable, is_opaque, build_signature, opaque_argument, 
 from ._statics import StaticState
 from ._training import TrainingGraph
 
-__all__ = ["GraphedState", "Options", "Stats", "in_graphed_call", "Nested", "drain"]
+__all__ = ["GraphedState", "Options", "Stats", "in_graphed_call", "Nested", "MISS"]
 
 _Nested = Nested  # the name the test double of tests/conftest.py imports
 
@@ -402,16 +403,6 @@ class GraphedState:
         """(key, 'graphed' | 'eager: reason') for each cached signature."""
         return [(k, "graphed" if isinstance(e, (CapturedGraph, TrainingGraph))
                  else f"eager: {e.reason}") for k, e in self.cache.items(self)]
-
-
-def drain(device: torch.device | None, token: int | None) -> None:
-    """Wait until the work queued on stream ``token`` is done, before memory a graph used is
-    released (the allocator may hand it to another stream at once)."""
-    if device is None or token is None:
-        return
-    fn = getattr(_capture.default_backend(), "drain", None)
-    if fn is not None:
-        fn(device, token)
 
 
 class _EagerFast:

@@ -22,16 +22,15 @@ import contextvars
 import copy
 import threading
 import weakref
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable
 
 import torch
 
 from ._cache import GraphCache
+from ._capture import drain
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._options import Stats
 
-if TYPE_CHECKING:
-    from ._engine import GraphedState
 
 __all__ = ["GraphRegion", "graph_region", "current", "all_open"]
 
@@ -189,7 +188,8 @@ class GraphRegion:
                 return False
         return True
 
-    def cache_for(self, state: "GraphedState") -> GraphCache:
+    def cache_for(self, state: Any) -> GraphCache:
+        """The cache of ``state`` (a callable's GraphedState) in this region."""
         if self.closed:
             raise CudagraphifyError("this graph_region is closed; open a new one")
         if self._dead:
@@ -218,13 +218,11 @@ class GraphRegion:
     def _release(self, cache: GraphCache) -> None:
         graphs = cache.graphs()
         if graphs:  # the stream that replayed last may still be using their memory
-            from ._engine import drain
-
             drain(getattr(graphs[0], "device", None), self._stream_token)
         self.input_copies += sum(g.input_copies for g in graphs)
         cache.clear()
 
-    def forget(self, state: "GraphedState") -> None:
+    def forget(self, state: Any) -> None:
         """Release ``state``'s graphs in this region (its statics were invalidated); their
         input copies stay counted in ``stats()``.
 
