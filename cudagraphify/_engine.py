@@ -8,7 +8,7 @@ One :class:`GraphedState` exists per graphed module instance (or graphed functio
    flags, parameter addresses and buffer layouts, the module-state epoch, the stream), then
    replay.
    Likewise the previous call's decision to run eagerly (an opaque argument, or a remembered
-   eager or piecewise decision), re-checked cheaply (:class:`_EagerFast`).
+   eager or piecewise decision), re-checked cheaply (:mod:`._fast`).
 2. **slow path** — the statics guard (parameters and buffers still where the graphs read them);
    top-level arguments of opaque types decide "eager" without flattening anything; else the
    signature is built, its key looked up (the active region's cache, else the state's own),
@@ -23,37 +23,35 @@ Nothing here touches ``torch.cuda``: the backend (``_capture``) does.
 from __future__ import annotations
 
 import collections
-import functools
 import threading
 from typing import Any, Callable
 
 import torch
 
-from . import _capture, _guards, _region
+from . import _capture, _region, _watch
 from ._capture import drain
 from ._cache import CachePolicy, EagerEntry, GraphCache
 from ._errors import CudagraphifyUsageError, warn_once
-from ._first_call import (DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Nested, Outcome,
-                          in_graphed_call, inputs_alias, nesting)
+from ._fast import MISS, EagerFast, Fast
+from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
+from ._nested import in_graphed_call
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
 from ._replay import CapturedGraph
-from ._signature import Unkeyable, is_opaque, build_signature, opaque_argument, storage_of
+from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
+from ._writes import inputs_alias
 from ._statics import StaticState
 from ._training import TrainingGraph
 
-__all__ = ["GraphedState", "Options", "Stats", "in_graphed_call", "Nested", "MISS"]
+__all__ = ["GraphedState"]
 
-_Nested = Nested  # the name the test double of tests/conftest.py imports
 
 _MAX_DEFERRED = 8  # transient capture failures before a signature is decided for good
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
-MISS = _MISS = object()  # a fast path's answer: not for this call, take the full path
-_stack_get = _region.stack_var().get
-_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_Tensor = torch.Tensor
 
 
 class GraphedState:
@@ -62,7 +60,7 @@ class GraphedState:
     def __init__(self, module: torch.nn.Module | None, options: Options, name: str,
                  static_positions: frozenset[int], static_names: frozenset[str], *,
                  install_pieces: Callable[[list[str]], list] | None = None, share=None):
-        _guards.install()
+        _watch.install()
         self.name = name
         self.options = options
         self.policy = options.cache_policy or CachePolicy(max_graphs=options.max_graphs)
@@ -95,8 +93,8 @@ class GraphedState:
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
         self._stream_token: int | None = None
-        # the previous call's decision, checked cheaply: _Fast (a replay) or _EagerFast
-        self._fast: _Fast | _EagerFast | None = None
+        # the previous call's decision, checked cheaply: a Fast (a replay) or an EagerFast
+        self._fast: Fast | EagerFast | None = None
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
     def __deepcopy__(self, memo) -> None:
@@ -112,7 +110,7 @@ class GraphedState:
         fast = self._fast
         if fast is not None:
             out = fast.call(fn, args, kwargs)
-            if out is not _MISS:
+            if out is not MISS:
                 return out
         enabled = self.options.enabled
         if enabled is not True and not (enabled() if callable(enabled) else enabled):
@@ -163,7 +161,7 @@ class GraphedState:
         opaque = opaque_argument(args, kwargs, self.static_positions, self.static_names)
         if opaque is not None:
             _refuse_tracers(args, kwargs)
-            self._fast = _EagerFast.opaque(self, region, opaque, args, kwargs)
+            self._fast = EagerFast.opaque(self, region, opaque, args, kwargs)
             return self._eager(opaque, fn, args, kwargs)
         sig, leaves, static_flags = build_signature(args, kwargs, self.static_positions,
                                                     self.static_names)
@@ -195,7 +193,7 @@ class GraphedState:
             kind = type(entry)
             if kind is CapturedGraph or kind is TrainingGraph:
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
-            self._fast = _EagerFast.decided(self, region, entry, args, kwargs)
+            self._fast = EagerFast.decided(self, region, entry, args, kwargs)
             return self._eager(entry.reason, fn, args, kwargs)
         reason = self._ineligible(backend, leaves, cache)
         if reason is not None:
@@ -255,7 +253,7 @@ class GraphedState:
         if training:
             return entry.run(leaves, self.statics.grad_params(), self)
         out = entry.run(leaves)
-        self._fast = _Fast.make(self, entry, region, backend, args, kwargs, token)
+        self._fast = Fast.make(self, entry, region, backend, args, kwargs, token)
         return out
 
     def _last_move(self, moved: str | None) -> str:
@@ -403,171 +401,6 @@ class GraphedState:
         """(key, 'graphed' | 'eager: reason') for each cached signature."""
         return [(k, "graphed" if isinstance(e, (CapturedGraph, TrainingGraph))
                  else f"eager: {e.reason}") for k, e in self.cache.items(self)]
-
-
-class _EagerFast:
-    """The previous call's decision to run eagerly, for calls that would decide the same.
-
-    - ``opaque``: a top-level argument of a type the signature cannot hold; a call with the
-      same argument names, and that type in that place, runs eagerly without more ado.
-    - ``decided``: a remembered decision (an eager or piecewise entry) for calls whose tensor
-      arguments have the same layouts (checked in C), whose other top-level arguments are the
-      same objects, while the entry's module state holds.
-
-    Running eagerly is always correct; these checks only make sure that a call that could be
-    graphed is not kept from its graph (a change of global flags alone is not looked for: it
-    turns no eager decision into a graph)."""
-
-    __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
-                 "same", "entry")
-
-    @staticmethod
-    def opaque(state: GraphedState, region, reason: str, args: tuple,
-               kwargs: dict) -> "_EagerFast | None":
-        if state.options.enabled is not True:
-            return None
-        self = _EagerFast._new(state, region, reason, args, kwargs)
-        values = (*args, *kwargs.values())
-        self.types = [(i, type(v)) for i, v in enumerate(values) if is_opaque(type(v))]
-        return self
-
-    @staticmethod
-    def decided(state: GraphedState, region, entry, args: tuple,
-                kwargs: dict) -> "_EagerFast | None":
-        if state.options.enabled is not True:
-            return None
-        self = _EagerFast._new(state, region, entry.reason, args, kwargs)
-        values = (*args, *kwargs.values())
-        self.tensors = [i for i, v in enumerate(values) if type(v) is _Tensor
-                        or type(v) is _Parameter]
-        if len(self.tensors) != sum(isinstance(v, _Tensor) for v in values):
-            return None  # a tensor subclass: decide again
-        ts = [values[i] for i in self.tensors]
-        self.tguard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
-                                    dynamic_dims_strides=[list(t.stride()) for t in ts])
-        self.same = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
-        self.entry = entry
-        return self
-
-    @staticmethod
-    def _new(state, region, reason, args, kwargs) -> "_EagerFast":
-        self = _EagerFast()
-        self.state, self.region, self.reason = state, region, reason
-        self.n, self.names = len(args), tuple(kwargs)
-        self.types, self.tensors, self.tguard, self.same, self.entry = (), (), None, (), None
-        return self
-
-    def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        stack = _stack_get()
-        if len(args) != self.n or (stack[-1] if stack else None) is not self.region:
-            return _MISS
-        if kwargs:
-            if tuple(kwargs) != self.names:
-                return _MISS
-            values = (*args, *kwargs.values())
-        elif self.names:
-            return _MISS
-        else:
-            values = args
-        if self.types:
-            for i, tp in self.types:
-                if type(values[i]) is not tp:
-                    return _MISS
-        else:
-            for i, v in self.same:
-                if values[i] is not v:
-                    return _MISS
-            if not self.tguard.check(*[values[i] for i in self.tensors]):
-                return _MISS
-            # (global flags are not checked: they change no eager decision)
-            state = self.entry.state
-            if state is not None and not state.valid():
-                return _MISS
-        self.state.eager_calls[self.reason] += 1
-        return fn(*args, **kwargs)
-
-
-class _Fast:
-    """Every check of the entry the previous call replayed, in a few C calls, then its replay.
-
-    Made only for an inference graph of this callable's own, called with tensors (plain tensors
-    or parameters; positional, or by keyword in the same order) while grad mode is off, with
-    ``enabled=True`` and no moves pending. Any failed check (or anything unusual) hands the
-    call to the slow path, which decides it afresh."""
-
-    __slots__ = ("state", "entry", "region", "n", "names", "tguard", "flags", "guard", "same",
-                 "in_capture", "stream", "holder", "inplace", "lock")
-
-    @staticmethod
-    def make(state: GraphedState, entry, region, backend, args: tuple, kwargs: dict,
-             token) -> "_Fast | None":
-        if state.options.enabled is not True or state._moves or entry.owner is not state \
-                or entry.flags is None or torch.is_grad_enabled() or entry.hazard:
-            return None
-        leaves = (*args, *kwargs.values())  # the order build_signature flattens them in
-        if not leaves or not all(type(a) is _Tensor or type(a) is _Parameter for a in leaves):
-            return None
-        self = _Fast()
-        self.state, self.entry, self.region, self.n = state, entry, region, len(args)
-        self.names = tuple(kwargs)
-        self.tguard = _TensorGuards(*leaves, dynamic_dims_sizes=[list(a.shape) for a in leaves],
-                                    dynamic_dims_strides=[list(a.stride()) for a in leaves])
-        self.flags = entry.flags.check
-        self.guard = entry.state
-        self.same = state.statics.same
-        self.in_capture = getattr(backend, "in_capture_now", backend.in_capture)
-        getter = getattr(backend, "stream_getter", None)
-        self.stream = getter(entry.device) if getter is not None else functools.partial(
-            backend.stream_token, entry.device)
-        self.holder = state._stream_holder(region)
-        self.inplace = entry.inplace
-        self.lock = state.lock
-        return self
-
-    def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        if len(args) != self.n or nesting[0]:
-            return _MISS
-        if kwargs:
-            if tuple(kwargs) != self.names:
-                return _MISS
-            args = (*args, *kwargs.values())
-        elif self.names:
-            return _MISS
-        stack = _stack_get()  # the regions entered (the innermost is in effect)
-        region = self.region
-        if region is None:
-            if stack:
-                return _MISS
-            with self.lock:
-                return self._replay(args, None)
-        if not stack or stack[-1] is not region:
-            return _MISS
-        with region.lock, self.lock:
-            return self._replay(args, region)
-
-    def _replay(self, args: tuple, region) -> Any:
-        entry, state = self.entry, self.state
-        if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
-                or not self.flags() or self.in_capture():
-            return _MISS
-        guard = self.guard
-        if guard is not None and (guard.epoch != _guards.epoch or guard.volatile) \
-                and not guard.valid():
-            return _MISS
-        for i, ptr in self.inplace:
-            if args[i].data_ptr() != ptr:
-                return _MISS
-        if not self.same() or self.stream() != self.holder._stream_token:
-            return _MISS
-        if region is not None:
-            if entry.seq is not None and not region.protect_before(entry, args):
-                return _MISS
-            region.replays += 1
-        state.replays += 1
-        return entry.run(args)
-
-
-_TensorGuards = torch._C._dynamo.guards.TensorGuards
 
 
 def _refuse_tracers(args: tuple, kwargs: dict) -> None:

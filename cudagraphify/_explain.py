@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._first_call import Nested
+from ._nested import Nested
 from ._options import Stats
 from ._wrap import share_of, state_of_module
 from ._policy import default_policy

@@ -18,8 +18,6 @@ Nothing here records counters or touches a cache: the engine turns the outcome i
 
 from __future__ import annotations
 
-import contextlib
-import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -27,46 +25,24 @@ from typing import Any, Callable
 
 import torch
 
-from . import _guards
+from . import _watch, _writes
 from ._capture import _first_line
 from ._errors import CaptureFailed
-from ._guards import FlagsGuard, Recorder, StateGuard, recording
+from ._guards import FlagsGuard, StateGuard, function_bindings
+from ._nested import Nested
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
+from ._rehearsal import rehearse
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
 from ._signature import Signature, storage_of, unflatten_call
 from ._training import capture_training, saved_by_backward, warmup_backward
+from ._watch import Recorder, recording
+from ._writes import inputs_alias
 
-__all__ = ["FirstCall", "Outcome", "GRAPHED", "EAGER", "PIECEWISE", "DEFERRED", "Nested",
-           "in_graphed_call", "inputs_alias", "nesting"]
+__all__ = ["FirstCall", "Outcome", "GRAPHED", "EAGER", "PIECEWISE", "DEFERRED"]
 
 GRAPHED, EAGER, PIECEWISE, DEFERRED = "graphed", "eager", "piecewise", "deferred"
-
-_tls = threading.local()
-nesting = [0]  # warm-ups and captures in progress, any thread (the fast path's cheap check)
-_nesting_lock = threading.Lock()
-
-
-def in_graphed_call() -> bool:
-    """True while this thread warms up or captures a graphed callable (nested calls run eagerly)."""
-    return getattr(_tls, "depth", 0) > 0
-
-
-class Nested:
-    """Marks a warm-up or capture in progress on this thread (nested graphed calls run eagerly
-    and become part of it)."""
-
-    def __enter__(self):
-        _tls.depth = getattr(_tls, "depth", 0) + 1
-        with _nesting_lock:
-            nesting[0] += 1
-
-    def __exit__(self, *exc):
-        _tls.depth -= 1
-        with _nesting_lock:
-            nesting[0] -= 1
-
 
 @dataclass
 class Outcome:
@@ -128,7 +104,7 @@ class FirstCall:
             or any(isinstance(x, torch.Tensor) and x.requires_grad for x in leaves))
         tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
         self.tensor_idx = [i for i, _ in tensors]
-        marks = _marks([x for _, x in tensors])
+        marks = _writes.marks([x for _, x in tensors])
         # Copied inputs are also compared by value: a kernel launched outside torch's Python
         # API (Triton, C++) writes where neither version counters nor the probe look.
         try:
@@ -138,13 +114,13 @@ class FirstCall:
             before = None
             self.short_of_memory = f"out of memory preparing the capture: {_first_line(e)}"
         self.watchable, buffers = statics.watchable()
-        static_marks = _marks(self.watchable, buffers)
+        static_marks = _writes.marks(self.watchable, buffers)
         self.probe = probe = new_probe(self.state)
         if probe is not None:
             probe.known = {storage_of(x) for _, x in tensors} | statics.storage_ptrs()
             probe.written = set()
         self.recorder = rec = Recorder()
-        self.hooks_before = _guards.global_hooks()
+        self.hooks_before = _watch.global_hooks()
         t0 = time.perf_counter()
         with Nested(), recording(rec):
             self.result = self.backend.warmup(
@@ -165,13 +141,13 @@ class FirstCall:
             if not self.static_flags[i] and storage_of(x) in self.static_storages:
                 self.static_flags[i] = True
                 self.pinned.append((i, x.data_ptr()))
-        written_idx = set(_written([x for _, x in tensors], marks))
+        written_idx = set(_writes.written([x for _, x in tensors], marks))
         self.mutated = sorted(
             {tensors[j][0] for j in written_idx}
             | {i for i, x in tensors if storage_of(x) in written}
-            | {i for i, b in (before or {}).items() if not _same_values(leaves[i], b)})
+            | {i for i, b in (before or {}).items() if not _writes.same_values(leaves[i], b)})
         del before
-        wrote = set(_written(self.watchable, static_marks)) | {
+        wrote = set(_writes.written(self.watchable, static_marks)) | {
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
         self.wrote_statics = sorted(wrote)
         self.warm_guard = self._guard(rec)
@@ -185,7 +161,7 @@ class FirstCall:
         probe = self.probe
         findings: dict[str, list[Finding]] = {}
         if probe is not None and probe.findings:
-            rehearsal = self._rehearse() if probe.may_rehearse() else None
+            rehearsal = rehearse(self) if probe.may_rehearse() else None
             if rehearsal is None:
                 for f in probe.findings:
                     findings.setdefault(f.path, []).append(f)
@@ -217,7 +193,7 @@ class FirstCall:
                                     "torch.nn.modules.module.register_module_*_hook: they run "
                                     "around every module, on every call")))
         for m in self.statics.modules:
-            if m is root or not _guards.hooked(m):
+            if m is root or not _watch.hooked(m):
                 continue
             path = names.get(id(m))
             if path is None:  # a module outside the tree (a graphed function ran it)
@@ -418,7 +394,7 @@ class FirstCall:
             differs = sequence_findings(probe, second)
             if differs and probe.may_rehearse() and not probe.rehearse:
                 # the capture took the path the code takes while captured: compare with that
-                rehearsal = self._rehearse()
+                rehearsal = rehearse(self)
                 if rehearsal is not None:
                     differs = sequence_findings(rehearsal, second)
             if differs:
@@ -465,7 +441,7 @@ class FirstCall:
         path = names.get(id(module), "")
         what = f"{type(module).__name__}.{name}"
         finding = Finding(path, f"sets {what}", ("PYTHON_STATE",),
-                          f"{_guards._short(old)} -> {_guards._short(new)}: a Python side "
+                          f"{_watch.short(old)} -> {_watch.short(new)}: a Python side "
                           "effect on every call, which a replay cannot repeat")
         if self.probe is None or root is None:
             return self._eager(f"forward sets {what} on every call ({finding.where})")
@@ -475,73 +451,8 @@ class FirstCall:
         root = self.statics.root
         modules = [m for m in self.statics.modules if m is not root]
         return StateGuard(list(rec.reads.values()),
-                          hooks=lambda: _guards.hook_fingerprint(modules),
-                          bindings=_guards.function_bindings(self.fn))
-
-    # -- the captured path of capture-aware code -------------------------------------------
-
-    def _rehearse(self) -> Probe | None:
-        """The probe of an eager run on which ``torch.cuda.is_current_stream_capturing()``
-        answers "yes", when that path is safe and writes what the real call wrote (else None).
-
-        Code that asks (HF transformers' mask building) takes another path while captured;
-        where the code that asks is trusted to compute the same on it
-        (``OpPolicy.trusts_captured_path``), the warm-up's findings (a host sync on the eager
-        path) do not apply to the graph. The run reads copies of the inputs; the buffers and
-        parameters it writes and the random state are restored, so only the real call's
-        effect remains. The capture must then take the same path, op for op."""
-        if self.opaque:
-            return None  # objects passed as they are: another run would change them
-        statics, buffers = self.statics.watchable()
-        with _restored(statics, buffers, self.wrote_statics, self.device) as wrote:
-            copies = StaticInputs(self.leaves, [False] * len(self.leaves))
-            copy_marks = _marks([b for _, b in copies.copy])
-            rehearsal = new_probe(self.state)
-            rehearsal.rehearse = True
-            ran = False
-            try:
-                a, kw = unflatten_call(copies.leaves, self.sig)
-                with Nested():
-                    self.backend.warmup(probed(rehearsal, lambda: self.fn(*a, **kw)),
-                                        self.device)
-                ran = True
-            except Exception:  # noqa: BLE001 - that path fails eagerly: keep the warm-up's plan
-                pass
-        # A path that writes what the eager one does not (or a parameter: restored only where
-        # the real call wrote it too) is not the same computation.
-        wrote_inputs = {copies.copy[k][0]
-                        for k in _written([b for _, b in copies.copy], copy_marks)}
-        if not ran or rehearsal.findings or not set(wrote) <= set(self.wrote_statics) \
-                or wrote_inputs != set(self.mutated):
-            return None
-        return rehearsal
-
-
-@contextlib.contextmanager
-def _restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: list[int],
-              device: torch.device):
-    """Inside the block, the statics and the random state may change; afterwards they are as
-    before. Yields the list (filled on exit) of the statics the block wrote."""
-    marks = _marks(statics, buffers)  # buffers by value: the copies restore them
-    with torch.no_grad():
-        saved = {j: statics[j].clone() for j in wrote_before}
-    rng = (torch.random.get_rng_state(),
-           torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
-    wrote: list[int] = []
-    try:
-        yield wrote
-    finally:
-        wrote.extend(_written(statics, marks))
-        with torch.no_grad():
-            for j in wrote:
-                if isinstance(marks[j], torch.Tensor):
-                    statics[j].data.copy_(marks[j])
-            for j, v in saved.items():
-                statics[j].data.copy_(v)
-        torch.random.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state(rng[1], device)
-
+                          hooks=lambda: _watch.hook_fingerprint(modules),
+                          bindings=function_bindings(self.fn))
 
 def _saved_indices(packed: list[torch.Tensor], copies: StaticInputs, tensor_idx: list[int],
                    statics) -> set[int]:
@@ -586,32 +497,3 @@ def _forget_frames(error: BaseException) -> None:
         error = error.__cause__ or error.__context__
 
 
-def _marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
-    """What tells, after a call, whether it wrote each tensor: its version counter, or a copy
-    of its contents for inference tensors (they have no counter) and where ``by_value`` says so
-    (buffers: BatchNorm's kernels update running statistics without bumping the counter)."""
-    flags = by_value if by_value is not None else [False] * len(tensors)
-    return [t.clone() if v or t.is_inference() else t._version for t, v in zip(tensors, flags)]
-
-
-def _written(tensors: list[torch.Tensor], marks: list) -> list[int]:
-    return [j for j, (t, m) in enumerate(zip(tensors, marks))
-            if (not _same_values(t, m) if isinstance(m, torch.Tensor) else t._version != m)]
-
-
-def _same_values(t: torch.Tensor, before: torch.Tensor) -> bool:
-    """Whether ``t`` holds what a copy made earlier holds (NaN equals NaN here)."""
-    if t.shape != before.shape or t.dtype != before.dtype:
-        return False
-    if torch.equal(t, before):
-        return True
-    if t.is_floating_point() or t.is_complex():
-        return bool(((t == before) | (t.isnan() & before.isnan())).all())
-    return False
-
-
-def inputs_alias(leaves) -> bool:
-    """Whether two non-empty tensor leaves share memory."""
-    ptrs = [x.untyped_storage().data_ptr() for x in leaves
-            if isinstance(x, torch.Tensor) and x.numel()]
-    return len(set(ptrs)) != len(ptrs)

@@ -1,26 +1,18 @@
-"""What a replay must see besides its arguments: module state, hooks and global flags.
+"""Per-graph guards: what a replay must see besides its arguments.
 
 A graph replays fixed kernels with fixed scalars on fixed memory. Everything a forward's Python
-read to choose them must still hold when the graph replays. This module records what a run reads
-and guards it cheaply:
+read to choose them must still hold when the graph replays:
 
-- **The epoch**: one global counter, bumped by every write to a module a graph depends on (a
-  *watched* one, see :mod:`._statics`) that no per-call check can see:
-  ``nn.Module.__setattr__``/``__delattr__`` (patched once, on first use), and module hook
-  registration and removal. Modules no graph reads never bump it. A call whose epoch equals the one its graph was last validated at
-  skips every attribute check.
-- **Reads**: while a :class:`Recorder` is active on a thread, ``nn.Module.__getattribute__``
-  records every instance attribute a module's code reads (``self.scale``, ``self.training``,
-  ``self.config``) with the value read, and module pre-hooks record which modules ran. A
-  :class:`StateGuard` compares those values again when the epoch moved; mutable values (a dict,
-  a list, a dataclass or an HF config) are checked on every call (dict versions, snapshots), and
-  tensors kept as plain attributes are held and checked (address, shape, and for CPU scalars
-  their value).
-- **Global flags** that change which kernels run (:class:`FlagsGuard`): Dynamo's
+- :class:`StateGuard` — the module attributes the capture's run read (recorded by
+  :mod:`._watch`), compared again when the epoch moved; mutable values (a dict, a list, a
+  dataclass or an HF config) on every call (dict versions, snapshots); tensors kept as plain
+  attributes, or named by a graphed function (closure cells, globals), held and checked
+  (address, layout, and for CPU scalars their value); the hooks of the modules it runs.
+- :class:`FlagsGuard` — global flags that change which kernels run: Dynamo's
   ``GlobalStateGuard`` (grad mode, autocast, default dtype, deterministic algorithms, TF32 and
-  reduced-precision matmul) and the others (the current device; cuDNN flags and
-  fp32 precision where the graph has convolutions, batch norms or RNNs, the SDPA backends
-  where it has attention).
+  reduced-precision matmul) and the others (the current device; cuDNN flags and fp32 precision
+  where the graph has convolutions, batch norms or RNNs, the SDPA backends where it has
+  attention).
 
 Not seen (documented): class attributes changed on the class, writes straight into a module's
 ``__dict__`` or through ``object.__setattr__``, non-tensor Python globals.
@@ -28,143 +20,18 @@ Not seen (documented): class attributes changed on the class, writes straight in
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import itertools
-import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_mod
-from torch.utils import hooks as _torch_hooks
 
+from . import _watch
 from ._signature import is_constant
-from ._statics import _WatchedDict, watch, watched
+from ._statics import watch
+from ._watch import MISSING, Read, same, short
 
-__all__ = ["bump", "install", "Recorder", "recording", "StateGuard", "FlagsGuard",
-           "hook_fingerprint", "INTERNAL_ATTRS", "function_bindings"]
-
-_counter = itertools.count(1)
-epoch = 0  # read as ``_guards.epoch``: bumped by every module write the per-call path cannot see
-
-
-def bump(*_args: Any) -> None:
-    """Something a graph may depend on changed: every state guard checks itself again."""
-    global epoch
-    epoch = next(_counter)  # unique per bump, so two threads bumping never look unchanged
-
-
-_installed = False
-_install_lock = threading.Lock()
-_HOOK_METHODS = ("register_forward_hook", "register_forward_pre_hook", "register_backward_hook",
-                 "register_full_backward_hook", "register_full_backward_pre_hook")
-_GLOBAL_HOOK_FUNCTIONS = ("register_module_forward_hook", "register_module_forward_pre_hook",
-                          "register_module_backward_hook", "register_module_full_backward_hook",
-                          "register_module_full_backward_pre_hook")
-
-
-def _bumping(fn: Callable, watched_only: bool = False) -> Callable:
-    """``fn`` that bumps the epoch first (for a module method with ``watched_only``: only when
-    a graph depends on the module)."""
-    def wrapper(*args, **kwargs):
-        if not watched_only or (args and watched(args[0])):
-            bump()
-        return fn(*args, **kwargs)
-
-    wrapper.__name__ = fn.__name__
-    wrapper.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
-    wrapper.__doc__ = fn.__doc__
-    wrapper.__wrapped__ = fn
-    return wrapper
-
-
-def install() -> None:
-    """Patch, once per process, the writes that bump the epoch (see the module docs)."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        cls = nn.Module
-        set_attr, del_attr = cls.__setattr__, cls.__delattr__
-
-        def __setattr__(self, name, value):  # noqa: N807 - the patched special method
-            if type(self.__dict__.get("_parameters")) is _WatchedDict:  # a graph reads it
-                global epoch
-                epoch = next(_counter)
-                rec = _recorders.get(threading.get_ident())
-                if rec is not None:
-                    rec.wrote(self, name, value)
-            set_attr(self, name, value)
-
-        def __delattr__(self, name):  # noqa: N807
-            if type(self.__dict__.get("_parameters")) is _WatchedDict:
-                global epoch
-                epoch = next(_counter)
-            del_attr(self, name)
-
-        cls.__setattr__ = __setattr__
-        cls.__delattr__ = __delattr__
-        for name in _HOOK_METHODS:
-            setattr(cls, name, _bumping(getattr(cls, name), watched_only=True))
-        for name in _GLOBAL_HOOK_FUNCTIONS:
-            fn = getattr(_module_mod, name, None)
-            if fn is not None:
-                setattr(_module_mod, name, _bumping(fn))
-                if getattr(torch.nn.modules, name, None) is fn:
-                    setattr(torch.nn.modules, name, getattr(_module_mod, name))
-        _torch_hooks.RemovableHandle.remove = _bumping(_torch_hooks.RemovableHandle.remove)
-        _installed = True
-
-
-# -- hooks ---------------------------------------------------------------------------------
-
-_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-               "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs",
-               "_forward_hooks_always_called")
-_GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
-                      "_global_backward_hooks", "_global_backward_pre_hooks")
-
-
-def hooked(module: nn.Module) -> bool:
-    """Whether ``module`` has forward or backward hooks of its own."""
-    d = module.__dict__
-    return any(d.get(name) for name in _HOOK_DICTS[:4])
-
-
-def hook_fingerprint(modules: list[nn.Module]) -> tuple:
-    """Which hooks each of ``modules`` and the process (global module hooks) has: compared
-    again when the epoch moves."""
-    own = tuple((i, tuple(tuple(m.__dict__.get(n, ())) for n in _HOOK_DICTS[:4]))
-                for i, m in enumerate(modules) if hooked(m))
-    return own, _global_hook_ids()
-
-
-_OWN_HOOKS: set[int] = set()  # handle ids of the global hooks cudagraphify's probes register
-
-
-def _global_hook_ids() -> tuple:
-    return tuple(tuple(k for k in getattr(_module_mod, n, ()) if k not in _OWN_HOOKS)
-                 for n in _GLOBAL_HOOK_DICTS)
-
-
-def global_hooks() -> bool:
-    """Whether the process has global module hooks (besides cudagraphify's own probes')."""
-    return any(_global_hook_ids())
-
-
-@contextlib.contextmanager
-def own_global_hook(register: Callable, hook: Callable, **kwargs) -> Iterator[None]:
-    """``register(hook)`` (a ``register_module_*_hook``) for the block: cudagraphify's own,
-    so it does not count as the user's global hook (see :func:`global_hooks`)."""
-    handle = register(hook, **kwargs)
-    _OWN_HOOKS.add(handle.id)
-    try:
-        yield
-    finally:
-        handle.remove()
-        _OWN_HOOKS.discard(handle.id)
-
+__all__ = ["StateGuard", "FlagsGuard", "Unguardable", "function_bindings"]
 
 # -- global flags --------------------------------------------------------------------------
 
@@ -250,128 +117,17 @@ class FlagsGuard:
         return "global flags changed (" + "; ".join(diff) + ")"
 
 
-# -- recording reads -------------------------------------------------------------------------
-
-# Module attributes that are torch's own bookkeeping (hooks and registries) or cudagraphify's:
-# they are guarded elsewhere (statics, hooks) or not at all (state dict hooks).
-INTERNAL_ATTRS = frozenset({
-    "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
-    "_backward_hooks", "_is_full_backward_hook", "_forward_hooks", "_forward_hooks_with_kwargs",
-    "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
-    "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
-    "_load_state_dict_post_hooks", "_cudagraphify_state", "_cudagraphify_share", "forward",
-    "__dict__", "__class__",
-})
-
-_REGISTRIES = ("_parameters", "_buffers", "_modules")
-_recorders: dict[int, "Recorder"] = {}  # thread id -> the recorder active on that thread
-_patch_users = 0
-_patch_lock = threading.Lock()
-_object_getattribute = object.__getattribute__
-
-
-def _recording_getattribute(self, name):
-    value = _object_getattribute(self, name)
-    rec = _recorders.get(threading.get_ident())
-    if rec is not None and name not in INTERNAL_ATTRS:
-        d = _object_getattribute(self, "__dict__")
-        if name in d and d[name] is value:
-            rec.read(self, name, value)
-    return value
-
-
-@dataclasses.dataclass
-class Read:
-    module: nn.Module
-    name: str
-    value: Any
-
-
-class Recorder:
-    """What one run of a forward read from modules, which modules ran, and which module
-    attributes it changed."""
-
-    def __init__(self):
-        self.reads: dict[tuple[int, str], Read] = {}
-        self.called: dict[int, nn.Module] = {}
-        self.writes: list[tuple[nn.Module, str, Any, Any]] = []
-        self._thread = threading.get_ident()
-
-    def read(self, module: nn.Module, name: str, value: Any) -> None:
-        key = (id(module), name)
-        if key not in self.reads:  # the first read is what the run's code saw first
-            self.reads[key] = Read(module, name, value)
-
-    def wrote(self, module: nn.Module, name: str, value: Any) -> None:
-        d = module.__dict__
-        if name in INTERNAL_ATTRS or any(name in d.get(k, ()) for k in _REGISTRIES):
-            return  # a parameter, buffer or submodule: the statics guard sees those
-        old = d.get(name, _MISSING)
-        if not _same(old, value):
-            self.writes.append((module, name, old, value))
-
-    def _pre(self, module, args):
-        if threading.get_ident() == self._thread:
-            self.called.setdefault(id(module), module)
-
-
-class _Missing:
-    def __repr__(self) -> str:
-        return "<missing>"
-
-
-_MISSING = _Missing()
-
-
-@contextlib.contextmanager
-def recording(rec: Recorder) -> Iterator[Recorder]:
-    """Record, on this thread, the module attributes read and the modules run (see module docs)."""
-    global _patch_users
-    install()
-    with _patch_lock:
-        _patch_users += 1
-        if _patch_users == 1:
-            nn.Module.__getattribute__ = _recording_getattribute
-    tid = threading.get_ident()
-    outer = _recorders.get(tid)
-    _recorders[tid] = rec
-    try:
-        with own_global_hook(_module_mod.register_module_forward_pre_hook, rec._pre):
-            yield rec
-    finally:
-        if outer is not None:
-            _recorders[tid] = outer
-        else:
-            _recorders.pop(tid, None)
-        with _patch_lock:
-            _patch_users -= 1
-            if _patch_users == 0:
-                del nn.Module.__getattribute__
-
-
 # -- guarding what was read ------------------------------------------------------------------
 
 _dict_version = torch._C._dynamo.guards.dict_version
 _MAX_WATCHED = 256  # mutable objects watched per graph; beyond that the read is refused
 
 
-def _same(a: Any, b: Any) -> bool:
-    """Whether two attribute values would drive a forward the same way."""
-    if a is b:
-        return True
-    if type(a) is not type(b) or not is_constant(a):
-        return False
-    try:
-        return bool(a == b) or (a != a and b != b)  # NaN equals NaN here
-    except Exception:  # noqa: BLE001 - an __eq__ that raises: not the same
-        return False
-
-
 class Unguardable(Exception):
     """A value a forward read cannot be guarded; the message says what and why."""
 
 
-def _watch(value: Any, out: list[Callable[[], bool]], tensors: list[torch.Tensor],
+def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.Tensor],
            seen: set[int], depth: int) -> None:
     """Per-call checks that ``value`` (a mutable object a forward read) still holds what it
     held; tensors found inside are collected (held and checked by the caller)."""
@@ -401,11 +157,11 @@ def _watch(value: Any, out: list[Callable[[], bool]], tensors: list[torch.Tensor
             out.append(lambda v=value, s=ids: len(v) == len(s) and list(map(id, v)) == s)
         for item in snapshot:
             if not is_constant(item):
-                _watch(item, out, tensors, seen, depth + 1)
+                _watch_value(item, out, tensors, seen, depth + 1)
         return
     elif isinstance(value, tuple):
         for item in value:
-            _watch(item, out, tensors, seen, depth + 1)
+            _watch_value(item, out, tensors, seen, depth + 1)
         return
     else:
         d = getattr(value, "__dict__", None)
@@ -415,7 +171,7 @@ def _watch(value: Any, out: list[Callable[[], bool]], tensors: list[torch.Tensor
     out.append(lambda d=d, v=version: _dict_version(d) == v)
     for item in list(d.values()):
         if not is_constant(item):
-            _watch(item, out, tensors, seen, depth + 1)
+            _watch_value(item, out, tensors, seen, depth + 1)
 
 
 class StateGuard:
@@ -436,7 +192,7 @@ class StateGuard:
         self._bindings = list(bindings)
         self._hooks = hooks
         self._hooks_then = hooks() if hooks is not None else None
-        self.epoch = epoch
+        self.epoch = _watch.epoch
         checks: list[Callable[[], bool]] = []
         tensors: list[torch.Tensor] = []
         seen: set[int] = set()
@@ -444,7 +200,7 @@ class StateGuard:
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
             elif not is_constant(value):
-                _watch(value, checks, tensors, seen, 0)
+                _watch_value(value, checks, tensors, seen, 0)
         for _, read, value in self._bindings:
             checks.append(lambda read=read, value=value: read() is value)
             tensors.append(value)
@@ -460,10 +216,10 @@ class StateGuard:
         return list(self._reads)
 
     def valid(self) -> bool:
-        if self.epoch != epoch:
+        if self.epoch != _watch.epoch:
             if self._changed() is not None:
                 return False
-            self.epoch = epoch
+            self.epoch = _watch.epoch
         if self.volatile:
             for check in self._checks:
                 if not check():
@@ -472,9 +228,9 @@ class StateGuard:
 
     def _changed(self) -> str | None:
         for module, name, value in self._reads:
-            now = module.__dict__.get(name, _MISSING)
-            if not _same(now, value):
-                return f"{type(module).__name__}.{name} changed ({_short(value)} -> {_short(now)})"
+            now = module.__dict__.get(name, MISSING)
+            if not same(now, value):
+                return f"{type(module).__name__}.{name} changed ({short(value)} -> {short(now)})"
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"
         return None
@@ -539,8 +295,3 @@ def _tensor_check(t: torch.Tensor) -> Callable[[], bool]:
         return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == meta \
             and t.tolist() == value
     return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == meta
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

@@ -23,7 +23,7 @@ import torch
 from torch.nn.modules import module as _module_mod
 from torch.overrides import TorchFunctionMode
 
-from ._guards import own_global_hook
+from ._watch import own_global_hook
 from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
 from ._signature import storage_of
 

@@ -598,13 +598,13 @@ def _reads_of(layer: torch.nn.Module, guard) -> dict:
 def _reads_differ(template: dict, mine: dict) -> str | None:
     """The first value a layer read that differs from what the template layer read, in words
     (objects compared by identity, as a graph's guard does), or None."""
-    from ._guards import _same, _short
+    from ._watch import same, short
 
     for key in template.keys() | mine.keys():
         a, b = template.get(key, _ABSENT), mine.get(key, _ABSENT)
-        if not _same(a, b):
+        if not same(a, b):
             path, name = key
-            return f"{path + '.' if path else ''}{name}: {_short(a)} vs {_short(b)}"
+            return f"{path + '.' if path else ''}{name}: {short(a)} vs {short(b)}"
     return None
 
 

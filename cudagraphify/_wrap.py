@@ -16,7 +16,8 @@ from typing import Any, Callable
 import torch
 import wrapt
 
-from ._engine import MISS, GraphedState
+from ._engine import GraphedState
+from ._fast import MISS
 from ._errors import CudagraphifyUsageError
 from ._options import Options
 

@@ -1245,7 +1245,7 @@ def test_a_remembered_eager_decision_is_checked_cheaply_and_counted(sim):
         for _ in range(4):
             g(torch.randn(2, 4), o)
         state = g._cudagraphify_state
-        assert type(state._fast).__name__ == "_EagerFast"
+        assert type(state._fast).__name__ == "EagerFast"
         x = torch.randn(2, 4)
         out = g(x, 3)  # an immutable value instead: keyable, so graphed
         g(x, 3)

@@ -1,0 +1,190 @@
+"""The per-call fast paths: the previous call's decision, re-checked in a few C calls.
+
+:class:`Fast` replays the graph the previous call replayed, when every guard of it holds
+(argument layouts in C, global state, parameter addresses and buffer layouts, the module-state
+epoch, the stream, a region's slots). :class:`EagerFast` runs eagerly a call the previous
+call's decision covers (an opaque argument of the same type; a remembered eager or piecewise
+signature with the same tensor layouts and the same other arguments). Anything else answers
+:data:`MISS`, and the engine's full path decides the call afresh.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+
+from . import _region, _watch
+from ._nested import nesting
+from ._signature import is_opaque
+
+__all__ = ["Fast", "EagerFast", "MISS"]
+
+MISS = object()  # a fast path's answer: not for this call, take the full path
+_MISS = MISS
+_stack_get = _region.stack_var().get
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_TensorGuards = torch._C._dynamo.guards.TensorGuards
+
+
+class EagerFast:
+    """The previous call's decision to run eagerly, for calls that would decide the same.
+
+    - ``opaque``: a top-level argument of a type the signature cannot hold; a call with the
+      same argument names, and that type in that place, runs eagerly without more ado.
+    - ``decided``: a remembered decision (an eager or piecewise entry) for calls whose tensor
+      arguments have the same layouts (checked in C), whose other top-level arguments are the
+      same objects, while the entry's module state holds.
+
+    Running eagerly is always correct; these checks only make sure that a call that could be
+    graphed is not kept from its graph (a change of global flags alone is not looked for: it
+    turns no eager decision into a graph)."""
+
+    __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
+                 "same", "entry")
+
+    @staticmethod
+    def opaque(state, region, reason: str, args: tuple,
+               kwargs: dict) -> "EagerFast | None":
+        if state.options.enabled is not True:
+            return None
+        self = EagerFast._new(state, region, reason, args, kwargs)
+        values = (*args, *kwargs.values())
+        self.types = [(i, type(v)) for i, v in enumerate(values) if is_opaque(type(v))]
+        return self
+
+    @staticmethod
+    def decided(state, region, entry, args: tuple,
+                kwargs: dict) -> "EagerFast | None":
+        if state.options.enabled is not True:
+            return None
+        self = EagerFast._new(state, region, entry.reason, args, kwargs)
+        values = (*args, *kwargs.values())
+        self.tensors = [i for i, v in enumerate(values) if type(v) is _Tensor
+                        or type(v) is _Parameter]
+        if len(self.tensors) != sum(isinstance(v, _Tensor) for v in values):
+            return None  # a tensor subclass: decide again
+        ts = [values[i] for i in self.tensors]
+        self.tguard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
+                                    dynamic_dims_strides=[list(t.stride()) for t in ts])
+        self.same = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
+        self.entry = entry
+        return self
+
+    @staticmethod
+    def _new(state, region, reason, args, kwargs) -> "EagerFast":
+        self = EagerFast()
+        self.state, self.region, self.reason = state, region, reason
+        self.n, self.names = len(args), tuple(kwargs)
+        self.types, self.tensors, self.tguard, self.same, self.entry = (), (), None, (), None
+        return self
+
+    def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        stack = _stack_get()
+        if len(args) != self.n or (stack[-1] if stack else None) is not self.region:
+            return _MISS
+        if kwargs:
+            if tuple(kwargs) != self.names:
+                return _MISS
+            values = (*args, *kwargs.values())
+        elif self.names:
+            return _MISS
+        else:
+            values = args
+        if self.types:
+            for i, tp in self.types:
+                if type(values[i]) is not tp:
+                    return _MISS
+        else:
+            for i, v in self.same:
+                if values[i] is not v:
+                    return _MISS
+            if not self.tguard.check(*[values[i] for i in self.tensors]):
+                return _MISS
+            # (global flags are not checked: they change no eager decision)
+            state = self.entry.state
+            if state is not None and not state.valid():
+                return _MISS
+        self.state.eager_calls[self.reason] += 1
+        return fn(*args, **kwargs)
+
+
+class Fast:
+    """Every check of the entry the previous call replayed, in a few C calls, then its replay.
+
+    Made only for an inference graph of this callable's own, called with tensors (plain tensors
+    or parameters; positional, or by keyword in the same order) while grad mode is off, with
+    ``enabled=True`` and no moves pending. Any failed check (or anything unusual) hands the
+    call to the slow path, which decides it afresh."""
+
+    __slots__ = ("state", "entry", "region", "n", "names", "tguard", "flags", "guard", "same",
+                 "in_capture", "stream", "holder", "inplace", "lock")
+
+    @staticmethod
+    def make(state, entry, region, backend, args: tuple, kwargs: dict,
+             token) -> "Fast | None":
+        if state.options.enabled is not True or state._moves or entry.owner is not state \
+                or entry.flags is None or torch.is_grad_enabled() or entry.hazard:
+            return None
+        leaves = (*args, *kwargs.values())  # the order build_signature flattens them in
+        if not leaves or not all(type(a) is _Tensor or type(a) is _Parameter for a in leaves):
+            return None
+        self = Fast()
+        self.state, self.entry, self.region, self.n = state, entry, region, len(args)
+        self.names = tuple(kwargs)
+        self.tguard = _TensorGuards(*leaves, dynamic_dims_sizes=[list(a.shape) for a in leaves],
+                                    dynamic_dims_strides=[list(a.stride()) for a in leaves])
+        self.flags = entry.flags.check
+        self.guard = entry.state
+        self.same = state.statics.same
+        self.in_capture = getattr(backend, "in_capture_now", backend.in_capture)
+        getter = getattr(backend, "stream_getter", None)
+        self.stream = getter(entry.device) if getter is not None else functools.partial(
+            backend.stream_token, entry.device)
+        self.holder = state._stream_holder(region)
+        self.inplace = entry.inplace
+        self.lock = state.lock
+        return self
+
+    def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if len(args) != self.n or nesting[0]:
+            return _MISS
+        if kwargs:
+            if tuple(kwargs) != self.names:
+                return _MISS
+            args = (*args, *kwargs.values())
+        elif self.names:
+            return _MISS
+        stack = _stack_get()  # the regions entered (the innermost is in effect)
+        region = self.region
+        if region is None:
+            if stack:
+                return _MISS
+            with self.lock:
+                return self._replay(args, None)
+        if not stack or stack[-1] is not region:
+            return _MISS
+        with region.lock, self.lock:
+            return self._replay(args, region)
+
+    def _replay(self, args: tuple, region) -> Any:
+        entry, state = self.entry, self.state
+        if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
+                or not self.flags() or self.in_capture():
+            return _MISS
+        guard = self.guard
+        if guard is not None and (guard.epoch != _watch.epoch or guard.volatile) \
+                and not guard.valid():
+            return _MISS
+        for i, ptr in self.inplace:
+            if args[i].data_ptr() != ptr:
+                return _MISS
+        if not self.same() or self.stream() != self.holder._stream_token:
+            return _MISS
+        if region is not None:
+            if entry.seq is not None and not region.protect_before(entry, args):
+                return _MISS
+            region.replays += 1
+        state.replays += 1
+        return entry.run(args)

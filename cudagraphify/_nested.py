@@ -1,0 +1,35 @@
+"""Which threads are inside a graphed callable's warm-up or capture.
+
+A graphed callable called there runs eagerly and becomes part of the outer run (its ops are the
+outer graph's). ``nesting`` counts such runs on all threads: the fast paths' cheap check.
+"""
+
+from __future__ import annotations
+
+import threading
+
+__all__ = ["Nested", "in_graphed_call", "nesting"]
+
+_tls = threading.local()
+nesting = [0]  # warm-ups and captures in progress, any thread (the fast path's cheap check)
+_nesting_lock = threading.Lock()
+
+
+def in_graphed_call() -> bool:
+    """True while this thread warms up or captures a graphed callable (nested calls run eagerly)."""
+    return getattr(_tls, "depth", 0) > 0
+
+
+class Nested:
+    """Marks a warm-up or capture in progress on this thread (nested graphed calls run eagerly
+    and become part of it)."""
+
+    def __enter__(self):
+        _tls.depth = getattr(_tls, "depth", 0) + 1
+        with _nesting_lock:
+            nesting[0] += 1
+
+    def __exit__(self, *exc):
+        _tls.depth -= 1
+        with _nesting_lock:
+            nesting[0] -= 1

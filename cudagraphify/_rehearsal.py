@@ -1,0 +1,86 @@
+"""The captured path of capture-aware code: a rehearsal.
+
+Code that asks ``torch.cuda.is_current_stream_capturing()`` (HF transformers' mask building)
+takes another path while captured. Where the code that asks is trusted to compute the same on
+that path (``OpPolicy.trusts_captured_path``), one more eager run answers the question "yes", on
+copies of the inputs, with the parameters, buffers and random state restored afterwards; its
+probe then stands in for the warm-up's (see :mod:`._first_call`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from ._piecewise import new_probe, probed
+from ._probe import Probe
+from ._replay import StaticInputs
+from ._signature import unflatten_call
+from . import _writes
+from ._nested import Nested
+
+__all__ = ["rehearse"]
+
+
+def rehearse(first) -> Probe | None:
+    """The probe of an eager run on which ``torch.cuda.is_current_stream_capturing()``
+    answers "yes", when that path is safe and writes what the real call wrote (else None).
+
+    Code that asks (HF transformers' mask building) takes another path while captured;
+    where the code that asks is trusted to compute the same on it
+    (``OpPolicy.trusts_captured_path``), the warm-up's findings (a host sync on the eager
+    path) do not apply to the graph. The run reads copies of the inputs; the buffers and
+    parameters it writes and the random state are restored, so only the real call's
+    effect remains. The capture must then take the same path, op for op."""
+    if first.opaque:
+        return None  # objects passed as they are: another run would change them
+    statics, buffers = first.statics.watchable()
+    with _restored(statics, buffers, first.wrote_statics, first.device) as wrote:
+        copies = StaticInputs(first.leaves, [False] * len(first.leaves))
+        copy_marks = _writes.marks([b for _, b in copies.copy])
+        rehearsal = new_probe(first.state)
+        rehearsal.rehearse = True
+        ran = False
+        try:
+            a, kw = unflatten_call(copies.leaves, first.sig)
+            with Nested():
+                first.backend.warmup(probed(rehearsal, lambda: first.fn(*a, **kw)),
+                                    first.device)
+            ran = True
+        except Exception:  # noqa: BLE001 - that path fails eagerly: keep the warm-up's plan
+            pass
+    # A path that writes what the eager one does not (or a parameter: restored only where
+    # the real call wrote it too) is not the same computation.
+    wrote_inputs = {copies.copy[k][0]
+                    for k in _writes.written([b for _, b in copies.copy], copy_marks)}
+    if not ran or rehearsal.findings or not set(wrote) <= set(first.wrote_statics) \
+            or wrote_inputs != set(first.mutated):
+        return None
+    return rehearsal
+
+
+@contextlib.contextmanager
+def _restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: list[int],
+              device: torch.device):
+    """Inside the block, the statics and the random state may change; afterwards they are as
+    before. Yields the list (filled on exit) of the statics the block wrote."""
+    marks = _writes.marks(statics, buffers)  # buffers by value: the copies restore them
+    with torch.no_grad():
+        saved = {j: statics[j].clone() for j in wrote_before}
+    rng = (torch.random.get_rng_state(),
+           torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+    wrote: list[int] = []
+    try:
+        yield wrote
+    finally:
+        wrote.extend(_writes.written(statics, marks))
+        with torch.no_grad():
+            for j in wrote:
+                if isinstance(marks[j], torch.Tensor):
+                    statics[j].data.copy_(marks[j])
+            for j, v in saved.items():
+                statics[j].data.copy_(v)
+        torch.random.set_rng_state(rng[0])
+        if rng[1] is not None:
+            torch.cuda.set_rng_state(rng[1], device)
