@@ -155,6 +155,8 @@ class FirstCall:
     # -- 2. screen -------------------------------------------------------------------------
 
     def screen(self) -> Outcome | None:
+        if self.warm_guard.unguardable:  # nothing could tell a replay that it changed
+            return Outcome(EAGER, self.result, reason=self.warm_guard.unguardable)
         if self.short_of_memory:  # writes could not be checked: try again on a later call
             return Outcome(DEFERRED, self.result, reason=f"capture deferred (retried on a later "
                            f"call): {self.short_of_memory}", guard=self.warm_guard)
@@ -404,6 +406,9 @@ class FirstCall:
         # The graph computes what the capture's run computed: it stands while what that run
         # read stands (a layer's graph made from a template: what its own warm-up read).
         guard = self.warm_guard if shared else self._guard(rec)
+        if guard.unguardable:
+            entry.release()
+            return Outcome(EAGER, self.result, reason=guard.unguardable)
         entry.pinned = tuple(self.pinned)
         chain = self.region is not None and self.region.chain and entry.seq is not None
         replay = chain and not self.mutated and not self.wrote_statics and not self.opaque

@@ -196,11 +196,16 @@ class StateGuard:
         checks: list[Callable[[], bool]] = []
         tensors: list[torch.Tensor] = []
         seen: set[int] = set()
-        for _, _, value in self._reads:
+        self.unguardable = ""  # why what was read cannot be guarded ("" when it can)
+        for module, name, value in self._reads:
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
             elif not is_constant(value):
-                _watch_value(value, checks, tensors, seen, 0)
+                try:
+                    _watch_value(value, checks, tensors, seen, 0)
+                except Unguardable as e:
+                    self.unguardable = f"forward reads {type(module).__name__}.{name}, which {e}"
+                    break
         for _, read, value in self._bindings:
             checks.append(lambda read=read, value=value: read() is value)
             tensors.append(value)

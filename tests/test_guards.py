@@ -853,3 +853,24 @@ def test_11_share_graph_bf16_per_layer_scale_within_assert_close_tolerance(share
         for i in range(4):
             _layer_by_layer(layers, ref, make(), f"call {i}")
     assert _layer_replays(layers) > 0, [cg.stats(m) for m in layers]
+
+
+def test_a_value_too_deep_to_guard_runs_eagerly_with_the_reason(sim):
+    class Deep(nn.Module):
+        def __init__(self):
+            super().__init__()
+            nested: dict = {"scale": 2.0}
+            for _ in range(6):
+                nested = {"next": nested}
+            self.cfg = nested
+
+        def forward(self, x):
+            return x * 2 if self.cfg else x
+
+    g = cg.graphify(Deep())
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3)
+            torch.testing.assert_close(g(x), x * 2, rtol=0, atol=0)
+    s = cg.stats(g)
+    assert s.captures == 0 and any("nested more than 4 deep" in r for r in s.eager_calls), s
