@@ -96,6 +96,7 @@ class Owned:
     state: Any = None
     flags: Any = None
     pinned: tuple = ()
+    written_statics: frozenset = frozenset()  # storages of parameters/buffers forward writes
 
     @property
     def owner(self):

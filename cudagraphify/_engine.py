@@ -217,6 +217,11 @@ class GraphedState:
         return None
 
     def _replay(self, backend, region, entry, leaves: list, fn, args, kwargs) -> Any:
+        if entry.written_statics and any(storage_of(leaves[i]) in entry.written_statics
+                                         for i in entry.copied_indices()):
+            return self._eager("an argument shares memory with a parameter or buffer the "
+                               "forward writes: a graph would read a copy made before the "
+                               "write", fn, args, kwargs)
         if entry.mutated:
             if inputs_alias(leaves):
                 return self._eager("inputs share memory and forward writes to them", fn, args,
@@ -284,6 +289,8 @@ class GraphedState:
         if kind == GRAPHED:
             return self._record_graph(outcome, backend, region, cache, key, leaves, fn, args,
                                       kwargs)
+        if kind == EAGER and not outcome.remember:
+            return self._eager(outcome.reason, lambda: outcome.result, (), {})
         if kind == DEFERRED and self._deferred < _MAX_DEFERRED:
             self._deferred += 1
             self.eager_calls[outcome.reason] += 1

@@ -26,6 +26,8 @@ _MISS = MISS
 _stack_get = _region.stack_var().get
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
+# the process's global module hook dicts: any hook there sends the call to the full path
+_hooks_a, _hooks_b, _hooks_c, _hooks_d = _watch._GLOBAL_DICTS
 
 
 class EagerFast:
@@ -35,14 +37,14 @@ class EagerFast:
       same argument names, and that type in that place, runs eagerly without more ado.
     - ``decided``: a remembered decision (an eager or piecewise entry) for calls whose tensor
       arguments have the same layouts (checked in C), whose other top-level arguments are the
-      same objects, while the entry's module state holds.
+      same objects, while the entry's module state and the statics hold.
 
     Running eagerly is always correct; these checks only make sure that a call that could be
     graphed is not kept from its graph (a change of global flags alone is not looked for: it
     turns no eager decision into a graph)."""
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
-                 "same", "entry")
+                 "others", "entry", "statics_same")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -68,8 +70,9 @@ class EagerFast:
         ts = [values[i] for i in self.tensors]
         self.tguard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
                                     dynamic_dims_strides=[list(t.stride()) for t in ts])
-        self.same = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
+        self.others = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
         self.entry = entry
+        self.statics_same = state.statics.same
         return self
 
     @staticmethod
@@ -77,7 +80,7 @@ class EagerFast:
         self = EagerFast()
         self.state, self.region, self.reason = state, region, reason
         self.n, self.names = len(args), tuple(kwargs)
-        self.types, self.tensors, self.tguard, self.same, self.entry = (), (), None, (), None
+        self.types, self.tensors, self.tguard, self.others, self.entry = (), (), None, (), None
         return self
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -97,14 +100,14 @@ class EagerFast:
                 if type(values[i]) is not tp:
                     return _MISS
         else:
-            for i, v in self.same:
+            for i, v in self.others:
                 if values[i] is not v:
                     return _MISS
             if not self.tguard.check(*[values[i] for i in self.tensors]):
                 return _MISS
             # (global flags are not checked: they change no eager decision)
             state = self.entry.state
-            if state is not None and not state.valid():
+            if (state is not None and not state.valid()) or not self.statics_same():
                 return _MISS
         self.state.eager_calls[self.reason] += 1
         return fn(*args, **kwargs)
@@ -124,8 +127,11 @@ class Fast:
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
              token) -> "Fast | None":
+        # (entries that write their inputs or the statics keep to the slow path: it checks
+        # that no argument aliases what is written)
         if state.options.enabled is not True or state._moves or entry.owner is not state \
-                or entry.flags is None or torch.is_grad_enabled() or entry.hazard:
+                or entry.flags is None or torch.is_grad_enabled() or entry.hazard \
+                or entry.mutated or entry.written_statics:
             return None
         leaves = (*args, *kwargs.values())  # the order build_signature flattens them in
         if not leaves or not all(type(a) is _Tensor or type(a) is _Parameter for a in leaves):
@@ -171,7 +177,8 @@ class Fast:
     def _replay(self, args: tuple, region) -> Any:
         entry, state = self.entry, self.state
         if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
-                or not self.flags() or self.in_capture():
+                or not self.flags() or self.in_capture() or _hooks_a or _hooks_b \
+                or _hooks_c or _hooks_d:
             return _MISS
         guard = self.guard
         if guard is not None and (guard.epoch != _watch.epoch or guard.volatile) \

@@ -58,6 +58,7 @@ class Outcome:
     flags: FlagsGuard | None = None
     replay: bool = False  # GRAPHED: replay once now (a chaining region hands out aliases)
     shared: bool = False  # GRAPHED: made from a share_graph template
+    remember: bool = True  # EAGER: decided for the signature (False: for this call only)
 
 
 class FirstCall:
@@ -84,6 +85,7 @@ class FirstCall:
         self.training = False
         self.result: Any = None
         self.saved: set[int] = set()  # training: Function inputs autograd saves for backward
+        self.saved_statics: list[torch.Tensor] = []  # and buffers or frozen parameters it saves
         self.short_of_memory = ""  # why the inputs could not be copied to check writes
 
     # -- 1. warm up ------------------------------------------------------------------------
@@ -126,9 +128,7 @@ class FirstCall:
             self.result = self.backend.warmup(
                 probed(probe, lambda: self.fn(*self.args, **self.kwargs)), self.device)
         self.warmup_seconds += time.perf_counter() - t0
-        # the global flags that choose the kernels of the ops it made (all, where unknown)
-        self.flags = FlagsGuard({op for seq in probe.sequences.values() for op in seq}
-                                if probe is not None else None)
+        self.flags = FlagsGuard()  # as the call left them
         written = probe.written if probe is not None else set()
         # A graphed function (or a forward) may run modules outside the tree it was given:
         # their parameters and buffers are guarded too.
@@ -174,12 +174,21 @@ class FirstCall:
         if probe is not None:
             for f in self._outside_tensors(probe):
                 findings.setdefault(f.path, []).append(f)
+        mine = {id(t) for t in self.statics.tensors}
+        if torch.is_grad_enabled() and any(t.requires_grad and id(t) not in mine
+                                           for t in self.warm_guard.tensors):
+            return self._eager("forward reads a tensor that requires grad and is no parameter "
+                               "(a plain attribute, a global or a closure variable): a graph "
+                               "cannot give it a gradient; register it as an nn.Parameter")
         if findings:
             ran = set(probe.sequences) if probe is not None else {""}
             return Outcome(PIECEWISE, self.result, findings=findings, ran=ran,
                            guard=self.warm_guard)
         if self.mutated and inputs_alias(self.leaves):
-            return self._eager("inputs share memory and forward writes to them")
+            # this call's arguments, not the signature: later calls may not alias
+            out = self._eager("inputs share memory and forward writes to them")
+            out.remember = False
+            return out
         if self.mutated and self.training:
             return self._eager("forward writes to its tensor arguments while autograd records")
         return None
@@ -252,7 +261,7 @@ class FirstCall:
                     entry = capture_training(
                         self.backend, run, self.sig, self.leaves, self.static_flags,
                         self.statics.grad_params(), self.device, self._persistent(),
-                        self.statics.stand_ins, self.saved)
+                        self.statics.stand_ins, self.saved, self.saved_statics)
                 else:
                     entry = self._capture_inference(run)
         except (CaptureFailed, torch.OutOfMemoryError) as e:
@@ -302,6 +311,9 @@ class FirstCall:
                             self.backend.warmup(lambda: warmup_backward(
                                 lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
                         self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
+                        storages = {storage_of(t) for t in packed} - {0}
+                        self.saved_statics = [t for t in statics.tensors if not t.requires_grad
+                                              and storage_of(t) in storages]
                     else:
                         self.backend.warmup(lambda: fn(*a, **kw), self.device)
         finally:  # a failed extra run leaves no trace in the buffers either
@@ -337,7 +349,9 @@ class FirstCall:
         else:
             pool_output = static_output
         try:
-            actions, spec = plan_outputs(out, inputs, leaves, self._persistent(), pool_output)
+            actions, spec = plan_outputs(
+                out, inputs, leaves, self._persistent(), pool_output,
+                {id(t) for t in (*self.statics.tensors, *self.warm_guard.tensors)})
         except OutputPlanError:
             if forget is not None:
                 forget()
@@ -387,7 +401,15 @@ class FirstCall:
         probe = self.probe
         if rec.writes and not shared:
             entry.release()
+            _undo_writes(rec)  # the capture's run is not a call: its Python effects go too
             return self._writes_refused(rec)
+        if not shared and self.warm_guard.volatile and not self.warm_guard.valid():
+            # the capture's run changed a container or tensor the forward reads (a step count
+            # in a dict): a Python side effect on every call, which a replay cannot repeat
+            entry.release()
+            return Outcome(EAGER, self.result, reason="forward changes a container, object or "
+                           "tensor attribute it reads on every call (a side effect a replay "
+                           "cannot repeat)")
         outside = [] if shared else self._outside_outputs(entry, second)
         if outside:
             entry.release()
@@ -410,6 +432,10 @@ class FirstCall:
             entry.release()
             return Outcome(EAGER, self.result, reason=guard.unguardable)
         entry.pinned = tuple(self.pinned)
+        # parameters and buffers the forward writes: an argument that shares their memory must
+        # not be read from a copy (checked on every call)
+        entry.written_statics = frozenset(storage_of(self.watchable[j])
+                                          for j in self.wrote_statics) - {0}
         chain = self.region is not None and self.region.chain and entry.seq is not None
         replay = chain and not self.mutated and not self.wrote_statics and not self.opaque
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
@@ -430,34 +456,51 @@ class FirstCall:
                         "variable?): pass it as an argument or register it as a buffer")
                 for t in entry.output_tensors() if storage_of(t) not in mine | {0}]
 
-    def _eager_or_piecewise(self, findings: list[Finding]) -> Outcome:
+    def _eager_or_piecewise(self, findings: list[Finding],
+                            guard: StateGuard | None = None) -> Outcome:
+        guard = guard if guard is not None else self.warm_guard
         if self.probe is None or self.statics.root is None:
-            return self._eager(f"unsafe op {findings[0]}")
+            return self._eager(f"unsafe op {findings[0]}", guard)
         found: dict[str, list[Finding]] = {}
         for f in findings:
             found.setdefault(f.path, []).append(f)
         return Outcome(PIECEWISE, self.result, findings=found, ran=set(self.probe.sequences),
-                       guard=self.warm_guard)
+                       guard=guard)
 
     def _writes_refused(self, rec: Recorder) -> Outcome:
-        module, name, old, new = rec.writes[0]
+        """A forward that sets a module attribute on every call (a counter, a cache position):
+        a Python side effect a replay cannot repeat. Decided eagerly (or piecewise), under a
+        guard that leaves out what the forward itself writes, else the decision would never
+        hold twice."""
+        module, name, _, _ = rec.writes[0]
         root = self.statics.root
         names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
         path = names.get(id(module), "")
         what = f"{type(module).__name__}.{name}"
+        written = {(id(m), n) for m, n, _, _ in self.recorder.writes + rec.writes}
+        guard = self._guard(self.recorder, leave_out=written)
         finding = Finding(path, f"sets {what}", ("PYTHON_STATE",),
-                          f"{_watch.short(old)} -> {_watch.short(new)}: a Python side "
-                          "effect on every call, which a replay cannot repeat")
-        if self.probe is None or root is None:
-            return self._eager(f"forward sets {what} on every call ({finding.where})")
-        return self._eager_or_piecewise([finding])
+                          "a Python side effect on every call, which a replay cannot repeat")
+        return self._eager_or_piecewise([finding], guard)
 
-    def _guard(self, rec: Recorder) -> StateGuard:
+    def _guard(self, rec: Recorder, leave_out: set[tuple[int, str]] = frozenset()) -> StateGuard:
+        """What ``rec``'s run read, as a guard (less the attributes ``leave_out`` names)."""
         root = self.statics.root
         modules = [m for m in self.statics.modules if m is not root]
-        return StateGuard(list(rec.reads.values()),
+        ran = [m for m in rec.called.values() if m is not root]
+        return StateGuard([r for key, r in rec.reads.items() if key not in leave_out],
                           hooks=lambda: _watch.hook_fingerprint(modules),
-                          bindings=function_bindings(self.fn))
+                          bindings=function_bindings(self.fn), ran=ran)
+
+def _undo_writes(rec: Recorder) -> None:
+    """Put back the module attributes a run changed (the last write first)."""
+    for module, name, old, _ in reversed(rec.writes):
+        if old is _watch.MISSING:
+            module.__dict__.pop(name, None)
+        else:
+            module.__dict__[name] = old
+    _watch.bump()
+
 
 def _saved_indices(packed: list[torch.Tensor], copies: StaticInputs, tensor_idx: list[int],
                    statics) -> set[int]:

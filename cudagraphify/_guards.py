@@ -10,9 +10,8 @@ read to choose them must still hold when the graph replays:
   (address, layout, and for CPU scalars their value); the hooks of the modules it runs.
 - :class:`FlagsGuard` — global flags that change which kernels run: Dynamo's
   ``GlobalStateGuard`` (grad mode, autocast, default dtype, deterministic algorithms, TF32 and
-  reduced-precision matmul) and the others (the current device; cuDNN flags and fp32 precision
-  where the graph has convolutions, batch norms or RNNs, the SDPA backends where it has
-  attention).
+  reduced-precision matmul) and the others (cuDNN flags, fp32 precision, SDPA backends, fp16
+  accumulation, BLAS and linalg backends, the current device).
 
 Not seen (documented): class attributes changed on the class, writes straight into a module's
 ``__dict__`` or through ``object.__setattr__``, non-tensor Python globals.
@@ -21,6 +20,8 @@ Not seen (documented): class attributes changed on the class, writes straight in
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
 from typing import Any, Callable
 
 import torch
@@ -29,7 +30,7 @@ from torch import nn
 from . import _watch
 from ._signature import is_constant
 from ._statics import watch
-from ._watch import MISSING, Read, same, short
+from ._watch import MISSING, Read, global_hooks_present, same, short
 
 __all__ = ["StateGuard", "FlagsGuard", "Unguardable", "function_bindings"]
 
@@ -66,11 +67,11 @@ _SDPA = (("flash SDPA", _getter("_get_flash_sdp_enabled")),
          ("cuDNN SDPA", _getter("_get_cudnn_sdp_enabled")),
          ("math SDPA fp16/bf16 reduction", _getter("_get_math_sdp_allow_fp16_bf16_reduction")),
          ("SDPA priority", lambda: tuple(_priority() or ())))
+_OTHERS = (("fp16 accumulation", _getter("_get_cublas_allow_fp16_accumulation")),
+           ("BLAS backend", _getter("_get_blas_preferred_backend")),
+           ("linalg backend", _getter("_get_linalg_preferred_backend")))
 _device = getattr(_C, "_cuda_getDevice", None)
 _cuda = torch.cuda
-# ops whose kernels the cuDNN flags (and fp32 precision for conv/rnn) choose, by name
-_CUDNN_OPS = ("conv", "batch_norm", "instance_norm", "lstm", "gru", "rnn", "ctc_loss",
-              "grid_sampl", "affine_grid")
 
 
 def _current_device():
@@ -82,21 +83,17 @@ class FlagsGuard:
     """Global flags as they were when a graph was captured; ``check()`` on every call.
 
     Dynamo's ``GlobalStateGuard`` (grad mode, autocast, default dtype, deterministic
-    algorithms, TF32 and reduced-precision matmul) in one C call, plus the current device, and
-    the flags that choose the kernels of the ops the run made: the cuDNN flags where it ran
-    convolutions, batch norms or RNNs, the SDPA backends where it ran
-    ``scaled_dot_product_attention``. ``ops``: the op names the run made (None: not known, so
-    every flag). (Inference mode is part of every key, and of the tensor guards.)"""
+    algorithms, TF32 and reduced-precision matmul) in one C call, plus, in one compiled frame
+    of C calls: the cuDNN flags and fp32 precision for convolutions and RNNs, the SDPA backends
+    and their priority, fp16 accumulation, the BLAS and linalg backends, the current device.
+    (All of them, whatever the run's ops: an op can reach cuDNN or SDPA from inside another
+    torch function, where no probe sees it. Inference mode is part of every key, and of the
+    tensor guards.)"""
 
     __slots__ = ("_state", "_getters", "_read", "flags")
 
-    def __init__(self, ops: set[str] | None = None):
-        getters = []
-        if ops is None or any(p in op for op in ops for p in _CUDNN_OPS):
-            getters.extend(_CUDNN)
-        if ops is None or any("scaled_dot_product_attention" in op for op in ops):
-            getters.extend(_SDPA)
-        getters.append(("current device", _current_device))
+    def __init__(self):
+        getters = [*_CUDNN, *_SDPA, *_OTHERS, ("current device", _current_device)]
         self._getters = tuple(getters)
         # one frame that calls each getter (most are C functions) and makes the tuple
         names = [f"g{i}" for i in range(len(getters))]
@@ -127,12 +124,18 @@ class Unguardable(Exception):
     """A value a forward read cannot be guarded; the message says what and why."""
 
 
+_IDENTITY_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodType,
+                   types.BuiltinMethodType, types.MethodWrapperType, types.WrapperDescriptorType,
+                   types.ModuleType, type, functools.partial)
+
+
 def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.Tensor],
-           seen: set[int], depth: int) -> None:
+                 seen: set[int], depth: int) -> None:
     """Per-call checks that ``value`` (a mutable object a forward read) still holds what it
-    held; tensors found inside are collected (held and checked by the caller)."""
-    if id(value) in seen or is_constant(value) or callable(value) and not isinstance(
-            value, (dict, list)) and not dataclasses.is_dataclass(value):
+    held; tensors found inside are collected (held and checked by the caller). Functions,
+    methods, classes and modules are held by identity. Raises :class:`Unguardable` for a
+    mutable object with neither a dict nor fields to watch."""
+    if id(value) in seen or is_constant(value) or isinstance(value, _IDENTITY_TYPES):
         return
     if isinstance(value, torch.Tensor):
         tensors.append(value)
@@ -166,7 +169,16 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     else:
         d = getattr(value, "__dict__", None)
         if not isinstance(d, dict):
-            return  # no instance dict (slots, C objects): held by identity only
+            if dataclasses.is_dataclass(value):  # a dataclass with slots: its fields
+                names = [f.name for f in dataclasses.fields(value)]
+                held = [getattr(value, n) for n in names]
+                out.append(lambda v=value, ns=names, h=held: all(
+                    getattr(v, n) is x for n, x in zip(ns, h)))
+                for item in held:
+                    _watch_value(item, out, tensors, seen, depth + 1)
+                return
+            raise Unguardable(f"is a {type(value).__name__}: it can change in place, with no "
+                              "dict or version to watch")
     version = _dict_version(d)
     out.append(lambda d=d, v=version: _dict_version(d) == v)
     for item in list(d.values()):
@@ -178,15 +190,22 @@ class StateGuard:
     """The module state one graph (or one eager decision) depends on.
 
     ``valid()`` is True while every read value is what the run read: values are compared again
-    when the epoch moved; mutable objects, held tensors and CPU scalars on every call.
-    ``why()`` says what changed.
+    when the epoch moved (with the hooks, and the class and ``forward`` of every module the run
+    ran); mutable objects, held tensors and CPU scalars on every call, and the hooks on every
+    call where the process has global module hooks. ``why()`` says what changed.
     """
 
     def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None,
-                 bindings: list[tuple[str, Callable[[], Any], Any]] = ()):
-        self._reads = [(r.module, r.name, r.value) for r in reads]
+                 bindings: list[tuple[str, Callable[[], Any], Any]] = (),
+                 ran: list[nn.Module] = ()):
+        self._reads = list(reads)
         for r in reads:  # their attribute writes must bump the epoch
             watch(r.module)
+        # the modules the run ran, each with its class and own forward (replacing either, or
+        # swapping the class, changes what runs)
+        self._ran = [(m, type(m), m.__dict__.get("forward")) for m in ran]
+        for m in ran:
+            watch(m)
         # names outside modules (a graphed function's closure cells and globals) that held a
         # tensor: (what, how to read it now, the tensor), checked on every call
         self._bindings = list(bindings)
@@ -197,14 +216,15 @@ class StateGuard:
         tensors: list[torch.Tensor] = []
         seen: set[int] = set()
         self.unguardable = ""  # why what was read cannot be guarded ("" when it can)
-        for module, name, value in self._reads:
-            if isinstance(value, torch.Tensor):
-                tensors.append(value)
-            elif not is_constant(value):
+        for r in self._reads:
+            if isinstance(r.value, torch.Tensor):
+                tensors.append(r.value)
+            elif not is_constant(r.value) and r.value is not MISSING:
                 try:
-                    _watch_value(value, checks, tensors, seen, 0)
+                    _watch_value(r.value, checks, tensors, seen, 0)
                 except Unguardable as e:
-                    self.unguardable = f"forward reads {type(module).__name__}.{name}, which {e}"
+                    self.unguardable = (f"forward reads {type(r.module).__name__}.{r.name}, "
+                                        f"which {e}")
                     break
         for _, read, value in self._bindings:
             checks.append(lambda read=read, value=value: read() is value)
@@ -218,13 +238,17 @@ class StateGuard:
     @property
     def reads(self) -> list[tuple[nn.Module, str, Any]]:
         """(module, attribute, value read) for every attribute the run read."""
-        return list(self._reads)
+        return [(r.module, r.name, r.value) for r in self._reads]
 
     def valid(self) -> bool:
-        if self.epoch != _watch.epoch:
+        now = _watch.epoch  # read once: a write bumps it after it is done
+        if self.epoch != now:
             if self._changed() is not None:
                 return False
-            self.epoch = _watch.epoch
+            self.epoch = now
+        elif self._hooks is not None and global_hooks_present() \
+                and self._hooks() != self._hooks_then:
+            return False  # a global hook registered without an epoch bump
         if self.volatile:
             for check in self._checks:
                 if not check():
@@ -232,13 +256,22 @@ class StateGuard:
         return True
 
     def _changed(self) -> str | None:
-        for module, name, value in self._reads:
-            now = module.__dict__.get(name, MISSING)
-            if not same(now, value):
-                return f"{type(module).__name__}.{name} changed ({short(value)} -> {short(now)})"
+        for r in self._reads:
+            now = r.now()
+            if not same(now, r.value):
+                return (f"{type(r.module).__name__}.{r.name} changed ({short(r.value)} -> "
+                        f"{short(now)})")
+        for m, cls, forward in self._ran:
+            if type(m) is not cls or m.__dict__.get("forward") is not forward:
+                return f"{cls.__name__}'s class or forward was replaced"
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"
         return None
+
+    def without(self, names: set[tuple[int, str]]) -> "StateGuard":
+        """This guard less the reads of ``names`` ((id(module), attribute))."""
+        return StateGuard([r for r in self._reads if (id(r.module), r.name) not in names],
+                          self._hooks, self._bindings, [m for m, _, _ in self._ran])
 
     def why(self) -> str:
         changed = self._changed()

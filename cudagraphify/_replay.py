@@ -138,6 +138,7 @@ def plan_outputs(
     call_leaves: list,
     persistent_storages: set[int],
     pool_output: Callable[[torch.Tensor], Callable],
+    persistent_ids: set[int] = frozenset(),
 ) -> tuple[list[Callable[[list], Any]], Any]:
     """Decide, once, how each output leaf of the capture is produced on replay.
 
@@ -145,7 +146,8 @@ def plan_outputs(
       be mistaken for an input or another output);
     - a tensor aliasing an input: the same view of the caller's input;
     - a tensor in memory the caller owns (a parameter, a buffer, a tensor kept as a module
-      attribute): returned as is, never a graph slot;
+      attribute): returned as is (``persistent_ids``: those tensors' ids), or as a fresh view
+      where it is a view of one, never a graph slot;
     - another tensor (in the graph's pool): ``pool_output(t)`` says (a clone, the static tensor
       itself, or a region's protected alias);
     - an immutable value: returned as is; an argument object: the caller's object.
@@ -169,7 +171,10 @@ def plan_outputs(
                 f = _view_of_input(i, leaf, inputs.leaves[i])
                 actions.append(lambda leaves, outs, f=f: f(leaves))
             elif ptr in persistent_storages:
-                actions.append(lambda leaves, outs, t=leaf: t)
+                if id(leaf) in persistent_ids:  # the caller's own tensor, as eager returns it
+                    actions.append(lambda leaves, outs, t=leaf: t)
+                else:  # a view of it: a fresh view, as eager makes one
+                    actions.append(lambda leaves, outs, t=leaf: t.view_as(t))
             else:
                 actions.append(pool_output(leaf))
         elif kind == "arg":
@@ -216,6 +221,10 @@ class CapturedGraph(Owned):
     @property
     def pool_bytes(self) -> int:
         return self.raw.pool_bytes if self.raw is not None else 0
+
+    def copied_indices(self) -> list[int]:
+        """The leaves copied into static buffers (not read in place)."""
+        return [i for i, _, _ in self._copy_in]
 
     def output_tensors(self) -> list[torch.Tensor]:
         """The capture's output tensors (static outputs, or what they alias)."""

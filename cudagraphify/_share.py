@@ -352,7 +352,7 @@ class ShareGroup:
                 return None
             try:
                 differs = _reads_differ(t.reads, _reads_of(self.layers[k], guard))
-                if differs is not None and k != t.layer:
+                if differs is not None:  # the template layer's own values may have changed too
                     self._prove(t, k, a, kw, backend, device, differs)
                 return self._retarget(t, k, leaves, backend, device, expected)
             except Refused as e:

@@ -191,9 +191,15 @@ def _opaque_reason(where: str, value: Any) -> str:
             "register its type with torch.utils._pytree")
 
 
+_functorch_wrapped = getattr(torch._C._functorch, "is_functorch_wrapped_tensor",
+                             lambda t: False)
+
+
 def _unsupported_tensor(t: torch.Tensor) -> str | None:
     if type(t) is not _Tensor and type(t) is not _Parameter:
         return f"tensor subclass {type(t).__name__} is not supported"
+    if _functorch_wrapped(t):
+        return "a tensor of a torch.func transform (vmap, grad, jvp) is not supported"
     if t.layout is not torch.strided:
         return f"{t.layout} tensors are not supported (only strided)"
     if t.is_nested:
@@ -216,7 +222,8 @@ def build_signature(
     state = call_state()
     # Fast path: positional tensors only, no statics: no pytree work at all.
     if not kwargs and not static_positions and not _static_tensors:
-        if all(type(a) is _Tensor and a.layout is _strided and not a.is_nested for a in args):
+        if all(type(a) is _Tensor and a.layout is _strided and not a.is_nested
+               and not _functorch_wrapped(a) for a in args):
             metas = tuple([(a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args])
             # the same spec the general path builds, so a call keys alike on either path
             spec = (_LEAF_SPECS[len(args)] if len(args) < len(_LEAF_SPECS)

@@ -61,18 +61,21 @@ class _WatchedDict(dict):
 
     __slots__ = ()
 
+    # each bumps after the write: a check in between still sees the old generation
     def __setitem__(self, key, value):
-        _bump()
         super().__setitem__(key, value)
+        _bump()
 
     def __delitem__(self, key):
-        _bump()
         super().__delitem__(key)
+        _bump()
 
     def _mutator(name):  # noqa: N805 - builds methods below
         def method(self, *args, **kwargs):
-            _bump()
-            return getattr(dict, name)(self, *args, **kwargs)
+            try:
+                return getattr(dict, name)(self, *args, **kwargs)
+            finally:
+                _bump()
 
         method.__name__ = name
         return method

@@ -115,6 +115,9 @@ class TrainingGraph(Owned):
                  device: torch.device, saved: frozenset = frozenset()):
         self.raw = fwd_raw
         self.saved = sorted(saved)  # Function inputs saved for backward (version-checked)
+        # buffers and frozen parameters autograd saves (no Function input): version-checked
+        # by hand at backward
+        self.saved_statics: list[torch.Tensor] = []
         self._bwd_raw = bwd_raw
         self.device = device
         self.owner = None
@@ -164,6 +167,10 @@ class TrainingGraph(Owned):
     def output_tensors(self) -> list[torch.Tensor]:
         """The forward capture's output tensors."""
         return list(self._outs)
+
+    def copied_indices(self) -> list[int]:
+        """The leaves copied into static buffers."""
+        return [i for i, _ in self._inputs.copy] if self._inputs is not None else []
 
     def static_leaves(self) -> list[torch.Tensor]:
         """The tensors the graph reads its inputs from."""
@@ -314,6 +321,7 @@ class _GraphedFunction(torch.autograd.Function):
         # What eager autograd would save (found in the warm-up): its version counters are
         # checked at backward, so an in-place change in between raises as it does eagerly.
         ctx.save_for_backward(*[tensors[i] for i in graph.saved])
+        ctx.versions = [t._version for t in graph.saved_statics]
         outs = graph.forward(tensors)
         ctx.graph, ctx.state, ctx.gen, ctx.done = graph, state, graph.gen, False
         ctx.params = tensors[graph._n_user:]
@@ -329,6 +337,13 @@ class _GraphedFunction(torch.autograd.Function):
                 "the backward graph records no autograd history; run this module eagerly "
                 "(graphify(..., enabled=False)) where you need higher-order gradients")
         ctx.saved_tensors  # noqa: B018 - raises if one was changed in place since forward
+        for t, then in zip(ctx.graph.saved_statics, ctx.versions):
+            if t._version != then:  # as autograd says it for a saved tensor
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: [{t.type()} {list(t.shape)}] is at version "
+                    f"{t._version}; expected version {then} instead (a buffer or frozen "
+                    "parameter a graphed call's backward reads)")
         return (None, None) + ctx.graph.backward(ctx, grads)
 
 
@@ -356,15 +371,18 @@ def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
 def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: list[bool],
                      params: list[torch.Tensor], device: torch.device,
                      persistent: set[int], stand_ins=contextlib.nullcontext,
-                     saved: set[int] = frozenset()) -> TrainingGraph:
+                     saved: set[int] = frozenset(),
+                     saved_statics: list[torch.Tensor] = ()) -> TrainingGraph:
     """Capture the forward and backward graphs of one signature (grad mode must be on).
 
     Under ``stand_ins()`` (see ``StaticState.stand_ins``) the module computes with aliases of
     ``params`` and the backward differentiates with respect to those.
     """
     with stand_ins() as aliases:
-        return _capture_training(backend, fn, sig, leaves, static_flags, params, aliases or {},
-                                 device, persistent, frozenset(saved))
+        graph = _capture_training(backend, fn, sig, leaves, static_flags, params,
+                                  aliases or {}, device, persistent, frozenset(saved))
+        graph.saved_statics = list(saved_statics)
+        return graph
 
 
 def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, device,

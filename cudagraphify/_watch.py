@@ -31,8 +31,8 @@ from ._signature import is_constant
 from ._statics import _WatchedDict, watched
 
 __all__ = ["epoch", "bump", "install", "Read", "Recorder", "recording", "hooked",
-           "hook_fingerprint", "global_hooks", "own_global_hook", "INTERNAL_ATTRS", "same",
-           "short"]
+           "hook_fingerprint", "global_hooks", "global_hooks_present", "own_global_hook",
+           "INTERNAL_ATTRS", "MISSING", "same", "short"]
 
 _counter = itertools.count(1)
 epoch = 0  # read as ``_watch.epoch``: bumped by every module write the per-call path cannot see
@@ -54,12 +54,14 @@ _GLOBAL_HOOK_FUNCTIONS = ("register_module_forward_hook", "register_module_forwa
 
 
 def _bumping(fn: Callable, watched_only: bool = False) -> Callable:
-    """``fn`` that bumps the epoch first (for a module method with ``watched_only``: only when
-    a graph depends on the module)."""
+    """``fn`` that bumps the epoch after it ran (for a module method with ``watched_only``:
+    only when a graph depends on the module)."""
     def wrapper(*args, **kwargs):
-        if not watched_only or (args and watched(args[0])):
-            bump()
-        return fn(*args, **kwargs)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if not watched_only or (args and watched(args[0])):
+                bump()
 
     wrapper.__name__ = fn.__name__
     wrapper.__qualname__ = getattr(fn, "__qualname__", fn.__name__)
@@ -78,19 +80,20 @@ def install() -> None:
         set_attr, del_attr = cls.__setattr__, cls.__delattr__
 
         def __setattr__(self, name, value):  # noqa: N807 - the patched special method
-            if type(self.__dict__.get("_parameters")) is _WatchedDict:  # a graph reads it
-                global epoch
-                epoch = next(_counter)
-                rec = _recorders.get(threading.get_ident())
-                if rec is not None:
-                    rec.wrote(self, name, value)
+            if type(self.__dict__.get("_parameters")) is not _WatchedDict:  # no graph reads it
+                return set_attr(self, name, value)
+            rec = _recorders.get(threading.get_ident())
+            if rec is not None:
+                rec.wrote(self, name, value)
             set_attr(self, name, value)
+            global epoch
+            epoch = next(_counter)  # after the write: a check in between sees the old epoch
 
         def __delattr__(self, name):  # noqa: N807
+            del_attr(self, name)
             if type(self.__dict__.get("_parameters")) is _WatchedDict:
                 global epoch
                 epoch = next(_counter)
-            del_attr(self, name)
 
         cls.__setattr__ = __setattr__
         cls.__delattr__ = __delattr__
@@ -137,6 +140,17 @@ def _global_hook_ids() -> tuple:
                  for n in _GLOBAL_HOOK_DICTS)
 
 
+_GLOBAL_DICTS = tuple(getattr(_module_mod, n) for n in _GLOBAL_HOOK_DICTS)
+
+
+def global_hooks_present() -> bool:
+    """Whether any global module hook is registered at all (cudagraphify's own included): a
+    few dict reads, for the per-call checks (a hook registered through a name bound before
+    cudagraphify patched the registration functions bumps no epoch)."""
+    a, b, c, d = _GLOBAL_DICTS
+    return bool(a or b or c or d)
+
+
 def global_hooks() -> bool:
     """Whether the process has global module hooks (besides cudagraphify's own probes')."""
     return any(_global_hook_ids())
@@ -146,12 +160,13 @@ def global_hooks() -> bool:
 def own_global_hook(register: Callable, hook: Callable, **kwargs) -> Iterator[None]:
     """``register(hook)`` (a ``register_module_*_hook``) for the block: cudagraphify's own,
     so it does not count as the user's global hook (see :func:`global_hooks`)."""
-    handle = register(hook, **kwargs)
+    handle = getattr(register, "__wrapped__", register)(hook, **kwargs)  # no epoch bump
     _OWN_HOOKS.add(handle.id)
     try:
         yield
     finally:
-        handle.remove()
+        remove = type(handle).remove
+        getattr(remove, "__wrapped__", remove)(handle)
         _OWN_HOOKS.discard(handle.id)
 
 
@@ -176,20 +191,52 @@ _object_getattribute = object.__getattribute__
 
 
 def _recording_getattribute(self, name):
-    value = _object_getattribute(self, name)
     rec = _recorders.get(threading.get_ident())
-    if rec is not None and name not in INTERNAL_ATTRS:
-        d = _object_getattribute(self, "__dict__")
-        if name in d and d[name] is value:
+    if rec is None or name in INTERNAL_ATTRS:
+        return _object_getattribute(self, name)
+    d = _object_getattribute(self, "__dict__")
+    try:
+        value = _object_getattribute(self, name)
+    except AttributeError:
+        # Not an attribute: Module.__getattr__ looks in the registries next. Where it is in
+        # none, the lookup fails (``getattr(self, name, default)``, ``hasattr``): that it is
+        # absent is what the run read.
+        if not any(name in d.get(k, ()) for k in _REGISTRIES):
+            rec.read(self, name, MISSING)
+        raise
+    if name in d:
+        if d[name] is value:
             rec.read(self, name, value)
+    else:
+        raw = _class_attribute(type(self), name)
+        if raw is value and not callable(raw):  # plain data on the class, not a descriptor
+            rec.read(self, name, value, on_class=True)
     return value
+
+
+def _class_attribute(cls: type, name: str) -> Any:
+    for klass in cls.__mro__:
+        if name in klass.__dict__:
+            return klass.__dict__[name]
+    return MISSING
 
 
 @dataclasses.dataclass
 class Read:
+    """An attribute a run read: its value (``MISSING``: the lookup failed), and whether it was
+    found on the module's class rather than on the module."""
+
     module: nn.Module
     name: str
     value: Any
+    on_class: bool = False
+
+    def now(self) -> Any:
+        """What a run would read now."""
+        mine = self.module.__dict__.get(self.name, MISSING)
+        if mine is not MISSING or not self.on_class:
+            return mine
+        return _class_attribute(type(self.module), self.name)
 
 
 class Recorder:
@@ -202,10 +249,10 @@ class Recorder:
         self.writes: list[tuple[nn.Module, str, Any, Any]] = []
         self._thread = threading.get_ident()
 
-    def read(self, module: nn.Module, name: str, value: Any) -> None:
+    def read(self, module: nn.Module, name: str, value: Any, on_class: bool = False) -> None:
         key = (id(module), name)
         if key not in self.reads:  # the first read is what the run's code saw first
-            self.reads[key] = Read(module, name, value)
+            self.reads[key] = Read(module, name, value, on_class)
 
     def wrote(self, module: nn.Module, name: str, value: Any) -> None:
         d = module.__dict__

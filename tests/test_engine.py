@@ -546,7 +546,7 @@ def test_the_graphed_autograd_function_passes_one_gradient_per_input():
     seen = []
 
     class Graph:
-        _n_user, gen, out_diff, saved = 1, 0, [True], []
+        _n_user, gen, out_diff, saved, saved_statics = 1, 0, [True], [], []
 
         def forward(self, tensors):
             return [(tensors[0] * tensors[1]).detach()]
@@ -572,7 +572,7 @@ def test_a_tensor_eager_would_save_changed_in_place_before_backward_raises_as_ea
     x, w = torch.randn(2, 3, requires_grad=True), torch.randn(3, requires_grad=True)
 
     class Graph:
-        _n_user, gen, out_diff, saved = 1, 0, [True], [1]
+        _n_user, gen, out_diff, saved, saved_statics = 1, 0, [True], [1], []
 
         def forward(self, tensors):
             return [(tensors[0] * tensors[1]).detach()]
