@@ -168,13 +168,14 @@ class Fast:
             if stack:
                 return _MISS
             with self.lock:
-                return self._replay(args, None)
+                return self.replay(args, None)
         if not stack or stack[-1] is not region:
             return _MISS
         with region.lock, self.lock:
-            return self._replay(args, region)
+            return self.replay(args, region)
 
-    def _replay(self, args: tuple, region) -> Any:
+    def replay(self, args: tuple, region) -> Any:
+        """The checks that need the lock, then the replay (``args``: the leaves)."""
         entry, state = self.entry, self.state
         if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
                 or not self.flags() or self.in_capture() or _hooks_a or _hooks_b \

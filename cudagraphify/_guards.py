@@ -19,6 +19,8 @@ Not seen (documented): class attributes changed on the class, writes straight in
 
 from __future__ import annotations
 
+import array
+import collections
 import dataclasses
 import functools
 import types
@@ -41,16 +43,17 @@ _GlobalStateGuard = torch._C._dynamo.guards.GlobalStateGuard
 
 
 def _getter(name: str, *args: Any) -> Callable[[], Any]:
+    """A getter of a flag: the C function itself (bound to ``args`` where it takes some), or a
+    stand-in returning None where this build lacks it or it refuses the arguments."""
     fn = getattr(_C, name, None)
     if fn is None:
         return lambda: None
     if args:
-        def call():
-            try:
-                return fn(*args)
-            except RuntimeError:
-                return None
-        return call
+        try:
+            fn(*args)
+        except RuntimeError:
+            return lambda: None
+        return functools.partial(fn, *args)  # still one C call
     return fn
 
 
@@ -66,7 +69,7 @@ _SDPA = (("flash SDPA", _getter("_get_flash_sdp_enabled")),
          ("math SDPA", _getter("_get_math_sdp_enabled")),
          ("cuDNN SDPA", _getter("_get_cudnn_sdp_enabled")),
          ("math SDPA fp16/bf16 reduction", _getter("_get_math_sdp_allow_fp16_bf16_reduction")),
-         ("SDPA priority", lambda: tuple(_priority() or ())))
+         ("SDPA priority", _priority))
 _OTHERS = (("fp16 accumulation", _getter("_get_cublas_allow_fp16_accumulation")),
            ("BLAS backend", _getter("_get_blas_preferred_backend")),
            ("linalg backend", _getter("_get_linalg_preferred_backend")))
@@ -129,12 +132,21 @@ _IDENTITY_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodTy
                    types.ModuleType, type, functools.partial)
 
 
+def _mutable_data(value: Any) -> bool:
+    """An array-like container of data that changes in place without a dict or a version
+    (a numpy array, a deque, an array, a memoryview)."""
+    if isinstance(value, (collections.deque, array.array, memoryview)):
+        return True
+    return type(value).__module__.split(".")[0] == "numpy" and hasattr(value, "shape")
+
+
 def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.Tensor],
                  seen: set[int], depth: int) -> None:
     """Per-call checks that ``value`` (a mutable object a forward read) still holds what it
     held; tensors found inside are collected (held and checked by the caller). Functions,
-    methods, classes and modules are held by identity. Raises :class:`Unguardable` for a
-    mutable object with neither a dict nor fields to watch."""
+    methods, classes, modules and objects with no data of their own to read (a lock, a
+    sentinel) are held by identity. Raises :class:`Unguardable` for array-like data that
+    changes in place with neither a dict nor a version to watch (numpy arrays, deques)."""
     if id(value) in seen or is_constant(value) or isinstance(value, _IDENTITY_TYPES):
         return
     if isinstance(value, torch.Tensor):
@@ -177,8 +189,10 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
                 for item in held:
                     _watch_value(item, out, tensors, seen, depth + 1)
                 return
-            raise Unguardable(f"is a {type(value).__name__}: it can change in place, with no "
-                              "dict or version to watch")
+            if _mutable_data(value):
+                raise Unguardable(f"is a {type(value).__name__}: it can change in place, with "
+                                  "no dict or version to watch")
+            return  # no state a forward reads as data (a lock, a sentinel): by identity
     version = _dict_version(d)
     out.append(lambda d=d, v=version: _dict_version(d) == v)
     for item in list(d.values()):

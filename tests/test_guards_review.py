@@ -613,3 +613,28 @@ def test_graph_runs_the_path_eager_takes():
         for i in range(3):
             x = torch.randn(2, 5, 16)
             assert _same(g(x), ref(x)), f"call {i} (replays {cg.stats(g).replays})"
+
+
+class _Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.lock = threading.Lock()
+        self.sentinel = object()
+
+    def forward(self, x):
+        with self.lock:
+            return self.lin(x) if self.sentinel is not None else x
+
+
+def test_objects_with_no_data_of_their_own_are_held_by_identity():
+    # a lock or a sentinel read by forward (no dict to watch): the signature is graphed
+    torch.manual_seed(0)
+    ref = _Gated().eval()
+    torch.manual_seed(0)
+    g = cg.graphify(_Gated().eval())
+    with torch.no_grad():
+        for i in range(3):
+            x = torch.randn(2, 8)
+            assert _same(g(x), ref(x)), f"call {i}"
+    assert cg.stats(g).replays == 2, cg.stats(g)
