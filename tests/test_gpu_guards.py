@@ -9,9 +9,11 @@ reference and to the graphified copy alike, the test checks that it really chang
 (so a stale replay cannot pass unseen: a failure there is a fault of the test, and says so), and
 then calls at least twice more. "Pass" means: the graphified callable gave eager's result (or
 raised eager's error) on every call; whether it got there by a new capture, by running eagerly
-or by a guard is not asserted. Only the public API is used, so this file runs against the
-library before and after the fix of issue 15 alike. Gradients (scenario 9) are compared with
-a tight tolerance (as the training suite does); forward outputs bitwise.
+or by a guard is not asserted. Only the public API is used (here and in
+tests/guard_scenarios.py, the modules and comparison helpers shared with the CPU version
+tests/test_guards.py), so this file runs against the library before and after the fix of
+issue 15 alike. Gradients (scenario 9) are compared with a tight tolerance (as the training
+suite does); forward outputs bitwise.
 
 Scenarios (issue 15, items 1-11):
 
@@ -67,95 +69,30 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import enum
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 from torch import nn
 
 import cudagraphify as cg
+from guard_scenarios import (
+    _CHANGES, _RESHAPES, _Accumulates, _Affine, _AttrTable, _BNNet, _BumpsBias, _ClampLayer,
+    _DoublesInput, _EmptyOut, _MakesTensor, _ReadsW, _ReturnsTable, _ScaledLayer, _Temperature,
+    _TwiceThenSync, _TwoLinear, _WritesInput, _around, _before_after, _both, _calls, _clone,
+    _closure_module, _default_dtype, _differs, _layer_by_layer, _layer_replays, _new_weights,
+    _replays, _same, _scribble, on_device,
+)
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 
 DEV = "cuda"
+_pair, _randn = on_device(DEV)
 GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
 _INPLACE = r"(?i)in-?place|in place"  # eager: "modified by an inplace operation"
 
 
-# -- comparing with eager ----------------------------------------------------------------------
-
-def _meta(t: torch.Tensor):
-    return (t.dtype, t.device, tuple(t.shape))
-
-
-def _same(got, want, what: str = "") -> None:
-    """Same structure; every tensor leaf with eager's dtype, device, shape and bits."""
-    g_leaves, g_spec = pytree.tree_flatten(got)
-    w_leaves, w_spec = pytree.tree_flatten(want)
-    assert g_spec == w_spec, f"{what}: structure {g_spec} vs eager {w_spec}"
-    for k, (a, b) in enumerate(zip(g_leaves, w_leaves)):
-        if isinstance(b, torch.Tensor):
-            assert isinstance(a, torch.Tensor), f"{what}, leaf {k}: {type(a)} vs a tensor"
-            assert _meta(a) == _meta(b), f"{what}, leaf {k}: {_meta(a)} vs eager {_meta(b)}"
-            if not torch.equal(a, b):
-                diff = (a.double() - b.double()).abs().max().item()
-                raise AssertionError(f"{what}, leaf {k}: differs from eager (max |diff| {diff})")
-        else:
-            assert a == b, f"{what}, leaf {k}: {a!r} vs eager {b!r}"
-
-
-def _differs(a, b) -> bool:
-    try:
-        _same(a, b)
-    except AssertionError:
-        return True
-    return False
-
-
-def _clone(args):
-    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
-
-
-def _replays(g) -> int:
-    return cg.stats(g).replays
-
-
-def _calls(ref, g, make_args, n: int, what: str, check=None) -> None:
-    """``n`` calls with fresh inputs: outputs, and the inputs after the call, equal eager's."""
-    for i in range(n):
-        args = make_args()
-        ref_args = _clone(args)
-        want = ref(*ref_args)
-        got = g(*args)
-        _same(got, want, f"{what}, call {i}")
-        _same(args, ref_args, f"{what}, call {i}: the inputs after the call")
-        if check is not None:
-            check()
-
-
-def _before_after(ref, g, make_args, change, *, n: int = 3, check=None,
-                  must_differ: bool = True, probe_ref=None) -> None:
-    """Calls before ``change()`` (graph path proven), ``change()`` (applied to both ``ref`` and
-    ``g`` by the caller's function), calls after it; every result equal to eager's.
-    ``probe_ref``: what computes eager's output for the design check, where calling ``ref``
-    would change its state (a BatchNorm in training mode)."""
-    probe = make_args()
-    probe_ref = probe_ref or ref
-    _calls(ref, g, make_args, 1, "first call", check)
-    r = _replays(g)
-    _calls(ref, g, make_args, n, "before the change", check)
-    assert _replays(g) > r, f"no replay before the change: {cg.stats(g)}"
-    before = probe_ref(*_clone(probe))
-    change()
-    after = probe_ref(*_clone(probe))
-    if must_differ:
-        assert _differs(before, after), "test design: the change does not alter eager's output"
-    _calls(ref, g, make_args, n, "after the change", check)
-
+# -- calls under changed global state --------------------------------------------------------------
 
 def _under(ref, g, make_args, ctx, *, must_differ: bool = True, n: int = 3) -> None:
     """Calls, then calls inside ``ctx()`` (global state changed), then calls after it."""
@@ -175,95 +112,12 @@ def _under(ref, g, make_args, ctx, *, must_differ: bool = True, n: int = 3) -> N
         _calls(ref, g, make_args, n, "after leaving the change")
 
 
-def _pair(model: nn.Module):
-    """An eager reference and a graphified deep copy of ``model``."""
-    ref = model.to(DEV).eval()
-    return ref, cg.graphify(copy.deepcopy(ref))
-
-
-def _both(f, ref, g):
-    return lambda: (f(ref), f(g))
-
-
-def _randn(*shape, dtype=torch.float32):
-    return lambda: (torch.randn(*shape, device=DEV, dtype=dtype),)
-
-
 # -- 1. module state that is not a tensor ------------------------------------------------------
-
-class _Affine(nn.Module):
-    """``lin(x)`` then a post-op chosen by non-tensor state of many kinds."""
-
-    def __init__(self, kind: str):
-        super().__init__()
-        self.kind = kind
-        self.lin = nn.Linear(32, 32)
-        self.scale = 2.0  # float
-        self.shift = 1  # int
-        self.use_relu = True  # bool
-        self.cfg_dict = {"scale": 2.0, "shift": 0.5}
-        self.coef_list = [2.0, 0.5]
-        self.coef_tuple = (2.0, 0.5)
-        self.cfg_dc = _Cfg(2.0, 0.5)
-        self.cfg_ns = types.SimpleNamespace(scale=2.0, shift=0.5)
-        self.act = _Act.RELU
-
-    def forward(self, x):
-        y = self.lin(x)
-        k = self.kind
-        if k == "float":
-            return y * self.scale
-        if k == "int":
-            return torch.roll(y, self.shift, dims=-1)
-        if k == "bool":
-            return torch.relu(y) if self.use_relu else y
-        if k == "dict":
-            return y * self.cfg_dict["scale"] + self.cfg_dict["shift"]
-        if k == "list":
-            return y * self.coef_list[0] + self.coef_list[1]
-        if k == "tuple":
-            return y * self.coef_tuple[0] + self.coef_tuple[1]
-        if k == "dataclass":
-            return y * self.cfg_dc.scale + self.cfg_dc.shift
-        if k == "namespace":
-            return y * self.cfg_ns.scale + self.cfg_ns.shift
-        if k == "enum":
-            return torch.relu(y) if self.act is _Act.RELU else torch.tanh(y)
-        raise AssertionError(k)
-
-
-@dataclasses.dataclass
-class _Cfg:
-    scale: float
-    shift: float
-
-
-class _Act(enum.Enum):
-    RELU = "relu"
-    TANH = "tanh"
-
-
-def _set_list(m):
-    m.coef_list[0] = -1.0
-
-
-_CHANGES = {
-    "float": lambda m: setattr(m, "scale", 0.5),
-    "int": lambda m: setattr(m, "shift", 3),
-    "bool": lambda m: setattr(m, "use_relu", False),
-    "dict": lambda m: m.cfg_dict.__setitem__("scale", -1.0),  # in place
-    "list": _set_list,  # in place
-    "tuple": lambda m: setattr(m, "coef_tuple", (-1.0, 0.5)),  # immutable: replaced
-    "dataclass": lambda m: setattr(m.cfg_dc, "scale", -1.0),  # in place
-    "namespace": lambda m: setattr(m.cfg_ns, "scale", -1.0),  # in place (an HF-config-like object)
-    "enum": lambda m: setattr(m, "act", _Act.TANH),
-}
-
 
 @pytest.mark.parametrize("kind", list(_CHANGES))
 def test_1_non_tensor_attribute_changed_after_capture(kind):
     torch.manual_seed(0)
-    ref, g = _pair(_Affine(kind))
+    ref, g = _pair(_Affine(kind, dim=32))
     with torch.no_grad():
         _before_after(ref, g, _randn(8, 32), _both(_CHANGES[kind], ref, g))
 
@@ -279,45 +133,20 @@ def test_1_layernorm_eps_changed_after_capture():
         _before_after(ref, g, _randn(8, 32), _both(change, ref, g))
 
 
-class _CpuTemperature(nn.Module):
-    """Divides by a CPU 0-dim tensor attribute: its value becomes a kernel scalar at capture."""
-
-    def __init__(self, how: str):
-        super().__init__()
-        self.how = how
-        self.lin = nn.Linear(32, 32)
-        self.temp = torch.tensor(2.0)  # plain attribute, stays on the CPU
-
-    def forward(self, x):
-        if self.how == "implicit":
-            return self.lin(x) / self.temp
-        return self.lin(x) / self.temp.item()
-
-
 @pytest.mark.parametrize("how", ["implicit", "item"])
 def test_1_cpu_scalar_tensor_attribute_filled_after_capture(how):
     torch.manual_seed(0)
-    ref, g = _pair(_CpuTemperature(how))
+    ref, g = _pair(_Temperature(how, dim=32))
     assert g.temp.device.type == "cpu"
     with torch.no_grad():
         _before_after(ref, g, _randn(8, 32), _both(lambda m: m.temp.fill_(4.0), ref, g))
-
-
-class _TwoLinear(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(32, 32)
-        self.fc2 = nn.Linear(32, 32)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def test_1_peft_disable_adapter_for_a_reference_pass():
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     cfg = peft.LoraConfig(r=4, target_modules=["fc1", "fc2"], init_lora_weights=False)
-    model = peft.get_peft_model(_TwoLinear(), cfg).to(DEV).eval()
+    model = peft.get_peft_model(_TwoLinear(dim=32), cfg).to(DEV).eval()
     ref = copy.deepcopy(model)
     g = cg.graphify(model)
     x0 = torch.randn(8, 32, device=DEV)
@@ -459,30 +288,9 @@ def test_2_sdpa_backend_changed_after_capture():
            lambda: sdpa_kernel([SDPBackend.MATH]))
 
 
-class _MakesTensor(nn.Module):
-    """Creates a tensor without a dtype: the default dtype decides it (and the result's)."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(32, 32)
-
-    def forward(self, x):
-        return self.lin(x) * torch.full((x.shape[-1],), 0.1, device=x.device)
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
-
 def test_2_default_dtype_changed_after_capture():
     torch.manual_seed(0)
-    ref, g = _pair(_MakesTensor())
+    ref, g = _pair(_MakesTensor(dim=32))
     _under(ref, g, _randn(8, 32), lambda: _default_dtype(torch.float64))
 
 
@@ -508,7 +316,7 @@ def test_2_current_device_changed_after_capture():
 @pytest.mark.parametrize("kind", ["forward_hook", "forward_pre_hook"])
 def test_3_hook_on_a_submodule_added_then_removed_after_capture(kind):
     torch.manual_seed(0)
-    ref, g = _pair(_TwoLinear())
+    ref, g = _pair(_TwoLinear(dim=32))
     handles = []
 
     def add(m):
@@ -527,24 +335,13 @@ def test_3_hook_on_a_submodule_added_then_removed_after_capture(kind):
 
 # -- 4. graphify(fn) where fn calls a module -------------------------------------------------
 
-class _BNNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin1 = nn.Linear(32, 32)
-        self.bn = nn.BatchNorm1d(32)
-        self.lin2 = nn.Linear(32, 32)
-
-    def forward(self, x):
-        return self.lin2(torch.relu(self.bn(self.lin1(x))))
-
-
 def _fn_pair():
     """A model, its reference copy, and step functions calling each (one graphified).
 
     ``step`` casts its input to the model's dtype, so ``.double()`` does not change the
     argument signature: only the module the function calls changed."""
     torch.manual_seed(0)
-    model = _BNNet().to(DEV).eval()
+    model = _BNNet(dim=32).to(DEV).eval()
     ref = copy.deepcopy(model)
 
     def step(x):
@@ -554,13 +351,6 @@ def _fn_pair():
         return ref(x.to(ref.lin1.weight.dtype))
 
     return model, ref, cg.graphify(step), ref_step
-
-
-def _new_weights(ref, model):
-    sd = {k: (torch.rand_like(v) + 0.5) if v.is_floating_point() else v.clone()
-          for k, v in ref.state_dict().items()}
-    ref.load_state_dict(sd, assign=True)
-    model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
 
 
 @pytest.mark.parametrize("change", ["train", "load_state_dict_assign", "to_float64", "double"])
@@ -586,30 +376,9 @@ def test_4_graphified_function_sees_changes_of_the_module_it_calls(change):
 
 # -- 5. tensors that are no argument, parameter or buffer -------------------------------------
 
-def _scribble(like: torch.Tensor, n: int = 16) -> list[torch.Tensor]:
-    """Tensors of ``like``'s size, filled with NaN: they take memory just freed (held by the
-    caller while the calls after a change run)."""
-    return [torch.full_like(like, float("nan")) for _ in range(n)]
-
-
-def _around(inner: nn.Module) -> nn.Sequential:
-    """``inner`` between two Linears: if cudagraphify refuses ``inner``, its neighbours are still
-    graphed, so replays still prove the graph path."""
-    return nn.Sequential(nn.Linear(64, 64), inner, nn.Linear(64, 64))
-
-
-class _AttrTable(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.table = torch.randn(64, device=DEV)  # a plain attribute: no buffer
-
-    def forward(self, x):
-        return x + self.table
-
-
 def test_5_plain_tensor_attribute_replaced_after_capture():
     torch.manual_seed(0)
-    ref, g = _pair(_around(_AttrTable()))
+    ref, g = _pair(_around(_AttrTable(dim=64, device=DEV), dim=64))
     held = []
 
     def change():
@@ -634,7 +403,7 @@ def test_5_module_level_global_tensor_replaced_after_capture():
     global _GLOBAL_TABLE
     torch.manual_seed(0)
     _GLOBAL_TABLE = torch.randn(64, device=DEV)
-    ref, g = _pair(_around(_ReadsGlobal()))
+    ref, g = _pair(_around(_ReadsGlobal(), dim=64))
     held = []
 
     def change():
@@ -649,24 +418,10 @@ def test_5_module_level_global_tensor_replaced_after_capture():
         _GLOBAL_TABLE = None
 
 
-def _closure_module():
-    table = torch.randn(64, device=DEV)
-
-    class ReadsClosure(nn.Module):
-        def forward(self, x):
-            return x + table
-
-    def replace(new):
-        nonlocal table
-        table = new
-
-    return ReadsClosure(), replace
-
-
 def test_5_closure_tensor_replaced_after_capture():
     torch.manual_seed(0)
-    inner, replace = _closure_module()
-    ref, g = _pair(_around(inner))  # both read the same closure cell
+    inner, replace = _closure_module(dim=64, device=DEV)
+    ref, g = _pair(_around(inner, dim=64))  # both read the same closure cell
     held = []
 
     def change():
@@ -680,91 +435,30 @@ def test_5_closure_tensor_replaced_after_capture():
 
 # -- 6. same storage, new shape / stride / offset --------------------------------------------
 
-class _ReadsW(nn.Module):
-    def __init__(self, as_buffer: bool):
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-        w = torch.randn(8, device=DEV)
-        if as_buffer:
-            self.register_buffer("w", w)
-        else:
-            self.w = w
-
-    def forward(self, x):
-        return self.lin(x) * self.w.sum()
-
-
-_RESHAPES = {
-    "slice": lambda m: setattr(m, "w", m.w[:4]),
-    "resize_": lambda m: m.w.resize_(4),
-    "set_stride": lambda m: m.w.set_(m.w.untyped_storage(), 0, (4,), (2,)),
-    "set_offset": lambda m: m.w.set_(m.w.untyped_storage(), 4, (4,), (1,)),
-}
-
-
 @pytest.mark.parametrize("as_buffer", [True, False], ids=["buffer", "attribute"])
 @pytest.mark.parametrize("how", list(_RESHAPES))
 def test_6_same_storage_new_shape_stride_or_offset(how, as_buffer):
     torch.manual_seed(0)
-    ref, g = _pair(_ReadsW(as_buffer))
+    ref, g = _pair(_ReadsW(as_buffer, dim=16, device=DEV))
     with torch.no_grad():
         _before_after(ref, g, _randn(4, 16), _both(_RESHAPES[how], ref, g))
 
 
 # -- 7. writes the version counter does not see ----------------------------------------------
 
-@torch.library.custom_op("cgguards_gpu::double_undeclared", mutates_args=())
-def _double_undeclared(x: torch.Tensor) -> torch.Tensor:
-    """An opaque kernel (as a Triton or C++ one would) that writes its input without declaring
-    it and without bumping its version counter."""
-    x.data.mul_(2)
-    return x + 1
-
-
-class _WritesInput(nn.Module):
-    def __init__(self, how: str):
-        super().__init__()
-        self.how = how
-        self.lin = nn.Linear(32, 32)
-
-    def forward(self, x):
-        y = self.lin(x)
-        if self.how == "data":
-            x.data.add_(1.0)
-            return y
-        return y + _double_undeclared(x)
-
-
 @pytest.mark.parametrize("how", ["data", "custom_op"])
 def test_7_input_written_without_a_version_bump_is_seen_by_the_caller(how):
     torch.manual_seed(0)
-    ref, g = _pair(_WritesInput(how))
+    ref, g = _pair(_WritesInput(how, dim=32))
     with torch.no_grad():
         _calls(ref, g, _randn(8, 32), 5, "calls")  # compares the inputs after each call too
     assert _replays(g) > 0, cg.stats(g)
 
 
-class _Accumulates(nn.Module):
-    """Called as ``m(x, m.total)``: a buffer passed as an argument and written by forward."""
-
-    def __init__(self, how: str):
-        super().__init__()
-        self.how = how
-        self.lin = nn.Linear(16, 16)
-        self.register_buffer("total", torch.zeros(16))
-
-    def forward(self, x, total):
-        if self.how == "write_self_read_arg":
-            self.total.add_(x.sum(0))
-            return self.lin(x) + total
-        total.add_(x.sum(0))
-        return self.lin(x) + self.total
-
-
 @pytest.mark.parametrize("how", ["write_self_read_arg", "write_arg_read_self"])
 def test_7_buffer_passed_as_argument_and_written_by_forward(how):
     torch.manual_seed(0)
-    ref, g = _pair(_Accumulates(how))
+    ref, g = _pair(_Accumulates(how, dim=16))
     with torch.no_grad():
         for i in range(5):
             x = torch.randn(8, 16, device=DEV)
@@ -775,19 +469,9 @@ def test_7_buffer_passed_as_argument_and_written_by_forward(how):
     assert _replays(g) > 0, cg.stats(g)
 
 
-class _BumpsBias(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(16, 16)
-
-    def forward(self, x):
-        self.lin.bias.data.add_(1.0)  # an in-forward update the version counter does not see
-        return self.lin(x)
-
-
 def test_7_parameter_written_through_data_is_written_once_per_call_with_extra_warmups():
     torch.manual_seed(0)
-    ref = _BumpsBias().to(DEV).eval()
+    ref = _BumpsBias(dim=16).to(DEV).eval()
     g = cg.graphify(copy.deepcopy(ref), num_warmup_iters=2)
 
     def bias_equal():
@@ -799,20 +483,6 @@ def test_7_parameter_written_through_data_is_written_once_per_call_with_extra_wa
 
 
 # -- 8. aliasing ----------------------------------------------------------------------------
-
-class _EmptyOut(nn.Module):
-    def __init__(self, like_input: bool):
-        super().__init__()
-        self.like_input = like_input
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x, e):
-        if self.like_input:
-            empty = torch.empty_like(e)  # same shape and dtype as the empty input, not it
-        else:
-            empty = torch.zeros(0, 3, device=x.device, dtype=torch.float64)
-        return self.lin(x), empty
-
 
 @pytest.mark.parametrize("like_input", [False, True], ids=["other_shape", "like_input"])
 def test_8_empty_output_is_not_the_empty_input(like_input):
@@ -828,19 +498,9 @@ def test_8_empty_output_is_not_the_empty_input(like_input):
     assert _replays(g) > 0, cg.stats(g)
 
 
-class _DoublesInput(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.b = nn.Parameter(torch.randn(16))
-
-    def forward(self, x):
-        x.mul_(2)
-        return x + self.b
-
-
 def test_8_zero_copy_output_fed_back_as_the_mutated_input():
     torch.manual_seed(0)
-    ref = _DoublesInput().to(DEV).eval()
+    ref = _DoublesInput(dim=16).to(DEV).eval()
     g = cg.graphify(copy.deepcopy(ref), copy_outputs=False)
     with torch.no_grad():
         x = torch.randn(4, 16, device=DEV)
@@ -853,22 +513,9 @@ def test_8_zero_copy_output_fed_back_as_the_mutated_input():
     assert _replays(g) > 0, cg.stats(g)
 
 
-class _TwiceThenSync(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
-
-    def forward(self, x):
-        a = self.block(x)
-        b = self.block(x * 2)  # the same submodule, same signature, a second time
-        if b.sum() > 1e30:  # a host sync: the root runs piecewise, self.block is graphed
-            b = b * 0
-        return a, b
-
-
 def test_8_piecewise_pieces_do_not_inherit_zero_copy_outputs():
     torch.manual_seed(0)
-    ref = _TwiceThenSync().to(DEV).eval()
+    ref = _TwiceThenSync(dim=32).to(DEV).eval()
     g = cg.graphify(copy.deepcopy(ref), copy_outputs=False)
     with torch.no_grad():
         for i in range(5):
@@ -876,16 +523,6 @@ def test_8_piecewise_pieces_do_not_inherit_zero_copy_outputs():
             got = g(x)
             _same(got, ref(x), f"call {i}")  # compared before the next call, as the README says
     assert _replays(g) > 0, cg.stats(g)
-
-
-class _ReturnsTable(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.table = torch.randn(4, 8, device=DEV)  # the caller's tensor: a plain attribute
-
-    def forward(self, x):
-        return self.lin(x), self.table
 
 
 _REGION_GLOBAL: torch.Tensor | None = None
@@ -901,7 +538,7 @@ def test_8_region_never_copies_into_a_tensor_the_caller_owns(owner):
     torch.manual_seed(0)
     _REGION_GLOBAL = torch.randn(4, 8, device=DEV)
     if owner == "attribute":
-        ref_a = _ReturnsTable().to(DEV).eval()
+        ref_a = _ReturnsTable(device=DEV).to(DEV).eval()
         a = cg.graphify(copy.deepcopy(ref_a))
         owned = lambda: (a.table, ref_a.table)  # noqa: E731
     else:
@@ -1072,47 +709,11 @@ def test_10_memory_released_while_another_streams_replay_is_queued(release):
 
 # -- 11. share_graph per-layer values --------------------------------------------------------
 
-class _ScaledLayer(nn.Module):
-    def __init__(self, scale: float, hidden: str, dim: int = 64):
-        super().__init__()
-        self.hidden = hidden
-        self.lin = nn.Linear(dim, dim)
-        if hidden == "dict":
-            self.cfg = {"scale": scale}  # share_graph's structural check does not compare dicts
-        else:
-            self.scale = scale  # named in ignore_attrs
-
-    def forward(self, x):
-        s = self.cfg["scale"] if self.hidden == "dict" else self.scale
-        return self.lin(x) * s
-
-
-class _ClampLayer(nn.Module):
-    def __init__(self, limit: float, dim: int = 64):
-        super().__init__()
-        self.lin = nn.Linear(dim, dim, bias=False)
-        self.limit = limit  # named in ignore_attrs
-
-    def forward(self, x):
-        return torch.clamp(self.lin(x), max=self.limit)
-
-
-def _layer_by_layer(layers, ref, x, what: str) -> None:
-    """Each layer applied in turn, as a parent's loop does; every layer's output equals eager's."""
-    y, want = x, x
-    for k, (layer, r) in enumerate(zip(layers, ref)):
-        y, want = layer(y), r(want)
-        _same(y, want, f"{what}, layer {k}")
-
-
-def _layer_replays(layers) -> int:
-    return sum(_replays(m) for m in layers)
-
-
 @pytest.mark.parametrize("hidden", ["dict", "ignore_attrs"])
 def test_11_share_graph_per_layer_scale_where_template_and_partner_agree(hidden):
     torch.manual_seed(0)
-    layers = nn.ModuleList(_ScaledLayer(s, hidden) for s in (1.0, 1.0, 0.5, 1.0)).to(DEV).eval()
+    layers = nn.ModuleList(_ScaledLayer(s, hidden, dim=64) for s in (1.0, 1.0, 0.5, 1.0))
+    layers = layers.to(DEV).eval()
     ref = copy.deepcopy(layers)
     opts = {"ignore_attrs": ("scale",)} if hidden == "ignore_attrs" else {}
     cg.share_graph(layers, **opts)
@@ -1124,7 +725,8 @@ def test_11_share_graph_per_layer_scale_where_template_and_partner_agree(hidden)
 
 def test_11_share_graph_per_layer_clamp_the_first_inputs_do_not_reach():
     torch.manual_seed(0)
-    layers = nn.ModuleList(_ClampLayer(v) for v in (100.0, 100.0, 0.5, 100.0)).to(DEV).eval()
+    layers = nn.ModuleList(_ClampLayer(v, dim=64) for v in (100.0, 100.0, 0.5, 100.0))
+    layers = layers.to(DEV).eval()
     ref = copy.deepcopy(layers)
     cg.share_graph(layers, ignore_attrs=("limit",))
     small = lambda: torch.randn(8, 64, device=DEV) * 0.01  # noqa: E731
@@ -1143,7 +745,7 @@ def test_11_share_graph_per_layer_clamp_the_first_inputs_do_not_reach():
 def test_11_share_graph_bf16_per_layer_scale_within_assert_close_tolerance():
     torch.manual_seed(0)
     scales = (1.0, 1.0, 1.0 + 2 ** -7, 1.0)
-    layers = nn.ModuleList(_ScaledLayer(s, "dict") for s in scales)
+    layers = nn.ModuleList(_ScaledLayer(s, "dict", dim=64) for s in scales)
     layers = layers.to(DEV, torch.bfloat16).eval()
     ref = copy.deepcopy(layers)
     cg.share_graph(layers)

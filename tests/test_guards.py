@@ -15,7 +15,8 @@ asserts the graph path was taken (``cg.stats(m).replays`` grew); the change is a
 reference and to the graphified copy alike, the test checks that it really changes eager's
 output (a failure there is a fault of the test, and says so), and calls at least twice more.
 "Pass" means every call gave eager's result; whether by a new capture, an eager run or a guard
-is not asserted. Only the public API is used.
+is not asserted. Only the public API is used. The modules and the comparison helpers are
+shared with the GPU file, in tests/guard_scenarios.py (sizes and device are arguments).
 
 Scenarios (issue 15's numbering):
 
@@ -50,26 +51,29 @@ Scenarios (issue 15's numbering):
 from __future__ import annotations
 
 import copy
-import contextlib
-import dataclasses
-import enum
-import types
 import warnings
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 import cudagraphify as cg
+from guard_scenarios import (
+    _CHANGES, _RESHAPES, _Accumulates, _Affine, _AttrTable, _BNNet, _BumpsBias, _ClampLayer,
+    _DoublesInput, _EmptyOut, _MakesTensor, _ReadsW, _ReturnsTable, _ScaledLayer, _Temperature,
+    _TwiceThenSync, _TwoLinear, _WritesInput, _around, _before_after, _both, _calls, _clone,
+    _closure_module, _default_dtype, _differs, _layer_by_layer, _layer_replays, _new_weights,
+    _replays, _same, _scribble, on_device,
+)
 
 try:  # share_graph's graph-reading double (the fixture and its registry of layer tensors)
     from test_share_engine import _register as _register_for_reading
     from test_share_engine import reading  # noqa: F401 - a fixture
 except ImportError:  # pragma: no cover - that module changed
-    _register_for_reading = None
+    _register_for_reading = reading = None
 
 DEV = "cpu"
+_pair, _randn = on_device(DEV)
 
 
 @pytest.fixture(autouse=True)
@@ -79,156 +83,7 @@ def _simulated(sim):
         yield sim
 
 
-# -- comparing with eager ----------------------------------------------------------------------
-
-def _meta(t: torch.Tensor):
-    return (t.dtype, t.device, tuple(t.shape))
-
-
-def _same(got, want, what: str = "") -> None:
-    """Same structure; every tensor leaf with eager's dtype, device, shape and bits."""
-    g_leaves, g_spec = pytree.tree_flatten(got)
-    w_leaves, w_spec = pytree.tree_flatten(want)
-    assert g_spec == w_spec, f"{what}: structure {g_spec} vs eager {w_spec}"
-    for k, (a, b) in enumerate(zip(g_leaves, w_leaves)):
-        if isinstance(b, torch.Tensor):
-            assert isinstance(a, torch.Tensor), f"{what}, leaf {k}: {type(a)} vs a tensor"
-            assert _meta(a) == _meta(b), f"{what}, leaf {k}: {_meta(a)} vs eager {_meta(b)}"
-            if not torch.equal(a, b):
-                diff = (a.double() - b.double()).abs().max().item()
-                raise AssertionError(f"{what}, leaf {k}: differs from eager (max |diff| {diff})")
-        else:
-            assert a == b, f"{what}, leaf {k}: {a!r} vs eager {b!r}"
-
-
-def _differs(a, b) -> bool:
-    try:
-        _same(a, b)
-    except AssertionError:
-        return True
-    return False
-
-
-def _clone(args):
-    return pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
-
-
-def _replays(g) -> int:
-    return cg.stats(g).replays
-
-
-def _calls(ref, g, make_args, n: int, what: str, check=None) -> None:
-    """``n`` calls with fresh inputs: outputs, and the inputs after the call, equal eager's."""
-    for i in range(n):
-        args = make_args()
-        ref_args = _clone(args)
-        want = ref(*ref_args)
-        got = g(*args)
-        _same(got, want, f"{what}, call {i}")
-        _same(args, ref_args, f"{what}, call {i}: the inputs after the call")
-        if check is not None:
-            check()
-
-
-def _before_after(ref, g, make_args, change, *, n: int = 3, check=None, probe_ref=None) -> None:
-    """Calls before ``change()`` (graph path proven), ``change()`` (applied to both ``ref`` and
-    ``g`` by the caller's function), calls after it; every result equal to eager's.
-    ``probe_ref``: what computes eager's output for the design check, where calling ``ref``
-    would change its state (a BatchNorm in training mode)."""
-    probe = make_args()
-    probe_ref = probe_ref or ref
-    _calls(ref, g, make_args, 1, "first call", check)
-    r = _replays(g)
-    _calls(ref, g, make_args, n, "before the change", check)
-    assert _replays(g) > r, f"no replay before the change: {cg.stats(g)}"
-    before = probe_ref(*_clone(probe))
-    change()
-    after = probe_ref(*_clone(probe))
-    assert _differs(before, after), "test design: the change does not alter eager's output"
-    _calls(ref, g, make_args, n, "after the change", check)
-
-
-def _pair(model: nn.Module):
-    ref = model.to(DEV).eval()
-    return ref, cg.graphify(copy.deepcopy(ref))
-
-
-def _both(f, ref, g):
-    return lambda: (f(ref), f(g))
-
-
-def _randn(*shape, dtype=torch.float32):
-    return lambda: (torch.randn(*shape, device=DEV, dtype=dtype),)
-
-
 # -- 1. module state that is not a tensor ------------------------------------------------------
-
-@dataclasses.dataclass
-class _Cfg:
-    scale: float
-    shift: float
-
-
-class _Act(enum.Enum):
-    RELU = "relu"
-    TANH = "tanh"
-
-
-class _Affine(nn.Module):
-    def __init__(self, kind: str):
-        super().__init__()
-        self.kind = kind
-        self.lin = nn.Linear(8, 8)
-        self.scale = 2.0
-        self.shift = 1
-        self.use_relu = True
-        self.cfg_dict = {"scale": 2.0, "shift": 0.5}
-        self.coef_list = [2.0, 0.5]
-        self.coef_tuple = (2.0, 0.5)
-        self.cfg_dc = _Cfg(2.0, 0.5)
-        self.cfg_ns = types.SimpleNamespace(scale=2.0, shift=0.5)
-        self.act = _Act.RELU
-
-    def forward(self, x):
-        y = self.lin(x)
-        k = self.kind
-        if k == "float":
-            return y * self.scale
-        if k == "int":
-            return torch.roll(y, self.shift, dims=-1)
-        if k == "bool":
-            return torch.relu(y) if self.use_relu else y
-        if k == "dict":
-            return y * self.cfg_dict["scale"] + self.cfg_dict["shift"]
-        if k == "list":
-            return y * self.coef_list[0] + self.coef_list[1]
-        if k == "tuple":
-            return y * self.coef_tuple[0] + self.coef_tuple[1]
-        if k == "dataclass":
-            return y * self.cfg_dc.scale + self.cfg_dc.shift
-        if k == "namespace":
-            return y * self.cfg_ns.scale + self.cfg_ns.shift
-        if k == "enum":
-            return torch.relu(y) if self.act is _Act.RELU else torch.tanh(y)
-        raise AssertionError(k)
-
-
-def _set_list(m):
-    m.coef_list[0] = -1.0
-
-
-_CHANGES = {
-    "float": lambda m: setattr(m, "scale", 0.5),
-    "int": lambda m: setattr(m, "shift", 3),
-    "bool": lambda m: setattr(m, "use_relu", False),
-    "dict": lambda m: m.cfg_dict.__setitem__("scale", -1.0),
-    "list": _set_list,
-    "tuple": lambda m: setattr(m, "coef_tuple", (-1.0, 0.5)),
-    "dataclass": lambda m: setattr(m.cfg_dc, "scale", -1.0),
-    "namespace": lambda m: setattr(m.cfg_ns, "scale", -1.0),
-    "enum": lambda m: setattr(m, "act", _Act.TANH),
-}
-
 
 @pytest.mark.parametrize("kind", list(_CHANGES))
 def test_1_non_tensor_attribute_changed_after_capture(kind):
@@ -249,35 +104,12 @@ def test_1_layernorm_eps_changed_after_capture():
         _before_after(ref, g, _randn(4, 8), _both(change, ref, g))
 
 
-class _Temperature(nn.Module):
-    def __init__(self, how: str):
-        super().__init__()
-        self.how = how
-        self.lin = nn.Linear(8, 8)
-        self.temp = torch.tensor(2.0)  # a plain 0-dim tensor attribute
-
-    def forward(self, x):
-        if self.how == "operand":
-            return self.lin(x) / self.temp
-        return self.lin(x) / self.temp.item()
-
-
 @pytest.mark.parametrize("how", ["operand", "item"])
 def test_1_scalar_tensor_attribute_filled_after_capture(how):
     torch.manual_seed(0)
     ref, g = _pair(_Temperature(how))
     with torch.no_grad():
         _before_after(ref, g, _randn(4, 8), _both(lambda m: m.temp.fill_(4.0), ref, g))
-
-
-class _TwoLinear(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = nn.Linear(8, 8)
-        self.fc2 = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def test_1_peft_disable_adapter_for_a_reference_pass():
@@ -303,25 +135,6 @@ def test_1_peft_disable_adapter_for_a_reference_pass():
 
 
 # -- 2. the default dtype ------------------------------------------------------------------
-
-class _MakesTensor(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.lin(x) * torch.full((x.shape[-1],), 0.1)  # no dtype: the default's
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype):
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(old)
-
 
 def test_2_default_dtype_changed_after_capture():
     torch.manual_seed(0)
@@ -364,24 +177,6 @@ def test_3_hook_on_a_submodule_added_then_removed_after_capture(kind):
 
 # -- 4. graphify(fn) where fn calls a module -------------------------------------------------
 
-class _BNNet(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin1 = nn.Linear(8, 8)
-        self.bn = nn.BatchNorm1d(8)
-        self.lin2 = nn.Linear(8, 8)
-
-    def forward(self, x):
-        return self.lin2(torch.relu(self.bn(self.lin1(x))))
-
-
-def _new_weights(ref, model):
-    sd = {k: (torch.rand_like(v) + 0.5) if v.is_floating_point() else v.clone()
-          for k, v in ref.state_dict().items()}
-    ref.load_state_dict(sd, assign=True)
-    model.load_state_dict({k: v.clone() for k, v in sd.items()}, assign=True)
-
-
 @pytest.mark.parametrize("change", ["train", "load_state_dict_assign", "to_float64", "double"])
 def test_4_graphified_function_sees_changes_of_the_module_it_calls(change):
     torch.manual_seed(0)
@@ -414,24 +209,6 @@ def test_4_graphified_function_sees_changes_of_the_module_it_calls(change):
 
 
 # -- 5. tensors that are no argument, parameter or buffer -------------------------------------
-
-def _scribble(like: torch.Tensor, n: int = 16) -> list[torch.Tensor]:
-    return [torch.full_like(like, float("nan")) for _ in range(n)]
-
-
-def _around(inner: nn.Module) -> nn.Sequential:
-    """``inner`` between two Linears: if ``inner`` is refused, its neighbours are still graphed."""
-    return nn.Sequential(nn.Linear(8, 8), inner, nn.Linear(8, 8))
-
-
-class _AttrTable(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.table = torch.randn(8)
-
-    def forward(self, x):
-        return x + self.table
-
 
 def test_5_plain_tensor_attribute_replaced_after_capture():
     torch.manual_seed(0)
@@ -475,20 +252,6 @@ def test_5_module_level_global_tensor_replaced_after_capture():
         _GLOBAL_TABLE = None
 
 
-def _closure_module():
-    table = torch.randn(8)
-
-    class ReadsClosure(nn.Module):
-        def forward(self, x):
-            return x + table
-
-    def replace(new):
-        nonlocal table
-        table = new
-
-    return ReadsClosure(), replace
-
-
 def test_5_closure_tensor_replaced_after_capture():
     torch.manual_seed(0)
     inner, replace = _closure_module()
@@ -506,28 +269,6 @@ def test_5_closure_tensor_replaced_after_capture():
 
 # -- 6. same storage, new shape / stride / offset --------------------------------------------
 
-class _ReadsW(nn.Module):
-    def __init__(self, as_buffer: bool):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        w = torch.randn(8)
-        if as_buffer:
-            self.register_buffer("w", w)
-        else:
-            self.w = w
-
-    def forward(self, x):
-        return self.lin(x) * self.w.sum()
-
-
-_RESHAPES = {
-    "slice": lambda m: setattr(m, "w", m.w[:4]),
-    "resize_": lambda m: m.w.resize_(4),
-    "set_stride": lambda m: m.w.set_(m.w.untyped_storage(), 0, (4,), (2,)),
-    "set_offset": lambda m: m.w.set_(m.w.untyped_storage(), 4, (4,), (1,)),
-}
-
-
 @pytest.mark.parametrize("as_buffer", [True, False], ids=["buffer", "attribute"])
 @pytest.mark.parametrize("how", list(_RESHAPES))
 def test_6_same_storage_new_shape_stride_or_offset(how, as_buffer):
@@ -539,27 +280,6 @@ def test_6_same_storage_new_shape_stride_or_offset(how, as_buffer):
 
 # -- 7. writes the version counter does not see ----------------------------------------------
 
-@torch.library.custom_op("cgguards_cpu::double_undeclared", mutates_args=())
-def _double_undeclared(x: torch.Tensor) -> torch.Tensor:
-    """An opaque kernel that writes its input without declaring it (no version bump)."""
-    x.data.mul_(2)
-    return x + 1
-
-
-class _WritesInput(nn.Module):
-    def __init__(self, how: str):
-        super().__init__()
-        self.how = how
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        y = self.lin(x)
-        if self.how == "data":
-            x.data.add_(1.0)
-            return y
-        return y + _double_undeclared(x)
-
-
 @pytest.mark.parametrize("how", ["data", "custom_op"])
 def test_7_input_written_without_a_version_bump_is_seen_by_the_caller(how):
     torch.manual_seed(0)
@@ -567,23 +287,6 @@ def test_7_input_written_without_a_version_bump_is_seen_by_the_caller(how):
     with torch.no_grad():
         _calls(ref, g, _randn(4, 8), 5, "calls")
     assert _replays(g) > 0, cg.stats(g)
-
-
-class _Accumulates(nn.Module):
-    """Called as ``m(x, m.total)``."""
-
-    def __init__(self, how: str):
-        super().__init__()
-        self.how = how
-        self.lin = nn.Linear(8, 8)
-        self.register_buffer("total", torch.zeros(8))
-
-    def forward(self, x, total):
-        if self.how == "write_self_read_arg":
-            self.total.add_(x.sum(0))
-            return self.lin(x) + total
-        total.add_(x.sum(0))
-        return self.lin(x) + self.total
 
 
 @pytest.mark.parametrize("how", ["write_self_read_arg", "write_arg_read_self"])
@@ -598,16 +301,6 @@ def test_7_buffer_passed_as_argument_and_written_by_forward(how):
             _same(got, want, f"call {i}")
             _same(g.total, ref.total, f"call {i}: the buffer after the call")
     assert _replays(g) > 0, cg.stats(g)
-
-
-class _BumpsBias(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        self.lin.bias.data.add_(1.0)
-        return self.lin(x)
 
 
 def test_7_parameter_written_through_data_is_written_once_per_call_with_extra_warmups():
@@ -625,20 +318,6 @@ def test_7_parameter_written_through_data_is_written_once_per_call_with_extra_wa
 
 # -- 8. aliasing ----------------------------------------------------------------------------
 
-class _EmptyOut(nn.Module):
-    def __init__(self, like_input: bool):
-        super().__init__()
-        self.like_input = like_input
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x, e):
-        if self.like_input:
-            empty = torch.empty_like(e)
-        else:
-            empty = torch.zeros(0, 3, dtype=torch.float64)
-        return self.lin(x), empty
-
-
 @pytest.mark.parametrize("like_input", [False, True], ids=["other_shape", "like_input"])
 def test_8_empty_output_is_not_the_empty_input(like_input):
     torch.manual_seed(0)
@@ -651,16 +330,6 @@ def test_8_empty_output_is_not_the_empty_input(like_input):
             _same(got, want, f"call {i}")
             assert got[1] is not e, f"call {i}: the empty output came back as the empty input"
     assert _replays(g) > 0, cg.stats(g)
-
-
-class _DoublesInput(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.b = nn.Parameter(torch.randn(8))
-
-    def forward(self, x):
-        x.mul_(2)
-        return x + self.b
 
 
 def test_8_zero_copy_output_fed_back_as_the_mutated_input():
@@ -678,19 +347,6 @@ def test_8_zero_copy_output_fed_back_as_the_mutated_input():
     assert _replays(g) > 0, cg.stats(g)
 
 
-class _TwiceThenSync(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.block = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
-
-    def forward(self, x):
-        a = self.block(x)
-        b = self.block(x * 2)
-        if b.sum() > 1e30:  # a host sync: the root runs piecewise, self.block is graphed
-            b = b * 0
-        return a, b
-
-
 def test_8_piecewise_pieces_do_not_inherit_zero_copy_outputs():
     torch.manual_seed(0)
     ref = _TwiceThenSync().eval()
@@ -700,16 +356,6 @@ def test_8_piecewise_pieces_do_not_inherit_zero_copy_outputs():
             x = torch.randn(4, 8)
             _same(g(x), ref(x), f"call {i}")
     assert _replays(g) > 0, cg.stats(g)
-
-
-class _ReturnsTable(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.table = torch.randn(4, 8)
-
-    def forward(self, x):
-        return self.lin(x), self.table
 
 
 _REGION_GLOBAL: torch.Tensor | None = None
@@ -753,31 +399,6 @@ def test_8_region_never_copies_into_a_tensor_the_caller_owns(owner):
 
 # -- 11. share_graph per-layer values --------------------------------------------------------
 
-class _ScaledLayer(nn.Module):
-    def __init__(self, scale: float, hidden: str):
-        super().__init__()
-        self.hidden = hidden
-        self.lin = nn.Linear(8, 8)
-        if hidden == "dict":
-            self.cfg = {"scale": scale}  # share_graph's structural check does not compare dicts
-        else:
-            self.scale = scale  # named in ignore_attrs
-
-    def forward(self, x):
-        s = self.cfg["scale"] if self.hidden == "dict" else self.scale
-        return self.lin(x) * s
-
-
-class _ClampLayer(nn.Module):
-    def __init__(self, limit: float):
-        super().__init__()
-        self.lin = nn.Linear(8, 8, bias=False)
-        self.limit = limit  # named in ignore_attrs
-
-    def forward(self, x):
-        return torch.clamp(self.lin(x), max=self.limit)
-
-
 @pytest.fixture(params=["sim", "reading"])
 def share_backend(request):
     """The plain simulated backend (no graph reader: per-layer graphs), or the graph-reading
@@ -794,17 +415,6 @@ def _share(layers, share_backend, **opts):
     if share_backend is not None:
         _register_for_reading(layers)
     return cg.share_graph(layers, **opts)
-
-
-def _layer_by_layer(layers, ref, x, what: str) -> None:
-    y, want = x, x
-    for k, (layer, r) in enumerate(zip(layers, ref)):
-        y, want = layer(y), r(want)
-        _same(y, want, f"{what}, layer {k}")
-
-
-def _layer_replays(layers) -> int:
-    return sum(_replays(m) for m in layers)
 
 
 @pytest.mark.parametrize("hidden", ["dict", "ignore_attrs"])
