@@ -132,6 +132,12 @@ _IDENTITY_TYPES = (types.FunctionType, types.BuiltinFunctionType, types.MethodTy
                    types.ModuleType, type, functools.partial)
 
 
+# Objects of these packages coordinate (locks, events, queues, loggers): a forward reads no
+# data of theirs into a kernel, so they are held by identity, their internals not watched.
+_INFRASTRUCTURE = frozenset({"threading", "queue", "asyncio", "multiprocessing", "concurrent",
+                             "logging", "weakref", "_thread", "_weakref"})
+
+
 def _mutable_data(value: Any) -> bool:
     """An array-like container of data that changes in place without a dict or a version
     (a numpy array, a deque, an array, a memoryview)."""
@@ -147,7 +153,8 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     methods, classes, modules and objects with no data of their own to read (a lock, a
     sentinel) are held by identity. Raises :class:`Unguardable` for array-like data that
     changes in place with neither a dict nor a version to watch (numpy arrays, deques)."""
-    if id(value) in seen or is_constant(value) or isinstance(value, _IDENTITY_TYPES):
+    if id(value) in seen or is_constant(value) or isinstance(value, _IDENTITY_TYPES) \
+            or type(value).__module__.split(".")[0] in _INFRASTRUCTURE:
         return
     if isinstance(value, torch.Tensor):
         tensors.append(value)

@@ -638,3 +638,25 @@ def test_objects_with_no_data_of_their_own_are_held_by_identity():
             x = torch.randn(2, 8)
             assert _same(g(x), ref(x)), f"call {i}"
     assert cg.stats(g).replays == 2, cg.stats(g)
+
+
+def test_threading_objects_read_by_forward_are_held_by_identity():
+    # an Event (a Condition and a deque inside) coordinates threads: no data for a kernel
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+            self.gate = (threading.Event(), threading.Event())
+
+        def forward(self, x):
+            return self.lin(x) if self.gate is not None else x
+
+    torch.manual_seed(0)
+    ref = Gate().eval()
+    torch.manual_seed(0)
+    g = cg.graphify(Gate().eval())
+    with torch.no_grad():
+        for i in range(3):
+            x = torch.randn(2, 8)
+            assert _same(g(x), ref(x)), f"call {i}"
+    assert cg.stats(g).replays == 2, cg.stats(g)
