@@ -68,9 +68,9 @@ class GraphedState:
         self.statics = StaticState(module)
         self.static_positions = static_positions
         self.static_names = static_names
-        self.share = share  # (ShareGroup, layer index) under share_graph
+        self.share = share  # a _wrap.Share (its group, its layer index) under share_graph
         # a share_graph group's layers replay through one set of static buffers: one lock
-        self.lock = share[0].lock if share is not None else (
+        self.lock = share.group.lock if share is not None else (
             self.policy.shared_lock or threading.RLock())
         self.install_pieces = install_pieces  # graphifies submodules (a piecewise plan)
         self.pieces: list = []  # submodules a piecewise plan graphified
@@ -271,7 +271,7 @@ class GraphedState:
         layers use one set of buffers), or this callable."""
         if region is not None:
             return region
-        return self.share[0] if self.share is not None else self
+        return self.share.group if self.share is not None else self
 
     def _eager(self, reason: str, fn: Callable, args: tuple, kwargs: dict,
                warn: bool = True) -> Any:

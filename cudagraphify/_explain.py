@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ._nested import Nested
+from ._rehearsal import restored
 from ._options import Stats
 from ._wrap import share_of, state_of_module
 from ._policy import default_policy
@@ -81,41 +82,31 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
         isinstance(a, torch.Tensor) and a.is_cuda for a in list(args) + list(kwargs.values()))
     # planned as if on a GPU: on a CPU, CPU tensors stand for CUDA tensors
     accel = frozenset({"cuda"}) if on_gpu else frozenset({"cuda", "cpu"})
-    saved = [(b, b.detach().clone()) for b in module.buffers()]
-    rng = torch.random.get_rng_state()
-    cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    buffers = list(module.buffers())
+    device = next((t.device for t in (*module.parameters(), *buffers)), torch.device("cpu"))
 
     def two_runs(rehearse: bool) -> list[Probe]:
         probes = []
         for _ in range(2):
             probe = Probe(module, policy, accel=accel, thunder=True)
             probe.rehearse = rehearse
-            with torch.no_grad(), Nested(), probe:
+            # each run leaves the buffers and the random state as they were
+            with restored(buffers, [True] * len(buffers), [], device), torch.no_grad(), \
+                    Nested(), probe:
                 module(*args, **kwargs)
             probes.append(probe)
-            with torch.no_grad():
-                for b, v in saved:
-                    b.copy_(v)
         return probes
 
-    try:
-        probes = two_runs(False)
-        if probes[0].findings and probes[0].may_rehearse():
-            # As graphify does: code that asks whether it is being captured takes another path
-            # while captured; where that path is safe, that path is the plan.
-            try:
-                rehearsed = two_runs(True)
-            except Exception:  # noqa: BLE001 - that path fails here: keep the plain runs
-                rehearsed = None
-            if rehearsed is not None and not any(p.findings for p in rehearsed):
-                probes = rehearsed
-    finally:
-        with torch.no_grad():
-            for b, v in saved:
-                b.copy_(v)
-        torch.random.set_rng_state(rng)
-        if cuda_rng is not None:
-            torch.cuda.set_rng_state_all(cuda_rng)
+    probes = two_runs(False)
+    if probes[0].findings and probes[0].may_rehearse():
+        # As graphify does: code that asks whether it is being captured takes another path
+        # while captured; where that path is safe, that path is the plan.
+        try:
+            rehearsed = two_runs(True)
+        except Exception:  # noqa: BLE001 - that path fails here: keep the plain runs
+            rehearsed = None
+        if rehearsed is not None and not any(p.findings for p in rehearsed):
+            probes = rehearsed
     findings = probes[0].unsafe_paths()
     for p, f in control_flow_findings(*probes, "the op sequence differs between two "
                                       "runs").items():
@@ -171,7 +162,7 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
             node["stats"] = live
         share = share_of(sub)
         if share is not None:
-            group, k = share
+            group, k = share.group, share.layer
             s = group.stats()
             node["share"] = {"layer": k, "layers": s.layers, "captures": s.captures,
                              "retargets": s.retargets, "per_layer": s.per_layer,

@@ -338,7 +338,7 @@ class FirstCall:
         else:
             pool = region.pool(self.backend, self.device) if region is not None else None
             if state.share is not None and region is None:
-                pool = state.share[0].pool(self.backend, self.device)
+                pool = state.share.group.pool(self.backend, self.device)
             raw, out = self.backend.capture(lambda: fn(*a, **kw), self.device, pool=pool)
         seq, forget = None, None
         copy_outputs = state.options.copy_outputs
@@ -379,7 +379,7 @@ class FirstCall:
         state = self.state
         if state.share is None:
             return None
-        group, k = state.share
+        group, k = state.share.group, state.share.layer
         if self.region is not None:
             group.refuse("called inside a graph_region (per-layer graphs in the region's pool)")
             return None

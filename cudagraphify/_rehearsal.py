@@ -20,7 +20,7 @@ from ._signature import unflatten_call
 from . import _writes
 from ._nested import Nested
 
-__all__ = ["rehearse"]
+__all__ = ["rehearse", "restored"]
 
 
 def rehearse(first) -> Probe | None:
@@ -36,7 +36,7 @@ def rehearse(first) -> Probe | None:
     if first.opaque:
         return None  # objects passed as they are: another run would change them
     statics, buffers = first.statics.watchable()
-    with _restored(statics, buffers, first.wrote_statics, first.device) as wrote:
+    with restored(statics, buffers, first.wrote_statics, first.device) as wrote:
         copies = StaticInputs(first.leaves, [False] * len(first.leaves))
         copy_marks = _writes.marks([b for _, b in copies.copy])
         rehearsal = new_probe(first.state)
@@ -61,7 +61,7 @@ def rehearse(first) -> Probe | None:
 
 
 @contextlib.contextmanager
-def _restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: list[int],
+def restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: list[int],
               device: torch.device):
     """Inside the block, the statics and the random state may change; afterwards they are as
     before. Yields the list (filled on exit) of the statics the block wrote."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 import wrapt
@@ -21,11 +21,18 @@ from ._fast import MISS
 from ._errors import CudagraphifyUsageError
 from ._options import Options
 
-__all__ = ["STATE", "SHARE", "GraphedForward", "graphed_forward", "graphed_forward_of", "install",
+__all__ = ["STATE", "SHARE", "Share", "GraphedForward", "graphed_forward", "graphed_forward_of", "install",
            "wrap", "install_pieces", "uninstall_instance", "state_of_module", "share_of"]
 
 STATE = "_cudagraphify_state"  # a module's GraphedState, in its __dict__
-SHARE = "_cudagraphify_share"  # a share_graph layer's (ShareGroup, layer index), in its __dict__
+SHARE = "_cudagraphify_share"  # a share_graph layer's Share, in its __dict__
+
+
+class Share(NamedTuple):
+    """A share_graph layer's place: its group and its index in the group's layers."""
+
+    group: Any
+    layer: int
 
 
 def state_of_module(module: torch.nn.Module) -> GraphedState | None:
@@ -33,8 +40,8 @@ def state_of_module(module: torch.nn.Module) -> GraphedState | None:
     return module.__dict__.get(STATE)
 
 
-def share_of(module: torch.nn.Module):
-    """The (ShareGroup, layer index) of a share_graph layer, else None."""
+def share_of(module: torch.nn.Module) -> Share | None:
+    """The :class:`Share` of a share_graph layer, else None."""
     return module.__dict__.get(SHARE)
 
 
@@ -210,8 +217,7 @@ def install_pieces(root: torch.nn.Module, paths: list[str], options: Options) ->
         if sub is root or graphed_forward(sub) is not None:
             continue  # graphed already (by the user, or an earlier plan)
         if share is not None:
-            group, k = share
-            sub.__dict__[SHARE] = (group.piece_group(path), k)
+            sub.__dict__[SHARE] = Share(share.group.piece_group(path), share.layer)
         install(sub, sub.forward, options, "instance", False)
         installed.append(sub)
     return installed

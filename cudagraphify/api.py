@@ -12,7 +12,7 @@ import torch
 from ._cache import CachePolicy
 from ._engine import GraphedState
 from ._options import Options, Stats
-from ._wrap import (SHARE, GraphedForward, graphed_forward, graphed_forward_of, install,
+from ._wrap import (SHARE, GraphedForward, Share, graphed_forward, graphed_forward_of, install,
                     state_of_module, uninstall_instance, wrap)
 from ._errors import CudagraphifyUsageError
 from ._policy import OpPolicy, default_policy
@@ -291,6 +291,6 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
                 "layers itself (ungraphify them first)")
     group = ShareGroup(mods, tuple(ignore_attrs), strict, max_templates=options.max_graphs)
     for i, layer in enumerate(mods):
-        layer.__dict__[SHARE] = (group, i)
+        layer.__dict__[SHARE] = Share(group, i)
         _graphify(layer, options)
     return group
