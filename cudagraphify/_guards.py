@@ -93,11 +93,10 @@ class FlagsGuard:
     torch function, where no probe sees it. Inference mode is part of every key, and of the
     tensor guards.)"""
 
-    __slots__ = ("_state", "_getters", "_read", "flags")
+    __slots__ = ("_state", "_read", "flags")
 
     def __init__(self):
         getters = [*_CUDNN, *_SDPA, *_OTHERS, ("current device", _current_device)]
-        self._getters = tuple(getters)
         # one frame that calls each getter (most are C functions) and makes the tuple
         names = [f"g{i}" for i in range(len(getters))]
         self._read = eval(f"lambda {', '.join(f'{n}={n}' for n in names)}: "  # noqa: S307
@@ -108,13 +107,6 @@ class FlagsGuard:
 
     def check(self) -> bool:
         return self._state.check() and self._read() == self.flags
-
-    def reason(self) -> str:
-        if not self._state.check():
-            return f"global state changed: {self._state.reason()}"
-        diff = [f"{name}: {a} -> {b}" for (name, _), a, b in
-                zip(self._getters, self.flags, self._read()) if a != b]
-        return "global flags changed (" + "; ".join(diff) + ")"
 
 
 # -- guarding what was read ------------------------------------------------------------------
@@ -213,7 +205,7 @@ class StateGuard:
     ``valid()`` is True while every read value is what the run read: values are compared again
     when the epoch moved (with the hooks, and the class and ``forward`` of every module the run
     ran); mutable objects, held tensors and CPU scalars on every call, and the hooks on every
-    call where the process has global module hooks. ``why()`` says what changed.
+    call where the process has global module hooks.
     """
 
     def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None,
@@ -293,18 +285,6 @@ class StateGuard:
         """This guard less the reads of ``names`` ((id(module), attribute))."""
         return StateGuard([r for r in self._reads if (id(r.module), r.name) not in names],
                           self._hooks, self._bindings, [m for m, _, _ in self._ran])
-
-    def why(self) -> str:
-        changed = self._changed()
-        if changed is not None:
-            return changed
-        for what, read, value in self._bindings:
-            if read() is not value:
-                return f"{what} now names another object"
-        if any(not check() for check in self._checks):
-            return ("a mutable object, or a tensor kept as a module attribute or named by the "
-                    "function, changed")
-        return "unchanged"
 
 
 def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
