@@ -93,20 +93,25 @@ class FlagsGuard:
     torch function, where no probe sees it. Inference mode is part of every key, and of the
     tensor guards.)"""
 
-    __slots__ = ("_state", "_read", "flags")
+    __slots__ = ("_state", "flags")
 
     def __init__(self):
-        getters = [*_CUDNN, *_SDPA, *_OTHERS, ("current device", _current_device)]
-        # one frame that calls each getter (most are C functions) and makes the tuple
-        names = [f"g{i}" for i in range(len(getters))]
-        self._read = eval(f"lambda {', '.join(f'{n}={n}' for n in names)}: "  # noqa: S307
-                          f"({', '.join(f'{n}()' for n in names)},)",
-                          dict(zip(names, (read for _, read in getters))))
         self._state = _GlobalStateGuard()
-        self.flags = self._read()
+        self.flags = _read_flags()
 
     def check(self) -> bool:
-        return self._state.check() and self._read() == self.flags
+        return self._state.check() and _read_flags() == self.flags
+
+
+def _compile_reader(getters) -> Callable[[], tuple]:
+    """One frame that calls each getter (most are C functions) and makes the tuple."""
+    names = [f"g{i}" for i in range(len(getters))]
+    return eval(f"lambda {', '.join(f'{n}={n}' for n in names)}: "  # noqa: S307
+                f"({', '.join(f'{n}()' for n in names)},)",
+                dict(zip(names, (read for _, read in getters))))
+
+
+_read_flags = _compile_reader([*_CUDNN, *_SDPA, *_OTHERS, ("current device", _current_device)])
 
 
 # -- guarding what was read ------------------------------------------------------------------
