@@ -32,7 +32,7 @@ from . import _capture, _region, _watch
 from ._capture import drain
 from ._cache import CachePolicy, EagerEntry, GraphCache
 from ._errors import CudagraphifyUsageError, warn_once
-from ._fast import MISS, EagerFast, Fast
+from ._fast import MISS, EagerFast, Fast, hooks_free
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
 from ._nested import in_graphed_call
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
@@ -108,10 +108,14 @@ class GraphedState:
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """Call ``fn(*args, **kwargs)`` through the graphs of this state."""
         fast = self._fast
-        if fast is not None:
+        if fast is not None and hooks_free():
             out = fast.call(fn, args, kwargs)
             if out is not MISS:
                 return out
+        return self.slow(fn, args, kwargs)
+
+    def slow(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """A call the fast path did not take: decided afresh."""
         enabled = self.options.enabled
         if enabled is not True and not (enabled() if callable(enabled) else enabled):
             return self._eager("disabled (enabled=False)", fn, args, kwargs, warn=False)

@@ -11,15 +11,16 @@ signature with the same tensor layouts and the same other arguments). Anything e
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable
 
 import torch
 
-from . import _region, _watch
+from . import _guards, _region, _watch
 from ._nested import nesting
 from ._signature import is_opaque
 
-__all__ = ["Fast", "EagerFast", "MISS"]
+__all__ = ["Fast", "EagerFast", "MISS", "hooks_free"]
 
 MISS = object()  # a fast path's answer: not for this call, take the full path
 _MISS = MISS
@@ -28,6 +29,12 @@ _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
 # the process's global module hook dicts: any hook there sends the call to the full path
 _hooks_a, _hooks_b, _hooks_c, _hooks_d = _watch._GLOBAL_DICTS
+
+
+def hooks_free() -> bool:
+    """No global module hook is registered: a fast path may be tried (for :class:`Fast`: a
+    graph holds none of their effects on the submodules it runs)."""
+    return not (_hooks_a or _hooks_b or _hooks_c or _hooks_d)
 
 
 class EagerFast:
@@ -119,10 +126,12 @@ class Fast:
     Made only for an inference graph of this callable's own, called with tensors (plain tensors
     or parameters; positional, or by keyword in the same order) while grad mode is off, with
     ``enabled=True`` and no moves pending. Any failed check (or anything unusual) hands the
-    call to the slow path, which decides it afresh."""
+    call to the slow path, which decides it afresh. One frame: every µs here is paid by every
+    replay."""
 
-    __slots__ = ("state", "entry", "region", "n", "names", "tguard", "flags", "guard", "same",
-                 "in_capture", "stream", "holder", "inplace", "lock")
+    __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
+                 "read_flags", "flags_epoch", "device", "get_device", "guard", "same",
+                 "in_capture", "stream", "holder", "inplace", "outer", "lock")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -141,7 +150,13 @@ class Fast:
         self.names = tuple(kwargs)
         self.tguard = _TensorGuards(*leaves, dynamic_dims_sizes=[list(a.shape) for a in leaves],
                                     dynamic_dims_strides=[list(a.stride()) for a in leaves])
-        self.flags = entry.flags.check
+        # the FlagsGuard's check, unrolled: its C guard and the current device on every call,
+        # the other flags again only after one of their setters ran
+        flags = entry.flags
+        self.global_state, self.flags, self.read_flags = flags.global_state, flags.flags, \
+            flags.read
+        self.flags_epoch, self.device, self.get_device = flags.epoch, flags.flags[-1], \
+            _guards.device_reader()
         self.guard = entry.state
         self.same = state.statics.same
         self.in_capture = getattr(backend, "in_capture_now", backend.in_capture)
@@ -150,10 +165,15 @@ class Fast:
             backend.stream_token, entry.device)
         self.holder = state._stream_holder(region)
         self.inplace = entry.inplace
+        # the region's lock, then the state's (outside a region: a lock of its own, never
+        # contended, so that one ``with`` serves both cases)
+        self.outer = region.lock if region is not None else threading.RLock()
         self.lock = state.lock
         return self
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """The replay, or MISS. The caller has checked that no global module hook is
+        registered (a graph holds none of their effects): :func:`hooks_free`."""
         if len(args) != self.n or nesting[0]:
             return _MISS
         if kwargs:
@@ -164,35 +184,36 @@ class Fast:
             return _MISS
         stack = _stack_get()  # the regions entered (the innermost is in effect)
         region = self.region
-        if region is None:
-            if stack:
+        if (stack[-1] is not region) if stack else (region is not None):
+            return _MISS
+        with self.outer, self.lock:
+            entry, state = self.entry, self.state
+            # (global module hooks: the caller checked there are none, see ``call``)
+            if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
+                    or not self.global_state.check() or self.get_device() != self.device:
                 return _MISS
-            with self.lock:
-                return self.replay(args, None)
-        if not stack or stack[-1] is not region:
-            return _MISS
-        with region.lock, self.lock:
-            return self.replay(args, region)
-
-    def replay(self, args: tuple, region) -> Any:
-        """The checks that need the lock, then the replay (``args``: the leaves)."""
-        entry, state = self.entry, self.state
-        if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
-                or not self.flags() or self.in_capture() or _hooks_a or _hooks_b \
-                or _hooks_c or _hooks_d:
-            return _MISS
-        guard = self.guard
-        if guard is not None and (guard.epoch != _watch.epoch or guard.volatile) \
-                and not guard.valid():
-            return _MISS
-        for i, ptr in self.inplace:
-            if args[i].data_ptr() != ptr:
+            if _guards.flags_epoch != self.flags_epoch:
+                now = _guards.flags_epoch
+                if self.read_flags() != self.flags:
+                    return _MISS
+                self.flags_epoch = now
+            # (no stream capture can be under way on the legacy default stream, token 0)
+            token = self.stream()
+            if token != self.holder._stream_token or (token and self.in_capture()):
                 return _MISS
-        if not self.same() or self.stream() != self.holder._stream_token:
-            return _MISS
-        if region is not None:
-            if entry.seq is not None and not region.protect_before(entry, args):
+            guard = self.guard
+            if guard is not None and (guard.epoch != _watch.epoch or guard.volatile) \
+                    and not guard.valid():
                 return _MISS
-            region.replays += 1
-        state.replays += 1
-        return entry.run(args)
+            if self.inplace:
+                for i, ptr in self.inplace:
+                    if args[i].data_ptr() != ptr:
+                        return _MISS
+            if not self.same():
+                return _MISS
+            if region is not None:
+                if entry.seq is not None and not region.protect_before(entry, args):
+                    return _MISS
+                region.replays += 1
+            state.replays += 1
+            return entry.run(args)

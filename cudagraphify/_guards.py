@@ -23,6 +23,9 @@ import array
 import collections
 import dataclasses
 import functools
+import itertools
+import sys
+import threading
 import types
 from typing import Any, Callable
 
@@ -32,7 +35,7 @@ from torch import nn
 from . import _watch
 from ._signature import is_constant
 from ._statics import watch
-from ._watch import MISSING, Read, global_hooks_present, same, short
+from ._watch import MISSING, Read, call_override, global_hooks_present, same, short
 
 __all__ = ["StateGuard", "FlagsGuard", "Unguardable", "function_bindings"]
 
@@ -57,12 +60,17 @@ def _getter(name: str, *args: Any) -> Callable[[], Any]:
     return fn
 
 
+# cuDNN's TF32 flag: where torch has per-operation fp32 precision (2.9 and later), the
+# legacy ``allow_tf32`` is derived from the conv and RNN precisions, and reading it raises
+# once they differ (``cudnn.conv.fp32_precision = "ieee"`` alone): read those instead.
+_TF32 = (("fp32 precision (conv)", _getter("_get_fp32_precision_getter", "cuda", "conv")),
+         ("fp32 precision (rnn)", _getter("_get_fp32_precision_getter", "cuda", "rnn"))) \
+    if hasattr(_C, "_get_fp32_precision_getter") else \
+    (("cudnn.allow_tf32", _getter("_get_cudnn_allow_tf32")),)
 _CUDNN = (("cudnn.enabled", _getter("_get_cudnn_enabled")),
           ("cudnn.benchmark", _getter("_get_cudnn_benchmark")),
           ("cudnn.deterministic", _getter("_get_cudnn_deterministic")),
-          ("cudnn.allow_tf32", _getter("_get_cudnn_allow_tf32")),
-          ("fp32 precision (conv)", _getter("_get_fp32_precision_getter", "cuda", "conv")),
-          ("fp32 precision (rnn)", _getter("_get_fp32_precision_getter", "cuda", "rnn")))
+          *_TF32)
 _priority = _getter("_get_sdp_priority_order")
 _SDPA = (("flash SDPA", _getter("_get_flash_sdp_enabled")),
          ("mem-efficient SDPA", _getter("_get_mem_efficient_sdp_enabled")),
@@ -82,8 +90,85 @@ def _current_device():
     return _device() if _cuda._initialized and _device is not None else None
 
 
+def _compile_reader(getters) -> Callable[[], tuple]:
+    """One frame that calls each getter (most are C functions) and makes the tuple. A getter
+    that returns a pybind enum (the BLAS and linalg backends) is read as the enum's value: two
+    enums compare through a Python-level ``__eq__``, ints in C."""
+    names = [f"g{i}" for i in range(len(getters))]
+    reads = [f"{n}().value" if hasattr(type(read()), "__members__") else f"{n}()"
+             for n, (_, read) in zip(names, getters)]
+    return eval(f"lambda {', '.join(f'{n}={n}' for n in names)}: "  # noqa: S307
+                f"({', '.join(reads)},)",
+                dict(zip(names, (read for _, read in getters))))
+
+
+_read_flags = _compile_reader([*_CUDNN, *_SDPA, *_OTHERS, ("current device", _current_device)])
+
+
+def device_reader() -> Callable[[], Any]:
+    """The current device's getter as the replay path calls it: the C function itself once
+    CUDA is up (a graph exists: it is), else what the flags read."""
+    return _device if _cuda._initialized and _device is not None else _current_device
+
+
+# The setters of the flags above (all but the current device), as torch's Python API reaches
+# them: through ``torch._C`` at call time, or held by torch.backends.cudnn's properties.
+# Each is wrapped once to move :data:`flags_epoch` after it ran, so that the replay path
+# reads the flags again only after one of them ran.
+_SETTERS = ("_set_cudnn_enabled", "_set_cudnn_benchmark", "_set_cudnn_deterministic",
+            "_set_cudnn_allow_tf32", "_set_fp32_precision_setter",
+            "_set_float32_matmul_precision", "_set_sdp_use_flash", "_set_sdp_use_mem_efficient",
+            "_set_sdp_use_math", "_set_sdp_use_cudnn", "_set_sdp_use_overrideable",
+            "_set_sdp_use_fa3", "_set_math_sdp_allow_fp16_bf16_reduction",
+            "_set_sdp_priority_order", "_set_cublas_allow_fp16_accumulation",
+            "_set_blas_preferred_backend", "_set_linalg_preferred_backend")
+_flag_ticks = itertools.count(1)
+flags_epoch = 0  # read as ``_guards.flags_epoch``: moved by every flag setter's call
+_setters_lock = threading.Lock()
+_setters_watched = False
+
+
+def _ticking(setter: Callable) -> Callable:
+    def wrapper(*args, **kwargs):
+        try:
+            return setter(*args, **kwargs)
+        finally:
+            global flags_epoch
+            flags_epoch = next(_flag_ticks)  # unique: two threads' moves never cancel out
+
+    wrapper.__name__ = wrapper.__qualname__ = setter.__name__
+    wrapper.__doc__ = setter.__doc__
+    wrapper.__wrapped__ = setter
+    return wrapper
+
+
+def watch_flag_setters() -> None:
+    """Wrap the flag setters (once per process): in ``torch._C``, and in every
+    ``torch.backends`` property (``ContextProp``) that already holds one."""
+    global _setters_watched
+    with _setters_lock:
+        if _setters_watched:
+            return
+        wrapped = {}
+        for name in _SETTERS:
+            setter = getattr(_C, name, None)
+            if setter is not None and not hasattr(setter, "__wrapped__"):
+                wrapped[setter] = _ticking(setter)
+                setattr(_C, name, wrapped[setter])
+        context_prop = getattr(torch.backends, "ContextProp", None)
+        for mod_name, mod in list(sys.modules.items()):
+            if context_prop is None or not mod_name.startswith("torch.backends"):
+                continue
+            for prop in list(vars(type(mod)).values()):
+                if isinstance(prop, context_prop):
+                    setter = getattr(prop, "setter", None)
+                    if setter in wrapped:
+                        prop.setter = wrapped[setter]
+        _setters_watched = True
+
+
 class FlagsGuard:
-    """Global flags as they were when a graph was captured; ``check()`` on every call.
+    """Global flags as they were when a graph was captured.
 
     Dynamo's ``GlobalStateGuard`` (grad mode, autocast, default dtype, deterministic
     algorithms, TF32 and reduced-precision matmul) in one C call, plus, in one compiled frame
@@ -91,27 +176,25 @@ class FlagsGuard:
     and their priority, fp16 accumulation, the BLAS and linalg backends, the current device.
     (All of them, whatever the run's ops: an op can reach cuDNN or SDPA from inside another
     torch function, where no probe sees it. Inference mode is part of every key, and of the
-    tensor guards.)"""
+    tensor guards.)
 
-    __slots__ = ("_state", "flags")
+    ``check()`` reads them all (the slow path). The replay path (:class:`~._fast.Fast`) checks
+    the global state and the current device on every call, and reads the other flags again
+    only when :data:`flags_epoch` moved since ``epoch``, that is when one of their setters ran
+    (see :func:`watch_flag_setters`)."""
+
+    __slots__ = ("global_state", "flags", "epoch")
+
+    read = staticmethod(_read_flags)  # the flags other than the global state's, as a tuple
 
     def __init__(self):
-        self._state = _GlobalStateGuard()
+        watch_flag_setters()
+        self.global_state = _GlobalStateGuard()
+        self.epoch = flags_epoch  # (read first: a setter running meanwhile moves it again)
         self.flags = _read_flags()
 
     def check(self) -> bool:
-        return self._state.check() and _read_flags() == self.flags
-
-
-def _compile_reader(getters) -> Callable[[], tuple]:
-    """One frame that calls each getter (most are C functions) and makes the tuple."""
-    names = [f"g{i}" for i in range(len(getters))]
-    return eval(f"lambda {', '.join(f'{n}={n}' for n in names)}: "  # noqa: S307
-                f"({', '.join(f'{n}()' for n in names)},)",
-                dict(zip(names, (read for _, read in getters))))
-
-
-_read_flags = _compile_reader([*_CUDNN, *_SDPA, *_OTHERS, ("current device", _current_device)])
+        return self.global_state.check() and _read_flags() == self.flags
 
 
 # -- guarding what was read ------------------------------------------------------------------
@@ -219,9 +302,9 @@ class StateGuard:
         self._reads = list(reads)
         for r in reads:  # their attribute writes must bump the epoch
             watch(r.module)
-        # the modules the run ran, each with its class and own forward (replacing either, or
-        # swapping the class, changes what runs)
-        self._ran = [(m, type(m), m.__dict__.get("forward")) for m in ran]
+        # the modules the run ran, each with its class, own forward and call override
+        # (``module.compile()``): replacing any of them changes what runs
+        self._ran = [(m, type(m), m.__dict__.get("forward"), call_override(m)) for m in ran]
         for m in ran:
             watch(m)
         # names outside modules (a graphed function's closure cells and globals) that held a
@@ -279,9 +362,10 @@ class StateGuard:
             if not same(now, r.value):
                 return (f"{type(r.module).__name__}.{r.name} changed ({short(r.value)} -> "
                         f"{short(now)})")
-        for m, cls, forward in self._ran:
-            if type(m) is not cls or m.__dict__.get("forward") is not forward:
-                return f"{cls.__name__}'s class or forward was replaced"
+        for m, cls, forward, call in self._ran:
+            if type(m) is not cls or m.__dict__.get("forward") is not forward \
+                    or call_override(m) is not call:
+                return f"{cls.__name__}'s class, forward or compiled call was replaced"
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"
         return None
@@ -289,7 +373,7 @@ class StateGuard:
     def without(self, names: set[tuple[int, str]]) -> "StateGuard":
         """This guard less the reads of ``names`` ((id(module), attribute))."""
         return StateGuard([r for r in self._reads if (id(r.module), r.name) not in names],
-                          self._hooks, self._bindings, [m for m, _, _ in self._ran])
+                          self._hooks, self._bindings, [m for m, *_ in self._ran])
 
 
 def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:

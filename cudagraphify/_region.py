@@ -58,10 +58,11 @@ _use_count = torch._C._storage_Use_Count
 class Slot:
     """A static output of a region graph, handed out as an alias instead of a copy."""
 
-    __slots__ = ("region", "tensor", "storage", "seq", "baseline", "alias")
+    __slots__ = ("region", "live", "tensor", "storage", "seq", "baseline", "alias")
 
     def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int):
         self.region = region
+        self.live = region._live  # the region's slots whose last alias may still be held
         self.tensor = tensor
         self.storage = tensor.untyped_storage()  # held: reading its use count is then cheap
         self.seq = seq
@@ -85,7 +86,7 @@ class Slot:
             self.baseline = _use_count(self.storage._cdata)
         alias = self.tensor.detach()
         self.alias = weakref.ref(alias)
-        self.region._live[self] = None
+        self.live[self] = None
         return alias
 
     def protect(self) -> bool:
@@ -180,9 +181,14 @@ class GraphRegion:
 
     def protect_before(self, entry, leaves: list) -> bool:
         """Protect the slots a replay of ``entry`` may overwrite; False if one cannot be."""
-        for slot in [s for s in self._live if s.seq >= entry.seq]:
-            if not slot.protect():
-                return False
+        live = self._live
+        if live:
+            seq = entry.seq
+            for slot in [s for s in live if s.seq >= seq]:
+                if _use_count(slot.storage._cdata) == slot.baseline:
+                    del live[slot]  # no alias left: nothing to protect (``protect``'s common case)
+                elif not slot.protect():
+                    return False
         for i, slot in entry.borrowed:
             if leaves[i].data_ptr() != slot.tensor.data_ptr() and not slot.protect():
                 return False

@@ -100,7 +100,9 @@ def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[
 
 
 def clone_output(t: torch.Tensor) -> Callable:
-    return lambda leaves, outs: t.clone()
+    f = lambda leaves, outs: t.clone()  # noqa: E731
+    f.clone_of = t  # a graph with this one output calls ``t.clone`` itself (one frame less)
+    return f
 
 
 def static_output(t: torch.Tensor) -> Callable:
@@ -215,6 +217,8 @@ class CapturedGraph(Owned):
         self._actions = actions
         self._spec = spec
         self._single = spec.is_leaf() and len(actions) == 1
+        self._clone = getattr(actions[0], "clone_of", None).clone if self._single and \
+            hasattr(actions[0], "clone_of") else None
         self._inputs = inputs
         self._keep = keep  # static outputs: owned here so the pool outlives nothing it needs
 
@@ -246,8 +250,11 @@ class CapturedGraph(Owned):
                 buf.copy_(x)
                 self.input_copies += 1
         self._replay()
-        for i, buf in self._copy_back:
-            leaves[i].copy_(buf)
+        if self._copy_back:
+            for i, buf in self._copy_back:
+                leaves[i].copy_(buf)
+        if self._clone is not None:
+            return self._clone()
         if self._single:
             return self._actions[0](leaves, None)
         outs: list = []
@@ -266,5 +273,6 @@ class CapturedGraph(Owned):
         self._inputs = None
         self._copy_back = self._copy_in = []
         self._actions = []
+        self._clone = None
         if raw is not None:
             raw.release()

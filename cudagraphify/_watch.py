@@ -180,7 +180,7 @@ INTERNAL_ATTRS = frozenset({
     "_forward_hooks_always_called", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs",
     "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
     "_load_state_dict_post_hooks", "_cudagraphify_state", "_cudagraphify_share", "forward",
-    "__dict__", "__class__",
+    "_compiled_call_impl", "__dict__", "__class__",
 })
 
 _REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -265,6 +265,20 @@ class Recorder:
     def _pre(self, module, args):
         if threading.get_ident() == self._thread:
             self.called.setdefault(id(module), module)
+
+
+class CallImpl:
+    """Base of cudagraphify's own ``_compiled_call_impl`` of a graphed module: it does what
+    ``_call_impl`` would do, so a module holding one runs as a module holding none."""
+
+    __slots__ = ()
+
+
+def call_override(module: nn.Module) -> Any:
+    """What a module's ``__call__`` runs instead of ``_call_impl`` (``module.compile()`` sets
+    it): None where that is ``_call_impl`` itself, or cudagraphify's own :class:`CallImpl`."""
+    value = module.__dict__.get("_compiled_call_impl")
+    return None if isinstance(value, CallImpl) else value
 
 
 class _Missing:

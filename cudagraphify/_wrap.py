@@ -16,8 +16,9 @@ from typing import Any, Callable, NamedTuple
 import torch
 import wrapt
 
+from . import _watch
 from ._engine import GraphedState
-from ._fast import MISS
+from ._fast import MISS, hooks_free
 from ._errors import CudagraphifyUsageError
 from ._options import Options
 
@@ -75,11 +76,11 @@ class Dispatch:
             if state is None:
                 state = self._new_state(instance, wrapped)
             fast = state._fast  # the previous call's decision, re-checked (see _engine)
-            if fast is not None:
+            if fast is not None and hooks_free():
                 out = fast.call(wrapped, args, kwargs)
                 if out is not MISS:
                     return out
-            return state(wrapped, args, kwargs)
+            return state.slow(wrapped, args, kwargs)
         if instance is not None:
             raise CudagraphifyUsageError(
                 "graphify wraps functions and torch.nn.Module forwards; "
@@ -107,10 +108,76 @@ class Dispatch:
             install_pieces=lambda paths: install_pieces(module, paths, self.options),
             share=share_of(module))
         module.__dict__[STATE] = state
+        DirectCall.install(module, self, state)
         return state
 
 
 _is_compiling = torch.compiler.is_compiling
+_tracing = torch._C._get_tracing_state
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+_global_a, _global_b, _global_c, _global_d = _watch._GLOBAL_DICTS
+
+
+class DirectCall(_watch.CallImpl):
+    """A graphed module's ``_compiled_call_impl``: ``module(...)`` comes here straight from
+    ``Module.__call__``, past ``_call_impl`` and the wrapt proxy (about 2 µs a call).
+
+    It stands in only while ``_call_impl`` would do nothing but call the graphed forward: no
+    hooks on the module, none global, no TorchScript trace, and ``module.forward`` still the
+    proxy it was installed for (its class unchanged, no forward of the instance's own put in
+    front of a class's). Otherwise it hands the call to ``_call_impl``, and where the proxy is
+    gone (``ungraphify``) it removes itself. ``module.compile()`` replaces it; torch.compile
+    traces ``_call_impl`` and never calls it; a copied or pickled module drops it
+    (``Module.__getstate__``)."""
+
+    __slots__ = ("module", "d", "state", "fn", "proxy", "where", "own", "cls")
+
+    @staticmethod
+    def install(module: torch.nn.Module, dispatch: "Dispatch", state: GraphedState) -> None:
+        d = module.__dict__
+        if "_compiled_call_impl" in d or not all(name in d for name in _HOOKS):
+            return  # compiled by the user, or a module torch's own __init__ did not set up
+        cls = type(module)
+        own = d.get("forward")
+        if dispatch.kind == "instance":
+            if not isinstance(own, GraphedForward) or own._self_dispatch is not dispatch:
+                return
+            where, proxy, fn = d, own, own.__wrapped__
+        else:
+            proxy = cls.__dict__.get("forward")  # the class itself, not a subclass of it
+            if own is not None or not isinstance(proxy, GraphedForward) \
+                    or proxy._self_dispatch is not dispatch:
+                return
+            where, fn = cls.__dict__, proxy.__wrapped__.__get__(module, cls)
+        first = next((k.__dict__["forward"] for k in cls.__mro__ if "forward" in k.__dict__),
+                     None)
+        if first is not proxy and (hasattr(type(first), "__set__")
+                                   or hasattr(type(first), "__delete__")):
+            return  # a data descriptor on the class comes before the instance's forward
+        self = DirectCall()
+        self.module, self.d, self.state, self.fn, self.cls = module, d, state, fn, cls
+        self.proxy, self.where, self.own = proxy, where, own
+        d["_compiled_call_impl"] = self  # (no setattr: not a change of the module's state)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        d = self.d
+        if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] \
+                or d["_backward_pre_hooks"] or _global_a or _global_b or _global_c \
+                or _global_d or _tracing() is not None:
+            return self.module._call_impl(*args, **kwargs)
+        if self.where.get("forward") is not self.proxy or d.get("forward") is not self.own \
+                or type(self.module) is not self.cls:
+            if d.get("_compiled_call_impl") is self \
+                    and self.where.get("forward") is not self.proxy:
+                del d["_compiled_call_impl"]  # ungraphified: step aside for good
+            return self.module._call_impl(*args, **kwargs)
+        state = self.state
+        fast = state._fast
+        if fast is not None:  # (no global module hooks: checked above)
+            out = fast.call(self.fn, args, kwargs)
+            if out is not MISS:
+                return out
+        return state.slow(self.fn, args, kwargs)
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
@@ -263,6 +330,8 @@ def uninstall_instance(module: torch.nn.Module) -> None:
     """Restore an instance's own ``forward``, leave its share_graph group, release its graphs and
     those of the submodules a piecewise plan graphified."""
     del module.__dict__["forward"]
+    if isinstance(module.__dict__.get("_compiled_call_impl"), DirectCall):
+        del module.__dict__["_compiled_call_impl"]
     module.__dict__.pop(SHARE, None)
     state = module.__dict__.pop(STATE, None)
     if state is not None:
