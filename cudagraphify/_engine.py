@@ -69,6 +69,7 @@ class GraphedState:
         self.static_positions = static_positions
         self.static_names = static_names
         self.share = share  # a _wrap.Share (its group, its layer index) under share_graph
+        self.dispatch = None  # the _wrap.Dispatch that made it (a graphify of a module)
         # a share_graph group's layers replay through one set of static buffers: one lock
         self.lock = share.group.lock if share is not None else (
             self.policy.shared_lock or threading.RLock())

@@ -73,7 +73,9 @@ class Dispatch:
             instance = self.owner  # a forward kept as a plain function (torch.compile's module)
         if isinstance(instance, torch.nn.Module):
             state = instance.__dict__.get(STATE)
-            if state is None:
+            if state is None or state.dispatch is not self:
+                # (a state of another graphify's: the class was ungraphified and graphified
+                # again, perhaps with another forward)
                 state = self._new_state(instance, wrapped)
             fast = state._fast  # the previous call's decision, re-checked (see _engine)
             if fast is not None and hooks_free():
@@ -103,10 +105,14 @@ class Dispatch:
             # Compiled code is opaque to the probe (the warm-up traces, the capture runs
             # kernels): no op screen; a failed capture still falls back to eager.
             options = dataclasses.replace(options, probe=False)
+        old = module.__dict__.get(STATE)
+        if old is not None:
+            old.release()
         state = GraphedState(
             module, options, f"{type(module).__name__}.forward", positions, names,
             install_pieces=lambda paths: install_pieces(module, paths, self.options),
             share=share_of(module))
+        state.dispatch = self
         module.__dict__[STATE] = state
         DirectCall.install(module, self, state)
         return state
@@ -114,6 +120,7 @@ class Dispatch:
 
 _is_compiling = torch.compiler.is_compiling
 _tracing = torch._C._get_tracing_state
+_call_impl = torch.nn.Module._call_impl
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 _global_a, _global_b, _global_c, _global_d = _watch._GLOBAL_DICTS
 
@@ -123,12 +130,14 @@ class DirectCall(_watch.CallImpl):
     ``Module.__call__``, past ``_call_impl`` and the wrapt proxy (about 2 µs a call).
 
     It stands in only while ``_call_impl`` would do nothing but call the graphed forward: no
-    hooks on the module, none global, no TorchScript trace, and ``module.forward`` still the
-    proxy it was installed for (its class unchanged, no forward of the instance's own put in
-    front of a class's). Otherwise it hands the call to ``_call_impl``, and where the proxy is
-    gone (``ungraphify``) it removes itself. ``module.compile()`` replaces it; torch.compile
-    traces ``_call_impl`` and never calls it; a copied or pickled module drops it
-    (``Module.__getstate__``)."""
+    hooks on the module, none global, no TorchScript trace, ``_call_impl`` torch's own (not
+    overridden by a subclass, patched, or set on the instance), and ``module.forward`` still
+    the proxy it was installed for (its class and ``__dict__`` unchanged, no forward of the
+    instance's own put in front of a class's). Otherwise it hands the call to ``_call_impl``,
+    and where the proxy is gone (``ungraphify``) it removes itself. ``module.compile()``
+    replaces it; torch.compile traces ``_call_impl`` and never calls it; a copied or pickled
+    module drops it (``Module.__getstate__``), a DataParallel replica too (see
+    :func:`_replicas_run_eagerly`)."""
 
     __slots__ = ("module", "d", "state", "fn", "proxy", "where", "own", "cls")
 
@@ -138,6 +147,8 @@ class DirectCall(_watch.CallImpl):
         if "_compiled_call_impl" in d or not all(name in d for name in _HOOKS):
             return  # compiled by the user, or a module torch's own __init__ did not set up
         cls = type(module)
+        if cls._call_impl is not _call_impl or "_call_impl" in d:
+            return  # a _call_impl of its own: it must run
         own = d.get("forward")
         if dispatch.kind == "instance":
             if not isinstance(own, GraphedForward) or own._self_dispatch is not dispatch:
@@ -165,12 +176,14 @@ class DirectCall(_watch.CallImpl):
                 or d["_backward_pre_hooks"] or _global_a or _global_b or _global_c \
                 or _global_d or _tracing() is not None:
             return self.module._call_impl(*args, **kwargs)
+        module = self.module
         if self.where.get("forward") is not self.proxy or d.get("forward") is not self.own \
-                or type(self.module) is not self.cls:
+                or type(module) is not self.cls or module.__dict__ is not d \
+                or self.cls._call_impl is not _call_impl or "_call_impl" in d:
             if d.get("_compiled_call_impl") is self \
                     and self.where.get("forward") is not self.proxy:
-                del d["_compiled_call_impl"]  # ungraphified: step aside for good
-            return self.module._call_impl(*args, **kwargs)
+                d.pop("_compiled_call_impl", None)  # ungraphified: step aside for good
+            return module._call_impl(*args, **kwargs)
         state = self.state
         fast = state._fast
         if fast is not None:  # (no global module hooks: checked above)
@@ -178,6 +191,38 @@ class DirectCall(_watch.CallImpl):
             if out is not MISS:
                 return out
         return state.slow(self.fn, args, kwargs)
+
+
+_replicate = torch.nn.Module._replicate_for_data_parallel
+_replicate_patched = False
+
+
+def _replicas_run_eagerly() -> None:
+    """Patch, once, ``nn.Module._replicate_for_data_parallel``: a DataParallel replica copies
+    its module's ``__dict__``, graphs and DirectCall included, which belong to the original
+    module and its parameters. A replica lives for one step, on its own device: it runs its
+    own forward eagerly (a graph captured every step would cost more than it saves)."""
+    global _replicate_patched
+    if _replicate_patched:
+        return
+
+    def _replicate_for_data_parallel(self):
+        replica = _replicate(self)
+        d = replica.__dict__
+        if STATE in d or isinstance(d.get("_compiled_call_impl"), DirectCall) \
+                or graphed_forward(replica) is not None:
+            d.pop(STATE, None)
+            d.pop(SHARE, None)
+            if isinstance(d.get("_compiled_call_impl"), DirectCall):
+                del d["_compiled_call_impl"]
+            fwd = graphed_forward(replica)
+            if fwd is not None:
+                fn = fwd.__wrapped__
+                d["forward"] = getattr(fn, "__func__", fn).__get__(replica, type(replica))
+        return replica
+
+    torch.nn.Module._replicate_for_data_parallel = _replicate_for_data_parallel
+    _replicate_patched = True
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
@@ -317,6 +362,7 @@ def wrap(fn: Callable, options: Options, kind: str, owner: Any, had_own: bool) -
 
 
 def install(obj: Any, fn: Callable, options: Options, kind: str, had_own: bool) -> None:
+    _replicas_run_eagerly()
     proxy = wrap(fn, options, kind, obj, had_own)
     if kind == "class":
         setattr(obj, "forward", proxy)

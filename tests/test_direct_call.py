@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 
 import pytest
 import torch
@@ -15,20 +16,25 @@ from cudagraphify._wrap import DirectCall
 pytestmark = pytest.mark.filterwarnings("ignore::cudagraphify.CudagraphifyWarning")
 
 
-class Counting(nn.Linear):
-    """Counts the calls that go through ``_call_impl``."""
-
-    impl_calls = 0
-
-    def _call_impl(self, *args, **kwargs):
-        type(self).impl_calls += 1
-        return super()._call_impl(*args, **kwargs)
-
-
-def _fresh(cls=Counting) -> nn.Module:
+def _fresh(cls=nn.Linear) -> nn.Module:
     torch.manual_seed(0)
-    cls.impl_calls = 0
     return cls(4, 4)
+
+
+def _python_calls(fn, *args) -> list[str]:
+    """The names of the Python functions ``fn(*args)`` called."""
+    names = []
+
+    def profile(frame, event, arg):
+        if event == "call":
+            names.append(frame.f_code.co_name)
+
+    sys.setprofile(profile)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return names
 
 
 def _replays(m) -> int:
@@ -44,8 +50,11 @@ def test_replays_skip_call_impl_and_match_eager(sim):
             assert torch.equal(m(x), ref(x))
     assert isinstance(m.__dict__["_compiled_call_impl"], DirectCall)
     assert _replays(m) >= 2
-    # the first call found no state yet and went through _call_impl; the replays did not
-    assert Counting.impl_calls == 1 + 4  # (+4: ref's own eager calls)
+    with torch.no_grad():
+        replay = _python_calls(m, x)
+        assert "_call_impl" in _python_calls(ref, x)
+    assert "_call_impl" not in replay and "__call__" in replay, replay
+    assert _replays(m) >= 3
 
 
 def test_hooks_registered_after_capture_run_and_their_removal_replays_again(sim):
@@ -109,7 +118,7 @@ def test_ungraphify_of_the_instance_removes_it(sim):
 
 def test_ungraphify_of_the_class_makes_it_step_aside(sim):
     @cg.graphify
-    class Lin(Counting):
+    class Lin(nn.Linear):
         def forward(self, x):
             return super().forward(x)
 
@@ -143,6 +152,24 @@ def test_not_installed_for_a_subclass_with_its_own_forward(sim):
         assert "_compiled_call_impl" not in m.__dict__
         assert torch.equal(out, nn.functional.linear(x, m.weight, m.bias) * 2)
     cg.ungraphify(Base)
+
+
+class OwnCallImpl(nn.Linear):
+    def _call_impl(self, *args, **kwargs):
+        return super()._call_impl(*args, **kwargs) * 2
+
+
+@pytest.mark.parametrize("how", ["subclass", "instance"])
+def test_not_installed_where_call_impl_is_not_torchs(sim, how):
+    torch.manual_seed(0)
+    m = cg.graphify(OwnCallImpl(4, 4) if how == "subclass" else nn.Linear(4, 4))
+    if how == "instance":
+        m._call_impl = lambda *a, **k: nn.Module._call_impl(m, *a, **k) * 2
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(m(x), nn.functional.linear(x, m.weight, m.bias) * 2)
+    assert "_compiled_call_impl" not in m.__dict__ and cg.stats(m).replays >= 1
 
 
 def test_a_call_override_of_the_users_is_kept(sim):
