@@ -32,7 +32,7 @@ from . import _capture, _region, _watch
 from ._capture import drain
 from ._cache import CachePolicy, EagerEntry, GraphCache
 from ._errors import CudagraphifyUsageError, warn_once
-from ._fast import MISS, EagerFast, Fast, hooks_free
+from ._fast import MISS, EagerFast, Fast
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
 from ._nested import in_graphed_call
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
@@ -109,7 +109,7 @@ class GraphedState:
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """Call ``fn(*args, **kwargs)`` through the graphs of this state."""
         fast = self._fast
-        if fast is not None and hooks_free():
+        if fast is not None and not _watch.global_hooks_present():
             out = fast.call(fn, args, kwargs)
             if out is not MISS:
                 return out

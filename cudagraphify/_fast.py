@@ -20,21 +20,13 @@ from . import _guards, _region, _watch
 from ._nested import nesting
 from ._signature import is_opaque
 
-__all__ = ["Fast", "EagerFast", "MISS", "hooks_free"]
+__all__ = ["Fast", "EagerFast", "MISS"]
 
 MISS = object()  # a fast path's answer: not for this call, take the full path
 _MISS = MISS
 _stack_get = _region.stack_var().get
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
-# the process's global module hook dicts: any hook there sends the call to the full path
-_hooks_a, _hooks_b, _hooks_c, _hooks_d = _watch._GLOBAL_DICTS
-
-
-def hooks_free() -> bool:
-    """No global module hook is registered: a fast path may be tried (for :class:`Fast`: a
-    graph holds none of their effects on the submodules it runs)."""
-    return not (_hooks_a or _hooks_b or _hooks_c or _hooks_d)
 
 
 class EagerFast:
@@ -173,7 +165,8 @@ class Fast:
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """The replay, or MISS. The caller has checked that no global module hook is
-        registered (a graph holds none of their effects): :func:`hooks_free`."""
+        registered (a graph holds none of their effects):
+        :func:`~._watch.global_hooks_present`."""
         if len(args) != self.n or nesting[0]:
             return _MISS
         if kwargs:

@@ -156,14 +156,12 @@ def watch_flag_setters() -> None:
                 wrapped[setter] = _ticking(setter)
                 setattr(_C, name, wrapped[setter])
         context_prop = getattr(torch.backends, "ContextProp", None)
-        for mod_name, mod in list(sys.modules.items()):
-            if context_prop is None or not mod_name.startswith("torch.backends"):
-                continue
+        backends = [m for name, m in list(sys.modules.items())
+                    if name.startswith("torch.backends")] if context_prop is not None else []
+        for mod in backends:
             for prop in list(vars(type(mod)).values()):
-                if isinstance(prop, context_prop):
-                    setter = getattr(prop, "setter", None)
-                    if setter in wrapped:
-                        prop.setter = wrapped[setter]
+                if isinstance(prop, context_prop) and getattr(prop, "setter", None) in wrapped:
+                    prop.setter = wrapped[prop.setter]
         _setters_watched = True
 
 

@@ -217,8 +217,8 @@ class CapturedGraph(Owned):
         self._actions = actions
         self._spec = spec
         self._single = spec.is_leaf() and len(actions) == 1
-        self._clone = getattr(actions[0], "clone_of", None).clone if self._single and \
-            hasattr(actions[0], "clone_of") else None
+        clone_of = getattr(actions[0], "clone_of", None) if self._single else None
+        self._clone = clone_of.clone if clone_of is not None else None
         self._inputs = inputs
         self._keep = keep  # static outputs: owned here so the pool outlives nothing it needs
 

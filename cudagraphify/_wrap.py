@@ -18,7 +18,7 @@ import wrapt
 
 from . import _watch
 from ._engine import GraphedState
-from ._fast import MISS, hooks_free
+from ._fast import MISS
 from ._errors import CudagraphifyUsageError
 from ._options import Options
 
@@ -78,7 +78,7 @@ class Dispatch:
                 # again, perhaps with another forward)
                 state = self._new_state(instance, wrapped)
             fast = state._fast  # the previous call's decision, re-checked (see _engine)
-            if fast is not None and hooks_free():
+            if fast is not None and not _watch.global_hooks_present():
                 out = fast.call(wrapped, args, kwargs)
                 if out is not MISS:
                     return out
@@ -122,6 +122,7 @@ _is_compiling = torch.compiler.is_compiling
 _tracing = torch._C._get_tracing_state
 _call_impl = torch.nn.Module._call_impl
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+# (global_hooks_present(), inlined on DirectCall's path: one frame less on every call)
 _global_a, _global_b, _global_c, _global_d = _watch._GLOBAL_DICTS
 
 
@@ -209,13 +210,11 @@ def _replicas_run_eagerly() -> None:
     def _replicate_for_data_parallel(self):
         replica = _replicate(self)
         d = replica.__dict__
-        if STATE in d or isinstance(d.get("_compiled_call_impl"), DirectCall) \
-                or graphed_forward(replica) is not None:
+        fwd = graphed_forward(replica)
+        if STATE in d or fwd is not None:  # (a DirectCall comes with a state)
             d.pop(STATE, None)
             d.pop(SHARE, None)
-            if isinstance(d.get("_compiled_call_impl"), DirectCall):
-                del d["_compiled_call_impl"]
-            fwd = graphed_forward(replica)
+            _drop_direct_call(d)
             if fwd is not None:
                 fn = fwd.__wrapped__
                 d["forward"] = getattr(fn, "__func__", fn).__get__(replica, type(replica))
@@ -223,6 +222,13 @@ def _replicas_run_eagerly() -> None:
 
     torch.nn.Module._replicate_for_data_parallel = _replicate_for_data_parallel
     _replicate_patched = True
+
+
+def _drop_direct_call(d: dict) -> None:
+    """Remove cudagraphify's DirectCall from a module's ``__dict__`` (a user's call override
+    stays)."""
+    if isinstance(d.get("_compiled_call_impl"), DirectCall):
+        del d["_compiled_call_impl"]
 
 
 def _is_compiled(module: torch.nn.Module) -> bool:
@@ -376,8 +382,7 @@ def uninstall_instance(module: torch.nn.Module) -> None:
     """Restore an instance's own ``forward``, leave its share_graph group, release its graphs and
     those of the submodules a piecewise plan graphified."""
     del module.__dict__["forward"]
-    if isinstance(module.__dict__.get("_compiled_call_impl"), DirectCall):
-        del module.__dict__["_compiled_call_impl"]
+    _drop_direct_call(module.__dict__)
     module.__dict__.pop(SHARE, None)
     state = module.__dict__.pop(STATE, None)
     if state is not None:
