@@ -1,0 +1,168 @@
+"""A region's output aliases (CPU, simulated backend): what a caller does to one, then the
+next replay.
+
+A region hands out an inference graph's outputs as aliases of its static outputs; before a
+replay overwrites that memory, an alias the caller still holds is moved to a copy, and a view
+of one (or another tensor on that memory) makes the call run eagerly. These tests change or
+keep an alias in the ways a caller can and check that every output is eager's and that
+nothing the caller kept changed.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+
+
+def _pair(seed: int = 0):
+    torch.manual_seed(seed)
+    ref = nn.Linear(8, 8)
+    return ref, cg.graphify(copy.deepcopy(ref))
+
+
+def _regions_slot(region):
+    (slot,) = region._slots.values()
+    return slot
+
+
+def test_a_kept_output_is_moved_and_a_new_alias_handed_out(sim):
+    ref, g = _pair()
+    with torch.no_grad(), cg.graph_region() as r:
+        g(torch.randn(2, 8))
+        x1, x2 = torch.randn(2, 8), torch.randn(2, 8)
+        y1 = g(x1)
+        y2 = g(x2)
+        assert y1 is not y2
+        assert torch.equal(y1, ref(x1)) and torch.equal(y2, ref(x2))
+        assert r.stats().moved_outputs == 1
+
+
+def _set_grad(y):
+    y.grad = torch.ones_like(y)
+
+
+def _hook(y):
+    y.requires_grad_(True)
+    y.register_hook(lambda grad: grad)
+    y.requires_grad_(False)
+
+
+@pytest.mark.parametrize("change", [
+    lambda y: y.t_(),
+    lambda y: y.unsqueeze_(0),
+    lambda y: y.resize_(16),
+    lambda y: y.as_strided_((2, 4), (8, 1), 1),
+    lambda y: y.set_(torch.zeros(2, 8)),
+    lambda y: y.requires_grad_(True),
+    _set_grad,
+    _hook,
+    lambda y: setattr(y, "note", "mine"),
+], ids=["t_", "unsqueeze_", "resize_", "as_strided_", "set_", "requires_grad_", "grad", "hook",
+        "attribute"])
+def test_an_alias_the_caller_changed_and_dropped_leaves_later_outputs_fresh(sim, change):
+    ref, g = _pair()
+    with torch.no_grad(), cg.graph_region():
+        g(torch.randn(2, 8))
+        y = g(torch.randn(2, 8))
+        change(y)
+        del y
+        x = torch.randn(2, 8)
+        out = g(x)
+        assert torch.equal(out, ref(x))
+        assert out.shape == (2, 8) and out.stride() == (8, 1) and not out.requires_grad
+        assert out.grad is None and out._backward_hooks is None and not out.__dict__
+        assert type(out) is torch.Tensor
+        del out
+        x = torch.randn(2, 8)
+        assert torch.equal(g(x), ref(x))
+
+
+def test_a_weak_reference_to_an_alias_stops_its_reuse(sim):
+    ref, g = _pair()
+    with torch.no_grad(), cg.graph_region():
+        g(torch.randn(2, 8))
+        y = g(torch.randn(2, 8))
+        finalized = []
+        weakref.finalize(y, finalized.append, True)
+        del y
+        x = torch.randn(2, 8)
+        out = g(x)
+        assert torch.equal(out, ref(x))
+        assert finalized == [True]  # nothing kept it alive: a finalizer waiting for it ran
+
+
+def test_an_alias_saved_for_backward_keeps_its_values(sim):
+    ref, g = _pair()
+    w = torch.randn(2, 8, requires_grad=True)
+    with cg.graph_region():
+        with torch.no_grad():
+            g(torch.randn(2, 8))
+            x1 = torch.randn(2, 8)
+            y = g(x1)
+        loss = (w * y).sum()  # autograd saves y (its TensorImpl), Python drops it below
+        del y
+        with torch.no_grad():
+            x2 = torch.randn(2, 8)
+            assert torch.equal(g(x2), ref(x2))
+        try:
+            loss.backward()
+        except RuntimeError as e:  # eager's own check of a saved tensor written in place
+            assert "modified by an inplace operation" in str(e)
+        else:
+            assert torch.equal(w.grad, ref(x1).detach())
+
+
+def test_a_view_of_a_dropped_alias_still_forces_eager(sim):
+    ref, g = _pair()
+    with torch.no_grad(), cg.graph_region():
+        g(torch.randn(2, 8))
+        x1 = torch.randn(2, 8)
+        row = g(x1)[0]  # the alias is dropped at once, its view kept
+        want = ref(x1)[0]
+        x2 = torch.randn(2, 8)
+        assert torch.equal(g(x2), ref(x2))
+        assert torch.equal(row, want)
+    assert any("through a view" in reason for reason in cg.stats(g).eager_calls)
+
+
+def test_an_alias_swapped_into_another_tensor_is_not_overwritten(sim):
+    ref, g = _pair()
+    with torch.no_grad(), cg.graph_region():
+        g(torch.randn(2, 8))
+        x1 = torch.randn(2, 8)
+        y = g(x1)
+        other = torch.zeros(2, 8)
+        try:
+            torch.utils.swap_tensors(y, other)  # ``other`` now holds the slot's memory
+        except RuntimeError as e:  # the region keeps a weak reference to the alias
+            assert "weakref" in str(e)
+            return
+        del y
+        want = ref(x1)
+        x2 = torch.randn(2, 8)
+        assert torch.equal(g(x2), ref(x2))
+        assert torch.equal(other, want)
+
+
+def test_a_chain_matches_eager_and_a_kept_output_survives(sim):
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    g = copy.deepcopy(ref)
+    for blk in g:
+        cg.graphify(blk)
+    with torch.no_grad(), cg.graph_region() as r:
+        g(torch.randn(2, 8))
+        for _ in range(4):
+            x = torch.randn(2, 8)
+            assert torch.equal(g(x), ref(x))
+        assert r.stats().moved_outputs == 0
+        kept = g(x)
+        g(torch.randn(2, 8))
+        assert torch.equal(kept, ref(x))
+        assert r.stats().moved_outputs == 1
