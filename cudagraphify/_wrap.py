@@ -175,7 +175,10 @@ class DirectCall(_watch.CallImpl):
         d = self.d
         if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] \
                 or d["_backward_pre_hooks"] or _global_a or _global_b or _global_c \
-                or _global_d or _tracing() is not None:
+                or _global_d or _tracing() is not None or _is_compiling():
+            # (torch.compile of ``module.__call__``, as HF generate does for a static cache,
+            # traces ``_compiled_call_impl``: ``_call_impl`` reaches the proxy, which calls
+            # the graphs outside the compiled code)
             return self.module._call_impl(*args, **kwargs)
         module = self.module
         if self.where.get("forward") is not self.proxy or d.get("forward") is not self.own \
