@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -45,6 +46,12 @@ from ._statics import StaticState
 from ._training import TrainingGraph
 
 __all__ = ["GraphedState"]
+
+
+def _keep_until_release(ref: weakref.ref) -> Callable[[], None]:
+    """A release hook holding ``ref`` (a weak reference with a callback) until the graph is
+    released: the callback then never fires for a graph that is gone."""
+    return lambda: ref
 
 
 _MAX_DEFERRED = 8  # transient capture failures before a signature is decided for good
@@ -88,6 +95,13 @@ class GraphedState:
         self.accel = frozenset({"cuda"})  # device types whose work graphs capture
         self._device: torch.device | None = None
         self._deferred = 0  # captures put off by a transient failure
+        # keys whose first call set up an object passed as it is (a cache's first update) and
+        # was put off once: the next one is decided as it comes
+        self.set_up_keys: set = set()
+        # graphs keyed to static state that died (an HF StaticCache generate() dropped):
+        # (cache, weak reference to the graph), queued by a weakref callback, released by the
+        # next call (not an eviction: no later call can pass that cache)
+        self._state_died: list[tuple[GraphCache, weakref.ref]] = []
         self._moves = 0  # calls that found parameters or buffers moved, since they last stood
         self._still = 0  # calls in a row since the last move
         self._moved_why = ""
@@ -145,6 +159,11 @@ class GraphedState:
 
     def _call(self, backend, region, fn: Callable, args: tuple, kwargs: dict) -> Any:
         self._fast = None  # remade by a replay that qualifies
+        while self._state_died:
+            cache, ref = self._state_died.pop()
+            entry = ref()
+            if entry is not None:
+                cache.discard(entry)
         moved = self.statics.changed()
         if moved is not None:
             self.invalidate(moved)
@@ -299,7 +318,8 @@ class GraphedState:
         if kind == DEFERRED and self._deferred < _MAX_DEFERRED:
             self._deferred += 1
             self.eager_calls[outcome.reason] += 1
-            warn_once(self._warned, self.name, outcome.reason)
+            if not outcome.quiet:
+                warn_once(self._warned, self.name, outcome.reason)
             return outcome.result
         if kind == DEFERRED:
             outcome = Outcome(EAGER, outcome.result, reason=outcome.reason.replace(
@@ -337,6 +357,12 @@ class GraphedState:
         if region is not None:
             region.record_capture(entry)
         evicted = cache.put(key, entry)
+        for obj in outcome.states if hasattr(entry, "on_release") else ():
+            # keyed by the addresses its tensors had: once it dies the graph is dead weight
+            ref = weakref.ref(entry)
+            died = self._state_died
+            entry.on_release.append(_keep_until_release(
+                weakref.ref(obj, lambda _r, c=cache, e=ref: died.append((c, e)))))
         self._retired_copies += sum(e.input_copies for e in evicted)
         if evicted:
             warn_once(self._warned, self.name,

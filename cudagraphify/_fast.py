@@ -18,7 +18,7 @@ import torch
 
 from . import _guards, _region, _watch
 from ._nested import nesting
-from ._signature import is_opaque
+from ._signature import is_opaque, is_static_state
 
 __all__ = ["Fast", "EagerFast", "MISS"]
 
@@ -52,7 +52,8 @@ class EagerFast:
             return None
         self = EagerFast._new(state, region, reason, args, kwargs)
         values = (*args, *kwargs.values())
-        self.types = [(i, type(v)) for i, v in enumerate(values) if is_opaque(type(v))]
+        self.types = [(i, type(v)) for i, v in enumerate(values)
+                      if is_opaque(type(v)) and not is_static_state(v)]
         return self
 
     @staticmethod
@@ -70,6 +71,8 @@ class EagerFast:
         self.tguard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
                                     dynamic_dims_strides=[list(t.stride()) for t in ts])
         self.others = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
+        if any(is_static_state(v) for _, v in self.others):
+            return None  # keyed by what it holds, never held (see _state): decide again
         self.entry = entry
         self.statics_same = state.statics.same
         return self

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from . import _watch, _writes
 from ._capture import _first_line
@@ -59,6 +60,8 @@ class Outcome:
     replay: bool = False  # GRAPHED: replay once now (a chaining region hands out aliases)
     shared: bool = False  # GRAPHED: made from a share_graph template
     remember: bool = True  # EAGER: decided for the signature (False: for this call only)
+    quiet: bool = False  # DEFERRED: an expected first call (no warning)
+    states: list = field(default_factory=list)  # GRAPHED: static state it is keyed to
 
 
 class FirstCall:
@@ -81,12 +84,20 @@ class FirstCall:
         self.device = device
         self.statics = state.statics
         self.warmup_seconds = 0.0
-        self.opaque = bool(sig.static_objects)  # objects passed as they are: no extra runs
+        # objects passed as they are: no extra runs
+        self.opaque = bool(sig.static_objects or sig.static_states)
         self.training = False
         self.result: Any = None
         self.saved: set[int] = set()  # training: Function inputs autograd saves for backward
         self.saved_statics: list[torch.Tensor] = []  # and buffers or frozen parameters it saves
         self.short_of_memory = ""  # why the inputs could not be copied to check writes
+        # argument objects passed as they are, with where they are: named in static_argnames
+        # (keyed by identity; what they hold is guarded per graph, and held), and recognised
+        # static state such as an HF StaticCache (keyed by what it holds: never held)
+        self.objects = [(_leaf_label(sig, i), leaves[i]) for i in sig.static_objects]
+        self.states = [(_leaf_label(sig, i), leaves[i]) for i in sig.static_states]
+        self.set_up: tuple[str, bool] | None = None  # (which, a state?) this call set up
+        self.side_effect = ""  # which of them this call changed otherwise (a step count)
 
     # -- 1. warm up ------------------------------------------------------------------------
 
@@ -123,6 +134,9 @@ class FirstCall:
             probe.written = set()
         self.recorder = rec = Recorder()
         self.hooks_before = _watch.global_hooks()
+        passed = self.objects + self.states
+        before_objects = StateGuard([], objects=passed) if passed else None
+        tensors_before = {id(t) for _, obj in passed for t in _tensors_in(obj)}
         t0 = time.perf_counter()
         with Nested(), recording(rec):
             self.result = self.backend.warmup(
@@ -151,12 +165,47 @@ class FirstCall:
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
         self.wrote_statics = sorted(wrote)
         self.warm_guard = self._guard(rec)
+        if before_objects is not None and not before_objects.unguardable \
+                and not before_objects.valid():
+            # A cache allocates its tensors on its first update: what this call did (and the
+            # probe saw) is not what the next calls do.
+            states = {id(obj) for _, obj in self.states}
+            where, obj = next(((where, obj) for where, obj in passed
+                               if not StateGuard([], objects=[(where, obj)]).valid()), passed[0])
+            # a set-up allocates tensors; a call that only changes other values (a step
+            # count) has a side effect on every call, which the capture's check refuses
+            if any(id(t) not in tensors_before for t in _tensors_in(obj)):
+                self.set_up = (where, id(obj) in states)
+            else:
+                self.side_effect = where
+        del before_objects
+        # the capture's run must leave the static states as it found them (see verify)
+        self.states_guard = StateGuard([], objects=self.states) if self.states else None
 
     # -- 2. screen -------------------------------------------------------------------------
 
     def screen(self) -> Outcome | None:
         if self.warm_guard.unguardable:  # nothing could tell a replay that it changed
             return Outcome(EAGER, self.result, reason=self.warm_guard.unguardable)
+        if self.set_up is not None:
+            where, state = self.set_up
+            if state:  # keyed by what it held: calls with it in that state set it up again
+                return self._eager(f"this call sets up {where} (a cache's first update "
+                                   "allocates its tensors); graphed once it is set up")
+            seen = self.state.set_up_keys
+            if self.key not in seen:  # once: an object changed by every call is decided below
+                if len(seen) >= 64:
+                    seen.clear()
+                seen.add(self.key)
+                return Outcome(DEFERRED, self.result, reason="capture deferred (retried on a "
+                               f"later call): this call set up {where} (its attributes "
+                               "changed: a cache's first update allocates its tensors)",
+                               guard=self.warm_guard, quiet=True)
+        if self.side_effect:
+            return self._eager(f"forward changes {self.side_effect} (not its tensors' values: "
+                               "its Python state), a side effect a replay cannot repeat")
+        if self.states_guard is not None and self.states_guard.unguardable:
+            return self._eager(self.states_guard.unguardable)
         if self.short_of_memory:  # writes could not be checked: try again on a later call
             return Outcome(DEFERRED, self.result, reason=f"capture deferred (retried on a later "
                            f"call): {self.short_of_memory}", guard=self.warm_guard)
@@ -225,7 +274,7 @@ class FirstCall:
             return []
         known = set(self.static_storages)
         known.update(storage_of(t) for t in self.warm_guard.tensors)
-        for i in self.sig.static_objects:
+        for i in self.sig.static_objects + self.sig.static_states:
             known.update(storage_of(t) for t in _tensors_in(self.leaves[i]))
         return [Finding(f.path, f.op, f.tags,
                         f"{f.where}: a tensor that is not an argument, parameter, buffer or "
@@ -357,8 +406,12 @@ class FirstCall:
                 forget()
             raw.release()
             raise
-        entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=[out],
-                              device=self.device)
+        for i in self.sig.static_states:  # keyed by what they hold: never held by a graph
+            inputs.leaves[i] = None
+        # (the tensors of the output only: an argument object it returns is not the graph's)
+        entry = CapturedGraph(raw, inputs, mutated, actions, spec,
+                              keep=[t for t in pytree.tree_leaves(out)
+                                    if isinstance(t, torch.Tensor)], device=self.device)
         entry.shared = made is not None
         entry.seq = seq
         entry.borrowed = list(borrow.items())
@@ -403,10 +456,15 @@ class FirstCall:
             entry.release()
             _undo_writes(rec)  # the capture's run is not a call: its Python effects go too
             return self._writes_refused(rec)
-        if not shared and self.warm_guard.volatile and not self.warm_guard.valid():
+        if not shared and ((self.warm_guard.volatile and not self.warm_guard.valid()) or (
+                self.states_guard is not None and not self.states_guard.valid())):
             # the capture's run changed a container or tensor the forward reads (a step count
-            # in a dict): a Python side effect on every call, which a replay cannot repeat
+            # in a dict): a Python side effect on every call, which a replay cannot repeat.
+            # The capture's run is not a call: the attributes it set are put back.
             entry.release()
+            self.warm_guard.restore()
+            if self.states_guard is not None:
+                self.states_guard.restore()
             return Outcome(EAGER, self.result, reason="forward changes a container, object or "
                            "tensor attribute it reads on every call (a side effect a replay "
                            "cannot repeat)")
@@ -439,7 +497,7 @@ class FirstCall:
         chain = self.region is not None and self.region.chain and entry.seq is not None
         replay = chain and not self.mutated and not self.wrote_statics and not self.opaque
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
-                       shared=shared)
+                       shared=shared, states=[obj for _, obj in self.states])
 
     def _outside_outputs(self, entry, second: Probe | None) -> list[Finding]:
         """Outputs that no op of the capture made and that are none of the arguments,
@@ -490,7 +548,19 @@ class FirstCall:
         ran = [m for m in rec.called.values() if m is not root]
         return StateGuard([r for key, r in rec.reads.items() if key not in leave_out],
                           hooks=lambda: _watch.hook_fingerprint(modules),
-                          bindings=function_bindings(self.fn), ran=ran)
+                          bindings=function_bindings(self.fn), ran=ran, objects=self.objects)
+
+
+def _leaf_label(sig: Signature, index: int) -> str:
+    """How a message names the argument that leaf ``index`` belongs to."""
+    specs, names = sig.spec
+    nargs = len(specs) - len(names)
+    start = 0
+    for k, spec in enumerate(specs):
+        if index < start + spec.num_leaves:
+            return f"argument {names[k - nargs]!r}" if k >= nargs else f"argument {k}"
+        start += spec.num_leaves
+    return f"argument leaf {index}"
 
 def _undo_writes(rec: Recorder) -> None:
     """Put back the module attributes a run changed (the last write first)."""

@@ -278,11 +278,43 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
                 raise Unguardable(f"is a {type(value).__name__}: it can change in place, with "
                                   "no dict or version to watch")
             return  # no state a forward reads as data (a lock, a sentinel): by identity
-    version = _dict_version(d)
-    out.append(lambda d=d, v=version: _dict_version(d) == v)
+    out.append(_DictCheck(d))
     for item in list(d.values()):
         if not is_constant(item):
             _watch_value(item, out, tensors, seen, depth + 1)
+
+
+class _DictCheck:
+    """A per-call check that an object's ``__dict__`` (or a dict) holds what it held: its
+    version, in C; where the version moved, its items compared (the same keys, each value the
+    same object or an equal immutable value), and the version taken again if they are. So a
+    write of the same value (``cache.flag = True`` before every generate) costs one compare,
+    not the graph."""
+
+    __slots__ = ("d", "version", "items")
+
+    def __init__(self, d: dict):
+        self.d = d
+        self.version = _dict_version(d)
+        self.items = list(d.items())  # held: an id compared below is never reused
+
+    def __call__(self) -> bool:
+        if _dict_version(self.d) == self.version:
+            return True
+        now = list(self.d.items())
+        if len(now) != len(self.items) or any(
+                k is not k0 and k != k0 or not same(v, v0)
+                for (k, v), (k0, v0) in zip(now, self.items)):
+            return False
+        self.version = _dict_version(self.d)
+        return True
+
+    def restore(self) -> None:
+        """Put the items back as they were (a run that was not a call changed them)."""
+        if _dict_version(self.d) != self.version:
+            self.d.clear()
+            self.d.update(self.items)
+            self.version = _dict_version(self.d)
 
 
 class StateGuard:
@@ -296,8 +328,12 @@ class StateGuard:
 
     def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None,
                  bindings: list[tuple[str, Callable[[], Any], Any]] = (),
-                 ran: list[nn.Module] = ()):
+                 ran: list[nn.Module] = (), objects: list[tuple[str, Any]] = ()):
         self._reads = list(reads)
+        # argument objects passed as they are (named in static_argnames, or recognised static
+        # state such as an HF StaticCache): (where, the object); what they hold is checked on
+        # every call like a mutable object a forward read
+        self._objects = list(objects)
         for r in reads:  # their attribute writes must bump the epoch
             watch(r.module)
         # the modules the run ran, each with its class, own forward and call override
@@ -325,12 +361,18 @@ class StateGuard:
                     self.unguardable = (f"forward reads {type(r.module).__name__}.{r.name}, "
                                         f"which {e}")
                     break
+        for where, value in self._objects:
+            if self.unguardable:
+                break
+            try:
+                _watch_value(value, checks, tensors, seen, 0)
+            except Unguardable as e:
+                self.unguardable = f"{where} ({type(value).__name__}) {e}"
         for _, read, value in self._bindings:
             checks.append(lambda read=read, value=value: read() is value)
             tensors.append(value)
         self.tensors = _unique(tensors)  # held: never freed under a graph that reads them
-        for t in self.tensors:
-            checks.append(_tensor_check(t))
+        checks.extend(_tensor_checks(self.tensors))
         self._checks = checks
         self.volatile = bool(checks)
 
@@ -354,6 +396,13 @@ class StateGuard:
                     return False
         return True
 
+    def restore(self) -> None:
+        """Put back the attributes of the objects this guard watches (their ``__dict__``
+        items): a run that was not a call (a capture's) changed them."""
+        for check in self._checks:
+            if type(check) is _DictCheck:
+                check.restore()
+
     def _changed(self) -> str | None:
         for r in self._reads:
             now = r.now()
@@ -371,7 +420,8 @@ class StateGuard:
     def without(self, names: set[tuple[int, str]]) -> "StateGuard":
         """This guard less the reads of ``names`` ((id(module), attribute))."""
         return StateGuard([r for r in self._reads if (id(r.module), r.name) not in names],
-                          self._hooks, self._bindings, [m for m, *_ in self._ran])
+                          self._hooks, self._bindings, [m for m, *_ in self._ran],
+                          self._objects)
 
 
 def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
@@ -421,3 +471,29 @@ def _tensor_check(t: torch.Tensor) -> Callable[[], bool]:
         return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == meta \
             and t.tolist() == value
     return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == meta
+
+
+_TensorGuards = torch._C._dynamo.guards.TensorGuards
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+
+
+def _tensor_checks(tensors: list[torch.Tensor]) -> list[Callable[[], bool]]:
+    """The per-call checks of held tensors: CPU scalars (whose value a forward reads on the
+    host) one by one (:func:`_tensor_check`); the others all in one: their layouts, dtypes,
+    devices and flags in C (``TensorGuards``), their addresses in one list."""
+    small = [t for t in tensors if t.device.type == "cpu" and t.numel() <= 64]
+    rest = [t for t in tensors if not (t.device.type == "cpu" and t.numel() <= 64)]
+    checks = [_tensor_check(t) for t in small]
+    if len(rest) == 1 or (rest and any(type(t) is not torch.Tensor and
+                                       type(t) is not nn.Parameter for t in rest)):
+        checks.extend(_tensor_check(t) for t in rest)
+    elif rest:
+        guard = _TensorGuards(*rest, dynamic_dims_sizes=[list(t.shape) for t in rest],
+                              dynamic_dims_strides=[list(t.stride()) for t in rest])
+        ptrs = [t.data_ptr() for t in rest]
+        if _ptrs_equal is not None:
+            indices = list(range(len(rest)))
+            checks.append(lambda: guard.check(*rest) and _ptrs_equal(rest, ptrs, indices))
+        else:
+            checks.append(lambda: guard.check(*rest) and [t.data_ptr() for t in rest] == ptrs)
+    return checks

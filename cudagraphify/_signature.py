@@ -16,6 +16,8 @@ from typing import Any, Hashable, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
+from ._state import StateUnkeyable, is_static_state, state_key
+
 __all__ = [
     "Signature",
     "Unkeyable",
@@ -24,6 +26,7 @@ __all__ = [
     "build_signature",
     "call_state",
     "is_opaque",
+    "is_static_state",
     "opaque_argument",
     "storage_of",
     "is_constant",
@@ -101,9 +104,10 @@ class CallState(NamedTuple):
 
 
 class Constant(NamedTuple):
-    """A non-tensor leaf of the arguments: its index, its kind (its type, or
-    ``STATIC_OBJECT`` for an object named in ``static_argnames``) and its value (the object's
-    id for a static object)."""
+    """A non-tensor leaf of the arguments: its index, its kind (its type, ``STATIC_OBJECT``
+    for an object named in ``static_argnames``, ``STATIC_STATE`` for recognised static state)
+    and its value (the object's id for a static object, :func:`~._state.state_key` for
+    static state)."""
 
     index: int
     kind: Any
@@ -111,6 +115,7 @@ class Constant(NamedTuple):
 
 
 STATIC_OBJECT = "static-object"
+STATIC_STATE = "static-state"
 
 
 class Signature(NamedTuple):
@@ -130,6 +135,11 @@ class Signature(NamedTuple):
     def static_objects(self) -> list[int]:
         """Leaf indices of the objects named in ``static_argnames`` (passed as they are)."""
         return [c.index for c in self.constants if c.kind == STATIC_OBJECT]
+
+    @property
+    def static_states(self) -> list[int]:
+        """Leaf indices of recognised static state (an HF StaticCache; passed as it is)."""
+        return [c.index for c in self.constants if c.kind == STATIC_STATE]
 
 
 def storage_of(t: torch.Tensor) -> int:
@@ -175,12 +185,13 @@ def opaque_argument(args: tuple, kwargs: dict, static_positions: frozenset[int],
                     static_names: frozenset[str]) -> str | None:
     """Why the call cannot be keyed, judged from its top-level arguments alone (no flattening):
     an argument of a type that is neither a tensor, an immutable value nor a container pytree
-    knows, and not named in ``static_argnames``. None when the top level looks keyable."""
+    knows, not named in ``static_argnames`` and not recognised static state
+    (:func:`is_static_state`). None when the top level looks keyable."""
     for i, a in enumerate(args):
-        if is_opaque(type(a)) and i not in static_positions:
+        if is_opaque(type(a)) and i not in static_positions and not is_static_state(a):
             return _opaque_reason(f"argument {i}", a)
     for name, a in kwargs.items():
-        if is_opaque(type(a)) and name not in static_names:
+        if is_opaque(type(a)) and name not in static_names and not is_static_state(a):
             return _opaque_reason(f"argument {name!r}", a)
     return None
 
@@ -257,8 +268,18 @@ def build_signature(
             metas.append(tensor_meta(leaf, static))
         elif static_flags[idx]:
             # Declared static by name: the caller promises the object keeps its tensors in
-            # place, so it is keyed by identity.
+            # place (what it holds is guarded per graph), so it is keyed by identity.
             constants.append(Constant(idx, STATIC_OBJECT, id(leaf)))
+        elif is_static_state(leaf):
+            # Recognised static state (an HF StaticCache): keyed by what it holds, the
+            # addresses of its tensors included (see _state); read and written in place.
+            try:
+                key = state_key(leaf)
+            except StateUnkeyable as e:
+                return (Unkeyable(f"argument leaf {idx} ({type(leaf).__name__}) {e}"), leaves,
+                        static_flags)
+            static_flags[idx] = True
+            constants.append(Constant(idx, STATIC_STATE, key))
         elif type(leaf) is float:
             constants.append(Constant(idx, float, leaf.hex()))  # -0.0 and 0.0 differ; nan equals nan
         elif is_constant(leaf):

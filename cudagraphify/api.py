@@ -113,6 +113,7 @@ def _graphify(target: Any, options: Options) -> Any:
                 f"{type(target).__name__} is graphified as a class already; its instances are "
                 "graphed without graphify(instance)")
         install(target, target.forward, options, "instance", False)
+        _generate_compile(target, off=True)
         return target
     if isinstance(target, GraphedForward):
         raise CudagraphifyUsageError("this function is already graphified")
@@ -144,12 +145,32 @@ def ungraphify(target: Any) -> Any:
             raise CudagraphifyUsageError(
                 f"this {type(target).__name__} instance is not graphified {how}".rstrip())
         uninstall_instance(target)
+        _generate_compile(target, off=False)
         return target
     if isinstance(target, GraphedForward):
         if target._self_dispatch.state is not None:
             target._self_dispatch.state.release()
         return target.__wrapped__
     raise CudagraphifyUsageError(f"{target!r} is not graphified")
+
+
+_COMPILE_OFF = "_cudagraphify_turned_generate_compile_off"
+
+
+def _generate_compile(module: torch.nn.Module, off: bool) -> None:
+    """HF ``generate()`` wraps the forward of a model with a static cache in torch.compile by
+    default; over a graphified model that only adds its compile time and its guards to every
+    step (the graphs already replay the step). Graphifying an HF model instance turns that off
+    (``generation_config.disable_compile``); ungraphify turns it back on where it was on."""
+    config = getattr(module, "generation_config", None)
+    if off:
+        if hasattr(config, "disable_compile") and config.disable_compile is not True:
+            module.__dict__[_COMPILE_OFF] = (config, config.disable_compile)
+            config.disable_compile = True
+    else:
+        config, before = module.__dict__.pop(_COMPILE_OFF, (None, None))
+        if config is not None:
+            config.disable_compile = before
 
 
 def _op_policy_of(module: torch.nn.Module, state: GraphedState | None) -> OpPolicy | None:

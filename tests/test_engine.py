@@ -744,8 +744,12 @@ def test_static_objects_are_not_touched_by_extra_warmups(sim):
     s = State()
     with torch.no_grad():
         step(torch.zeros(2), s)
-    # the real call, and the capture (which runs forward's Python); not the 2 extra warm-ups
-    assert s.t == 2.0
+        step(torch.zeros(2), s)
+    # the two real calls: no extra warm-up, no capture (the first call changed the object:
+    # a side effect a replay cannot repeat, decided at once)
+    assert s.t == 2.0 and cg.stats(step).captures == 0
+    (reason,) = cg.stats(step).eager_calls
+    assert "forward changes argument 1" in reason and "side effect" in reason
 
 
 def test_pieces_do_not_inherit_the_roots_argument_names_or_cache_policy(sim):

@@ -12,7 +12,7 @@ import pytest
 HELPERS = {"gpt.py"}  # modules the examples import, not examples
 EXAMPLES = sorted(p for p in (pathlib.Path(__file__).parent.parent / "examples").glob("*.py")
                   if p.name not in HELPERS)
-NEEDS = {"llama_decode.py": "transformers"}  # examples that need a package the tests do not
+NEEDS = {"llama_decode.py": "transformers", "hf_generate.py": "transformers"}  # examples that need a package the tests do not
 
 
 def test_examples_use_only_the_public_api():

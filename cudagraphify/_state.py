@@ -1,0 +1,193 @@
+"""Static state passed as an argument: objects recognised as keeping their tensors in place.
+
+A Hugging Face ``StaticCache`` is allocated on its first update and then only written in
+place; a graph can read and write it where it lies. Such an object is keyed by what it holds
+(:func:`state_key`: the address and layout of every tensor in it, every other value it holds),
+not by its identity, and never held by a graph: a graph applies to a call exactly when the
+cache passed holds tensors at the addresses the graph was captured with, with the same
+layouts and the same Python state. So a cache that ``generate()`` makes anew for every call
+(``cache_implementation="static"``) reuses the graphs of an earlier one whose memory it was
+given, a cache that was reset in place (``cache.reset()``) keeps them, and a cache whose
+tensors were replaced or moved gets graphs of its own. Pure: nothing here touches CUDA.
+"""
+
+from __future__ import annotations
+
+import types
+import weakref
+from typing import Any, Hashable
+
+import torch
+
+__all__ = ["is_static_state", "state_key", "StateUnkeyable"]
+
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_MAX_ITEMS = 512  # values walked per object: beyond that it is refused (too costly per call)
+_MAX_DEPTH = 5
+_cache_types: dict[type, bool] = {}
+
+
+class StateUnkeyable(Exception):
+    """A static-state object holds something :func:`state_key` cannot describe."""
+
+
+def is_static_state(value: Any) -> bool:
+    """Whether ``value`` is state recognised as keeping its tensors in place: a Hugging Face
+    ``Cache`` whose layers are all static (``StaticCache``; ``cache.is_compileable``). A
+    ``DynamicCache`` grows (new tensors every step): it is not."""
+    tp = type(value)
+    hit = _cache_types.get(tp)
+    if hit is None:
+        hit = _cache_types[tp] = any(k.__name__ == "Cache" and
+                                     k.__module__ == "transformers.cache_utils"
+                                     for k in tp.__mro__)
+    if not hit:
+        return False
+    try:
+        return getattr(value, "is_compileable", False) is True
+    except Exception:  # noqa: BLE001 - a cache in a state its property cannot read
+        return False
+
+
+def state_key(value: Any) -> Hashable:
+    """What ``value`` holds, as a hashable key: for each tensor its address, shape, stride,
+    dtype, device and ``requires_grad`` (a small CPU tensor: its value too, which a forward
+    reads on the host), every immutable value as it is, containers and objects by their
+    contents. Raises :class:`StateUnkeyable` for what cannot be described (modules, array-like
+    data that changes in place, too much to walk on every call).
+
+    The key of an object is remembered with what its walk saw (:class:`_Walk`): while none of
+    its dicts and lists changed and its tensors kept their addresses, layouts and (small CPU
+    ones) values, the same key is returned after a few C calls, without walking again."""
+    hit = _memo.get(id(value))
+    if hit is not None and hit[0]() is value and hit[1].same():
+        return hit[2]
+    walk = _Walk()
+    key = _key(value, 0, [0], walk)
+    walk.freeze()
+    if any(x is value for d, _ in walk.dicts for x in d.values()):
+        return key  # a cycle back to the object: the memo would keep it alive
+    try:
+        ref = weakref.ref(value, lambda _r, k=id(value): _memo.pop(k, None))
+    except TypeError:
+        return key
+    if len(_memo) >= _MAX_MEMO:
+        _memo.pop(next(iter(_memo)), None)
+    _memo[id(value)] = (ref, walk, key)
+    return key
+
+
+_MAX_MEMO = 16
+_memo: dict[int, tuple] = {}  # id(object) -> (weak reference, its walk, its key)
+_dict_version = torch._C._dynamo.guards.dict_version
+_TensorGuards = torch._C._dynamo.guards.TensorGuards
+
+
+class _Walk:
+    """What one walk of :func:`state_key` read, and a cheap check that it is all unchanged:
+    every dict's version (an object's ``__dict__`` included), every list's items (by
+    identity), the tensors' layouts and flags in one C call, their addresses in one list, and
+    the values of the small CPU tensors."""
+
+    __slots__ = ("dicts", "lists", "tensors", "small", "guard", "ptrs")
+
+    def __init__(self):
+        self.dicts: list[tuple[dict, int]] = []
+        self.lists: list[tuple[list, list]] = []
+        self.tensors: list[torch.Tensor] = []
+        self.small: list[tuple[torch.Tensor, Any]] = []
+        self.guard = None
+        self.ptrs: list[int] = []
+
+    def freeze(self) -> None:
+        ts = self.tensors
+        if ts:
+            self.guard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
+                                       dynamic_dims_strides=[list(t.stride()) for t in ts])
+            self.ptrs = [t.data_ptr() for t in ts]
+
+    def same(self) -> bool:
+        for d, version in self.dicts:
+            if _dict_version(d) != version:
+                return False
+        for items, ids in self.lists:
+            if len(items) != len(ids) or any(a is not b for a, b in zip(items, ids)):
+                return False
+        if self.guard is not None and not (self.guard.check(*self.tensors) and
+                                           [t.data_ptr() for t in self.tensors] == self.ptrs):
+            return False
+        return all(t.tolist() == v for t, v in self.small)
+
+
+_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
+_CONSTANTS = (int, float, bool, complex, str, bytes, type(None), torch.dtype, torch.device,
+              torch.Size, torch.layout, torch.memory_format)
+
+
+def _key(v: Any, depth: int, count: list[int], walk: _Walk) -> Hashable:
+    count[0] += 1
+    if count[0] > _MAX_ITEMS:
+        raise StateUnkeyable(f"holds more than {_MAX_ITEMS} values (too many to check on "
+                             "every call)")
+    tp = type(v)
+    if tp is float:
+        return (float, v.hex())  # -0.0 and 0.0 differ; nan equals nan
+    if isinstance(v, _CONSTANTS):
+        return (tp, v)
+    if tp is _Tensor or tp is _Parameter:
+        walk.tensors.append(v)
+        if v.device.type == "cpu" and v.numel() <= 64:
+            # read on the host, by value; a graph reads host memory in place only if pinned
+            value = v.tolist()
+            walk.small.append((v, value))
+            return ("cpu", v.data_ptr() if v.is_pinned() else 0, v.dtype, v.shape, v.stride(),
+                    v.requires_grad, _hashable(value))
+        return ("t", v.data_ptr(), v.shape, v.stride(), v.dtype, v.device, v.requires_grad)
+    if isinstance(v, torch.Tensor):
+        raise StateUnkeyable(f"holds a {tp.__name__} (a tensor subclass)")
+    if isinstance(v, torch.nn.Module):
+        raise StateUnkeyable("holds a module")
+    if isinstance(v, _IDENTITY):
+        return ("id", getattr(v, "__module__", None), getattr(v, "__qualname__", None), id(v))
+    if depth >= _MAX_DEPTH:
+        raise StateUnkeyable(f"nests objects more than {_MAX_DEPTH} deep")
+    if tp is dict:
+        walk.dicts.append((v, _dict_version(v)))
+        return (dict, tuple((k, _key(x, depth + 1, count, walk)) for k, x in v.items()
+                            if _plain_key(k)))
+    if tp is list:
+        walk.lists.append((v, list(v)))
+        return (list, tuple(_key(x, depth + 1, count, walk) for x in v))
+    if tp is tuple:
+        return (tuple, tuple(_key(x, depth + 1, count, walk) for x in v))
+    d = getattr(v, "__dict__", None)
+    if type(d) is dict and not _slotted(tp):
+        return ("o", tp.__module__, tp.__qualname__, id(tp), _key(d, depth + 1, count, walk))
+    raise StateUnkeyable(f"holds a {tp.__name__}, whose contents cannot be read to check them")
+
+
+def _hashable(value: Any) -> Any:
+    """A nested list of numbers (``tolist``) as nested tuples."""
+    return tuple(_hashable(x) for x in value) if isinstance(value, list) else value
+
+
+_slotted_types: dict[type, bool] = {}
+
+
+def _slotted(tp: type) -> bool:
+    """Whether instances of ``tp`` keep values in slots (beside or instead of a ``__dict__``)."""
+    hit = _slotted_types.get(tp)
+    if hit is None:
+        names = [n for k in tp.__mro__ for n in _slot_names(k.__dict__.get("__slots__", ()))]
+        hit = _slotted_types[tp] = any(n not in ("__dict__", "__weakref__") for n in names)
+    return hit
+
+
+def _slot_names(slots: Any) -> tuple:
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+def _plain_key(k: Any) -> bool:
+    if type(k) is not str:
+        raise StateUnkeyable(f"holds a dict keyed by {type(k).__name__}")
+    return True

@@ -1,0 +1,108 @@
+"""GPU tests: HF transformers ``generate()`` with a static cache under ``graphify(model)``, no
+option. Tokens and logits are compared with eager's (bitwise: the graph runs eager's kernels);
+counters prove the decode steps replayed."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+
+import cudagraphify as cg
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
+
+DEV = "cuda"
+NEW = 12
+
+
+@pytest.fixture(scope="module")
+def hf():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(DEV, torch.bfloat16).eval()
+    return transformers, config, model
+
+
+def _greedy(**extra):
+    return dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True, **extra)
+
+
+def _same(a, b):
+    assert torch.equal(a.sequences, b.sequences)
+    for x, y in zip(a.logits, b.logits):
+        assert torch.equal(x, y)
+
+
+def test_generate_with_cache_implementation_static(hf):
+    transformers, config, model = hf
+    g = cg.graphify(copy.deepcopy(model))
+    assert g.generation_config.disable_compile is True  # generate's own compile is off
+    prompt = torch.randint(0, config.vocab_size, (1, 8), device=DEV)
+    for _ in range(3):
+        want = model.generate(prompt, cache_implementation="static", disable_compile=True,
+                              **_greedy())
+        got = g.generate(prompt, cache_implementation="static", **_greedy())
+        _same(got, want)
+    s = cg.stats(g)
+    # every generate makes a cache: its prefill sets it up (eager), the first decode step
+    # captures, the other steps replay; a dead cache's graph is released, not evicted
+    assert s.captures == 3 and s.replays == 3 * (NEW - 2) and s.evictions == 0
+    assert s.graphs <= 2
+
+
+def test_generate_with_a_kept_static_cache_reuses_its_graph(hf):
+    transformers, config, model = hf
+    g = cg.graphify(copy.deepcopy(model))
+    prompt = torch.randint(0, config.vocab_size, (1, 8), device=DEV)
+    mine = transformers.StaticCache(config=config, max_cache_len=32)
+    ref = transformers.StaticCache(config=config, max_cache_len=32)
+    for _ in range(3):
+        mine.reset()
+        ref.reset()
+        want = model.generate(prompt, past_key_values=ref, disable_compile=True, **_greedy())
+        got = g.generate(prompt, past_key_values=mine, **_greedy())
+        _same(got, want)
+    s = cg.stats(g)
+    decode_graphs = [r for r in s.eager_calls if "sets up" in r]
+    assert decode_graphs  # the first prefill set the cache up
+    assert s.replays >= 3 * (NEW - 2)  # the decode graph served all three generates
+    assert s.evictions == 0
+
+
+def test_a_dropped_cache_is_not_kept_alive_by_graphs(hf):
+    transformers, config, model = hf
+    g = cg.graphify(copy.deepcopy(model))
+    prompt = torch.randint(0, config.vocab_size, (1, 8), device=DEV)
+    cache = transformers.StaticCache(config=config, max_cache_len=32)
+    g.generate(prompt, past_key_values=cache, **_greedy())
+    assert cg.stats(g).captures >= 1
+    gone = weakref.ref(cache)
+    keys = weakref.ref(cache.layers[0].keys)
+    del cache
+    gc.collect()
+    assert gone() is None and keys() is None
+
+
+def test_a_replaced_cache_tensor_is_seen_by_the_next_step(hf):
+    transformers, config, model = hf
+    g = cg.graphify(copy.deepcopy(model))
+    prompt = torch.randint(0, config.vocab_size, (1, 8), device=DEV)
+    caches = [transformers.StaticCache(config=config, max_cache_len=32) for _ in range(2)]
+    runs = []
+    for m, cache, kw in ((model, caches[0], {"disable_compile": True}), (g, caches[1], {})):
+        out = m.generate(prompt, past_key_values=cache, **_greedy(**kw))
+        for layer in cache.layers:  # moved to new memory, same contents
+            layer.keys = layer.keys.clone()
+            layer.values = layer.values.clone()
+        nxt = out.sequences[:, -1:]
+        runs.append(m(nxt, past_key_values=cache, use_cache=True).logits)
+        runs.append(m(nxt, past_key_values=cache, use_cache=True).logits)
+    assert torch.equal(runs[0], runs[2]) and torch.equal(runs[1], runs[3])

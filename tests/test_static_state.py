@@ -1,0 +1,248 @@
+"""Static state passed as an argument (an HF StaticCache), with no option (CPU, simulated backend).
+
+A cache whose layers are all static is recognised (``is_static_state``), read and written in
+place, and keyed by what it holds (``state_key``: its tensors' addresses and layouts, its other
+values), never held by a graph. Its first update allocates its tensors (inside forward): that
+call runs eagerly, the next one captures. The stand-in classes below follow transformers 5's
+``Cache``/``StaticLayer`` (a list of layers, tensors allocated on the first update, then written
+in place); the GPU tests run the real ones (tests/test_gpu_hf.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._state import StateUnkeyable, is_static_state, state_key
+
+
+# (features of 16: a CPU tensor of up to 64 elements in a cache is keyed by value, as host-side
+# state; the simulated graphs run on the CPU, where the caches' tensors are the device's)
+
+
+class Cache:
+    """Stands in for ``transformers.cache_utils.Cache``: what ``is_static_state`` looks for is
+    a class of that name in that module among the object's classes."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    @property
+    def is_compileable(self) -> bool:
+        return all(layer.is_compileable for layer in self.layers)
+
+
+Cache.__module__ = "transformers.cache_utils"
+
+
+class StaticLayer:
+    is_compileable = True
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.keys = None
+        self.is_initialized = False
+
+    def update(self, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        if not self.is_initialized:  # as transformers 5: allocated on the first update
+            self.keys = torch.zeros(k.shape[0], self.max_len, k.shape[-1], dtype=k.dtype)
+            self.is_initialized = True
+        self.keys.index_copy_(1, pos, k)
+        return self.keys
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.keys.zero_()
+
+
+class DynamicLayer(StaticLayer):
+    is_compileable = False
+
+
+class StaticCache(Cache):
+    def __init__(self, n: int = 2, max_len: int = 6):
+        super().__init__([StaticLayer(max_len) for _ in range(n)])
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.reset()
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 2):
+        super().__init__()
+        self.projs = nn.ModuleList([nn.Linear(16, 16) for _ in range(n)])
+
+    def forward(self, x, cache, pos):
+        for i, proj in enumerate(self.projs):
+            keys = cache.layers[i].update(proj(x), pos)
+            x = x + keys.mean(1, keepdim=True)
+        return x
+
+
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    ref = Net()
+    return ref, cg.graphify(copy.deepcopy(ref))
+
+
+@torch.no_grad()
+def _decode(ref, g, ref_cache, cache, steps, start=0):
+    for t in range(start, start + steps):
+        x, pos = torch.randn(1, 1, 16), torch.tensor([t])
+        want = ref(x, ref_cache, pos)
+        got = g(x, cache, pos)
+        assert torch.equal(got, want), t
+        for a, b in zip(ref_cache.layers, cache.layers):
+            assert torch.equal(a.keys, b.keys), t
+
+
+def test_a_static_cache_is_recognised_and_a_dynamic_one_is_not():
+    assert is_static_state(StaticCache())
+    assert not is_static_state(Cache([DynamicLayer(4)]))
+    assert not is_static_state(object()) and not is_static_state([torch.zeros(1)])
+
+
+def test_the_key_follows_addresses_layouts_and_values_not_identity():
+    a, b = StaticCache(), StaticCache()
+    assert state_key(a) == state_key(b)  # nothing allocated yet: the same state
+    for c in (a, b):
+        c.layers[0].update(torch.ones(1, 1, 16), torch.tensor([0]))
+    assert state_key(a) != state_key(b)  # tensors at other addresses
+    k = state_key(a)
+    a.layers[0].keys.add_(1)  # values written in place: the same key
+    assert state_key(a) == k
+    a.layers[0].keys.resize_(1, 3, 16)
+    assert state_key(a) != k
+    a.layers[1].max_len = 99
+    assert state_key(a) != k
+    with pytest.raises(StateUnkeyable, match="module"):
+        state_key(Cache([nn.Linear(1, 1)]))
+
+
+def test_decode_with_a_static_cache_is_graphed_with_no_option(sim):
+    ref, g = _pair()
+    ref_cache, cache = StaticCache(), StaticCache()
+    _decode(ref, g, ref_cache, cache, 5)
+    s = cg.stats(g)
+    # the first call allocates the cache (eager), the second captures, the others replay
+    assert (s.captures, s.replays) == (1, 3)
+    (reason,) = s.eager_calls
+    assert "sets up argument 1" in reason
+
+
+def test_a_reset_in_place_keeps_the_graph(sim):
+    ref, g = _pair()
+    ref_cache, cache = StaticCache(), StaticCache()
+    _decode(ref, g, ref_cache, cache, 3)
+    ref_cache.reset()
+    cache.reset()
+    _decode(ref, g, ref_cache, cache, 4)
+    assert (cg.stats(g).captures, cg.stats(g).replays) == (1, 5)
+
+
+def test_a_new_cache_gets_its_own_graph_and_the_dead_ones_graph_is_released(sim):
+    ref, g = _pair()
+    ref_cache, cache = StaticCache(), StaticCache()
+    _decode(ref, g, ref_cache, cache, 3)
+    gone = weakref.ref(cache)
+    ref_cache, cache = StaticCache(), StaticCache()  # the first one is dropped
+    gc.collect()
+    assert gone() is None  # no graph kept it alive
+    _decode(ref, g, ref_cache, cache, 3)
+    s = cg.stats(g)
+    assert s.captures == 2 and s.graphs == 1 and s.evictions == 0
+
+
+def test_two_caches_in_turn_each_replay_their_own_graph(sim):
+    ref, g = _pair()
+    caches = [(StaticCache(), StaticCache()) for _ in range(2)]
+    for t in range(4):
+        for ref_cache, cache in caches:
+            _decode(ref, g, ref_cache, cache, 1, start=t)
+    s = cg.stats(g)
+    assert (s.captures, s.graphs) == (2, 2) and s.replays == 4
+
+
+def test_a_replaced_cache_tensor_is_seen(sim):
+    ref, g = _pair()
+    ref_cache, cache = StaticCache(), StaticCache()
+    _decode(ref, g, ref_cache, cache, 3)
+    for c in (ref_cache, cache):
+        c.layers[1].keys = c.layers[1].keys.clone()  # new memory, same values
+    _decode(ref, g, ref_cache, cache, 2, start=3)
+    assert cg.stats(g).captures == 2
+
+
+def test_a_forward_that_changes_the_caches_python_state_is_refused_and_put_back(sim):
+    class Counting(Net):
+        def forward(self, x, cache, pos):
+            cache.steps = getattr(cache, "steps", 0) + 1
+            return super().forward(x, cache, pos)
+
+    torch.manual_seed(0)
+    g = cg.graphify(Counting())
+    cache = StaticCache()
+    with torch.no_grad():
+        for t in range(4):
+            g(torch.randn(1, 1, 16), cache, torch.tensor([t]))
+    assert cache.steps == 4  # the real calls only
+    assert cg.stats(g).captures == 0
+    assert any("forward changes argument 1" in r and "side effect" in r
+               for r in cg.stats(g).eager_calls)
+
+
+def test_a_dynamic_cache_runs_eagerly_with_the_reason(sim):
+    torch.manual_seed(0)
+    g = cg.graphify(Net(1))
+    cache = Cache([DynamicLayer(6)])
+    with torch.no_grad():
+        for t in range(3):
+            g(torch.randn(1, 1, 16), cache, torch.tensor([t]))
+    (reason,) = cg.stats(g).eager_calls
+    assert "argument 1 of type Cache is not a tensor" in reason
+
+
+def test_a_cache_holding_what_cannot_be_keyed_runs_eagerly(sim):
+    torch.manual_seed(0)
+    g = cg.graphify(Net())
+    cache = StaticCache()
+    cache.helper = nn.Linear(1, 1)
+    with torch.no_grad():
+        for t in range(3):
+            g(torch.randn(1, 1, 16), cache, torch.tensor([t]))
+    assert cg.stats(g).captures == 0
+    assert any("holds a module" in r for r in cg.stats(g).eager_calls)
+
+
+class _Generating(nn.Module):
+    """A model with an HF-style ``generation_config``."""
+
+    class Config:
+        disable_compile = None
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+        self.generation_config = self.Config()
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_graphify_turns_generates_compile_off_and_ungraphify_back():
+    m = _Generating()
+    cg.graphify(m)
+    assert m.generation_config.disable_compile is True
+    cg.ungraphify(m)
+    assert m.generation_config.disable_compile is None
+    m.generation_config.disable_compile = True  # the user's own choice stays
+    cg.graphify(m)
+    cg.ungraphify(m)
+    assert m.generation_config.disable_compile is True
