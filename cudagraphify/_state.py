@@ -63,7 +63,7 @@ def state_key(value: Any) -> Hashable:
     if hit is not None and hit[0]() is value and hit[1].same():
         return hit[2]
     walk = _Walk()
-    key = _key(value, 0, [0], walk)
+    key = StateKey(_key(value, 0, [0], walk))
     walk.freeze()
     if any(x is value for d, _ in walk.dicts for x in d.values()):
         return key  # a cycle back to the object: the memo would keep it alive
@@ -75,6 +75,27 @@ def state_key(value: Any) -> Hashable:
         _memo.pop(next(iter(_memo)), None)
     _memo[id(value)] = (ref, walk, key)
     return key
+
+
+class StateKey:
+    """A state's key: the walk's tuple with its hash computed once (it is long: every value of
+    the state), so that a signature holding it hashes in constant time on every call."""
+
+    __slots__ = ("items", "hash")
+
+    def __init__(self, items: tuple):
+        self.items = items
+        self.hash = hash(items)
+
+    def __hash__(self) -> int:
+        return self.hash
+
+    def __eq__(self, other: object) -> bool:
+        return self is other or (type(other) is StateKey and self.hash == other.hash
+                                 and self.items == other.items)
+
+    def __repr__(self) -> str:
+        return f"StateKey({self.items!r})"
 
 
 _MAX_MEMO = 16

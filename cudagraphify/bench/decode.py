@@ -6,6 +6,7 @@ config (random weights, nothing downloaded) with a static KV cache, eager vs a g
 
 from __future__ import annotations
 
+import copy
 import inspect
 import statistics
 import time
@@ -172,6 +173,61 @@ def _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, devi
         cg.ungraphify(graphed)
     row["graphify_vs_eager"] = row["graphify_us"] / row["eager_us"]
     row["graphify_speedup"] = row["graphify_tokens_per_s"] / row["eager_tokens_per_s"]
+    _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats, sync)
+
+
+# the forms of generate() with a static cache a user writes: (key, label, kwargs maker)
+GENERATE_FORMS = (
+    ("static", 'cache_implementation="static"', None),
+    ("kept", "a StaticCache passed in, kept (reset) across calls", "kept"),
+)
+
+
+def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats, sync) -> None:
+    """``model.generate()`` as a user calls it, greedy: eager (generate's own torch.compile
+    off, the model as written) vs ``graphify(model)`` with no option, for each form of
+    :data:`GENERATE_FORMS`: tokens/s (the median of ``repeats`` calls after the first), the
+    first graphified call's seconds, tokens identical."""
+    import cudagraphify as cg
+
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=0)
+    max_len = prompt.shape[1] + new_tokens
+    graphed = cg.graphify(copy.deepcopy(model))
+    for key, _, form in GENERATE_FORMS:
+        progress(f"llama-generate ({key}): eager, then graphify(model)")
+        results = {}
+        for name, m, extra in (("eager", model, {"disable_compile": True}),
+                               ("graphify", graphed, {})):
+            cache = static_cache(transformers, config, prompt.shape[0], max_len, prompt.device,
+                                 next(model.parameters()).dtype) if form == "kept" else None
+            outs, seconds = [], []
+            for _ in range(repeats + 1):
+                kwargs = dict(greedy, **extra)
+                if cache is not None:
+                    cache.reset()
+                    kwargs["past_key_values"] = cache
+                else:
+                    kwargs["cache_implementation"] = "static"
+                sync()
+                t0 = time.perf_counter()
+                outs.append(m.generate(prompt, **kwargs))
+                sync()
+                seconds.append(time.perf_counter() - t0)
+            results[name] = (outs, seconds)
+        (e_outs, e_s), (g_outs, g_s) = results["eager"], results["graphify"]
+        e_tps = new_tokens * prompt.shape[0] / statistics.median(e_s[1:])
+        g_tps = new_tokens * prompt.shape[0] / statistics.median(g_s[1:])
+        row[f"generate_{key}_eager_tokens_per_s"] = e_tps
+        row[f"generate_{key}_graphify_tokens_per_s"] = g_tps
+        row[f"generate_{key}_speedup"] = g_tps / e_tps
+        row[f"generate_{key}_first_s"] = g_s[0]
+        row[f"generate_{key}_tokens_identical"] = all(torch.equal(o, e_outs[0])
+                                                      for o in e_outs + g_outs)
+    s = cg.stats(graphed)
+    row["generate_captures"], row["generate_replays"] = s.captures, s.replays
+    row["generate_evictions"] = s.evictions
+    cg.ungraphify(graphed)
 
 
 def format_decode(row: dict) -> str:
@@ -183,9 +239,24 @@ def format_decode(row: dict) -> str:
             f"({row['eager_us']:.0f} µs/step)")
     if "graphify_us" not in row:
         return text + f" on the {row['device']}"
-    return text + (
+    text += (
         f", graphify {row['graphify_tokens_per_s']:.0f} tokens/s ({row['graphify_us']:.0f} "
         f"µs/step), speed-up {row['graphify_speedup']:.2f}x; tokens identical to eager: "
         f"{row['tokens_identical']}; first graphed step {row['graphify_first_call_s']:.3f} s, "
         f"peak +{row['graphify_peak_mb']:.1f} MB; captures {row['graphify_captures']}, replays "
         f"{row['graphify_replays']}, eager calls {row['graphify_eager_calls'] or 0}")
+    for key, label, _ in GENERATE_FORMS:
+        if f"generate_{key}_speedup" not in row:
+            continue
+        speedup, first = row[f"generate_{key}_speedup"], row[f"generate_{key}_first_s"]
+        text += (
+            f"\n  model.generate(), {label}: eager {row[f'generate_{key}_eager_tokens_per_s']:.0f}"
+            f" tokens/s (its torch.compile off), graphify(model) "
+            f"{row[f'generate_{key}_graphify_tokens_per_s']:.0f} tokens/s, {speedup:.2f}x "
+            f"(target >= 5x: {'met' if speedup >= 5 else 'MISSED'}); first graphified "
+            f"generate {first:.3f} s (target <= 0.3 s: {'met' if first <= 0.3 else 'MISSED'}); "
+            f"tokens identical: {row[f'generate_{key}_tokens_identical']}")
+    if "generate_captures" in row:
+        text += (f"\n  generate, both forms: captures {row['generate_captures']}, replays "
+                 f"{row['generate_replays']}, evictions {row['generate_evictions']}")
+    return text
