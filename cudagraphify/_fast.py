@@ -18,7 +18,8 @@ import torch
 
 from . import _guards, _region, _watch
 from ._nested import nesting
-from ._signature import is_opaque, is_static_state
+from ._signature import is_constant, is_opaque, is_static_state
+from ._state import StateUnkeyable, state_key
 
 __all__ = ["Fast", "EagerFast", "MISS"]
 
@@ -115,6 +116,29 @@ class EagerFast:
         return fn(*args, **kwargs)
 
 
+def _mixed(leaves: tuple) -> tuple | None:
+    """For a call whose top-level arguments are tensors, immutable values (``None``, flags,
+    ints) and static state (an HF StaticCache): (tensor positions, (position, value) of the
+    values, (position, state key) of the states); None for anything else (a container, an
+    opaque object, a tensor subclass: the full path flattens and decides those)."""
+    tensors, consts, states = [], [], []
+    for i, v in enumerate(leaves):
+        if type(v) is _Tensor or type(v) is _Parameter:
+            tensors.append(i)
+        elif isinstance(v, torch.Tensor) or isinstance(v, (tuple, list, dict)):
+            return None
+        elif is_static_state(v):
+            try:
+                states.append((i, state_key(v)))
+            except StateUnkeyable:
+                return None
+        elif is_constant(v):
+            consts.append((i, v))
+        else:
+            return None
+    return tensors, consts, states
+
+
 class Fast:
     """Every check of the entry the previous call replayed, in a few C calls, then its replay.
 
@@ -126,7 +150,7 @@ class Fast:
 
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "same",
-                 "in_capture", "stream", "holder", "inplace", "outer", "lock")
+                 "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -138,13 +162,23 @@ class Fast:
                 or entry.mutated or entry.written_statics:
             return None
         leaves = (*args, *kwargs.values())  # the order build_signature flattens them in
-        if not leaves or not all(type(a) is _Tensor or type(a) is _Parameter for a in leaves):
+        if not leaves:
+            return None
+        mixed = None
+        if not all(type(a) is _Tensor or type(a) is _Parameter for a in leaves):
+            mixed = _mixed(leaves)  # (keyword calls of HF models: flags, None, a cache)
+            if mixed is None:
+                return None
+        tensors = leaves if mixed is None else [leaves[i] for i in mixed[0]]
+        if not tensors:
             return None
         self = Fast()
         self.state, self.entry, self.region, self.n = state, entry, region, len(args)
         self.names = tuple(kwargs)
-        self.tguard = _TensorGuards(*leaves, dynamic_dims_sizes=[list(a.shape) for a in leaves],
-                                    dynamic_dims_strides=[list(a.stride()) for a in leaves])
+        self.mixed = mixed
+        self.tguard = _TensorGuards(*tensors,
+                                    dynamic_dims_sizes=[list(a.shape) for a in tensors],
+                                    dynamic_dims_strides=[list(a.stride()) for a in tensors])
         # the FlagsGuard's check, unrolled: its C guard and the current device on every call,
         # the other flags again only after one of their setters ran
         flags = entry.flags
@@ -185,7 +219,8 @@ class Fast:
         with self.outer, self.lock:
             entry, state = self.entry, self.state
             # (global module hooks: the caller checked there are none, see ``call``)
-            if state._fast is not self or entry.raw is None or not self.tguard.check(*args) \
+            if state._fast is not self or entry.raw is None or not (
+                    self.tguard.check(*args) if self.mixed is None else self._mixed_ok(args)) \
                     or not self.global_state.check() or self.get_device() != self.device:
                 return _MISS
             if _guards.flags_epoch != self.flags_epoch:
@@ -213,3 +248,24 @@ class Fast:
                 region.replays += 1
             state.replays += 1
             return entry.run(args)
+
+    def _mixed_ok(self, leaves: tuple) -> bool:
+        """A call with other leaves than tensors: the same values (floats by their bits), the
+        same states' keys (what each holds: see _state), and the tensors' layouts in C."""
+        tensor_idx, consts, states = self.mixed
+        for i, c in consts:
+            v = leaves[i]
+            if v is not c and not (type(v) is type(c) and (
+                    v.hex() == c.hex() if type(c) is float else v == c)):
+                return False
+        for i, key in states:
+            v = leaves[i]
+            if not is_static_state(v):
+                return False
+            try:
+                k = state_key(v)
+            except StateUnkeyable:
+                return False
+            if k is not key and k != key:
+                return False
+        return self.tguard.check(*[leaves[i] for i in tensor_idx])

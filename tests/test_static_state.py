@@ -246,3 +246,64 @@ def test_graphify_turns_generates_compile_off_and_ungraphify_back():
     cg.graphify(m)
     cg.ungraphify(m)
     assert m.generation_config.disable_compile is True
+
+
+# -- the per-call fast path, for keyword calls with flags, None and a cache ---------------------
+
+class KwNet(Net):
+    """An HF-style call: keywords, a flag, None, a float and a cache."""
+
+    def forward(self, x, cache=None, pos=None, use_cache=True, extra=None, scale=1.0):
+        y = super().forward(x, cache, pos)
+        return y * scale if use_cache else -y
+
+
+def _fast_of(module):
+    from cudagraphify._wrap import STATE
+    return module.__dict__[STATE]._fast
+
+
+@torch.no_grad()
+def test_keyword_calls_with_values_and_a_cache_take_the_fast_path(sim):
+    torch.manual_seed(0)
+    ref = KwNet()
+    g = cg.graphify(copy.deepcopy(ref))
+    ref_cache, cache = StaticCache(), StaticCache()
+
+    def call(m, c, t, **kw):
+        return m(torch.full((1, 1, 16), float(t)), cache=c, pos=torch.tensor([t % 6]), **kw)
+
+    for t in range(4):
+        assert torch.equal(call(g, cache, t), call(ref, ref_cache, t))
+    assert _fast_of(g) is not None and _fast_of(g).mixed is not None
+    before = cg.stats(g).replays
+    assert torch.equal(call(g, cache, 4), call(ref, ref_cache, 4))
+    assert cg.stats(g).replays == before + 1
+    # another value of a flag, a float with other bits, another cache: not the same graph
+    for kw in ({"use_cache": False}, {"scale": -0.0}, {"scale": 0.0}, {"extra": 1}):
+        assert torch.equal(call(g, cache, 5, **kw), call(ref, ref_cache, 5, **kw)), kw
+    other, other_ref = StaticCache(), StaticCache()
+    for t in range(3):
+        assert torch.equal(call(g, other, t), call(ref, other_ref, t))
+        assert torch.equal(call(g, cache, t), call(ref, ref_cache, t))
+    s = cg.stats(g)
+    assert s.captures >= 2 and not any("side effect" in r for r in s.eager_calls)
+
+
+@torch.no_grad()
+def test_the_fast_path_sees_a_cache_tensor_replaced_in_place(sim):
+    torch.manual_seed(0)
+    ref = KwNet()
+    g = cg.graphify(copy.deepcopy(ref))
+    ref_cache, cache = StaticCache(), StaticCache()
+    for t in range(3):
+        x = torch.randn(1, 1, 16)
+        assert torch.equal(g(x, cache=cache, pos=torch.tensor([t])),
+                           ref(x, cache=ref_cache, pos=torch.tensor([t])))
+    assert _fast_of(g) is not None
+    for c in (cache, ref_cache):
+        c.layers[0].keys.set_(c.layers[0].keys.clone())  # new memory behind the same tensor
+    x = torch.randn(1, 1, 16)
+    assert torch.equal(g(x, cache=cache, pos=torch.tensor([3])),
+                       ref(x, cache=ref_cache, pos=torch.tensor([3])))
+    assert torch.equal(cache.layers[0].keys, ref_cache.layers[0].keys)
