@@ -231,11 +231,11 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     methods, classes, modules and objects with no data of their own to read (a lock, a
     sentinel) are held by identity. Raises :class:`Unguardable` for array-like data that
     changes in place with neither a dict nor a version to watch (numpy arrays, deques)."""
+    if isinstance(value, torch.Tensor):  # (before is_constant, which a tensor passes)
+        tensors.append(value)
+        return
     if id(value) in seen or is_constant(value) or isinstance(value, _IDENTITY_TYPES) \
             or type(value).__module__.split(".")[0] in _INFRASTRUCTURE:
-        return
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
         return
     if isinstance(value, nn.Module):
         return  # its state is the module tree's (guarded as a module it ran, or by identity)
@@ -256,7 +256,7 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
         else:
             out.append(lambda v=value, s=ids: len(v) == len(s) and list(map(id, v)) == s)
         for item in snapshot:
-            if not is_constant(item):
+            if isinstance(item, torch.Tensor) or not is_constant(item):
                 _watch_value(item, out, tensors, seen, depth + 1)
         return
     elif isinstance(value, tuple):
@@ -280,7 +280,7 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
             return  # no state a forward reads as data (a lock, a sentinel): by identity
     out.append(_DictCheck(d))
     for item in list(d.values()):
-        if not is_constant(item):
+        if isinstance(item, torch.Tensor) or not is_constant(item):
             _watch_value(item, out, tensors, seen, depth + 1)
 
 

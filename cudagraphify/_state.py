@@ -181,6 +181,9 @@ def _key(v: Any, depth: int, count: list[int], walk: _Walk) -> Hashable:
         return (list, tuple(_key(x, depth + 1, count, walk) for x in v))
     if tp is tuple:
         return (tuple, tuple(_key(x, depth + 1, count, walk) for x in v))
+    if isinstance(v, (dict, list, tuple)):
+        raise StateUnkeyable(f"holds a {tp.__name__} (a container subclass, whose contents "
+                             "the key cannot tell)")
     d = getattr(v, "__dict__", None)
     if type(d) is dict and not _slotted(tp):
         return ("o", tp.__module__, tp.__qualname__, id(tp), _key(d, depth + 1, count, walk))
