@@ -436,6 +436,11 @@ class FirstCall:
         if self.region is not None:
             group.refuse("called inside a graph_region (per-layer graphs in the region's pool)")
             return None
+        if self.opaque:
+            # a cache passed as it is (static_argnames, an HF StaticCache): checking a shared
+            # graph replays it and runs a second layer, each writing the cache once more
+            group.refuse("an argument is passed as it is (a cache): sharing would write it")
+            return None
         if self.mutated or self.wrote_statics:
             # Sharing replays graphs to check them (and runs a second layer once): each replay
             # would apply the forward's writes (running statistics, a cache) once more.
