@@ -97,6 +97,7 @@ class Owned:
     flags: Any = None
     pinned: tuple = ()
     written_statics: frozenset = frozenset()  # storages of parameters/buffers forward writes
+    state_storages: frozenset = frozenset()  # storages of the static states' tensors
 
     @property
     def owner(self):

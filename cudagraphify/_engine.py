@@ -59,6 +59,8 @@ _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
 _Tensor = torch.Tensor
+STATE_ALIAS = ("an argument shares memory with a static state (a cache) the graph reads and "
+               "writes in place: a graph would read a copy made before the forward's write")
 
 
 class GraphedState:
@@ -246,6 +248,9 @@ class GraphedState:
             return self._eager("an argument shares memory with a parameter or buffer the "
                                "forward writes: a graph would read a copy made before the "
                                "write", fn, args, kwargs)
+        if entry.state_storages and any(storage_of(leaves[i]) in entry.state_storages
+                                        for i in entry.copied_indices()):
+            return self._eager(STATE_ALIAS, fn, args, kwargs)
         if entry.mutated:
             if inputs_alias(leaves):
                 return self._eager("inputs share memory and forward writes to them", fn, args,
@@ -315,8 +320,10 @@ class GraphedState:
                                       kwargs)
         if kind == EAGER and not outcome.remember:
             return self._eager(outcome.reason, lambda: outcome.result, (), {})
-        if kind == DEFERRED and self._deferred < _MAX_DEFERRED:
-            self._deferred += 1
+        if kind == DEFERRED and (outcome.quiet or self._deferred < _MAX_DEFERRED):
+            # (an expected deferral, a set-up, is bounded per signature by FirstCall: it does
+            # not spend the budget of transient failures)
+            self._deferred += not outcome.quiet
             self.eager_calls[outcome.reason] += 1
             if not outcome.quiet:
                 warn_once(self._warned, self.name, outcome.reason)

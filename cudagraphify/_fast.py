@@ -18,8 +18,8 @@ import torch
 
 from . import _guards, _region, _watch
 from ._nested import nesting
-from ._signature import is_constant, is_opaque, is_static_state
-from ._state import StateUnkeyable, state_key
+from ._signature import is_constant, is_opaque, is_static_state, storage_of
+from ._state import StateUnkeyable, may_be_static_state, state_key
 
 __all__ = ["Fast", "EagerFast", "MISS"]
 
@@ -53,7 +53,9 @@ class EagerFast:
             return None
         self = EagerFast._new(state, region, reason, args, kwargs)
         values = (*args, *kwargs.values())
-        self.types = [(i, type(v)) for i, v in enumerate(values)
+        # (an object of a type whose instances may be static state, an HF Cache, is checked
+        # again: a cache with a growing layer and a static one can be of the same class)
+        self.types = [(i, type(v), may_be_static_state(type(v))) for i, v in enumerate(values)
                       if is_opaque(type(v)) and not is_static_state(v)]
         return self
 
@@ -99,8 +101,8 @@ class EagerFast:
         else:
             values = args
         if self.types:
-            for i, tp in self.types:
-                if type(values[i]) is not tp:
+            for i, tp, maybe in self.types:
+                if type(values[i]) is not tp or maybe and is_static_state(values[i]):
                     return _MISS
         else:
             for i, v in self.others:
@@ -150,7 +152,8 @@ class Fast:
 
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "same",
-                 "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed")
+                 "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
+                 "state_copied")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -176,6 +179,8 @@ class Fast:
         self.state, self.entry, self.region, self.n = state, entry, region, len(args)
         self.names = tuple(kwargs)
         self.mixed = mixed
+        # copied arguments checked not to share a static state's memory (see _engine)
+        self.state_copied = entry.copied_indices() if entry.state_storages else ()
         self.tguard = _TensorGuards(*tensors,
                                     dynamic_dims_sizes=[list(a.shape) for a in tensors],
                                     dynamic_dims_strides=[list(a.stride()) for a in tensors])
@@ -268,4 +273,9 @@ class Fast:
                 return False
             if k is not key and k != key:
                 return False
+        if self.state_copied:
+            storages = self.entry.state_storages
+            for i in self.state_copied:
+                if storage_of(leaves[i]) in storages:
+                    return False
         return self.tguard.check(*[leaves[i] for i in tensor_idx])

@@ -499,6 +499,10 @@ class FirstCall:
         # not be read from a copy (checked on every call)
         entry.written_statics = frozenset(storage_of(self.watchable[j])
                                           for j in self.wrote_statics) - {0}
+        # likewise a static state's memory (read and written in place; its addresses are in
+        # the key, so the same for every call the entry serves)
+        entry.state_storages = frozenset(storage_of(t) for _, obj in self.states
+                                         for t in _tensors_in(obj)) - {0}
         chain = self.region is not None and self.region.chain and entry.seq is not None
         replay = chain and not self.mutated and not self.wrote_statics and not self.opaque
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,

@@ -218,8 +218,8 @@ _INFRASTRUCTURE = frozenset({"threading", "queue", "asyncio", "multiprocessing",
 
 def _mutable_data(value: Any) -> bool:
     """An array-like container of data that changes in place without a dict or a version
-    (a numpy array, a deque, an array, a memoryview)."""
-    if isinstance(value, (collections.deque, array.array, memoryview)):
+    (a numpy array, an array, a memoryview)."""
+    if isinstance(value, (array.array, memoryview)):
         return True
     return type(value).__module__.split(".")[0] == "numpy" and hasattr(value, "shape")
 
@@ -230,8 +230,8 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     held; tensors found inside are collected (held and checked by the caller). Functions,
     methods, classes, modules and objects with no data of their own to read (a lock, a
     sentinel) are held by identity. Raises :class:`Unguardable` for array-like data that
-    changes in place with neither a dict nor a version to watch (numpy arrays, deques)."""
-    if isinstance(value, torch.Tensor):  # (before is_constant, which a tensor passes)
+    changes in place with neither a dict nor a version to watch (numpy arrays)."""
+    if isinstance(value, torch.Tensor):
         tensors.append(value)
         return
     if id(value) in seen or is_constant(value) or isinstance(value, _IDENTITY_TYPES) \
@@ -245,17 +245,13 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
                           "to check on every call)")
     if depth > 4:
         raise Unguardable("reads a container nested more than 4 deep")
+    owner = None
     if isinstance(value, dict):
         d = value
-    elif isinstance(value, (list, set, frozenset, bytearray)):
-        snapshot = list(value) if not isinstance(value, (set, frozenset)) else set(value)
-        ids = [id(v) for v in snapshot]
-        kind = type(value)
-        if kind in (set, frozenset):
-            out.append(lambda v=value, s=frozenset(ids): frozenset(map(id, v)) == s)
-        else:
-            out.append(lambda v=value, s=ids: len(v) == len(s) and list(map(id, v)) == s)
-        for item in snapshot:
+    elif isinstance(value, (list, set, frozenset, bytearray, collections.deque)):
+        check = _ItemsCheck(value)
+        out.append(check)
+        for item in check.items:
             if isinstance(item, torch.Tensor) or not is_constant(item):
                 _watch_value(item, out, tensors, seen, depth + 1)
         return
@@ -278,10 +274,39 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
                 raise Unguardable(f"is a {type(value).__name__}: it can change in place, with "
                                   "no dict or version to watch")
             return  # no state a forward reads as data (a lock, a sentinel): by identity
-    out.append(_DictCheck(d))
+        owner = value
+    out.append(_DictCheck(d, owner))
     for item in list(d.values()):
         if isinstance(item, torch.Tensor) or not is_constant(item):
             _watch_value(item, out, tensors, seen, depth + 1)
+
+
+class _ItemsCheck:
+    """A per-call check that a list, deque, set or bytearray holds the same items (by
+    identity), in the same order where it has one; ``restore()`` puts them back."""
+
+    __slots__ = ("v", "items", "ids", "unordered")
+
+    def __init__(self, v: Any):
+        self.v = v
+        self.unordered = isinstance(v, (set, frozenset))
+        self.items = list(v)  # held: an id compared below is never reused
+        self.ids = frozenset(map(id, self.items)) if self.unordered else list(map(id, self.items))
+
+    def __call__(self) -> bool:
+        v = self.v
+        if self.unordered:
+            return frozenset(map(id, v)) == self.ids
+        return len(v) == len(self.ids) and list(map(id, v)) == self.ids
+
+    def restore(self) -> None:
+        """Put the items back as they were (a run that was not a call changed them)."""
+        if not self():
+            if self.unordered or type(self.v) is collections.deque:
+                self.v.clear()
+                (self.v.update if self.unordered else self.v.extend)(self.items)
+            else:
+                self.v[:] = self.items
 
 
 class _DictCheck:
@@ -291,14 +316,20 @@ class _DictCheck:
     write of the same value (``cache.flag = True`` before every generate) costs one compare,
     not the graph."""
 
-    __slots__ = ("d", "version", "items")
+    __slots__ = ("d", "version", "items", "owner", "cls")
 
-    def __init__(self, d: dict):
+    def __init__(self, d: dict, owner: Any = None):
         self.d = d
         self.version = _dict_version(d)
         self.items = list(d.items())  # held: an id compared below is never reused
+        # the object whose __dict__ it is: a new __dict__ or class (``obj.__dict__ = {...}``,
+        # ``obj.__class__ = Other``) leaves the old dict's version as it was
+        self.owner, self.cls = owner, type(owner)
 
     def __call__(self) -> bool:
+        owner = self.owner
+        if owner is not None and (type(owner) is not self.cls or owner.__dict__ is not self.d):
+            return False
         if _dict_version(self.d) == self.version:
             return True
         now = list(self.d.items())
@@ -400,7 +431,7 @@ class StateGuard:
         """Put back the attributes of the objects this guard watches (their ``__dict__``
         items): a run that was not a call (a capture's) changed them."""
         for check in self._checks:
-            if type(check) is _DictCheck:
+            if type(check) is _DictCheck or type(check) is _ItemsCheck:
                 check.restore()
 
     def _changed(self) -> str | None:

@@ -79,6 +79,8 @@ def is_constant(value: Any) -> bool:
     """True for immutable values that may be keyed on by value and returned as they are."""
     if isinstance(value, _CONSTANT_TYPES):
         return True
+    if isinstance(value, torch.Tensor):  # hashed by identity but mutable: never a constant
+        return False
     if isinstance(value, (tuple, frozenset)):
         return all(is_constant(v) for v in value)
     # A user type with value semantics: it defines __eq__ and __hash__ of its own (a frozen

@@ -19,7 +19,7 @@ from typing import Any, Hashable
 
 import torch
 
-__all__ = ["is_static_state", "state_key", "StateUnkeyable"]
+__all__ = ["is_static_state", "may_be_static_state", "state_key", "StateUnkeyable"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _MAX_ITEMS = 512  # values walked per object: beyond that it is refused (too costly per call)
@@ -35,18 +35,22 @@ def is_static_state(value: Any) -> bool:
     """Whether ``value`` is state recognised as keeping its tensors in place: a Hugging Face
     ``Cache`` whose layers are all static (``StaticCache``; ``cache.is_compileable``). A
     ``DynamicCache`` grows (new tensors every step): it is not."""
-    tp = type(value)
-    hit = _cache_types.get(tp)
-    if hit is None:
-        hit = _cache_types[tp] = any(k.__name__ == "Cache" and
-                                     k.__module__ == "transformers.cache_utils"
-                                     for k in tp.__mro__)
-    if not hit:
+    if not may_be_static_state(type(value)):
         return False
     try:
         return getattr(value, "is_compileable", False) is True
     except Exception:  # noqa: BLE001 - a cache in a state its property cannot read
         return False
+
+
+def may_be_static_state(tp: type) -> bool:
+    """Whether instances of ``tp`` may be static state: an HF ``Cache`` class."""
+    hit = _cache_types.get(tp)
+    if hit is None:
+        hit = _cache_types[tp] = any(k.__name__ == "Cache" and
+                                     k.__module__ == "transformers.cache_utils"
+                                     for k in tp.__mro__)
+    return hit
 
 
 def state_key(value: Any) -> Hashable:
@@ -60,12 +64,13 @@ def state_key(value: Any) -> Hashable:
     its dicts and lists changed and its tensors kept their addresses, layouts and (small CPU
     ones) values, the same key is returned after a few C calls, without walking again."""
     hit = _memo.get(id(value))
-    if hit is not None and hit[0]() is value and hit[1].same():
+    if hit is not None and hit[0]() is value and hit[1].same(value):
         return hit[2]
     walk = _Walk()
     key = StateKey(_key(value, 0, [0], walk))
-    walk.freeze()
-    if any(x is value for d, _ in walk.dicts for x in d.values()):
+    walk.freeze(value)
+    if any(x is value for d, _ in walk.dicts for x in d.values()) or \
+            any(obj is value for obj, _, _ in walk.objects):
         return key  # a cycle back to the object: the memo would keep it alive
     try:
         ref = weakref.ref(value, lambda _r, k=id(value): _memo.pop(k, None))
@@ -110,24 +115,36 @@ class _Walk:
     identity), the tensors' layouts and flags in one C call, their addresses in one list, and
     the values of the small CPU tensors."""
 
-    __slots__ = ("dicts", "lists", "tensors", "small", "guard", "ptrs")
+    __slots__ = ("dicts", "objects", "root", "lists", "tensors", "small", "guard", "ptrs")
 
     def __init__(self):
         self.dicts: list[tuple[dict, int]] = []
+        # objects walked, with their class and __dict__: a new __dict__ or class leaves the
+        # old dict's version as it was
+        self.objects: list[tuple[Any, type, dict]] = []
+        self.root: tuple[type, Any] | None = None  # the walked object's (not held)
         self.lists: list[tuple[list, list]] = []
         self.tensors: list[torch.Tensor] = []
         self.small: list[tuple[torch.Tensor, Any]] = []
         self.guard = None
         self.ptrs: list[int] = []
 
-    def freeze(self) -> None:
+    def freeze(self, value: Any) -> None:
+        if self.objects and self.objects[0][0] is value:
+            self.root = self.objects.pop(0)[1:]
         ts = self.tensors
         if ts:
             self.guard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
                                        dynamic_dims_strides=[list(t.stride()) for t in ts])
             self.ptrs = [t.data_ptr() for t in ts]
 
-    def same(self) -> bool:
+    def same(self, value: Any) -> bool:
+        if self.root is not None and (type(value) is not self.root[0] or
+                                      value.__dict__ is not self.root[1]):
+            return False
+        for obj, tp, d in self.objects:
+            if type(obj) is not tp or obj.__dict__ is not d:
+                return False
         for d, version in self.dicts:
             if _dict_version(d) != version:
                 return False
@@ -186,6 +203,7 @@ def _key(v: Any, depth: int, count: list[int], walk: _Walk) -> Hashable:
                              "the key cannot tell)")
     d = getattr(v, "__dict__", None)
     if type(d) is dict and not _slotted(tp):
+        walk.objects.append((v, tp, d))
         return ("o", tp.__module__, tp.__qualname__, id(tp), _key(d, depth + 1, count, walk))
     raise StateUnkeyable(f"holds a {tp.__name__}, whose contents cannot be read to check them")
 

@@ -128,7 +128,6 @@ def _quiet():
 
 # -- silent wrong results ------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=False, reason="open review finding (session 2026-12-01 #3): see the note")
 def test_input_viewing_cache_memory_that_forward_writes(sim):
     """A plain tensor argument that is a view of the cache's memory, read after the forward
     writes the cache: eager sees the write; the graph reads the copy made before the replay."""
@@ -173,7 +172,6 @@ def test_key_sees_tensors_inside_container_subclasses(sim, kind):
         _step(ref, g, rb, b, t)  # B must not replay A's graph (which writes A's memory)
 
 
-@pytest.mark.xfail(strict=False, reason="open review finding (session 2026-12-01 #3): see the note")
 def test_memo_sees_a_layer_class_swap(sim):
     """``layer.__class__ = Other`` changes no dict version: the memoised key must still
     change (the walk's key includes the class; the memo does not re-check it)."""
@@ -187,7 +185,6 @@ def test_memo_sees_a_layer_class_swap(sim):
         _step(ref, g, rc, c, t)
 
 
-@pytest.mark.xfail(strict=False, reason="open review finding (session 2026-12-01 #3): see the note")
 def test_memo_sees_a_replaced___dict__(sim):
     """``obj.__dict__ = {...}`` replaces the dict the memo watches: its version never moves."""
     ref, g = _pair()
@@ -201,7 +198,6 @@ def test_memo_sees_a_replaced___dict__(sim):
         _step(ref, g, rc, c, t)
 
 
-@pytest.mark.xfail(strict=False, reason="open review finding (session 2026-12-01 #3): see the note")
 def test_static_argnames_list_side_effect_of_the_capture_is_undone(sim):
     """A static_argnames object whose forward appends a new tensor to a list on every call:
     the capture's own append must be undone (only dicts are restored)."""
@@ -329,7 +325,6 @@ def test_returned_cache_tensor_is_the_callers(sim):
 
 # -- slowdowns -------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=False, reason="open review finding (session 2026-12-01 #3): see the note")
 def test_an_opaque_cache_of_the_same_type_keeps_static_ones_eager(sim):
     """EagerFast.opaque keys on the type: a Cache with a dynamic layer, then Caches (same class)
     with static layers. Correct either way; asks whether the static one is ever graphed."""
@@ -363,7 +358,6 @@ def test_sliding_window_int_counter_runs_eagerly(sim):
     print(dict(s.eager_calls))
 
 
-@pytest.mark.xfail(strict=False, reason="open review finding (session 2026-12-01 #3): see the note")
 def test_static_argnames_many_caches_keep_being_graphed(sim):
     """static_argnames=("cache",) with a new cache per sequence: each cache's set-up defers its
     capture once, and the engine's deferral budget (8) is never given back."""
@@ -376,7 +370,6 @@ def test_static_argnames_many_caches_keep_being_graphed(sim):
         assert cg.stats(g).captures == before + 1, (n, dict(cg.stats(g).eager_calls))
 
 
-@pytest.mark.xfail(strict=False, reason="open review finding (session 2026-12-01 #3): see the note")
 def test_static_argnames_object_with_an_unread_deque_is_still_graphed(sim):
     """Guarding static_argnames objects (new) walks everything they hold, read or not: a deque
     the forward never reads makes the object unguardable (graphed before the change)."""
@@ -472,7 +465,6 @@ def test_a_small_cpu_tensor_bumped_in_place_is_a_side_effect(sim):
         assert all(int(a.pos) == int(b.pos) for a, b in zip(rc.layers, c.layers)), t
 
 
-@pytest.mark.xfail(strict=False, reason="open review finding (session 2026-12-01 #3): see the note")
 @pytest.mark.parametrize("where", ["static_argnames", "module-attribute"])
 def test_a_replaced_one_element_tensor_of_equal_value_is_seen(sim, where):
     """_DictCheck re-arms when a dict's items are 'the same': same() treats tensors as
@@ -510,3 +502,60 @@ def test_a_replaced_one_element_tensor_of_equal_value_is_seen(sim, where):
     x = torch.randn(1, 16)
     assert torch.equal(ref(x, rh), g(x, h)), (captures, cg.stats(g).captures,
                                               dict(cg.stats(g).eager_calls))
+
+
+def test_a_deque_a_forward_reads_is_guarded(sim):
+    """Deques are watched like lists (their items by identity): an append after the capture
+    is seen, and the capture's own append is undone."""
+    from collections import deque
+
+    class Recent(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.scales = deque([1.0, 2.0], maxlen=2)
+
+        def forward(self, x):
+            return self.lin(x) * self.scales[-1]
+
+    torch.manual_seed(0)
+    ref = Recent()
+    g = cg.graphify(copy.deepcopy(ref))
+    for _ in range(3):
+        x = torch.randn(1, 16)
+        assert torch.equal(ref(x), g(x))
+    assert cg.stats(g).captures == 1, dict(cg.stats(g).eager_calls)
+    for m in (ref, g):
+        m.scales.append(3.0)
+    x = torch.randn(1, 16)
+    assert torch.equal(ref(x), g(x)), "replayed the graph of the old deque"
+    assert list(g.scales) == list(ref.scales)
+
+
+def test_a_static_argnames_object_given_a_new___dict___is_seen(sim):
+    """``obj.__dict__ = {...}`` on a static_argnames object leaves the old dict's version
+    as it was: the guard checks the object still has that dict."""
+
+    class UsesScale(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x, h):
+            return self.lin(x) * h.scale
+
+    torch.manual_seed(0)
+    ref = UsesScale()
+    g = cg.graphify(copy.deepcopy(ref), static_argnames=("h",))
+    class Holder:
+        scale = 2.0
+
+    rh, h = Holder(), Holder()
+    for _ in range(3):
+        x = torch.randn(1, 16)
+        assert torch.equal(ref(x, rh), g(x, h))
+    assert cg.stats(g).captures == 1, dict(cg.stats(g).eager_calls)
+    for o in (rh, h):
+        o.__dict__ = {"scale": 5.0}
+    x = torch.randn(1, 16)
+    assert torch.equal(ref(x, rh), g(x, h)), "replayed with the old scale"
