@@ -39,6 +39,7 @@ from ._nested import in_graphed_call
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
+from ._rebase import Families
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
 from ._writes import inputs_alias
@@ -112,6 +113,8 @@ class GraphedState:
         self._stream_token: int | None = None
         # the previous call's decision, checked cheaply: a Fast (a replay) or an EagerFast
         self._fast: Fast | EagerFast | None = None
+        # graphs keyed to static state, rebased to a new state's memory (see _rebase)
+        self.families = Families()
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
     def __deepcopy__(self, memo) -> None:
@@ -425,6 +428,7 @@ class GraphedState:
             drain(graphs[0].device, self._stream_holder(None)._stream_token)
         self._retired_copies += sum(g.input_copies for g in graphs)
         self.cache.clear(owner=self)
+        self.families.release()  # after the graphs made from the templates
 
     def stats(self) -> Stats:
         graphs = self.cache.graphs(self)
@@ -440,6 +444,8 @@ class GraphedState:
             invalidations=self.invalidations,
             input_copies=self._retired_copies + sum(g.input_copies for g in graphs),
             retargets=self.retargets,
+            reasons=self.families.reasons(),
+            template_pool_bytes=self.families.pool_bytes(),
         )
 
     def decisions(self) -> list[tuple[Any, str]]:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from . import _watch, _writes
+from . import _cugraph, _watch, _writes
 from ._capture import _first_line
 from ._errors import CaptureFailed
 from ._guards import FlagsGuard, StateGuard, function_bindings
@@ -36,7 +36,8 @@ from ._probe import Finding, Probe
 from ._rehearsal import rehearse
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
-from ._signature import Signature, storage_of, unflatten_call
+from ._signature import STATIC_STATE, Signature, storage_of, unflatten_call
+from ._state import StateUnkeyable, state_layout
 from ._training import capture_training, saved_by_backward, warmup_backward
 from ._watch import Recorder, recording
 from ._writes import inputs_alias
@@ -97,6 +98,8 @@ class FirstCall:
         self.objects = [(_leaf_label(sig, i), leaves[i]) for i in sig.static_objects]
         self.states = [(_leaf_label(sig, i), leaves[i]) for i in sig.static_states]
         self.set_up: tuple[str, bool] | None = None  # (which, a state?) this call set up
+        self.draws = False  # the warm-up drew random numbers (checked where states are passed)
+        self.family = None  # the _rebase.Family this call's graph came from or founded
         self.side_effect = ""  # which of them this call changed otherwise (a step count)
 
     # -- 1. warm up ------------------------------------------------------------------------
@@ -137,11 +140,15 @@ class FirstCall:
         passed = self.objects + self.states
         before_objects = StateGuard([], objects=passed) if passed else None
         tensors_before = {id(t) for _, obj in passed for t in _tensors_in(obj)}
+        rng = _rng_offset(self.device) if self.states else None
         t0 = time.perf_counter()
         with Nested(), recording(rec):
             self.result = self.backend.warmup(
                 probed(probe, lambda: self.fn(*self.args, **self.kwargs)), self.device)
         self.warmup_seconds += time.perf_counter() - t0
+        # a forward that draws random numbers: a graph launched by the driver (a family's
+        # rebased graph, see _rebase) would replay the template's draws
+        self.draws = rng is not None and _rng_offset(self.device) != rng
         self.flags = FlagsGuard()  # as the call left them
         written = probe.written if probe is not None else set()
         # A graphed function (or a forward) may run modules outside the tree it was given:
@@ -382,8 +389,12 @@ class FirstCall:
         held_before = [slot.users() for slot in borrow.values()]
         a, kw = unflatten_call(inputs.leaves, self.sig)
         made = self._shared(fn, a, kw, inputs)
+        shared = made is not None
+        if made is None:
+            made = self._rebased(fn, inputs)
+            shared = made is not None and made[3]
         if made is not None:
-            raw, out, inputs = made
+            raw, out, inputs = made[:3]
         else:
             pool = region.pool(self.backend, self.device) if region is not None else None
             if state.share is not None and region is None:
@@ -412,7 +423,7 @@ class FirstCall:
         entry = CapturedGraph(raw, inputs, mutated, actions, spec,
                               keep=[t for t in pytree.tree_leaves(out)
                                     if isinstance(t, torch.Tensor)], device=self.device)
-        entry.shared = made is not None
+        entry.shared = shared
         entry.seq = seq
         entry.borrowed = list(borrow.items())
         if mutated and not chain and not copy_outputs:
@@ -451,6 +462,82 @@ class FirstCall:
             return None
         return group.make(k, self.key, fn, a, kw, inputs, self.leaves, self.backend,
                           self.device, self.result, self.warm_guard)
+
+    def _rebased(self, fn, inputs):
+        """This call's graph through its family (see _rebase): (raw, outputs, static inputs,
+        made without a capture) or None (captured as any other call)."""
+        from . import _rebase
+        from ._graphdiff import Refused, Storages
+
+        state, backend = self.state, self.backend
+        if not self.sig.static_states or state.share is not None or self.region is not None \
+                or self.mutated or self.wrote_statics or self.draws \
+                or not state.options.copy_outputs or not getattr(backend, "can_share", False):
+            return None
+        idx = self.sig.static_states
+        try:
+            layout, ranges = state_layout([self.leaves[i] for i in idx])
+        except StateUnkeyable:
+            return None
+        sig = self.sig
+        key = (sig.tensors, sig.state, sig.spec, layout,
+               tuple(c for c in sig.constants if c.kind != STATIC_STATE))
+        storages = Storages(tuple(ranges))
+        families = state.families
+        family = families.get(key)
+        if family is None:
+            if families.full() or not _cugraph.driver_available():
+                return None
+            pool = backend.new_pool(self.device)
+            a, kw = unflatten_call(inputs.leaves, sig)
+            raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=pool,
+                                       keep_graph=True)
+            if any(storages.find(storage_of(t)) for t in pytree.tree_leaves(out)
+                   if isinstance(t, torch.Tensor)):
+                return raw, out, inputs, False  # returns the state's memory: no family
+            self.family = _rebase.Family(raw, pool, layout, storages, inputs,
+                                         _rebase.state_outputs(out, self.leaves, idx))
+            families.add(key, self.family)
+            return _rebase.Borrowed(raw), out, inputs, False
+        if family.reason is not None or not family.verified:
+            return None
+        leaves = list(family.inputs.leaves)
+        for i in idx:
+            leaves[i] = self.leaves[i]
+        if family.plan is None:
+            # a second state: captured on the template's inputs, in its pool, then diffed
+            with torch.no_grad():
+                for i, buf in family.inputs.copy:
+                    buf.copy_(self.leaves[i])
+            a, kw = unflatten_call(leaves, sig)
+            raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=family.pool,
+                                       keep_graph=True)
+            _rebase.diff(family, raw, storages, family.pool)
+            if family.plan is not None and family.plan.unproven:
+                _rebase.prove(family, [self.leaves[i] for i in idx], self._eager_with(idx),
+                              self.leaves, backend, self.device)
+            return raw, out, family.inputs, False
+        probe = self.probe
+        if not family.guard.valid() or not family.flags.check() or (
+                probe is not None and family.sequences is not None
+                and dict(probe.sequences) != family.sequences):
+            return None  # the template's capture read other values, or ran other ops
+        try:
+            raw = _rebase.retarget(family, storages, backend, self.device)
+        except Refused:
+            return None
+        return raw, family.outputs(self.leaves), family.inputs, True
+
+    def _eager_with(self, idx: list[int]) -> Callable[[list], Any]:
+        """The call run eagerly with other objects for the static states at leaves ``idx``."""
+        def run(states: list) -> Any:
+            leaves = list(self.leaves)
+            for i, v in zip(idx, states):
+                leaves[i] = v
+            a, kw = unflatten_call(leaves, self.sig)
+            with Nested():
+                return self.backend.warmup(lambda: self.fn(*a, **kw), self.device)
+        return run
 
     # -- 4. verify -------------------------------------------------------------------------
 
@@ -505,6 +592,11 @@ class FirstCall:
                                          for t in _tensors_in(obj)) - {0}
         chain = self.region is not None and self.region.chain and entry.seq is not None
         replay = chain and not self.mutated and not self.wrote_statics and not self.opaque
+        family = self.family
+        if family is not None:  # this call's graph is the family's template: it stands
+            family.verified = True
+            family.guard, family.flags = guard, self.flags
+            family.sequences = dict(probe.sequences) if probe is not None else None
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
                        shared=shared, states=[obj for _, obj in self.states])
 
@@ -598,6 +690,13 @@ def _saved_indices(packed: list[torch.Tensor], copies: StaticInputs, tensor_idx:
         if storage_of(p) in storages:
             out.add(n + k)
     return out
+
+
+def _rng_offset(device: torch.device) -> int | None:
+    """The offset of ``device``'s default generator (None off CUDA)."""
+    if device is None or device.type != "cuda":
+        return None
+    return torch.cuda.default_generators[device.index or 0].get_offset()
 
 
 def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:

@@ -120,6 +120,10 @@ class Stats:
     ``reasons``), ``rebased_slots`` / ``unproven_slots`` per signature, ``template_pool_bytes``,
     ``build_seconds`` (building layers' graphs from templates), ``pieces`` (a piecewise plan's
     groups, by path); the calls (replays, eager calls, graphs, pool bytes) are its layers' summed.
+
+    A graphed callable's ``retargets`` are graphs of a static state (an HF cache) made by
+    rebasing an earlier state's graph to its memory; ``reasons`` say why a signature's states
+    are not rebased, ``template_pool_bytes`` is the memory of the graphs kept to rebase.
     """
 
     captures: int = 0
@@ -133,7 +137,9 @@ class Stats:
     invalidations: int = 0
     input_copies: int = 0
     moved_outputs: int = 0  # region outputs still held at the next replay, moved to a copy
-    retargets: int = 0  # graphs made from a share_graph template (no capture of their own)
+    # graphs made from a share_graph template, or from the first graph of a static state
+    # (a cache) rebased to another state's memory: no capture of their own
+    retargets: int = 0
     # share_graph groups
     layers: int = 0
     per_layer: int = 0  # layer graphs captured on their own (sharing refused)

@@ -19,7 +19,8 @@ from typing import Any, Hashable
 
 import torch
 
-__all__ = ["is_static_state", "may_be_static_state", "state_key", "StateUnkeyable"]
+__all__ = ["is_static_state", "may_be_static_state", "state_key", "state_layout",
+           "StateUnkeyable"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _MAX_ITEMS = 512  # values walked per object: beyond that it is refused (too costly per call)
@@ -82,6 +83,18 @@ def state_key(value: Any) -> Hashable:
     return key
 
 
+def state_layout(values: list) -> tuple[Hashable, list[tuple[int, int]]]:
+    """What :func:`state_key` tells of ``values`` (static states) except where their tensors
+    lie: each tensor by its storage's index, size and alignment (address modulo 256) and its
+    offset in it. With the storages, as (address, bytes) in that order. Raises
+    :class:`StateUnkeyable` (as state_key does, and for pinned host memory)."""
+    walk = _Walk()
+    walk.storages = {}
+    key = tuple(_key(v, 0, [0], walk) for v in values)
+    ranges = sorted(walk.storages.items(), key=lambda item: item[1][0])
+    return key, [(ptr, nbytes) for ptr, (_, nbytes) in ranges]
+
+
 class StateKey:
     """A state's key: the walk's tuple with its hash computed once (it is long: every value of
     the state), so that a signature holding it hashes in constant time on every call."""
@@ -115,7 +128,8 @@ class _Walk:
     identity), the tensors' layouts and flags in one C call, their addresses in one list, and
     the values of the small CPU tensors."""
 
-    __slots__ = ("dicts", "objects", "root", "lists", "tensors", "small", "guard", "ptrs")
+    __slots__ = ("dicts", "objects", "root", "lists", "tensors", "small", "guard", "ptrs",
+                 "storages")
 
     def __init__(self):
         self.dicts: list[tuple[dict, int]] = []
@@ -123,6 +137,9 @@ class _Walk:
         # old dict's version as it was
         self.objects: list[tuple[Any, type, dict]] = []
         self.root: tuple[type, Any] | None = None  # the walked object's (not held)
+        # for state_layout: storage address -> (index, bytes); tensors keyed by where they lie
+        # in their storage instead of by address
+        self.storages: dict[int, tuple[int, int]] | None = None
         self.lists: list[tuple[list, list]] = []
         self.tensors: list[torch.Tensor] = []
         self.small: list[tuple[torch.Tensor, Any]] = []
@@ -137,6 +154,15 @@ class _Walk:
             self.guard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
                                        dynamic_dims_strides=[list(t.stride()) for t in ts])
             self.ptrs = [t.data_ptr() for t in ts]
+
+    def where(self, t: torch.Tensor) -> tuple:
+        """Where ``t`` lies, without its address: its storage's index (in walk order), size
+        and alignment, and its offset in it."""
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        j, nbytes = self.storages.setdefault(ptr, (len(self.storages), s.nbytes()))
+        # (CUDA libraries pick kernels by pointer alignment; 256 bytes covers what they test)
+        return (j, nbytes, ptr % 256 if t.is_cuda else 0, t.storage_offset())
 
     def same(self, value: Any) -> bool:
         if self.root is not None and (type(value) is not self.root[0] or
@@ -178,9 +204,13 @@ def _key(v: Any, depth: int, count: list[int], walk: _Walk) -> Hashable:
             # read on the host, by value; a graph reads host memory in place only if pinned
             value = v.tolist()
             walk.small.append((v, value))
-            return ("cpu", v.data_ptr() if v.is_pinned() else 0, v.dtype, v.shape, v.stride(),
+            pinned = v.is_pinned()
+            if pinned and walk.storages is not None:
+                raise StateUnkeyable("holds pinned host memory (a graph may read it in place)")
+            return ("cpu", v.data_ptr() if pinned else 0, v.dtype, v.shape, v.stride(),
                     v.requires_grad, _hashable(value))
-        return ("t", v.data_ptr(), v.shape, v.stride(), v.dtype, v.device, v.requires_grad)
+        where = v.data_ptr() if walk.storages is None else walk.where(v)
+        return ("t", where, v.shape, v.stride(), v.dtype, v.device, v.requires_grad)
     if isinstance(v, torch.Tensor):
         raise StateUnkeyable(f"holds a {tp.__name__} (a tensor subclass)")
     if isinstance(v, torch.nn.Module):

@@ -197,6 +197,7 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
     for key, _, form in GENERATE_FORMS:
         progress(f"llama-generate ({key}): eager, then graphify(model)")
         results = {}
+        before = cg.stats(graphed)
         for name, m, extra in (("eager", model, {"disable_compile": True}),
                                ("graphify", graphed, {})):
             cache = static_cache(transformers, config, prompt.shape[0], max_len, prompt.device,
@@ -222,11 +223,15 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
         row[f"generate_{key}_graphify_tokens_per_s"] = g_tps
         row[f"generate_{key}_speedup"] = g_tps / e_tps
         row[f"generate_{key}_first_s"] = g_s[0]
+        after = cg.stats(graphed)
+        row[f"generate_{key}_captures"] = after.captures - before.captures
+        row[f"generate_{key}_rebased"] = after.retargets - before.retargets
         row[f"generate_{key}_tokens_identical"] = all(torch.equal(o, e_outs[0])
                                                       for o in e_outs + g_outs)
     s = cg.stats(graphed)
     row["generate_captures"], row["generate_replays"] = s.captures, s.replays
     row["generate_evictions"] = s.evictions
+    row["generate_not_rebased"] = list(s.reasons)
     cg.ungraphify(graphed)
 
 
@@ -255,8 +260,12 @@ def format_decode(row: dict) -> str:
             f"{row[f'generate_{key}_graphify_tokens_per_s']:.0f} tokens/s, {speedup:.2f}x "
             f"(target >= 5x: {'met' if speedup >= 5 else 'MISSED'}); first graphified "
             f"generate {first:.3f} s (target <= 0.3 s: {'met' if first <= 0.3 else 'MISSED'}); "
-            f"tokens identical: {row[f'generate_{key}_tokens_identical']}")
+            f"tokens identical: {row[f'generate_{key}_tokens_identical']}; "
+            f"{row[f'generate_{key}_captures']} captures and {row[f'generate_{key}_rebased']} "
+            "rebased graphs for its generates")
     if "generate_captures" in row:
         text += (f"\n  generate, both forms: captures {row['generate_captures']}, replays "
                  f"{row['generate_replays']}, evictions {row['generate_evictions']}")
+        for why in row.get("generate_not_rebased", ()):
+            text += f"\n  {why}"
     return text

@@ -1,0 +1,175 @@
+"""Diffing two captures of the same work on different memory, and the rewrite it proves.
+
+Two captures that differ only in where some tensors lie (two identical layers' parameters for
+``share_graph``, two KV caches for a family of static-state graphs) are compared node by node:
+:func:`plan_rebase` finds every kernel argument that is an address inside those tensors'
+storages and refuses anything else it cannot prove harmless; :class:`RebasePlan` then writes
+another set of storages into a copy of the first capture's arguments. Pure: the graphs' nodes
+are read elsewhere (:mod:`._cugraph`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+__all__ = ["Refused", "Storages", "RebasePlan", "plan_rebase", "memory_ranges",
+           "RetargetedRaw"]
+
+
+class Refused(Exception):
+    """A rewrite is not proven (sharing, or rebasing a family); the reason says why."""
+
+
+@dataclass(frozen=True)
+class Storages:
+    """Storages (a layer's parameters and buffers, a cache's tensors), in a canonical order:
+    (start, nbytes) each."""
+
+    ranges: tuple[tuple[int, int], ...]
+
+    @classmethod
+    def of(cls, layer: torch.nn.Module) -> "Storages":
+        seen: dict[int, int] = {}
+        for t in list(layer.parameters()) + list(layer.buffers()):
+            s = t.untyped_storage()
+            seen.setdefault(s.data_ptr(), s.nbytes())
+        return cls(tuple(seen.items()))
+
+    def find(self, value: int) -> tuple[int, int] | None:
+        for j, (start, n) in enumerate(self.ranges):
+            if start <= value < start + n:
+                return j, value - start
+        return None
+
+
+@dataclass
+class RebasePlan:
+    """Which slots to rewrite: node index -> chunk index -> [(byte offset, storage j, offset)]."""
+
+    slots: dict[int, dict[int, list[tuple[int, int, int]]]] = field(default_factory=dict)
+    count: int = 0
+    unproven: int = 0  # differing non-address slots kept on the strength of verification
+    shared: frozenset = frozenset()  # storages the two diffed layers have in common (tied)
+
+    def check(self, template: Storages, mine: Storages, k: int, alignment: int = 256) -> None:
+        """Refuse layer ``k`` when its storages do not fit the plan made from the template's.
+
+        ``alignment``: storage addresses must agree modulo it (CUDA libraries pick kernels by
+        pointer alignment; 256 bytes covers what they test for)."""
+        if len(mine.ranges) != len(template.ranges) or any(
+                n != m for (_, n), (_, m) in zip(mine.ranges, template.ranges)):
+            raise Refused(f"layer {k}'s storages differ in number or size from the template's")
+        for j, ((start, _), (t_start, _)) in enumerate(zip(mine.ranges, template.ranges)):
+            if j in self.shared and start != t_start:
+                raise Refused(f"layer {k} has its own storage {j}, which the diffed layers "
+                              "share (tied): its address is not rebased")
+            if (start - t_start) % alignment:
+                raise Refused(f"layer {k}'s storage {j} is aligned differently from the "
+                              "template's (kernels may have been chosen for the alignment)")
+
+    def patches(self, chunks_of: dict[int, list[bytes]], storages: Storages) -> dict:
+        out: dict[int, dict[int, bytes]] = {}
+        for node, per_chunk in self.slots.items():
+            for c, slots in per_chunk.items():
+                buf = bytearray(chunks_of[node][c])
+                for pos, j, off in slots:
+                    buf[pos:pos + 8] = (storages.ranges[j][0] + off).to_bytes(8, "little")
+                out.setdefault(node, {})[c] = bytes(buf)
+        return out
+
+
+def _in(ranges: list[tuple[int, int]], v: int) -> bool:
+    return any(start <= v < start + n for start, n in ranges)
+
+
+def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Storages,
+                pool: list[tuple[int, int]], again: list | None = None,
+                device: list[tuple[int, int]] | None = None) -> RebasePlan:
+    """Diff two captures of identical layers (``a`` then ``b``); raise :class:`Refused` unless
+    every difference is proven harmless to keep or is a rebased address of the layer's storages.
+
+    A differing 8-byte slot is rebased when it holds an address inside one of ``a``'s storages
+    and ``b``'s capture holds the same offset in the same storage of ``b``. It keeps the
+    template's value when it is capture-dependent, not layer-dependent: two addresses of
+    graph-owned memory (``pool``: intermediates), or a slot whose value also differs in
+    ``again``, a second capture of layer ``a`` itself (struct padding, which holds whatever the
+    host stack held). With ``device`` (every device memory segment) given, a slot whose two
+    values are both outside device memory is kept too but counted as unproven
+    (``plan.unproven``): kernels take structs with uninitialised tails (unused dimensions of
+    an offset calculator) that differ with whatever the host stack held; the caller must verify
+    such a graph against eager. A one-byte argument that differs is kept and counted as unproven
+    in any case: it cannot hold an address, and empty functors (elementwise kernels' lambdas,
+    one byte the kernel never reads) hold whatever the host stack held, which two captures of
+    the same layer may well agree on (seen on the H200: 0xf0 twice for one layer, 0x00 for the
+    other). Anything else refuses.
+    """
+    if len(nodes0) != len(nodes1):
+        raise Refused(f"the two captures have {len(nodes0)} and {len(nodes1)} nodes")
+    if edges0 != edges1:
+        raise Refused("the two captures' node dependencies differ")
+    if again is not None and [n.key for n in again] != [n.key for n in nodes0]:
+        raise Refused("two captures of the same layer differ in their work")
+    if len(a.ranges) != len(b.ranges) or any(
+            na != nb for (_, na), (_, nb) in zip(a.ranges, b.ranges)):
+        raise Refused("the layers' storages differ in number or size")
+    shared = {j for j, (sa, sb) in enumerate(zip(a.ranges, b.ranges)) if sa[0] == sb[0]}
+    plan = RebasePlan(shared=frozenset(shared))
+    for i, (n0, n1) in enumerate(zip(nodes0, nodes1)):
+        if n0.key != n1.key:
+            raise Refused(f"node {i} ({n0.name}) is different work in the two captures")
+        for c, (x, y) in enumerate(zip(n0.chunks, n1.chunks)):
+            if x == y:
+                continue
+            z = again[i].chunks[c] if again is not None else x
+            for pos in range(0, len(x), 8):
+                w0, w1, w2 = x[pos:pos + 8], y[pos:pos + 8], z[pos:pos + 8]
+                if w0 == w1:
+                    continue
+                v0, v1 = int.from_bytes(w0, "little"), int.from_bytes(w1, "little")
+                hit = a.find(v0) if len(w0) == 8 else None
+                if hit is not None and hit[0] not in shared \
+                        and b.ranges[hit[0]][0] + hit[1] == v1 and w2 == w0:
+                    if n0.kind != 0:
+                        raise Refused(f"node {i} ({n0.name}) copies or sets a parameter's memory")
+                    plan.slots.setdefault(i, {}).setdefault(c, []).append((pos, *hit))
+                    plan.count += 1
+                elif hit is None and b.find(v1) is None and (
+                        w2 != w0 or (len(w0) == 8 and _in(pool, v0) and _in(pool, v1))):
+                    continue  # capture-dependent: the template's own value stands for every layer
+                elif len(x) == 1 or (device is not None and not _in(device, v0)
+                                     and not _in(device, v1)):
+                    plan.unproven += 1  # a one-byte argument, or not device memory in either
+                else:
+                    raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "
+                                  f"({v0:#x} vs {v1:#x}) and is not a rebased parameter address")
+    return plan
+
+
+def memory_ranges(pool) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Address ranges of the segments of a graph memory pool, and of all device memory."""
+    want = tuple(pool)
+    segments = torch.cuda.memory_snapshot()
+    return ([(s["address"], s["total_size"]) for s in segments
+             if tuple(s.get("segment_pool_id", ())) == want],
+            [(s["address"], s["total_size"]) for s in segments])
+
+
+class RetargetedRaw:
+    """The raw-graph face of a retargeted executable graph (a CapturedGraph's ``raw``)."""
+
+    pool_bytes = 0
+
+    def __init__(self, exe, stream: Callable[[], int], seconds: float, pool):
+        self._exe = exe
+        self.pool = pool
+        self.capture_seconds = seconds
+        launch = exe.launch
+        self.replay = lambda: launch(stream())
+
+    def release(self) -> None:
+        exe, self._exe = self._exe, None
+        if exe is not None:
+            exe.destroy()

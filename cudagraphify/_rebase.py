@@ -1,0 +1,260 @@
+"""Graphs keyed to static state, rebased to another state's memory instead of captured again.
+
+A graph that reads and writes a static state (an HF ``StaticCache``) in place is keyed by the
+addresses of its tensors (see :mod:`._state`). ``generate(cache_implementation="static")``
+makes a new cache for every call, at new addresses: without this module every ``generate``
+captures its decode step again. A *family* is one signature up to those addresses: the same
+call, with a state of the same layout (every tensor's shape, stride, dtype, storage size and
+offset, its storage's alignment, every other value the state holds) at other addresses.
+
+- The family's first capture is its *template*: captured into the family's memory pool, kept
+  readable, owned by the family (the first state's graph replays it).
+- A second state of the family is captured too (on the template's static inputs, in the same
+  pool), and the two captures are diffed node by node (:func:`~._graphdiff.plan_rebase`, as
+  ``share_graph`` does for layers): the plan holds every kernel argument that is an address
+  inside the state's storages. Bytes that differ and hold no device address in either capture
+  (uninitialised tails of kernels' argument structs) are kept, and the plan is then proven
+  once: the forward run eagerly on one copy of the state, the template rebased to another,
+  bitwise equal (outputs and copies). Any other difference, or a failed proof, refuses the
+  state; after three, the family, with the reason (``stats().reasons``).
+- Every later state of the family gets the template instantiated with those arguments
+  rewritten to its own storages (no capture), while what the template's capture read still
+  holds (its module attributes, global flags), the warm-up ran the template's ops, and the
+  forward draws no random numbers (a rewritten graph launched by the driver would replay the
+  template's draws).
+
+All graphs of a family read the template's static inputs and write its static outputs and
+intermediates, so only calls that copy their outputs out (``copy_outputs=True``, outside a
+``graph_region``) and write none of their inputs, parameters or buffers use families.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+import torch
+import torch.utils._pytree as pytree
+
+from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages, memory_ranges,
+                         plan_rebase)
+
+__all__ = ["Families", "Family", "StateArg"]
+
+_MAX_FAMILIES = 4  # templates kept per graphed callable (each holds one graph's memory)
+_ATTEMPTS = 3  # states diffed against a family's template before it is refused for good
+
+
+class StateArg:
+    """Where a family's template output held its static state object: the call's own."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+@dataclass
+class Family:
+    """One signature up to its static states' addresses (see the module docs)."""
+
+    raw: Any  # the template RawGraph (kept readable; owned here)
+    pool: Any
+    layout: Hashable  # the states' layout (see _state.state_layout)
+    storages: Storages  # the template's state storages, in walk order
+    inputs: Any  # the template's StaticInputs, read by every graph of the family
+    out: Any  # the template's outputs, its state objects replaced by StateArg
+    verified: bool = False  # the template's first call was recorded as a graph
+    guard: Any = None  # what the template's capture read (a StateGuard)
+    flags: Any = None  # the global flags it ran under (a FlagsGuard)
+    sequences: dict | None = None  # the ops its warm-up ran, per module path
+    nodes: list = field(default_factory=list)
+    edges: Any = None
+    plan: RebasePlan | None = None
+    # why diffs (or proofs) failed: the bytes that differ beyond the addresses can be whatever
+    # the host stack held (a stale device address, now and then), so a few states are tried
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def reason(self) -> str | None:
+        """Why the family rebases nothing (None while it may)."""
+        return self.failures[-1] if len(self.failures) >= _ATTEMPTS else None
+
+    def refuse(self, why: str) -> None:
+        self.plan = None
+        self.failures.append(why)
+
+    def outputs(self, leaves: list) -> Any:
+        """The template's outputs with this call's state objects in their places."""
+        return pytree.tree_map(lambda v: leaves[v.index] if type(v) is StateArg else v,
+                               self.out)
+
+    def release(self) -> None:
+        raw, self.raw = self.raw, None
+        if raw is not None:
+            raw.release()
+
+
+class Borrowed:
+    """The raw-graph face of the template for the first state's own graph: replays it, and
+    leaves its release to the family."""
+
+    __slots__ = ("_raw", "pool", "pool_bytes", "capture_seconds")
+
+    def __init__(self, raw):
+        self._raw = raw
+        self.pool = raw.pool
+        self.pool_bytes = raw.pool_bytes
+        self.capture_seconds = raw.capture_seconds
+
+    @property
+    def replay(self) -> Callable[[], None]:
+        return self._raw.replay
+
+    def cuda_graph(self) -> int:
+        return self._raw.cuda_graph()
+
+    def release(self) -> None:
+        self._raw = None
+
+
+class Families:
+    """The families of one graphed callable, by key; released with its graphs."""
+
+    def __init__(self):
+        self._families: dict[Hashable, Family] = {}
+
+    def get(self, key: Hashable) -> Family | None:
+        return self._families.get(key)
+
+    def full(self) -> bool:
+        return len(self._families) >= _MAX_FAMILIES
+
+    def add(self, key: Hashable, family: Family) -> None:
+        self._families[key] = family
+
+    def reasons(self) -> dict[str, int]:
+        """Why families rebase nothing (Stats.reasons)."""
+        out: dict[str, int] = {}
+        for family in self._families.values():
+            if family.reason is not None:
+                why = f"static state not rebased: {family.reason}"
+                out[why] = out.get(why, 0) + 1
+        return out
+
+    def pool_bytes(self) -> int:
+        return sum(f.raw.pool_bytes for f in self._families.values() if f.raw is not None)
+
+    def release(self) -> None:
+        """Release every template (after the graphs made from them: they read its memory)."""
+        for family in self._families.values():
+            family.release()
+        self._families.clear()
+
+    def __len__(self) -> int:
+        return len(self._families)
+
+
+def state_outputs(out: Any, leaves: list, indices: list[int]) -> Any:
+    """``out`` with the static state objects at leaf ``indices`` replaced by :class:`StateArg`
+    (a family must not hold a state: it is keyed by what it holds, and its graphs die with it)."""
+    where = {id(leaves[i]): i for i in indices}
+    return pytree.tree_map(lambda v: StateArg(where[id(v)]) if id(v) in where else v, out)
+
+
+def diff(family: Family, raw, storages: Storages, pool) -> None:
+    """Diff a second state's capture against the template; sets the family's plan, or records
+    a failure when the difference is not only the states' addresses."""
+    from ._cugraph import DriverError, read_graph
+
+    try:
+        if not family.nodes:
+            family.nodes, family.edges = read_graph(family.raw.cuda_graph())
+        nodes, edges = read_graph(raw.cuda_graph())
+        pool_mem, device_mem = memory_ranges(pool)
+        # (with the device's memory: bytes that hold no device address in either capture,
+        # uninitialised tails of kernels' argument structs, are kept but unproven; the caller
+        # proves such a plan against eager once, on copies of the state)
+        plan = plan_rebase(family.nodes, nodes, family.edges, edges, family.storages, storages,
+                           pool_mem, None, device_mem)
+        if plan.shared:
+            raise Refused("two caches share memory (a storage at the same address in both)")
+        family.plan = plan
+    except Refused as e:
+        family.refuse(f"two caches' captures differ in more than the caches' addresses: {e}")
+    except DriverError as e:
+        family.refuse(f"reading the captured graph failed: {e}")
+    except Exception as e:  # noqa: BLE001 - unproven means refused, with the reason
+        family.refuse(f"rebasing failed unexpectedly: {type(e).__name__}: {e}")
+
+
+def prove(family: Family, states: list, run_eager: Callable[[list], Any], inputs: list,
+          backend, device: torch.device) -> None:
+    """Prove a plan with unproven bytes: on two copies of ``states`` (their state as it is
+    now), the forward run eagerly (``run_eager(copies)``) and the template rebased to the
+    other copy must give bitwise the same outputs and leave the copies bitwise the same. Sets
+    a failure (and drops the plan) otherwise. ``inputs``: this call's leaves, copied
+    into the template's static inputs."""
+    import copy
+
+    from ._state import state_layout
+
+    try:
+        mine, theirs = copy.deepcopy(states), copy.deepcopy(states)
+        layout, ranges = state_layout(theirs)
+        if layout != family.layout:
+            raise Refused("a copy of the cache is laid out differently (its alignment)")
+        want = run_eager(mine)
+        raw = retarget(family, Storages(tuple(ranges)), backend, device)
+        try:
+            with torch.no_grad():
+                for i, buf in family.inputs.copy:
+                    buf.copy_(inputs[i])
+            raw.replay()
+            got = [t for t in pytree.tree_leaves(family.out) if isinstance(t, torch.Tensor)]
+            want = [t for t in pytree.tree_leaves(want) if isinstance(t, torch.Tensor)]
+            a, b = _tensors(mine), _tensors(theirs)
+            same = len(got) == len(want) and len(a) == len(b) and all(
+                x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+                for x, y in zip(got + a, want + b))
+        finally:
+            raw.release()
+        if not same:
+            raise Refused("the first capture rebased to a copy of the cache does not equal "
+                          "the forward run eagerly on another copy, bitwise")
+    except Refused as e:
+        family.refuse(f"rebasing is not proven: {e}")
+    except torch.OutOfMemoryError:
+        family.refuse("rebasing is not proven: out of memory copying the cache to prove it")
+    except Exception as e:  # noqa: BLE001 - unproven means refused, with the reason
+        family.refuse(f"proving a rebase failed unexpectedly: {type(e).__name__}: {e}")
+
+
+def _tensors(states: list) -> list[torch.Tensor]:
+    from ._state import _Walk, _key
+
+    walk = _Walk()
+    for v in states:
+        _key(v, 0, [0], walk)
+    return walk.tensors
+
+
+def retarget(family: Family, storages: Storages, backend, device: torch.device):
+    """The template's graph with the state addresses rewritten to ``storages``: a raw graph
+    (replay, release) owned by the caller. Raises :class:`Refused`."""
+    from ._cugraph import DriverError, RetargetedExec
+
+    plan = family.plan
+    plan.check(family.storages, storages, 0, 256 if device.type == "cuda" else 1)
+    t0 = time.perf_counter()
+    chunks = {i: n.chunks for i, n in enumerate(family.nodes)}
+    try:
+        with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+            exe = RetargetedExec(family.raw.cuda_graph(), plan.patches(chunks, storages),
+                                 device.index or 0, family.nodes)
+    except DriverError as e:
+        raise Refused(f"rewriting the graph failed: {e}") from e
+    return RetargetedRaw(exe, lambda: backend.stream_token(device), time.perf_counter() - t0,
+                      family.pool)

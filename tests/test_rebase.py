@@ -1,0 +1,186 @@
+"""Families of static-state graphs (see cudagraphify/_rebase.py) on a CPU.
+
+Through share_graph's graph-reading test double (tests/test_share_engine.py): a "capture"
+records the aten ops, a "retargeted graph" re-runs that record with the patched addresses
+pointing at the tensors that live there. A plan that missed a cache address would read and
+write the template's cache, and the comparisons with an eager twin (torch.equal, outputs and
+caches) would fail.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import cudagraphify as cg
+from cudagraphify import _rebase, _state
+from test_review_static_state import Cache, Net, StaticLayer, _step
+from test_share_engine import _allocated, _tensors, reading  # noqa: F401 (a fixture)
+
+
+@pytest.fixture
+def fam(reading, monkeypatch):  # noqa: F811 (the fixture imported above)
+    monkeypatch.setattr(_rebase, "memory_ranges", lambda pool: (list(_allocated),
+                                                                  list(_allocated)))
+    layout = _state.state_layout
+
+    def registering(values):  # the double finds a patched address's tensor by its address
+        for t in _rebase._tensors(values):
+            _tensors[t.data_ptr()] = t
+        return layout(values)
+
+    monkeypatch.setattr(_state, "state_layout", registering)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            yield reading
+
+
+def _cache(n: int = 2, max_len: int = 6) -> Cache:
+    return Cache([StaticLayer(max_len) for _ in range(n)])
+
+
+def _register(cache: Cache) -> None:
+    for layer in cache.layers:
+        if layer.keys is not None:
+            _tensors[layer.keys.data_ptr()] = layer.keys
+
+
+def _generate(ref, g, steps: int = 3, **kw):
+    """One sequence with a new pair of caches (as generate(cache_implementation="static")
+    makes one per call): the first step sets the caches up (allocates their tensors)."""
+    rc, c = _cache(**kw), _cache(**kw)
+    for t in range(steps):
+        _step(ref, g, rc, c, t)
+        _register(c)
+    return rc, c
+
+
+def _pair(cls=Net, **kw):
+    torch.manual_seed(0)
+    ref = cls()
+    return ref, cg.graphify(copy.deepcopy(ref), **kw)
+
+
+def test_new_caches_are_rebased_not_captured(fam):
+    ref, g = _pair()
+    kept = [_generate(ref, g) for _ in range(5)]  # (kept alive: distinct addresses)
+    s = cg.stats(g)
+    # the template, the second cache's capture (diffed); the other three rebased
+    assert (s.captures, s.retargets) == (2, 3), (s.captures, s.retargets, s.eager_calls)
+    assert s.replays >= 5
+    del kept
+
+
+def test_caches_that_die_between_generates(fam):
+    """The usual case: each generate's cache is dropped before the next one is made."""
+    ref, g = _pair()
+    for _ in range(5):
+        _generate(ref, g)
+    s = cg.stats(g)
+    assert s.captures + s.retargets == 5 and s.retargets >= 1, (s.captures, s.retargets)
+
+
+def test_a_cache_of_another_layout_founds_its_own_family(fam):
+    ref, g = _pair()
+    _generate(ref, g)
+    _generate(ref, g, max_len=8)
+    _generate(ref, g)  # the first family's second cache: diffed
+    _generate(ref, g, max_len=8)
+    _generate(ref, g)
+    _generate(ref, g, max_len=8)
+    s = cg.stats(g)
+    assert (s.captures, s.retargets) == (4, 2), (s.captures, s.retargets)
+    assert len(g._cudagraphify_state.families) == 2
+
+
+def test_captures_that_differ_beyond_addresses_refuse_the_family(fam):
+    """A forward that bakes a value the layout does not show (here: which cache it got, by
+    identity) into its kernels: the diff finds a differing scalar; every cache is captured."""
+
+    class ByIdentity(Net):
+        def forward(self, x, cache, pos):
+            return super().forward(x, cache, pos) + (id(cache) % 97)
+
+    ref, g = _pair(ByIdentity)
+    for _ in range(4):
+        rc, c = _cache(), _cache()
+        for t in range(3):
+            x, p = torch.randn(1, 1, 16), torch.tensor([t])
+            want = Net.forward(ref, x, rc, p) + id(c) % 97  # what g's forward computes
+            assert torch.equal(g(x, c, p), want)
+            _register(c)
+    s = cg.stats(g)
+    assert s.retargets == 0 and s.captures == 4, (s.captures, s.retargets)
+    (family,) = g._cudagraphify_state.families._families.values()
+    # the scalar is not a device address: unproven, then disproven against eager on copies
+    assert family.reason and "does not equal" in family.reason, family.reason
+
+
+_calls = [0]
+
+
+def test_unproven_bytes_proven_against_eager_on_copies(fam):
+    """Bytes that differ between the two captures and hold no address (here a scalar that
+    changes on every call but multiplies a zero) are proven harmless once, on copies of the
+    cache: later caches are rebased, and their results are eager's."""
+
+    class Noisy(Net):
+        def forward(self, x, cache, pos):
+            _calls[0] += 1
+            out = super().forward(x, cache, pos)
+            return out + out * 0.0 * float(_calls[0] % 5 + 1)
+
+    ref, g = _pair(Noisy)
+    for _ in range(4):
+        _generate(ref, g)
+    s = cg.stats(g)
+    (family,) = g._cudagraphify_state.families._families.values()
+    assert family.reason is None and family.plan.unproven > 0
+    assert (s.captures, s.retargets) == (2, 2), (s.captures, s.retargets, family.reason)
+
+
+def test_a_module_attribute_changed_after_the_template_is_not_rebased(fam):
+    class Scaled(Net):
+        def __init__(self):
+            super().__init__()
+            self.scale = 1.0
+
+        def forward(self, x, cache, pos):
+            return super().forward(x, cache, pos) * self.scale
+
+    ref, g = _pair(Scaled)
+    _generate(ref, g)
+    _generate(ref, g)  # diffed: the family has its plan
+    for m in (ref, g):
+        m.scale = 0.5
+    _generate(ref, g)  # the template read scale=1.0: captured, not rebased
+    s = cg.stats(g)
+    assert s.retargets == 0 and s.captures == 3, (s.captures, s.retargets)
+    for m in (ref, g):
+        m.scale = 1.0
+    _generate(ref, g)  # the template's reads hold again
+    assert cg.stats(g).retargets == 1
+
+
+def test_no_families_without_copied_outputs(fam):
+    ref, g = _pair(copy_outputs=False)
+    for _ in range(3):
+        _generate(ref, g)
+    assert cg.stats(g).retargets == 0
+    assert len(g._cudagraphify_state.families) == 0
+
+
+def test_release_drops_the_templates(fam):
+    ref, g = _pair()
+    for _ in range(3):
+        _generate(ref, g)
+    state = g._cudagraphify_state
+    (family,) = state.families._families.values()
+    state.release()
+    assert len(state.families) == 0 and family.raw is None
+    _generate(ref, g)  # starts a family anew
+    assert len(state.families) == 1
