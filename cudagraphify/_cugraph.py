@@ -289,6 +289,12 @@ class RetargetedExec:
                 p.kernelParams, p.extra = None, ctypes.addressof(arr)
             _check(put(_ptr(self._exec), node, ctypes.byref(p)), "cuGraphExecKernelNodeSetParams")
 
+    def repatch(self, template: int, patches: dict[int, dict[int, bytes]],
+                nodes: list[GraphNode]) -> None:
+        """Write other argument bytes into the same kernel nodes (launches already queued
+        keep the arguments they were launched with)."""
+        self._patch(template, patches, nodes)
+
     def launch(self, stream: int) -> None:
         rc = self._launch(self._exec, stream)
         if rc != 0:

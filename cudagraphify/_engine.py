@@ -228,6 +228,15 @@ class GraphedState:
         if reason is not None:
             cache.put(key, EagerEntry(reason, self))
             return self._eager(reason, fn, args, kwargs)
+        if sig.static_states and region is None and self.families:
+            made = self.families.entry(self, sig, leaves, backend, self._device)
+            if made is not None:  # a family's template rebased to this call's states
+                family, entry = made
+                outcome = Outcome(GRAPHED, None, entry=entry, guard=family.guard,
+                                  flags=family.flags, replay=True, shared=True,
+                                  states=[leaves[i] for i in sig.static_states])
+                return self._record(outcome, backend, region, cache, key, leaves, fn, args,
+                                    kwargs)
         first = FirstCall(self, backend, region, key, sig, leaves, static_flags, fn, args,
                           kwargs, self._device)
         try:

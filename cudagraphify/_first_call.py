@@ -36,8 +36,7 @@ from ._probe import Finding, Probe
 from ._rehearsal import rehearse
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
-from ._signature import STATIC_STATE, Signature, storage_of, unflatten_call
-from ._state import StateUnkeyable, state_layout
+from ._signature import Signature, storage_of, unflatten_call
 from ._training import capture_training, saved_by_backward, warmup_backward
 from ._watch import Recorder, recording
 from ._writes import inputs_alias
@@ -392,9 +391,8 @@ class FirstCall:
         shared = made is not None
         if made is None:
             made = self._rebased(fn, inputs)
-            shared = made is not None and made[3]
         if made is not None:
-            raw, out, inputs = made[:3]
+            raw, out, inputs = made
         else:
             pool = region.pool(self.backend, self.device) if region is not None else None
             if state.share is not None and region is None:
@@ -420,9 +418,11 @@ class FirstCall:
         for i in self.sig.static_states:  # keyed by what they hold: never held by a graph
             inputs.leaves[i] = None
         # (the tensors of the output only: an argument object it returns is not the graph's)
-        entry = CapturedGraph(raw, inputs, mutated, actions, spec,
-                              keep=[t for t in pytree.tree_leaves(out)
-                                    if isinstance(t, torch.Tensor)], device=self.device)
+        keep = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=keep,
+                              device=self.device)
+        if self.family is not None:  # the output plan serves every graph of the family
+            self.family.made = (actions, spec, keep)
         entry.shared = shared
         entry.seq = seq
         entry.borrowed = list(borrow.items())
@@ -464,69 +464,57 @@ class FirstCall:
                           self.device, self.result, self.warm_guard)
 
     def _rebased(self, fn, inputs):
-        """This call's graph through its family (see _rebase): (raw, outputs, static inputs,
-        made without a capture) or None (captured as any other call)."""
+        """This call's graph as a family's template or second state (see _rebase): (raw,
+        outputs, static inputs) or None (captured as any other call). Later states of a
+        family are rebased by the engine before any warm-up (:meth:`_rebase.Families.entry`)."""
         from . import _rebase
-        from ._graphdiff import Refused, Storages
 
         state, backend = self.state, self.backend
         if not self.sig.static_states or state.share is not None or self.region is not None \
                 or self.mutated or self.wrote_statics or self.draws \
-                or not state.options.copy_outputs or not getattr(backend, "can_share", False):
+                or not _rebase.eligible(state, backend):
             return None
         idx = self.sig.static_states
-        try:
-            layout, ranges = state_layout([self.leaves[i] for i in idx])
-        except StateUnkeyable:
+        found = _rebase.family_key(self.sig, self.leaves)
+        if found is None:
             return None
-        sig = self.sig
-        key = (sig.tensors, sig.state, sig.spec, layout,
-               tuple(c for c in sig.constants if c.kind != STATIC_STATE))
-        storages = Storages(tuple(ranges))
+        key, layout, storages = found
         families = state.families
         family = families.get(key)
+        if family is not None and not family.verified:
+            families.drop(key)  # its template's graph was refused: start again
+            family = None
         if family is None:
             if families.full() or not _cugraph.driver_available():
                 return None
             pool = backend.new_pool(self.device)
-            a, kw = unflatten_call(inputs.leaves, sig)
+            a, kw = unflatten_call(inputs.leaves, self.sig)
             raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=pool,
                                        keep_graph=True)
             if any(storages.find(storage_of(t)) for t in pytree.tree_leaves(out)
                    if isinstance(t, torch.Tensor)):
-                return raw, out, inputs, False  # returns the state's memory: no family
+                return raw, out, inputs  # returns the state's memory: no family
             self.family = _rebase.Family(raw, pool, layout, storages, inputs,
                                          _rebase.state_outputs(out, self.leaves, idx))
             families.add(key, self.family)
-            return _rebase.Borrowed(raw), out, inputs, False
-        if family.reason is not None or not family.verified:
-            return None
+            return _rebase.Borrowed(raw), out, inputs
+        if family.reason is not None or family.plan is not None:
+            return None  # refused for good, or (a plan) the engine declined to rebase
+        # a second state: captured on the template's inputs, in its pool, then diffed
         leaves = list(family.inputs.leaves)
         for i in idx:
             leaves[i] = self.leaves[i]
-        if family.plan is None:
-            # a second state: captured on the template's inputs, in its pool, then diffed
-            with torch.no_grad():
-                for i, buf in family.inputs.copy:
-                    buf.copy_(self.leaves[i])
-            a, kw = unflatten_call(leaves, sig)
-            raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=family.pool,
-                                       keep_graph=True)
-            _rebase.diff(family, raw, storages, family.pool)
-            if family.plan is not None and family.plan.unproven:
-                _rebase.prove(family, [self.leaves[i] for i in idx], self._eager_with(idx),
-                              self.leaves, backend, self.device)
-            return raw, out, family.inputs, False
-        probe = self.probe
-        if not family.guard.valid() or not family.flags.check() or (
-                probe is not None and family.sequences is not None
-                and dict(probe.sequences) != family.sequences):
-            return None  # the template's capture read other values, or ran other ops
-        try:
-            raw = _rebase.retarget(family, storages, backend, self.device)
-        except Refused:
-            return None
-        return raw, family.outputs(self.leaves), family.inputs, True
+        with torch.no_grad():
+            for i, buf in family.inputs.copy:
+                buf.copy_(self.leaves[i])
+        a, kw = unflatten_call(leaves, self.sig)
+        raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=family.pool,
+                                   keep_graph=True)
+        _rebase.diff(family, raw, storages, family.pool)
+        if family.plan is not None and family.plan.unproven:
+            _rebase.prove(family, [self.leaves[i] for i in idx], self._eager_with(idx),
+                          self.leaves, backend, self.device)
+        return raw, out, family.inputs
 
     def _eager_with(self, idx: list[int]) -> Callable[[list], Any]:
         """The call run eagerly with other objects for the static states at leaves ``idx``."""
@@ -595,8 +583,7 @@ class FirstCall:
         family = self.family
         if family is not None:  # this call's graph is the family's template: it stands
             family.verified = True
-            family.guard, family.flags = guard, self.flags
-            family.sequences = dict(probe.sequences) if probe is not None else None
+            family.guard, family.flags, family.pinned = guard, self.flags, entry.pinned
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
                        shared=shared, states=[obj for _, obj in self.states])
 

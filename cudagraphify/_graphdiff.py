@@ -162,14 +162,19 @@ class RetargetedRaw:
 
     pool_bytes = 0
 
-    def __init__(self, exe, stream: Callable[[], int], seconds: float, pool):
+    def __init__(self, exe, stream: Callable[[], int], seconds: float, pool,
+                 recycle: Callable | None = None):
         self._exe = exe
         self.pool = pool
         self.capture_seconds = seconds
+        self._recycle = recycle  # takes the executable graph back (else it is destroyed)
         launch = exe.launch
         self.replay = lambda: launch(stream())
 
     def release(self) -> None:
         exe, self._exe = self._exe, None
         if exe is not None:
-            exe.destroy()
+            if self._recycle is not None:
+                self._recycle(exe)
+            else:
+                exe.destroy()

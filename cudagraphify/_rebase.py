@@ -44,6 +44,7 @@ from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages, memory_ra
 __all__ = ["Families", "Family", "StateArg"]
 
 _MAX_FAMILIES = 4  # templates kept per graphed callable (each holds one graph's memory)
+_SPARE = 2  # executable graphs of dead states kept per family, to be rewritten
 _ATTEMPTS = 3  # states diffed against a family's template before it is refused for good
 
 
@@ -69,7 +70,8 @@ class Family:
     verified: bool = False  # the template's first call was recorded as a graph
     guard: Any = None  # what the template's capture read (a StateGuard)
     flags: Any = None  # the global flags it ran under (a FlagsGuard)
-    sequences: dict | None = None  # the ops its warm-up ran, per module path
+    pinned: tuple = ()  # (leaf, address) of parameters passed as arguments (CapturedGraph's)
+    made: tuple = ()  # the template's output plan: (actions, spec, static outputs)
     nodes: list = field(default_factory=list)
     edges: Any = None
     plan: RebasePlan | None = None
@@ -86,6 +88,16 @@ class Family:
         self.plan = None
         self.failures.append(why)
 
+    # executable graphs of states that died, rewritten for the next state instead of
+    # instantiating the template again
+    spare: list = field(default_factory=list)
+
+    def recycle(self, exe) -> None:
+        if self.raw is not None and len(self.spare) < _SPARE:
+            self.spare.append(exe)
+        else:
+            exe.destroy()
+
     def outputs(self, leaves: list) -> Any:
         """The template's outputs with this call's state objects in their places."""
         return pytree.tree_map(lambda v: leaves[v.index] if type(v) is StateArg else v,
@@ -93,6 +105,9 @@ class Family:
 
     def release(self) -> None:
         raw, self.raw = self.raw, None
+        spare, self.spare = self.spare, []
+        for exe in spare:
+            exe.destroy()
         if raw is not None:
             raw.release()
 
@@ -135,6 +150,37 @@ class Families:
     def add(self, key: Hashable, family: Family) -> None:
         self._families[key] = family
 
+    def drop(self, key: Hashable) -> None:
+        family = self._families.pop(key, None)
+        if family is not None:
+            family.release()
+
+    def entry(self, state, sig, leaves: list, backend, device: torch.device):
+        """A graph for this call made by rebasing its family's template to its states (no
+        warm-up, no capture: the call is the template's up to the states' addresses, and
+        what the template's capture read still holds), or None."""
+        if not eligible(state, backend):
+            return None
+        found = family_key(sig, leaves)
+        if found is None:
+            return None
+        key, _, storages = found
+        family = self._families.get(key)
+        if family is None or family.plan is None or family.reason is not None \
+                or not family.verified or not family.guard.valid() or not family.flags.check():
+            return None
+        try:
+            raw = retarget(family, storages, backend, device)
+        except Refused:
+            return None
+        from ._replay import CapturedGraph
+
+        entry = CapturedGraph(raw, family.inputs, [], *family.made, device=device)
+        entry.shared = True
+        entry.pinned = family.pinned
+        entry.state_storages = frozenset(start for start, _ in storages.ranges) - {0}
+        return family, entry
+
     def reasons(self) -> dict[str, int]:
         """Why families rebase nothing (Stats.reasons)."""
         out: dict[str, int] = {}
@@ -155,6 +201,29 @@ class Families:
 
     def __len__(self) -> int:
         return len(self._families)
+
+
+def eligible(state, backend) -> bool:
+    """Whether a graphed callable's graphs may come from families at all: they share the
+    template's static outputs (copied out on every call) and read its memory through the
+    driver (a backend that can read graphs)."""
+    return state.share is None and state.options.copy_outputs is True \
+        and getattr(backend, "can_share", False)
+
+
+def family_key(sig, leaves: list) -> tuple[Hashable, Hashable, Storages] | None:
+    """The family of a call passing static state: (key, the states' layout, their storages),
+    or None where a state cannot be laid out (see _state.state_layout)."""
+    from ._signature import STATIC_STATE
+    from ._state import StateUnkeyable, state_layout
+
+    try:
+        layout, ranges = state_layout([leaves[i] for i in sig.static_states])
+    except StateUnkeyable:
+        return None
+    key = (sig.tensors, sig.state, sig.spec, layout,
+           tuple(c for c in sig.constants if c.kind != STATIC_STATE))
+    return key, layout, Storages(tuple(ranges))
 
 
 def state_outputs(out: Any, leaves: list, indices: list[int]) -> Any:
@@ -250,11 +319,21 @@ def retarget(family: Family, storages: Storages, backend, device: torch.device):
     plan.check(family.storages, storages, 0, 256 if device.type == "cuda" else 1)
     t0 = time.perf_counter()
     chunks = {i: n.chunks for i, n in enumerate(family.nodes)}
+    patches = plan.patches(chunks, storages)
+    template = family.raw.cuda_graph()
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-            exe = RetargetedExec(family.raw.cuda_graph(), plan.patches(chunks, storages),
-                                 device.index or 0, family.nodes)
+            exe = None
+            while family.spare and exe is None:  # a dead state's: rewritten, not instantiated
+                exe = family.spare.pop()
+                try:
+                    exe.repatch(template, patches, family.nodes)
+                except DriverError:
+                    exe.destroy()
+                    exe = None
+            if exe is None:
+                exe = RetargetedExec(template, patches, device.index or 0, family.nodes)
     except DriverError as e:
         raise Refused(f"rewriting the graph failed: {e}") from e
     return RetargetedRaw(exe, lambda: backend.stream_token(device), time.perf_counter() - t0,
-                      family.pool)
+                         family.pool, recycle=family.recycle)

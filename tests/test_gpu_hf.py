@@ -58,7 +58,8 @@ def test_generate_with_cache_implementation_static(hf):
     # ones rebase the first capture to their cache. A dead cache's graph is released, not
     # evicted.
     assert (s.captures, s.retargets) == (2, 2), (s.captures, s.retargets, s.reasons)
-    assert s.replays == 4 * (NEW - 2) and s.evictions == 0
+    # (a rebased graph replays the first decode step too: no warm-up)
+    assert s.replays == 4 * (NEW - 2) + 2 and s.evictions == 0
     assert s.graphs <= 2
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cudagraphify as cg
-from cudagraphify import _rebase, _state
+from cudagraphify import _cugraph, _rebase, _state
 from test_review_static_state import Cache, Net, StaticLayer, _step
 from test_share_engine import _allocated, _tensors, reading  # noqa: F401 (a fixture)
 
@@ -75,13 +75,29 @@ def test_new_caches_are_rebased_not_captured(fam):
     del kept
 
 
-def test_caches_that_die_between_generates(fam):
-    """The usual case: each generate's cache is dropped before the next one is made."""
+def test_caches_that_die_between_generates(fam, monkeypatch):
+    """The usual case: each generate's cache is dropped before the next one is made. A dead
+    cache's rebased graph is kept (two per family) and rewritten for the next cache."""
+    made = []
+
+    class Counted(_cugraph.RetargetedExec):  # (the test double)
+        def __init__(self, *a, **kw):
+            made.append(self)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(_cugraph, "RetargetedExec", Counted)
     ref, g = _pair()
-    for _ in range(5):
+    for _ in range(6):
         _generate(ref, g)
     s = cg.stats(g)
-    assert s.captures + s.retargets == 5 and s.retargets >= 1, (s.captures, s.retargets)
+    assert (s.captures, s.retargets) == (2, 4), (s.captures, s.retargets)
+    assert len({id(e) for e in made}) == 1  # the others rewrote the previous (dead) one
+    (family,) = g._cudagraphify_state.families._families.values()
+    del _  # the last cache dies: its graph is kept for the next one
+    _generate(ref, g, steps=1)  # (a set-up call releases it)
+    assert len(family.spare) == 1
+    g._cudagraphify_state.release()
+    assert family.spare == [] and family.raw is None
 
 
 def test_a_cache_of_another_layout_founds_its_own_family(fam):

@@ -106,6 +106,9 @@ class _FakeExec:
                 if a != b:
                     self.remap[int.from_bytes(a, "little")] = int.from_bytes(b, "little")
 
+    def repatch(self, template: int, patches: dict, nodes=None) -> None:
+        self.__init__(template, patches, 0, nodes)
+
     def _arg(self, v, env):
         if not isinstance(v, torch.Tensor):
             return v

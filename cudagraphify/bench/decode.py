@@ -226,6 +226,7 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
         after = cg.stats(graphed)
         row[f"generate_{key}_captures"] = after.captures - before.captures
         row[f"generate_{key}_rebased"] = after.retargets - before.retargets
+        row[f"generate_{key}_build_s"] = after.capture_seconds - before.capture_seconds
         row[f"generate_{key}_tokens_identical"] = all(torch.equal(o, e_outs[0])
                                                       for o in e_outs + g_outs)
     s = cg.stats(graphed)
@@ -262,7 +263,8 @@ def format_decode(row: dict) -> str:
             f"generate {first:.3f} s (target <= 0.3 s: {'met' if first <= 0.3 else 'MISSED'}); "
             f"tokens identical: {row[f'generate_{key}_tokens_identical']}; "
             f"{row[f'generate_{key}_captures']} captures and {row[f'generate_{key}_rebased']} "
-            "rebased graphs for its generates")
+            f"rebased graphs for its generates ({row[f'generate_{key}_build_s']:.3f} s "
+            "capturing and rebasing in all)")
     if "generate_captures" in row:
         text += (f"\n  generate, both forms: captures {row['generate_captures']}, replays "
                  f"{row['generate_replays']}, evictions {row['generate_evictions']}")
