@@ -388,12 +388,14 @@ class GraphedState:
                       f"more distinct signatures than max_graphs={self.policy.max_graphs}; "
                       "least recently used graphs are released and re-captured when needed",
                       what="evicts graphs")
-        self._stream_holder(region)._stream_token = backend.stream_token(entry.device)
         if outcome.replay:
             # In a chaining region the first call returns the graph's own (aliased) outputs, so
             # the next graphed call is captured reading them in place. Nothing was written, so
-            # replaying once more has no effect beyond its outputs.
+            # replaying once more has no effect beyond its outputs. A family's rebased graph
+            # was not captured (no device synchronisation): it shares the template's memory,
+            # so the replay orders after the stream that replayed last (in _replay).
             return self._replay(backend, region, entry, leaves, fn, args, kwargs)
+        self._stream_holder(region)._stream_token = backend.stream_token(entry.device)
         return outcome.result
 
     def _ineligible(self, backend, leaves: list, cache: GraphCache) -> str | None:

@@ -475,7 +475,7 @@ class FirstCall:
                 or not _rebase.eligible(state, backend):
             return None
         idx = self.sig.static_states
-        found = _rebase.family_key(self.sig, self.leaves)
+        found = _rebase.family_key(state, self.sig, self.leaves)
         if found is None:
             return None
         key, layout, storages = found
@@ -498,8 +498,11 @@ class FirstCall:
                                          _rebase.state_outputs(out, self.leaves, idx))
             families.add(key, self.family)
             return _rebase.Borrowed(raw), out, inputs
-        if family.reason is not None or family.plan is not None:
-            return None  # refused for good, or (a plan) the engine declined to rebase
+        if family.reason is not None or family.plan is not None \
+                or tuple(self.pinned) != family.pinned:
+            # refused for good, or (a plan) the engine declined to rebase, or another
+            # parameter passed as an argument (read in place: the template reads its own)
+            return None
         # a second state: captured on the template's inputs, in its pool, then diffed
         leaves = list(family.inputs.leaves)
         for i in idx:
@@ -512,9 +515,27 @@ class FirstCall:
                                    keep_graph=True)
         _rebase.diff(family, raw, storages, family.pool)
         if family.plan is not None and family.plan.unproven:
+            # the proof runs the forward once more, eagerly, and the template once: on copies
+            # of the states, but any other memory the forward writes would be written again
+            why = self._writes_besides(storages)
+            if why:
+                family.refuse(f"rebasing is not proven: {why}", final=True)
+                return raw, out, family.inputs
             _rebase.prove(family, [self.leaves[i] for i in idx], self._eager_with(idx),
                           self.leaves, backend, self.device)
         return raw, out, family.inputs
+
+    def _writes_besides(self, storages) -> str:
+        """Why the warm-up's writes are not only to the static states' ``storages`` and to
+        memory it made itself ("" when they are)."""
+        probe = self.probe
+        if probe is None or probe.written is None:
+            return "the probe is off (probe=False): what the forward writes is unknown"
+        foreign = [p for p in probe.written_before_made if storages.find(p) is None]
+        if foreign:
+            return (f"forward writes {len(foreign)} tensor(s) besides the cache (a proof "
+                    "would write them again)")
+        return ""
 
     def _eager_with(self, idx: list[int]) -> Callable[[list], Any]:
         """The call run eagerly with other objects for the static states at leaves ``idx``."""

@@ -222,6 +222,8 @@ class Probe:
         # writes made through another tensor object on the same memory (``x.data``, a view of
         # ``.data``, a detached alias).
         self.written: set[int] | None = None
+        # those of them that no earlier op of the run produced (memory from before the call)
+        self.written_before_made: set[int] = set()
 
     @property
     def path(self) -> str:
@@ -249,6 +251,8 @@ class Probe:
                 ptr = storage_of(t)
                 if ptr:
                     written.add(ptr)
+                    if ptr not in self.produced:
+                        self.written_before_made.add(ptr)
 
     def note_tensors(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Note the storages ``func`` read that no earlier op of the run produced and that are

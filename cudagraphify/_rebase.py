@@ -79,14 +79,17 @@ class Family:
     # the host stack held (a stale device address, now and then), so a few states are tried
     failures: list[str] = field(default_factory=list)
 
+    final: bool = False  # a failure that another state would repeat
+
     @property
     def reason(self) -> str | None:
         """Why the family rebases nothing (None while it may)."""
-        return self.failures[-1] if len(self.failures) >= _ATTEMPTS else None
+        return self.failures[-1] if self.final or len(self.failures) >= _ATTEMPTS else None
 
-    def refuse(self, why: str) -> None:
+    def refuse(self, why: str, final: bool = False) -> None:
         self.plan = None
         self.failures.append(why)
+        self.final = self.final or final
 
     # executable graphs of states that died, rewritten for the next state instead of
     # instantiating the template again
@@ -161,7 +164,7 @@ class Families:
         what the template's capture read still holds), or None."""
         if not eligible(state, backend):
             return None
-        found = family_key(sig, leaves)
+        found = family_key(state, sig, leaves)
         if found is None:
             return None
         key, _, storages = found
@@ -169,6 +172,8 @@ class Families:
         if family is None or family.plan is None or family.reason is not None \
                 or not family.verified or not family.guard.valid() or not family.flags.check():
             return None
+        if any(leaves[i].data_ptr() != ptr for i, ptr in family.pinned):
+            return None  # a parameter passed as an argument, read in place: another one
         try:
             raw = retarget(family, storages, backend, device)
         except Refused:
@@ -211,9 +216,10 @@ def eligible(state, backend) -> bool:
         and getattr(backend, "can_share", False)
 
 
-def family_key(sig, leaves: list) -> tuple[Hashable, Hashable, Storages] | None:
-    """The family of a call passing static state: (key, the states' layout, their storages),
-    or None where a state cannot be laid out (see _state.state_layout)."""
+def family_key(state, sig, leaves: list) -> tuple[Hashable, Hashable, Storages] | None:
+    """The family of ``state``'s call passing static state: (key, the states' layout, their
+    storages), or None where a state cannot be laid out (see _state.state_layout). The key is
+    the engine's cache key (with which parameters require grad) up to the states' addresses."""
     from ._signature import STATIC_STATE
     from ._state import StateUnkeyable, state_layout
 
@@ -221,7 +227,13 @@ def family_key(sig, leaves: list) -> tuple[Hashable, Hashable, Storages] | None:
         layout, ranges = state_layout([leaves[i] for i in sig.static_states])
     except StateUnkeyable:
         return None
-    key = (sig.tensors, sig.state, sig.spec, layout,
+    statics = state.statics
+    grads = statics.grad_pattern() if sig.state.grad and statics.tensors else None
+    # parameters or buffers passed as arguments are read in place: their addresses
+    ptrs = statics.storage_ptrs()
+    pinned = tuple((i, x.data_ptr()) for i, x in enumerate(leaves)
+                   if isinstance(x, torch.Tensor) and x.untyped_storage().data_ptr() in ptrs)
+    key = (sig.tensors, sig.state, sig.spec, layout, grads, pinned,
            tuple(c for c in sig.constants if c.kind != STATIC_STATE))
     return key, layout, Storages(tuple(ranges))
 

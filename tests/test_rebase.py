@@ -18,7 +18,16 @@ import torch
 import cudagraphify as cg
 from cudagraphify import _cugraph, _rebase, _state
 from test_review_static_state import Cache, Net, StaticLayer, _step
-from test_share_engine import _allocated, _tensors, reading  # noqa: F401 (a fixture)
+from test_share_engine import _allocated, _FakeExec, _tensors, reading  # noqa: F401 (a fixture)
+
+
+class _Exec(_FakeExec):
+    """The double's rebased graph, run as a CUDA graph runs: no autograd (the double re-runs
+    its recorded ops under the caller's grad mode)."""
+
+    def launch(self, stream) -> None:
+        with torch.no_grad():
+            super().launch(stream)
 
 
 @pytest.fixture
@@ -33,6 +42,7 @@ def fam(reading, monkeypatch):  # noqa: F811 (the fixture imported above)
         return layout(values)
 
     monkeypatch.setattr(_state, "state_layout", registering)
+    monkeypatch.setattr(_cugraph, "RetargetedExec", _Exec)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with torch.no_grad():
