@@ -115,6 +115,7 @@ class GraphedState:
         self._fast: Fast | EagerFast | None = None
         # graphs keyed to static state, rebased to a new state's memory (see _rebase)
         self.families = Families()
+        self._pools: dict = {}  # device index -> the memory pool of this callable's graphs
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
     def __deepcopy__(self, memo) -> None:
@@ -440,6 +441,16 @@ class GraphedState:
         self._retired_copies += sum(g.input_copies for g in graphs)
         self.cache.clear(owner=self)
         self.families.release()  # after the graphs made from the templates
+        self._pools.clear()  # (a pool lives while a graph captured into it does)
+
+    def pool(self, backend, device: torch.device):
+        """The memory pool shared by this callable's own inference graphs on ``device`` that
+        copy their outputs out (see FirstCall._capture_inference)."""
+        idx = device.index or 0
+        pool = self._pools.get(idx)
+        if pool is None:
+            pool = self._pools[idx] = backend.new_pool(device)
+        return pool
 
     def stats(self) -> Stats:
         graphs = self.cache.graphs(self)

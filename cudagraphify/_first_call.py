@@ -394,9 +394,18 @@ class FirstCall:
         if made is not None:
             raw, out, inputs = made
         else:
-            pool = region.pool(self.backend, self.device) if region is not None else None
-            if state.share is not None and region is None:
+            if region is not None:
+                pool = region.pool(self.backend, self.device)
+            elif state.share is not None:
                 pool = state.share.group.pool(self.backend, self.device)
+            elif state.options.copy_outputs is True:
+                # one pool for this callable's graphs (they never run at once, and their
+                # outputs are copied out): a capture reuses what earlier ones freed
+                pool = state.pool(self.backend, self.device)
+            else:
+                # (copy_outputs=False: the caller holds a graph's outputs until that graph's
+                # next replay, and another graph's replay must not write them)
+                pool = None
             raw, out = self.backend.capture(lambda: fn(*a, **kw), self.device, pool=pool)
         seq, forget = None, None
         copy_outputs = state.options.copy_outputs

@@ -1300,3 +1300,58 @@ def test_a_graphed_function_holds_and_guards_the_global_tensors_it_names(sim):
         with pytest.raises(RuntimeError):
             f(torch.randn(2, 4))
     assert cg.stats(f).captures == 2
+
+
+class _Pool:
+    """A pool id the simulated backend hands out (``new_pool``): which captures share one."""
+
+
+def _pools(sim, monkeypatch):
+    made = []
+
+    def new_pool(device):
+        made.append(_Pool())
+        return made[-1]
+
+    monkeypatch.setattr(sim, "new_pool", new_pool)
+    return made
+
+
+def test_graphs_of_one_callable_share_one_pool_when_outputs_are_copied(sim, monkeypatch):
+    made = _pools(sim, monkeypatch)
+    m = cg.graphify(nn.Linear(8, 8))
+    with torch.no_grad():
+        for b in (4, 2, 1, 4):
+            assert torch.equal(m(torch.ones(b, 8)), nn.Linear.forward(m, torch.ones(b, 8)))
+    assert cg.stats(m).captures == 3
+    assert len(made) == 1 and [g.pool for g in sim.graphs] == made * 3
+    # an invalidation releases every graph of the callable: the pool goes with them
+    m._cudagraphify_state.invalidate("test")
+    assert m._cudagraphify_state._pools == {}
+    with torch.no_grad():
+        m(torch.ones(3, 8))
+    assert len(made) == 2 and sim.graphs[-1].pool is made[1]
+
+
+def test_zero_copy_graphs_get_pools_of_their_own(sim, monkeypatch):
+    """copy_outputs=False: the caller holds a graph's outputs until that graph replays again;
+    another signature's replay must not write them, so no memory is shared."""
+    made = _pools(sim, monkeypatch)
+    m = cg.graphify(nn.Linear(8, 8), copy_outputs=False)
+    with torch.no_grad():
+        a = m(torch.ones(4, 8))
+        kept = a.clone()
+        m(torch.full((2, 8), 3.0))
+        m(torch.full((2, 8), 5.0))
+        assert torch.equal(a, kept)
+    assert made == [] and [g.pool for g in sim.graphs] == [None, None]
+
+
+def test_region_graphs_use_the_regions_pool(sim, monkeypatch):
+    made = _pools(sim, monkeypatch)
+    m = cg.graphify(nn.Linear(8, 8))
+    with torch.no_grad(), cg.graph_region():
+        m(torch.ones(4, 8))
+        m(torch.ones(2, 8))
+    assert len(made) == 1 and m._cudagraphify_state._pools == {}
+    assert [g.pool for g in sim.graphs] == made * 2

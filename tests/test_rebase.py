@@ -127,16 +127,20 @@ def test_captures_that_differ_beyond_addresses_refuse_the_family(fam):
     """A forward that bakes a value the layout does not show (here: which cache it got, by
     identity) into its kernels: the diff finds a differing scalar; every cache is captured."""
 
+    serial: dict[int, int] = {}  # (the caches are kept alive: their ids are distinct)
+
     class ByIdentity(Net):
         def forward(self, x, cache, pos):
-            return super().forward(x, cache, pos) + (id(cache) % 97)
+            return super().forward(x, cache, pos) + serial.setdefault(id(cache), len(serial))
 
     ref, g = _pair(ByIdentity)
+    kept = []
     for _ in range(4):
         rc, c = _cache(), _cache()
+        kept.append(c)
         for t in range(3):
             x, p = torch.randn(1, 1, 16), torch.tensor([t])
-            want = Net.forward(ref, x, rc, p) + id(c) % 97  # what g's forward computes
+            want = Net.forward(ref, x, rc, p) + serial.get(id(c), len(serial))  # g's result
             assert torch.equal(g(x, c, p), want)
             _register(c)
     s = cg.stats(g)
