@@ -13,6 +13,7 @@ from ._share import ShareGroup
 from ._signature import Signature, mark_static
 from ._options import Stats
 from ._policy import OpPolicy
+from ._sizes import Captured, capture_sizes
 from .api import explain, graphify, mark_safe, share_graph, stats, tag_op, ungraphify
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "ungraphify",
     "graph_region",
     "share_graph",
+    "capture_sizes",
+    "Captured",
     "ShareGroup",
     "explain",
     "mark_static",

@@ -2,7 +2,7 @@
 
     python -m cudagraphify.bench [--workloads A B C] [--columns ...] [--decode] [--quick]
                                  [--train A] [--share 12 24 48] [--sync item] [--overhead]
-                                 [--json out.json] [--chart out.png]
+                                 [--serve] [--json out.json] [--chart out.png]
     python -m cudagraphify.bench.compose [--quick] [--json compose.json]
 
 The sections, one module each:
@@ -13,6 +13,7 @@ The sections, one module each:
 - :mod:`.decode`: ``--decode``, greedy decode of an HF transformers Llama with a static cache.
 - :mod:`.sections`: ``--train``, ``--share``, ``--sync``.
 - :mod:`.overhead`: ``--overhead``, the call path's cost in µs per call against the targets.
+- :mod:`.serve`: ``--serve``, many input sizes of one model (graph memory, capture time).
 - :mod:`.compose`: FSDP2, DDP, torch.compile, checkpointing and Thunder with and without
   cudagraphify (its own command).
 - :mod:`.models`: the reference GPT the benchmark and the tests use; :mod:`._common`: timing.
@@ -33,6 +34,7 @@ import torch
 from .decode import DECODE_CPU_SIZES, bench_decode, format_decode
 from .models import WORKLOADS
 from .overhead import bench_overhead, format_overhead
+from .serve import bench_serve, format_serve
 from .sections import (SHARE_HEADING, bench_share, bench_sync, bench_training, format_share,
                        format_sync, format_training)
 from .workloads import BENCH_WORKLOADS, COLUMNS, bench_cpu, bench_workload, format_workload
@@ -66,6 +68,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--share", nargs="*", type=int, default=[], metavar="L",
                    help="also compare share_graph with per-layer graphs on workload A at these "
                         "depths (e.g. 12 24 48)")
+    p.add_argument("--serve", action="store_true",
+                   help="many input sizes of one model: graph memory of workload A at 8 batch "
+                        "sizes (by hand, capture_sizes, on demand) and the time to capture 32 "
+                        "sizes of a 16-layer HF Llama decode forward; alone (no --workloads), only "
+                        "this section")
     p.add_argument("--overhead", action="store_true",
                    help="also time the call path's overhead in µs per call (a Linear(64, 64); "
                         "hand-made graph, graphify, eager-decided calls, an HF Llama decode "
@@ -75,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.chart and importlib.util.find_spec("matplotlib") is None:
         p.error("--chart needs matplotlib: pip install matplotlib (or leave --chart out)")
-    if args.overhead and args.workloads is None:
+    if (args.overhead or args.serve) and args.workloads is None:
         args.workloads = []
     if args.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2 (the first token comes from the prefill)")
@@ -110,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                            decode_repeats=decode_repeats)
         rows.append(r)
         print(format_overhead(r), flush=True)
+    for r in bench_serve() if args.serve else []:
+        rows.append(r)
+        print(format_serve(r), flush=True)
     for sync in args.sync:
         r = bench_sync("A", WORKLOADS["A"], sync, calls, repeats)
         rows.append(r)
@@ -132,6 +142,7 @@ _GPU_ONLY = {
     "train": "a training step through forward and backward graphs",
     "share": "share_graph builds each layer's graph from a captured template",
     "sync": "graphify's piecewise plan around a host sync, against eager",
+    "serve": "graph memory and capture time of many input sizes",
 }
 
 
@@ -147,6 +158,7 @@ def _on_cpu(args, calls: int, repeats: int, decode_repeats: int) -> list[dict]:
                                  device="cpu", dtype=torch.float32, sizes=DECODE_CPU_SIZES))
         print(format_decode(rows[-1]), flush=True)
     skipped = ([("overhead", "overhead")] * args.overhead
+               + [("serve", "serve")] * args.serve
                + [(f"{name}-train", "train") for name in args.train]
                + [(f"A-share-L{depth}", "share") for depth in args.share]
                + [(f"A-{sync}", "sync") for sync in args.sync])

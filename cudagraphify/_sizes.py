@@ -1,0 +1,155 @@
+"""Capturing a list of input sizes up front (serving): :func:`capture_sizes`.
+
+A server knows the sizes it will see (batch sizes, decode widths). Captured on demand, each
+size pays its warm-up and capture on the first request of that size; captured here, they are
+paid once, before serving, largest first: the graphs of one graphed callable share one memory
+pool (see ``FirstCall._capture_inference``), and a capture reuses the memory earlier ones
+freed, so capturing the largest size first makes the smaller ones fit in its memory.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ._errors import CudagraphifyUsageError
+from ._options import Stats
+
+__all__ = ["Captured", "capture_sizes"]
+
+
+@dataclass
+class Captured:
+    """What :func:`capture_sizes` did. ``str()`` is its one-line summary."""
+
+    name: str
+    graphed: list[int] = field(default_factory=list)  # sizes that have a graph, largest first
+    eager: dict[int, str] = field(default_factory=dict)  # sizes that run eagerly, and why
+    seconds: float = 0.0
+    memory_bytes: int = 0  # device memory reserved while capturing (CUDA), else pool bytes
+
+    def __str__(self) -> str:
+        sizes = _span(self.graphed) if self.graphed else "none"
+        line = (f"cudagraphify: {self.name}: {len(self.graphed)} sizes graphed ({sizes}) in "
+                f"{self.seconds:.2f} s, {self.memory_bytes / 2**20:.1f} MB")
+        if self.eager:
+            why = next(iter(self.eager.values()))
+            line += f"; {len(self.eager)} eager ({_span(sorted(self.eager))}: {why})"
+        return line
+
+
+def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int], *,
+                  progress: bool = True) -> Captured:
+    """Capture ``target``'s graph for every size in ``sizes``, largest first.
+
+    ``target``: a graphified module or function. ``inputs(size)`` makes the call's arguments for
+    one size: a tuple (positional arguments), a dict (keyword arguments) or a single tensor.
+    Each size is called with them, under the caller's grad mode (``torch.no_grad()`` around
+    this for inference graphs), until it has a graph (a call that sets something up, such as
+    a cache's first update, is followed by another): these calls run the model, with their
+    effects. A size whose call runs eagerly is reported with the reason, not raised.
+
+    With ``progress`` (the default) a line on stderr shows the size being captured, and the
+    summary (``str()`` of the result) is printed there at the end.
+    """
+    from .api import _state_of
+
+    def stats(target):  # the callable's own counters: a piecewise plan's pieces are not its graph
+        state = _state_of(target)
+        return state.stats() if state is not None else Stats()
+
+    if not callable(inputs):
+        raise CudagraphifyUsageError(
+            f"inputs must be a function of the size that makes its arguments, got "
+            f"{type(inputs).__name__}")
+    order = _sizes(sizes)
+    _state_of(target)  # raises for anything that is not graphified
+    name = type(target).__name__ if isinstance(target, torch.nn.Module) else \
+        getattr(target, "__qualname__", type(target).__name__)
+    done = Captured(name)
+    cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+    device = torch.cuda.current_device() if cuda else None
+    reserved = torch.cuda.memory_reserved(device) if cuda else 0
+    pool_before = stats(target).graph_pool_bytes
+    t0 = time.perf_counter()
+    for n, size in enumerate(order, 1):
+        if progress:
+            print(f"\rcudagraphify: capturing {name}: size {size} ({n}/{len(order)})",
+                  end="", file=sys.stderr, flush=True)
+        why = _capture_one(target, inputs, size, stats)
+        if why is None:
+            done.graphed.append(size)
+        else:
+            done.eager[size] = why
+    done.seconds = time.perf_counter() - t0
+    if cuda or (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        device = torch.cuda.current_device() if device is None else device
+        done.memory_bytes = max(0, torch.cuda.memory_reserved(device) - reserved)
+    else:
+        done.memory_bytes = max(0, stats(target).graph_pool_bytes - pool_before)
+    if progress:
+        print(f"\r{done}", file=sys.stderr, flush=True)
+    return done
+
+
+_CALLS = 3  # calls per size at most: a set-up (a cache's first update), a deferral, the capture
+
+
+def _capture_one(target: Any, inputs: Callable[[int], Any], size: int, stats) -> str | None:
+    """Call ``target`` with ``inputs(size)`` until the call replays a graph or a graph was made
+    for it; None then, else the reason its last call ran eagerly."""
+    why = "no graph after three calls"
+    for _ in range(_CALLS):
+        args, kwargs = _arguments(inputs(size), size)
+        before = stats(target)
+        target(*args, **kwargs)
+        after = stats(target)
+        if after.captures + after.retargets > before.captures + before.retargets \
+                or after.replays > before.replays:
+            return None
+        new = {k: v - before.eager_calls.get(k, 0) for k, v in after.eager_calls.items()
+               if v > before.eager_calls.get(k, 0)}
+        if new:
+            why = next(iter(new))
+    return why
+
+
+def _arguments(made: Any, size: int) -> tuple[tuple, dict]:
+    if isinstance(made, torch.Tensor):
+        return (made,), {}
+    if isinstance(made, tuple):
+        return made, {}
+    if isinstance(made, dict) and all(isinstance(k, str) for k in made):
+        return (), made
+    raise CudagraphifyUsageError(
+        f"inputs({size}) must return a tuple of positional arguments, a dict of keyword "
+        f"arguments or a tensor, got {type(made).__name__}")
+
+
+def _sizes(sizes: Iterable[int]) -> list[int]:
+    if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Iterable):
+        raise CudagraphifyUsageError(f"sizes must be an iterable of positive ints, got {sizes!r}")
+    out = []
+    for s in sizes:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 1:
+            raise CudagraphifyUsageError(f"sizes must be positive ints, got {s!r}")
+        if s not in out:
+            out.append(s)
+    if not out:
+        raise CudagraphifyUsageError("sizes is empty")
+    return sorted(out, reverse=True)
+
+
+def _span(sizes: list[int]) -> str:
+    """``[16, 8, 4, 3, 2, 1]`` -> ``"1-4, 8, 16"``."""
+    ordered = sorted(sizes)
+    parts, start = [], ordered[0]
+    for a, b in zip(ordered, ordered[1:] + [None]):
+        if b != a + 1:
+            parts.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ", ".join(parts)
