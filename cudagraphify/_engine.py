@@ -328,6 +328,8 @@ class GraphedState:
     def _record(self, outcome: Outcome, backend, region, cache: GraphCache, key, leaves: list,
                 fn, args, kwargs) -> Any:
         kind = outcome.kind
+        if kind != GRAPHED and self._pools and region is None and not self.cache.graphs(self):
+            self._pools.clear()  # a failed capture's memory goes with its pool
         if kind == GRAPHED:
             return self._record_graph(outcome, backend, region, cache, key, leaves, fn, args,
                                       kwargs)
@@ -377,6 +379,10 @@ class GraphedState:
         if region is not None:
             region.record_capture(entry)
         evicted = cache.put(key, entry)
+        if evicted and region is None:
+            # the pool holds the evicted graphs' memory until its last graph is gone: later
+            # captures go to a new pool, so that eviction gives memory back
+            self._pools.clear()
         for obj in outcome.states if hasattr(entry, "on_release") else ():
             # keyed by the addresses its tensors had: once it dies the graph is dead weight
             ref = weakref.ref(entry)

@@ -398,13 +398,15 @@ class FirstCall:
                 pool = region.pool(self.backend, self.device)
             elif state.share is not None:
                 pool = state.share.group.pool(self.backend, self.device)
-            elif state.options.copy_outputs is True:
+            elif state.options.copy_outputs is True and not state.policy.shared:
                 # one pool for this callable's graphs (they never run at once, and their
                 # outputs are copied out): a capture reuses what earlier ones freed
                 pool = state.pool(self.backend, self.device)
             else:
                 # (copy_outputs=False: the caller holds a graph's outputs until that graph's
-                # next replay, and another graph's replay must not write them)
+                # next replay, and another graph's replay must not write them; a shared
+                # policy: another callable replays this one's graphs, ordered on its own
+                # stream only, so two of them may run at once)
                 pool = None
             raw, out = self.backend.capture(lambda: fn(*a, **kw), self.device, pool=pool)
         seq, forget = None, None

@@ -31,6 +31,7 @@ class Captured:
     eager: dict[int, str] = field(default_factory=dict)  # sizes that run eagerly, and why
     seconds: float = 0.0
     memory_bytes: int = 0  # device memory reserved while capturing (CUDA), else pool bytes
+    evicted: int = 0  # graphs these captures evicted (made earlier, by other calls)
 
     def __str__(self) -> str:
         sizes = _span(self.graphed) if self.graphed else "none"
@@ -39,6 +40,8 @@ class Captured:
         if self.eager:
             why = next(iter(self.eager.values()))
             line += f"; {len(self.eager)} eager ({_span(sorted(self.eager))}: {why})"
+        if self.evicted:
+            line += f"; evicted {self.evicted} graphs made before (max_graphs is full)"
         return line
 
 
@@ -67,14 +70,19 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
             f"inputs must be a function of the size that makes its arguments, got "
             f"{type(inputs).__name__}")
     order = _sizes(sizes)
-    _state_of(target)  # raises for anything that is not graphified
+    room = _max_graphs(target, _state_of(target))  # (raises for what is not graphified)
+    if len(order) > room:
+        raise CudagraphifyUsageError(
+            f"{len(order)} sizes, but the callable keeps at most {room} graphs (max_graphs): "
+            f"the later captures would evict the earlier ones; graphify it with "
+            f"max_graphs={len(order)} or more")
     name = type(target).__name__ if isinstance(target, torch.nn.Module) else \
         getattr(target, "__qualname__", type(target).__name__)
     done = Captured(name)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     device = torch.cuda.current_device() if cuda else None
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
-    pool_before = stats(target).graph_pool_bytes
+    before = stats(target)
     t0 = time.perf_counter()
     for n, size in enumerate(order, 1):
         if progress:
@@ -90,10 +98,23 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
         device = torch.cuda.current_device() if device is None else device
         done.memory_bytes = max(0, torch.cuda.memory_reserved(device) - reserved)
     else:
-        done.memory_bytes = max(0, stats(target).graph_pool_bytes - pool_before)
+        done.memory_bytes = max(0, stats(target).graph_pool_bytes - before.graph_pool_bytes)
+    done.evicted = stats(target).evictions - before.evictions
     if progress:
         print(f"\r{done}", file=sys.stderr, flush=True)
     return done
+
+
+def _max_graphs(target: Any, state: Any) -> int:
+    """How many graphs ``target`` keeps (its state's policy, or its options before its first
+    call made the state)."""
+    from ._wrap import graphed_forward
+
+    if state is not None:
+        return state.policy.max_graphs
+    fwd = graphed_forward(target) if isinstance(target, torch.nn.Module) else target
+    options = fwd._self_dispatch.options
+    return options.cache_policy.max_graphs if options.cache_policy else options.max_graphs
 
 
 _CALLS = 3  # calls per size at most: a set-up (a cache's first update), a deferral, the capture

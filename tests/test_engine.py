@@ -1355,3 +1355,23 @@ def test_region_graphs_use_the_regions_pool(sim, monkeypatch):
         m(torch.ones(2, 8))
     assert len(made) == 1 and m._cudagraphify_state._pools == {}
     assert [g.pool for g in sim.graphs] == made * 2
+
+
+def test_an_eviction_starts_a_new_pool_and_a_failed_capture_drops_its_own(sim, monkeypatch):
+    made = _pools(sim, monkeypatch)
+    m = cg.graphify(nn.Linear(8, 8), max_graphs=2)
+    with torch.no_grad():
+        for b in (1, 2, 3, 4):
+            m(torch.ones(b, 8))
+    # 1 and 2 in the first pool; 3 too (its put evicts 1: the pool retires); 4 in a new one
+    assert [g.pool for g in sim.graphs] == [made[0]] * 3 + [made[1]]
+    assert cg.stats(m).evictions == 2
+
+    def failing(fn, device, pool=None, keep_graph=False):
+        raise cg._capture.CaptureFailed("boom", False)
+
+    monkeypatch.setattr(sim, "capture", failing)
+    f = cg.graphify(nn.Linear(8, 8))
+    with torch.no_grad():
+        f(torch.ones(2, 8))
+    assert cg.stats(f).captures == 0 and f._cudagraphify_state._pools == {}

@@ -1,9 +1,9 @@
 """The serving rows of the benchmark (``--serve``): many input sizes of one model.
 
-- ``A-sizes``: workload A's GPT at 8 batch sizes (1-16). Graph memory (reserved, after
-  ``empty_cache``) of: graphs captured by hand largest first into one pool (the floor), every
-  size through ``capture_sizes`` (largest first), and every size captured on demand by
-  ``graphify``, smallest first. Outputs are compared with eager, bitwise.
+- ``A-sizes``: workload A's GPT at 8 batch sizes (1-16). Graph memory (the segments of graph
+  memory pools, after ``empty_cache``) of: graphs captured by hand largest first into one
+  pool (the floor), every size through ``capture_sizes`` (largest first), and every size
+  captured on demand by ``graphify``, smallest first. Outputs are compared with eager, bitwise.
 - ``llama-sizes``: an HF Llama (16 layers, hidden 512, bf16; random weights) decode-shaped
   forward (``input_ids`` of shape (B, 1), no cache) at 32 batch sizes through
   ``capture_sizes``: seconds (warm-up and capture), memory.
@@ -26,15 +26,21 @@ LLAMA = dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=16,
              num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)
 
 
-def _reserved_mb(before: int) -> float:
+def _pools_bytes() -> int:
+    """Bytes reserved by graph memory pools (not the default pool), after freeing what can be
+    freed: the graphs' memory alone, whatever eager calls left cached."""
     free_memory()
-    return (torch.cuda.memory_reserved() - before) / 2**20
+    return sum(s["total_size"] for s in torch.cuda.memory._snapshot()["segments"]
+               if tuple(s["segment_pool_id"]) != (0, 0))
+
+
+def _reserved_mb(before: int) -> float:
+    return (_pools_bytes() - before) / 2**20
 
 
 def _hand_pool_mb(model, inputs: dict) -> float:
     """Graphs of every size captured by hand into one pool, largest first (MB reserved)."""
-    free_memory()
-    before = torch.cuda.memory_reserved()
+    before = _pools_bytes()
     graphs, pool = [], None
     side = torch.cuda.Stream()
     for b in sorted(inputs, reverse=True):
@@ -62,9 +68,8 @@ def _graphify_mb(base, inputs: dict, up_front: bool) -> tuple[float, float, bool
 
     import cudagraphify as cg
 
-    free_memory()
     model = cg.graphify(copy.deepcopy(base))
-    before = torch.cuda.memory_reserved()
+    before = _pools_bytes()
     t0 = time.perf_counter()
     if up_front:
         done = cg.capture_sizes(model, lambda b: (inputs[b],), list(inputs), progress=False)
@@ -128,11 +133,10 @@ def _llama_sizes() -> dict:
     config = transformers.LlamaConfig(**LLAMA)
     base = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     ids = {b: torch.randint(0, config.vocab_size, (b, 1), device="cuda") for b in LLAMA_SIZES}
-    model = cg.graphify(copy.deepcopy(base))
+    model = cg.graphify(copy.deepcopy(base), max_graphs=len(LLAMA_SIZES))
     with torch.no_grad():
         base(input_ids=ids[1], use_cache=False)  # (lazy initialisation: not the captures')
-        free_memory()
-        before = torch.cuda.memory_reserved()
+        before = _pools_bytes()
         progress(f"llama-sizes: capture_sizes of {len(LLAMA_SIZES)} sizes")
         t0 = time.perf_counter()
         done = cg.capture_sizes(model, lambda b: {"input_ids": ids[b], "use_cache": False},
