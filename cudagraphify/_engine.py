@@ -25,7 +25,7 @@ from __future__ import annotations
 import collections
 import threading
 import weakref
-from typing import Any, Callable, Hashable
+from typing import Any, Callable
 
 import torch
 
@@ -40,7 +40,6 @@ from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
 from ._rebase import Families
-from ._setup import SetUps
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
 from ._writes import inputs_alias
@@ -117,7 +116,6 @@ class GraphedState:
         # graphs keyed to static state, rebased to a new state's memory (see _rebase)
         self.families = Families()
         self._pools: dict = {}  # device index -> the memory pool of this callable's graphs
-        self.set_ups = SetUps()  # static caches' set-ups, done ahead (see _setup)
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
     def __deepcopy__(self, memo) -> None:
@@ -204,16 +202,9 @@ class GraphedState:
                                "save_on_cpu): they must see the forward's own tensors, which a "
                                "graph keeps to itself", fn, args, kwargs)
         cache = region.cache_for(self) if region is not None else self.cache
-        key = self._key(sig)
-        if sig.static_states and self.set_ups and \
-                self.set_ups.prepare(key, [leaves[i] for i in sig.static_states]):
-            # a static cache set up ahead, as an earlier call like this one set it up (see
-            # _setup): the call is now an ordinary one
-            sig, leaves, static_flags = build_signature(args, kwargs, self.static_positions,
-                                                        self.static_names)
-            if isinstance(sig, Unkeyable):
-                return self._eager(sig.reason, fn, args, kwargs)
-            key = self._key(sig)
+        key = self.policy.full_key(sig)
+        if sig.state.grad and self.statics.tensors:  # which parameters require grad
+            key = (key, self.statics.grad_pattern())
         for entry in cache.get(key):
             owner = entry.owner
             if owner is not self:
@@ -254,12 +245,6 @@ class GraphedState:
         finally:
             self.warmup_seconds += first.warmup_seconds
         return self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs)
-
-    def _key(self, sig) -> Hashable:
-        key = self.policy.full_key(sig)
-        if sig.state.grad and self.statics.tensors:  # which parameters require grad
-            key = (key, self.statics.grad_pattern())
-        return key
 
     def _training_refused(self) -> str | None:
         """Why grad-mode calls run eagerly (a backward cannot follow), or None."""
@@ -462,7 +447,6 @@ class GraphedState:
         self._retired_copies += sum(g.input_copies for g in graphs)
         self.cache.clear(owner=self)
         self.families.release()  # after the graphs made from the templates
-        self.set_ups.clear()  # (what a set-up makes depends on the parameters' dtype, device)
         self._pools.clear()  # (a pool lives while a graph captured into it does)
 
     def pool(self, backend, device: torch.device):

@@ -34,7 +34,6 @@ from ._nested import Nested
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
 from ._rehearsal import rehearse
-from ._setup import SetUps
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
 from ._signature import Signature, storage_of, unflatten_call
@@ -140,7 +139,6 @@ class FirstCall:
         passed = self.objects + self.states
         before_objects = StateGuard([], objects=passed) if passed else None
         tensors_before = {id(t) for _, obj in passed for t in _tensors_in(obj)}
-        inits = SetUps.initialised([obj for _, obj in self.states]) if self.states else None
         rng = _rng_offset(self.device) if self.states else None
         t0 = time.perf_counter()
         with Nested(), recording(rec):
@@ -184,8 +182,6 @@ class FirstCall:
             # count) has a side effect on every call, which the capture's check refuses
             if any(id(t) not in tensors_before for t in _tensors_in(obj)):
                 self.set_up = (where, id(obj) in states)
-                if inits is not None:  # done ahead for later calls like this one
-                    self.state.set_ups.record(self.key, [obj for _, obj in self.states], inits)
             else:
                 self.side_effect = where
         del before_objects
