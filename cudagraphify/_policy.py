@@ -65,9 +65,27 @@ NON_OP_CALLS: dict[str, tuple[str, ...]] = {
 }
 
 
+_names: dict[Any, str] = {}  # op_name's answers (the probe asks for every op it records)
+
+
 def op_name(func: Any) -> str:
     if isinstance(func, str):
         return func
+    try:
+        return _names[func]
+    except (KeyError, TypeError):  # (TypeError: an unhashable callable)
+        pass
+    name = _op_name(func)
+    try:
+        if len(_names) >= 4096:
+            _names.clear()
+        _names[func] = name
+    except TypeError:
+        pass
+    return name
+
+
+def _op_name(func: Any) -> str:
     name = getattr(func, "__name__", None) or repr(func)
     if name == "__get__" and hasattr(getattr(func, "__self__", None), "__name__"):
         return f"Tensor.{func.__self__.__name__}"  # a property read, such as Tensor.shape
@@ -158,6 +176,22 @@ def _to_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset) -> set:
         if _on_device(args[0], accel) != _on_device(args[1], accel):
             return {"CROSS_DEVICE"}
     return set()
+
+
+_RULED = frozenset(_PROTOCOL_SYNC | _DYNAMIC | _INDEXING | _DROPOUT | _FACTORY_FROM_DATA | {
+    torch.where, T.where, torch.repeat_interleave, T.repeat_interleave, T.cpu, T.cuda, T.to,
+    T.copy_, T.pin_memory})  # the functions builtin_tags has a rule for
+_untagged: dict[Any, bool] = {}
+_NONE: frozenset = frozenset()
+
+
+def _never_tagged(func: Any) -> bool:
+    """True when no rule of :func:`builtin_tags` and no aten tag applies to ``func`` (given no
+    ``generator=`` or ``pin_memory=``), whatever its arguments: most ops (cached)."""
+    hit = _untagged.get(func)
+    if hit is None:
+        hit = _untagged[func] = func not in _RULED and not torch_op_tags(func)
+    return hit
 
 
 def builtin_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset = ACCEL) -> set:
@@ -288,6 +322,9 @@ class OpPolicy:
         """Every tag name of one call (see the module docs for the sources, in order)."""
         kwargs = kwargs or {}
         own = self._overrides.get(func)
+        if own is None and not thunder and _never_tagged(func) and (
+                not kwargs or ("generator" not in kwargs and "pin_memory" not in kwargs)):
+            return _NONE  # (what the rules below find for it)
         if own is not None and "SAFE" in own:
             return own
         found = set(own or ()) | builtin_tags(func, args, kwargs, accel)
