@@ -6,6 +6,7 @@
 See README.md for how it decides what to capture and when a graph applies.
 """
 
+from ._bucket import Bucketed, bucketed
 from ._cache import CachePolicy
 from ._errors import CudagraphifyError, CudagraphifyUsageError, CudagraphifyWarning
 from ._region import GraphRegion, graph_region
@@ -22,6 +23,8 @@ __all__ = [
     "graph_region",
     "share_graph",
     "capture_sizes",
+    "bucketed",
+    "Bucketed",
     "Captured",
     "ShareGroup",
     "explain",

@@ -376,3 +376,9 @@ def test_serve_rows_in_words():
     assert "capture_sizes 63.0 MB (1.05x hand" in a and "on demand smallest first 70.0 MB" in a
     assert format_serve({"workload": "llama-sizes", "error": "boom"}) == \
         "llama-sizes: error: boom"
+    b = format_serve({"workload": "A-buckets", "sizes": "1-16", "buckets": [2, 4, 8, 16],
+                      "eager_us": 900.0, "exact_us": 120.0, "exact_graphs": 16,
+                      "exact_mb": 40.0, "bucketed_us": 140.0, "bucketed_graphs": 4,
+                      "bucketed_mb": 12.0, "refused": 0, "bucketed_max_diff": 1e-6,
+                      "exact_max_diff": 0.0})
+    assert "bucketed 140 (4 graphs of [2, 4, 8, 16], 12.0 MB, 0 buckets refused)" in b

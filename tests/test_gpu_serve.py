@@ -127,3 +127,35 @@ def test_capture_sizes_of_a_function_with_a_buffer_it_writes():
             assert torch.equal(f(x), f_ref(x))
     assert torch.equal(count, count_ref)
     assert cg.stats(f).replays == 3
+
+
+def test_bucketed_batches_replay_the_bucket_graphs():
+    """Batches 1-16 through buckets 4, 8, 16 captured up front: every output close to eager's
+    on its own rows (a padded shape may pick another kernel), and only the three graphs."""
+    ref, g = _pair()
+    b = cg.bucketed(g, [4, 8, 16])
+    with torch.no_grad():
+        cg.capture_sizes(g, lambda n: (_x(n, seed=n),), b.sizes, progress=False)
+        for rnd in range(2):
+            for n in range(1, 17):
+                x = _x(n, seed=1000 * rnd + n)
+                got, want = b(x), ref(x)
+                assert got.shape == want.shape
+                torch.testing.assert_close(got, want)
+    s = cg.stats(g)
+    assert (s.captures, s.graphs) == (3, 3), s
+    # per bucket one check (eager on the call's rows, then padded): the rest replays
+    assert len(b.verified) == 3 and not b.refused
+    assert s.replays >= 2 * 16 - 3, s
+
+
+def test_bucketed_refuses_a_batch_that_interacts_on_the_gpu():
+    torch.manual_seed(0)
+    lin = nn.Linear(8, 8).to(DEV)
+    g = cg.graphify(lambda x: torch.softmax(lin(x), dim=0))  # across the batch
+    b = cg.bucketed(g, [4])
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 8, device=DEV)
+            assert torch.equal(b(x), torch.softmax(lin(x), dim=0))
+    assert b.refused and not b.verified and b.padded_calls == 1

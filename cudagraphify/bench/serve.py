@@ -4,6 +4,9 @@
   memory pools, after ``empty_cache``) of: graphs captured by hand largest first into one
   pool (the floor), every size through ``capture_sizes`` (largest first), and every size
   captured on demand by ``graphify``, smallest first. Outputs are compared with eager, bitwise.
+- ``A-buckets``: workload A at every batch size 1-16 through ``bucketed`` over 4 bucket
+  graphs, against a graph per size and eager: mean µs per call, graph memory, the largest
+  difference from eager.
 - ``llama-sizes``: an HF Llama (16 layers, hidden 512, bf16; random weights) decode-shaped
   forward (``input_ids`` of shape (B, 1), no cache) at 32 batch sizes through
   ``capture_sizes``: seconds (warm-up and capture), memory.
@@ -96,6 +99,10 @@ def bench_serve() -> list[dict]:
     except Exception as e:  # noqa: BLE001 - a row that failed says why
         rows.append({"workload": "A-sizes", "error": error_text(e)})
     try:
+        rows.append(_a_buckets())
+    except Exception as e:  # noqa: BLE001
+        rows.append({"workload": "A-buckets", "error": error_text(e)})
+    try:
         rows.append(_llama_sizes())
     except Exception as e:  # noqa: BLE001
         rows.append({"workload": "llama-sizes", "error": error_text(e)})
@@ -118,6 +125,50 @@ def _a_sizes() -> dict:
             _graphify_mb(base, inputs, False)
     row["up_front_over_hand"] = row["up_front_mb"] / row["hand_mb"]
     row["on_demand_over_hand"] = row["on_demand_mb"] / row["hand_mb"]
+    return row
+
+
+BUCKETS = [2, 4, 8, 16]
+
+
+def _a_buckets() -> dict:
+    """Workload A at every batch size 1-16: ``bucketed`` over 4 bucket graphs vs a graph per
+    size (both captured up front) vs eager: the mean µs per call over the 16 sizes, graph
+    memory, and the largest difference from eager's output (padded shapes may pick other
+    kernels)."""
+    import cudagraphify as cg
+
+    from ._common import time_per_call
+
+    cfg = WORKLOADS["A"]
+    base, x = model_and_input(cfg, "cuda")
+    sizes = list(range(1, 17))
+    inputs = {b: torch.randn(b, *x.shape[1:], device="cuda", dtype=x.dtype) for b in sizes}
+    row: dict = {"workload": "A-buckets", "sizes": "1-16", "buckets": BUCKETS}
+
+    def mean_us(fn) -> float:
+        return sum(time_per_call(fn, inputs[b], 50, 3, torch.cuda.synchronize)
+                   for b in sizes) / len(sizes)
+
+    with torch.no_grad():
+        progress("A-buckets: eager")
+        row["eager_us"] = mean_us(base)
+        for name, graph_sizes in (("exact", sizes), ("bucketed", BUCKETS)):
+            progress(f"A-buckets: {name}")
+            model = cg.graphify(copy.deepcopy(base))
+            before = _pools_bytes()
+            cg.capture_sizes(model, lambda b: (inputs[b],), graph_sizes, progress=False)
+            row[f"{name}_mb"] = _reserved_mb(before)
+            fn = cg.bucketed(model, BUCKETS) if name == "bucketed" else model
+            row[f"{name}_max_diff"] = max(float((fn(inputs[b]) - base(inputs[b])).abs().max())
+                                          for b in sizes)
+            row[f"{name}_us"] = mean_us(fn)
+            row[f"{name}_graphs"] = cg.stats(model).graphs
+            if name == "bucketed":
+                row["refused"] = len(fn.refused)
+            cg.ungraphify(model)
+            del model, fn
+            free_memory()
     return row
 
 
@@ -164,6 +215,13 @@ def format_serve(r: dict) -> str:
                 f"({r['up_front_over_hand']:.2f}x hand, {r['up_front_s']:.2f} s, equal to eager "
                 f"{r['up_front_equal']}); on demand smallest first {r['on_demand_mb']:.1f} MB "
                 f"({r['on_demand_over_hand']:.2f}x, equal {r['on_demand_equal']})")
+    if r["workload"] == "A-buckets":
+        return (f"A-buckets batches {r['sizes']}: mean µs per call eager {r['eager_us']:.0f}, "
+                f"a graph per size {r['exact_us']:.0f} ({r['exact_graphs']} graphs, "
+                f"{r['exact_mb']:.1f} MB), bucketed {r['bucketed_us']:.0f} ({r['bucketed_graphs']}"
+                f" graphs of {r['buckets']}, {r['bucketed_mb']:.1f} MB, {r['refused']} buckets "
+                f"refused); largest difference from eager {r['bucketed_max_diff']:.2e} "
+                f"(a graph per size {r['exact_max_diff']:.2e})")
     return (f"llama-sizes {r['sizes']} (16 layers, hidden 512, bf16, (B, 1) ids): "
             f"{r['graphed']} graphed, {r['eager']} eager in {r['seconds']:.2f} s (warm-up "
             f"{r['warmup_s']:.2f} s, capture {r['capture_s']:.2f} s), {r['mb']:.1f} MB; "
