@@ -83,11 +83,34 @@ def test_a_bucket_where_rows_interact_runs_unpadded(sim):
             out = b(x)
         assert torch.equal(out, ref(x))  # the check's own result: eager, unpadded
         (why,) = b.refused.values()
-        assert "differs from eager when padded" in why
+        assert "real rows change with the padding rows' values" in why
         for _ in range(3):
             x = torch.randn(3, 6)
             assert torch.equal(b(x), ref(x))  # unpadded from then on (its own graph)
-    assert not b.verified and b.padded_calls == 1
+    assert not b.verified and b.padded_calls == 2  # the check's two paddings
+
+
+def test_an_interaction_the_last_row_hides_is_seen_by_the_zero_rows(sim, quiet):
+    """Each row minus the batch maximum: repeating the last row leaves the maximum as it is,
+    zero rows change it where every real value is negative."""
+    g = cg.graphify(lambda x: x - x.max(0, keepdim=True).values)
+    b = cg.bucketed(g, [4])
+    x = -torch.rand(3, 5) - 0.1
+    assert torch.equal(b(x), x - x.max(0, keepdim=True).values)
+    (why,) = b.refused.values()
+    assert "rows interact" in why
+
+
+def test_a_zero_copy_target_is_checked_on_copies(sim, quiet):
+    """copy_outputs=False: a replay writes the same output memory; the check keeps copies
+    (else both paddings would read as the same)."""
+    g = cg.graphify(lambda x: x - x.mean(0, keepdim=True), copy_outputs=False)
+    b = cg.bucketed(g, [4])
+    with torch.no_grad():
+        for _ in range(2):
+            g(torch.randn(4, 5))  # its graph of 4 rows, captured
+        b(torch.randn(3, 5))
+    assert b.refused and not b.verified
 
 
 def test_an_output_without_the_batch_is_refused(sim, quiet):
