@@ -78,13 +78,14 @@ def _plain(v: Any) -> bool:
 
 
 def first_difference(a: torch.nn.Module, b: torch.nn.Module,
-                     ignore: Iterable[str] = ()) -> str | None:
+                     ignore: Iterable[str] = (), attrs: bool = True) -> str | None:
     """The first structural difference between two layers, in words (None if identical).
 
     Compared: classes and submodule names, ``training``, every parameter and buffer's shape,
-    dtype, stride, device, requires_grad and storage layout, and plain attributes (numbers,
-    strings, dtypes, tuples of them) except those named in ``ignore`` (``"self_attn.layer_idx"``
-    or a bare attribute name). Other attribute types cannot be compared and are not.
+    dtype, stride, device, requires_grad and storage layout, and (``attrs``) plain attributes
+    (numbers, strings, dtypes, tuples of them) except those named in ``ignore``
+    (``"self_attn.layer_idx"`` or a bare attribute name). Other attribute types cannot be
+    compared and are not.
     """
     ignore = set(ignore)
     if type(a) is not type(b):
@@ -114,10 +115,9 @@ def first_difference(a: torch.nn.Module, b: torch.nn.Module,
             vb = sb.__dict__.get(attr, _Missing)
             if vb is _Missing:
                 return f"{where}: attribute {attr} only on the first layer"
-            if _plain(va) and _plain(vb) and va != vb:
+            if attrs and _plain(va) and _plain(vb) and va != vb:
                 path = f"{name}.{attr}" if name else attr
-                return (f"{path}: {va!r} vs {vb!r} (if it does not change what forward "
-                        f"computes, pass ignore_attrs=({path!r},))")
+                return f"{path}: {va!r} vs {vb!r}"
     return None
 
 
@@ -139,6 +139,7 @@ class _Template:
     reads: dict = field(default_factory=dict)  # what the template layer's forward read
     edges: Any = None
     again: list | None = None  # a second capture of the template layer (padding bytes)
+    call: tuple = ((), {})  # the template's capture arguments (on ``inputs``): for proofs
 
 
 class ShareGroup:
@@ -200,6 +201,15 @@ class ShareGroup:
             try:
                 differs = _reads_differ(t.reads, _reads_of(self.layers[k], guard))
                 if differs is not None:  # the template layer's own values may have changed too
+                    differs = f"read values its template layer did not ({differs})"
+                else:
+                    # a plain attribute of its own (HF's layer_idx): whether forward reads it
+                    # is not taken on trust from what the recorder saw
+                    differs = first_difference(self.layers[t.layer], self.layers[k],
+                                               self.ignore_attrs)
+                    if differs is not None:
+                        differs = f"has attributes of its own ({differs})"
+                if differs is not None:
                     self._prove(t, k, a, kw, backend, device, differs)
                 return self._retarget(t, k, leaves, backend, device, expected)
             except Refused as e:
@@ -232,7 +242,7 @@ class ShareGroup:
         self.captures += 1
         self.capture_seconds += raw.capture_seconds
         t = _Template(raw, k, [], None, Storages.of(layer), _layout(layer), inputs, out,
-                      reads=_reads_of(layer, guard))
+                      reads=_reads_of(layer, guard), call=(a, kw))
         try:
             if len(self.layers) < 2:
                 raise Refused("one layer: nothing to share")
@@ -330,6 +340,7 @@ class ShareGroup:
         layer = self.layers[k]
         forward = self._forward_of(layer)
         pool = self.pool(backend, device)
+        a, kw = t.call  # on the template's inputs: its graph reads them, as layer k's will
         raw, _ = backend.capture(lambda: forward(*a, **kw), device, pool=pool, keep_graph=True)
         self.captures += 1
         self.capture_seconds += raw.capture_seconds
@@ -339,8 +350,8 @@ class ShareGroup:
             plan_rebase(t.nodes, nodes, t.edges, edges, t.storages, Storages.of(layer),
                         pool_mem, t.again, None if self.strict else device_mem)
         except Refused as e:
-            raise Refused(f"layer {k} read values its template layer did not ({differs}) and "
-                          f"its own capture differs from the template's: {e}") from None
+            raise Refused(f"layer {k} {differs} and its own capture differs from the "
+                          f"template's: {e}") from None
         except DriverError as e:
             raise Refused(f"reading layer {k}'s capture failed: {e}") from None
         finally:
@@ -486,7 +497,9 @@ def check_layers(layers: Any, ignore_attrs: tuple[str, ...]) -> list[torch.nn.Mo
         if share_of(layer) is not None:
             raise CudagraphifyUsageError(f"share_graph: layer {i} already shares a graph")
     for i, layer in enumerate(layers[1:], 1):
-        diff = first_difference(layers[0], layer, ignore_attrs)
+        # (plain attributes that differ, as HF's layer_idx, are proven per layer when its
+        # graph is made: ShareGroup.make)
+        diff = first_difference(layers[0], layer, ignore_attrs, attrs=False)
         if diff is not None:
             raise CudagraphifyError(f"share_graph: layer {i} differs from layer 0: {diff}")
     return layers

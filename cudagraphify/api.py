@@ -271,8 +271,10 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
     """Capture once and replay across identical layers, each with its own weights.
 
     ``layers`` is an ``nn.ModuleList`` or a sequence of modules of one structure (class,
-    submodules, parameter and buffer shapes/dtypes/strides, plain attributes; a difference is an
-    error naming it). Each layer is graphified in place with ``options`` (those of
+    submodules, parameter and buffer shapes/dtypes/strides; a difference is an error naming
+    it). Plain attributes may differ (HF's ``layer_idx``): each layer whose attributes differ
+    from the template layer's is captured once and diffed against the template, and shares it
+    only where its own capture proves the difference changed no kernel argument. Each layer is graphified in place with ``options`` (those of
     :func:`graphify`); calling any layer, as the parent's usual loop does, replays the shared
     capture: per input signature the first layer called is captured once (plus one capture of
     a second layer, to tell weight addresses from other bytes), and every layer gets a copy of
@@ -284,8 +286,9 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
     captures its own graph in one memory pool shared by the group.
 
     Args:
-        ignore_attrs: plain attributes allowed to differ between layers because forward does
-            not use them, as ``"self_attn.layer_idx"`` (path inside the layer) or a bare name.
+        ignore_attrs: plain attributes declared unused by forward, as
+            ``"self_attn.layer_idx"`` (path inside the layer) or a bare name: a layer that
+            differs from the template only in them is not captured to prove it.
         strict: refuse sharing when two layers' captures differ in a kernel argument that is
             neither a rebased address nor proven capture-dependent nor one byte long (an empty
             functor's byte, counted as unproven) (default). ``strict=False``

@@ -84,11 +84,12 @@ def test_a_parameter_difference_names_the_fields_that_differ():
 
 
 def test_share_graph_refuses_bad_input_with_the_first_difference():
-    layers = _stack()
-    with pytest.raises(cg.CudagraphifyError, match=r"layer 1 differs from layer 0: layer_idx: 0 vs 1"):
+    layers = nn.ModuleList([Layer(), Layer(), Layer(d=5)])
+    with pytest.raises(cg.CudagraphifyError, match=r"layer 2 differs from layer 0: lin.weight"):
         cg.share_graph(layers)
     assert all("forward" not in m.__dict__ for m in layers)  # nothing was installed
-    group = cg.share_graph(layers, ignore_attrs="layer_idx")
+    layers = _stack()  # a plain attribute per layer (layer_idx): proven per layer, not refused
+    group = cg.share_graph(layers)
     assert isinstance(group, cg.ShareGroup) and len(group.layers) == 3
     with pytest.raises(cg.CudagraphifyError, match="already shares"):
         cg.share_graph(layers, ignore_attrs="layer_idx")

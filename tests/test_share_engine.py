@@ -246,6 +246,87 @@ def test_a_per_layer_scalar_is_refused_when_strict_and_caught_otherwise(reading)
                 "does not equal its eager output") in why, (strict, why)
 
 
+class _Indexed(nn.Module):
+    """As an HF decoder layer: a ``layer_idx`` of its own, and (``use``) forward reads it."""
+
+    def __init__(self, idx: int, use: str = ""):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.layer_idx, self.use = idx, use
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.use == "scale":
+            y = y * (1.0 + self.layer_idx)
+        elif self.use == "clamp":  # a threshold the first input does not reach
+            y = y.clamp(max=100.0 - 10.0 * self.layer_idx)
+        elif self.use == "unseen":  # read where the attribute recorder does not look
+            y = y.clamp(max=100.0 - 10.0 * self.__dict__["layer_idx"])
+        return y
+
+
+def _indexed(use: str, n: int = 4):
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_Indexed(i, use) for i in range(n))
+    ref = copy.deepcopy(layers)
+    _register(layers)
+    return layers, ref, cg.share_graph(layers)  # no options
+
+
+def test_a_layer_index_forward_does_not_use_is_shared_with_no_option(reading):
+    layers, ref, group = _indexed("")
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for _ in range(2):
+            for m, r in zip(layers, ref):
+                torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
+    s = group.stats()
+    # every layer shares the template; each layer whose attributes differ from the template
+    # layer's was captured once and diffed (template, partner, three proofs)
+    assert (s.retargets, s.per_layer, s.captures) == (4, 0, 5), s
+
+
+@pytest.mark.parametrize("use", ["scale", "clamp"])
+def test_a_layer_index_forward_uses_is_caught_by_each_layers_proof(reading, use):
+    """A per-layer value in a kernel argument: the template/partner diff sees it (scale), or,
+    where template and partner agree on the first input (a clamp never reached), each
+    layer's own proof does; outputs always equal eager, on every later input too."""
+    layers, ref, group = _indexed(use)
+    with torch.no_grad():
+        for x in (torch.randn(2, 8), torch.full((2, 8), 50.0), torch.randn(2, 8) * 100):
+            for _ in range(2):
+                for m, r in zip(layers, ref):
+                    torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
+    s = group.stats()
+    assert s.per_layer >= 3, s
+    assert any("not a rebased parameter address" in r for r in s.reasons), s.reasons
+
+
+@pytest.mark.parametrize("use", ["clamp", "unseen"])
+def test_a_later_layer_whose_value_differs_from_an_agreeing_pair_is_proven(reading, use):
+    """Template and partner agree (0, 0), a later layer differs (a clamp its first input does
+    not reach): that layer's own proof refuses it, whether the attribute read was recorded
+    ("read values") or not ("attributes of its own"); the others share; eager's results on an
+    input that reaches the clamp."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(_Indexed(i, use) for i in (0, 0, 5, 0))
+    ref = copy.deepcopy(layers)
+    _register(layers)
+    group = cg.share_graph(layers)
+    with torch.no_grad():
+        for x in (torch.randn(2, 8), torch.randn(2, 8) * 100):
+            for _ in range(2):
+                for m, r in zip(layers, ref):
+                    torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
+    s = group.stats()
+    assert (s.retargets, s.per_layer) == (3, 1), s
+    (why,) = s.reasons
+    seen = "read values its template layer did not" if use == "clamp" else \
+        "has attributes of its own"
+    assert why.startswith(f"layer 2 {seen} (layer_idx: 0 vs 5)"), why
+    assert "not a rebased parameter address" in why
+
+
 def test_templates_are_capped_and_release_frees_everything(reading):
     torch.manual_seed(0)
     ref = GPT(32, 2, 3).eval()
