@@ -628,10 +628,14 @@ class FirstCall:
         mine = set(self._persistent()) | second.produced
         mine.update(storage_of(x) for x in self.leaves if isinstance(x, torch.Tensor))
         mine.update(storage_of(x) for x in entry.static_leaves())
-        return [Finding("", "return", ("OUTSIDE_TENSOR",),
-                        f"forward returns a {tuple(t.shape)} tensor that is not an argument, "
-                        "parameter, buffer or module attribute (a global or a closure "
-                        "variable?): pass it as an argument or register it as a buffer")
+        held = {storage_of(t) for _, obj in self.objects + self.states for t in _tensors_in(obj)}
+        return [Finding("", "return", ("OUTSIDE_TENSOR",), (
+                    f"forward returns a {tuple(t.shape)} tensor of an object passed as it is "
+                    "(a cache's own tensor): a graph would hand out a copy, not that tensor")
+                    if storage_of(t) in held else (
+                    f"forward returns a {tuple(t.shape)} tensor that is not an argument, "
+                    "parameter, buffer or module attribute (a global or a closure "
+                    "variable?): pass it as an argument or register it as a buffer"))
                 for t in entry.output_tensors() if storage_of(t) not in mine | {0}]
 
     def _eager_or_piecewise(self, findings: list[Finding],

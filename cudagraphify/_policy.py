@@ -65,23 +65,21 @@ NON_OP_CALLS: dict[str, tuple[str, ...]] = {
 }
 
 
-_names: dict[Any, str] = {}  # op_name's answers (the probe asks for every op it records)
+# op_name's answers by the function's id (the probe asks for every op it records; by id, not
+# equality: torch.saddmm == torch.sspaddmm), with the function held so that its id stays its own
+_names: dict[int, tuple[Any, str]] = {}
 
 
 def op_name(func: Any) -> str:
     if isinstance(func, str):
         return func
-    try:
-        return _names[func]
-    except (KeyError, TypeError):  # (TypeError: an unhashable callable)
-        pass
+    hit = _names.get(id(func))
+    if hit is not None and hit[0] is func:
+        return hit[1]
     name = _op_name(func)
-    try:
-        if len(_names) >= 4096:
-            _names.clear()
-        _names[func] = name
-    except TypeError:
-        pass
+    if len(_names) >= 4096:
+        _names.clear()
+    _names[id(func)] = (func, name)
     return name
 
 

@@ -264,10 +264,13 @@ class Probe:
                 for v in value:
                     if isinstance(v, torch.Tensor):
                         self._read(func, v)
+        known, outside = self.known, self.outside
         for value in (out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(value, torch.Tensor):
                 ptr = storage_of(value)
-                if ptr:
+                # (a view or alias of memory from before the call, ``x.data``, ``x[0]``, is
+                # not made by the run: a write through it writes that memory)
+                if ptr and ptr not in known and ptr not in outside:
                     self.produced.add(ptr)
 
     def _read(self, func: Any, t: torch.Tensor) -> None:

@@ -304,9 +304,11 @@ def test_one_cache_two_graphed_models(sim):
     assert cg.stats(g1).replays > 0 and cg.stats(g2).replays > 0
 
 
-@pytest.mark.xfail(strict=False, reason="open review finding (session 2026-12-01 #3): see the note")
 def test_returned_cache_tensor_is_the_callers(sim):
-    """README: an output that is an input (or a view of one) comes back as your tensor."""
+    """README: an output that is an input (or a view of one) comes back as your tensor. A
+    cache's own tensor returned is not made by the call: the root runs piecewise (it was
+    graphed and handed out a copy before the probe stopped counting aliases of memory from
+    before the call as made by it)."""
 
     class ReturnsKeys(Net):
         def forward(self, x, cache, pos):
@@ -321,6 +323,8 @@ def test_returned_cache_tensor_is_the_callers(sim):
         assert torch.equal(want, got)
     assert want is rc.layers[0].keys
     assert got.data_ptr() == c.layers[0].keys.data_ptr(), "a copy, not the cache's tensor"
+    (why,) = [r for r in cg.stats(g).eager_calls if r.startswith("piecewise")]
+    assert "tensor of an object passed as it is (a cache's own tensor)" in why, why
 
 
 # -- slowdowns -------------------------------------------------------------------------------------
