@@ -3,18 +3,21 @@
 A server that sees every batch size from 1 to 64 would need 64 graphs. Bucketed, a call of
 batch ``n`` is padded to the next size that has a graph (``sizes``), the graph runs, and the
 outputs are sliced back to ``n`` rows. That is only right where rows do not interact: no
-reduction or normalisation over the batch, no attention across it, nothing written that the
-padding rows would touch. Nothing can prove that for a forward, so each bucket is checked on
-its first call: the call runs eagerly on its own rows (that result is returned), then padded
-twice, once with its last row repeated and once with zero rows: where rows do not interact,
-the real rows' outputs are the same bit for bit (the same kernels on the same shape; only the
-padding's values differ). Outputs must keep the batch in the same dimension. A bucket that
-fails runs unpadded from then on (graphed at its own size by ``graphify``, or eagerly), with
-one warning; a forward that writes its arguments, parameters or buffers is never bucketed (the
-check would run it three times).
+reduction or normalisation over the batch, no attention across it, nothing computed from the
+batch size, nothing written. Nothing can prove that for a forward, so each batch size of each
+bucket is checked on its first call: the call runs eagerly on its own rows (that result is
+returned), then padded twice, once with its last row repeated and once with zero rows. Where
+rows do not interact, the real rows' outputs are the same bit for bit in both padded runs (the
+same kernels on the same shape; only the padding's values differ), and close to eager's (other
+kernels on another shape: within a few units of the dtype's precision, relative to the
+output's largest magnitude). Outputs must keep the batch in the same dimension. The check sees
+one call's data: an interaction that neither padding shows on that data (a maximum over the
+batch of positive values, a threshold the data does not reach) is not seen.
 
-A padded call's outputs are not eager's bit for bit: a padded shape may pick other kernels (on
-the H200, bf16 GPT blocks padded from 9 to 16 rows differ from eager by a few bf16 ulps).
+A bucket and size that fail run unpadded from then on (graphed at their own size by
+``graphify``, or eagerly), with one warning. A forward that writes memory it did not make (its
+arguments, parameters, buffers, captured tensors) or returns its argument is never bucketed.
+A module the check ran that is switched to train mode afterwards is checked again.
 """
 
 from __future__ import annotations
@@ -25,8 +28,10 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 import torch.utils._pytree as pytree
 
+from . import _watch
 from ._errors import CudagraphifyUsageError, CudagraphifyWarning
 from ._nested import Nested
+from ._signature import storage_of
 
 __all__ = ["Bucketed", "bucketed"]
 
@@ -35,14 +40,16 @@ class Bucketed:
     """A callable that pads the ``dim`` of its tensor arguments to the next of ``sizes`` and
     slices the outputs back (see :func:`bucketed`).
 
-    ``verified``: the buckets checked against eager (a key per bucket size and the other
-    dimensions of the arguments); ``refused``: the same keys, with why they run unpadded."""
+    ``verified``: the checked keys (a batch size, its bucket, the other dimensions of the
+    arguments, their other values, grad mode); ``refused``: keys that run unpadded, and why."""
 
     def __init__(self, target: Callable, sizes: list[int], dim: int):
         self._target = target
         self.sizes = sizes
         self.dim = dim
-        self.verified: set[Hashable] = set()
+        # key -> the modules the check ran, with their training flags, and the module-state
+        # epoch they were read at (a module switched to train mode is checked again)
+        self.verified: dict[Hashable, _Ran] = {}
         self.refused: dict[Hashable, str] = {}
         self.padded_calls = 0  # calls that ran padded to a bucket (checks included)
 
@@ -52,15 +59,17 @@ class Bucketed:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         n = self._rows(leaves)
-        bucket = next((s for s in self.sizes if s >= n), None) if n is not None else None
+        bucket = next((s for s in self.sizes if s >= n), None) if n else None
         if bucket is None or bucket == n:
-            return self._target(*args, **kwargs)  # its own size (or no tensor): as it is
-        key = (bucket, spec, tuple(_leaf_key(t, self.dim) for t in leaves),
-               torch.is_grad_enabled())
+            return self._target(*args, **kwargs)  # its own size (or none): as it is
+        # (n itself: a forward may compute with the batch size, which padding changes)
+        key = (n, bucket, spec, tuple(_leaf_key(t, self.dim) for t in leaves),
+               torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         if key in self.refused:
             return self._target(*args, **kwargs)
         padded = [self._pad(t, bucket) if isinstance(t, torch.Tensor) else t for t in leaves]
-        if key not in self.verified:
+        ran = self.verified.get(key)
+        if ran is None or not ran.same():
             return self._check(key, bucket, n, leaves, padded, spec)
         a, kw = pytree.tree_unflatten(padded, spec)
         self.padded_calls += 1
@@ -101,14 +110,30 @@ class Bucketed:
     # -- a bucket's first call ---------------------------------------------------------------
 
     def _check(self, key, bucket: int, n: int, leaves: list, padded: list, spec) -> Any:
+        from ._probe import Probe
+        from ._policy import default_policy
+
         args, kwargs = pytree.tree_unflatten(leaves, spec)
-        state = _written_state(self._target, leaves)
-        with Nested():  # eagerly, on the call's own rows: this call's result
-            want = self._target(*args, **kwargs)
-        wrote = state()
-        if wrote:
-            return self._refuse(key, want, f"forward writes {wrote}: a padded call would "
-                                "write it too (and the check runs forward three times)")
+        probe = Probe(None, default_policy)  # the storages forward writes
+        probe.known, probe.written = set(), set()
+        ran: list[torch.nn.Module] = []
+        hook = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda m, _: ran.append(m))
+        try:
+            with Nested(), probe:  # eagerly, on the call's own rows: this call's result
+                want = self._target(*args, **kwargs)
+        finally:
+            hook.remove()
+        if probe.written_before_made:
+            return self._refuse(key, want, "forward writes memory it did not make (an "
+                                "argument, a parameter, a buffer, a captured tensor): a padded "
+                                "call would write it too, and the check runs forward three "
+                                "times")
+        mine = {storage_of(t) for t in leaves if isinstance(t, torch.Tensor)}
+        if any(storage_of(t) in mine for t in pytree.tree_leaves(want)
+               if isinstance(t, torch.Tensor)):
+            return self._refuse(key, want, "forward returns an argument or a view of one: "
+                                "padded, it would return the padded copy")
         runs = []
         for pad in (padded, [self._pad(t, bucket, zeros=True) if isinstance(t, torch.Tensor)
                              else t for t in leaves]):
@@ -120,7 +145,9 @@ class Bucketed:
         why = _disagree(want, runs[0], runs[1], self.dim, bucket, n)
         if why:
             return self._refuse(key, want, why)
-        self.verified.add(key)
+        modules = list(self._target.modules()) if isinstance(self._target, torch.nn.Module) \
+            else list({id(m): m for m in ran}.values())
+        self.verified[key] = _Ran(modules)
         return want
 
     def _refuse(self, key, result: Any, why: str) -> Any:
@@ -128,6 +155,28 @@ class Bucketed:
         warnings.warn(f"cudagraphify: bucketed: batch {key[0]} bucket runs unpadded: {why}",
                       CudagraphifyWarning, stacklevel=3)
         return result
+
+
+class _Ran:
+    """The modules a bucket's check ran and their training flags (BatchNorm, dropout: a
+    module switched to train mode computes across the batch), re-read only after a module
+    attribute was written (``_watch.epoch``)."""
+
+    __slots__ = ("modules", "flags", "epoch")
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        self.modules = modules
+        self.flags = [m.training for m in modules]
+        self.epoch = _watch.epoch
+
+    def same(self) -> bool:
+        if _watch.epoch == self.epoch:
+            return True
+        now = _watch.epoch
+        if [m.training for m in self.modules] != self.flags:
+            return False
+        self.epoch = now
+        return True
 
 
 def _leaf_key(leaf: Any, dim: int) -> Hashable:
@@ -141,18 +190,6 @@ def _leaf_key(leaf: Any, dim: int) -> Hashable:
     except TypeError:
         return ("unhashable", id(leaf))
     return (type(leaf), leaf)
-
-
-def _written_state(target: Callable, leaves: list) -> Callable[[], str]:
-    """A function that says which argument, parameter or buffer was written since it was made
-    ("" when none), by their version counters."""
-    module = target if isinstance(target, torch.nn.Module) else None
-    named = [(f"argument {i}", t) for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-    if module is not None:
-        named += [(f"parameter {k}", t) for k, t in module.named_parameters()]
-        named += [(f"buffer {k}", t) for k, t in module.named_buffers()]
-    versions = [t._version for _, t in named]
-    return lambda: next((name for (name, t), v in zip(named, versions) if t._version != v), "")
 
 
 def _disagree(want: Any, got: Any, other: Any, dim: int, bucket: int, n: int) -> str:
@@ -185,7 +222,32 @@ def _disagree(want: Any, got: Any, other: Any, dim: int, bucket: int, n: int) ->
         if not bool(same.all()):
             return (f"output {i}'s real rows change with the padding rows' values: rows "
                     "interact")
+        if not _near(b, a):
+            return (f"output {i} differs from eager's on the call's own rows by more than "
+                    "other kernels would (forward computes with the batch size?)")
     return ""
+
+
+# How far a padded output may be from eager's, relative to eager's largest magnitude: padded
+# shapes pick other kernels (other summation orders, TF32 convolutions); what changes with the
+# batch size itself (a mean over it, a branch on it) is far larger.
+_RTOL = {torch.bfloat16: 2**-4, torch.float16: 2**-7, torch.float32: 2**-10}
+
+
+def _near(got: torch.Tensor, want: torch.Tensor) -> bool:
+    if not (want.is_floating_point() or want.is_complex()):
+        return torch.equal(got, want)
+    if want.numel() == 0:
+        return True
+    finite = torch.isfinite(want)
+    if not torch.equal(finite, torch.isfinite(got)) or not torch.equal(
+            want[~finite], got[~finite]) and not bool((want[~finite] != want[~finite]).all()):
+        return False  # an inf or NaN where eager has none, or another one
+    w, g = want[finite], got[finite]
+    if w.numel() == 0:
+        return True
+    scale = float(w.abs().max())
+    return float((g - w).abs().max()) <= _RTOL.get(want.dtype, 2**-20) * scale + 1e-6
 
 
 def bucketed(target: Callable, sizes: Iterable[int], *, dim: int = 0) -> Bucketed:
@@ -194,15 +256,15 @@ def bucketed(target: Callable, sizes: Iterable[int], *, dim: int = 0) -> Buckete
     repeated) to the smallest of ``sizes`` that is at least ``n``, and every tensor output is
     sliced back to ``n`` rows. A call of a size in ``sizes``, or larger than all, runs as it is.
 
-    Valid only where rows do not interact (each output row depends on its input row alone):
-    each bucket's first call checks it, running the call eagerly on its own rows (its result is
-    the one returned), then padded with its last row repeated and with zero rows: the real
-    rows' outputs must be the same bit for bit. A bucket that fails, or a forward that writes
-    its arguments, parameters or buffers, runs unpadded from then on, with a warning
-    (``.refused`` says why). The check cannot see an interaction that neither padding changes
-    (a maximum over the batch of values that are all positive). Padded outputs are close to
-    eager's, not equal: a padded shape may pick other kernels. Every tensor argument is
-    padded: pass other tensors as attributes or close over them.
+    Valid only where rows do not interact (each output row depends on its input row alone,
+    not on the batch size): each batch size's first call in a bucket checks it, running the
+    call eagerly on its own rows (its result is the one returned), then padded with its last
+    row repeated and with zero rows: the real rows' outputs must be the same bit for bit, and
+    close to eager's (padded shapes may pick other kernels: padded outputs are close to eager's,
+    not equal). The check sees that call's data only (see the module docs). A size that fails,
+    a forward that writes memory it did not make, or one that returns its argument runs
+    unpadded from then on, with a warning (``.refused`` says why). An empty batch runs as it
+    is. Every tensor argument is padded: pass other tensors as attributes or close over them.
 
     Use :func:`capture_sizes` with the same ``sizes`` to capture the buckets up front.
     """

@@ -65,8 +65,8 @@ def test_every_batch_size_is_served_by_the_bucket_graphs(sim, quiet):
             out = b(x)
             _same(out, ref(x))
             assert out["y"].shape[0] == n and out["parts"][1].shape[0] == n
-    # one check per bucket (1 -> 2, 3 -> 4, 5..7 -> 8); graphs only of the bucket sizes
-    assert len(b.verified) == 3 and not b.refused
+    # one check per batch size below its bucket (1, 3, 5, 6, 7); graphs only of the buckets
+    assert len(b.verified) == 5 and not b.refused
     s = cg.stats(g)
     assert s.captures == 3 and s.replays > 0, s
 
@@ -141,7 +141,7 @@ def test_a_forward_that_writes_a_buffer_is_not_bucketed_and_runs_once(sim, quiet
         b(torch.randn(3, 4))
     assert g.seen.item() == 3  # the call ran once (the check stopped before the padded run)
     (why,) = b.refused.values()
-    assert "buffer seen" in why
+    assert "forward writes memory it did not make" in why
     with torch.no_grad():
         b(torch.randn(3, 4))
     assert g.seen.item() == 6
