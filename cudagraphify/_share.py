@@ -140,6 +140,7 @@ class _Template:
     edges: Any = None
     again: list | None = None  # a second capture of the template layer (padding bytes)
     call: tuple = ((), {})  # the template's capture arguments (on ``inputs``): for proofs
+    guard: Any = None  # what the template layer's first call read (a StateGuard): while valid
 
 
 class ShareGroup:
@@ -155,6 +156,7 @@ class ShareGroup:
         self.lock = self._lock = threading.RLock()
         self._stream_token: int | None = None  # the stream that replayed last (engine's)
         self._templates: dict[Any, _Template] = {}
+        self._stale: list[_Template] = []  # replaced templates, kept until release
         self._pools: dict[int, Any] = {}
         self.captures = 0  # real captures (templates, and the second capture of each diff)
         self.retargets = 0  # layer graphs made from a template
@@ -190,6 +192,12 @@ class ShareGroup:
             if self.released:
                 return None
             t = self._templates.get(key)
+            if t is not None and t.guard is not None and not t.guard.valid():
+                # what the template layer read has changed (a config object the layers share):
+                # its capture computes with the old values. Its graph stays (layers' graphs made
+                # from it read its memory) until release; a new template is captured.
+                self._stale.append(self._templates.pop(key))
+                t = None
             if t is None:
                 if len(self._templates) >= self.max_templates:
                     self.refuse(f"more than max_graphs={self.max_templates} signatures shared")
@@ -200,17 +208,19 @@ class ShareGroup:
                 return None
             try:
                 differs = _reads_differ(t.reads, _reads_of(self.layers[k], guard))
-                if differs is not None:  # the template layer's own values may have changed too
-                    differs = f"read values its template layer did not ({differs})"
-                else:
-                    # a plain attribute of its own (HF's layer_idx): whether forward reads it
-                    # is not taken on trust from what the recorder saw
-                    differs = first_difference(self.layers[t.layer], self.layers[k],
-                                               self.ignore_attrs)
-                    if differs is not None:
-                        differs = f"has attributes of its own ({differs})"
                 if differs is not None:
-                    self._prove(t, k, a, kw, backend, device, differs)
+                    # a value forward reads that differs may choose between intermediates
+                    # that the same kernels made (a mask per layer type): no diff of kernel
+                    # arguments tells that apart
+                    raise Refused(f"layer {k} read values its template layer did not "
+                                  f"({differs}): the template's graph computes with its own")
+                # a plain attribute of its own (HF's layer_idx) that forward was not seen to
+                # read: proven by the layer's own capture, not taken on trust from the recorder
+                differs = first_difference(self.layers[t.layer], self.layers[k],
+                                           self.ignore_attrs)
+                if differs is not None:
+                    self._prove(t, k, a, kw, backend, device,
+                                f"has attributes of its own ({differs})")
                 return self._retarget(t, k, leaves, backend, device, expected)
             except Refused as e:
                 self.refuse(str(e))
@@ -242,7 +252,7 @@ class ShareGroup:
         self.captures += 1
         self.capture_seconds += raw.capture_seconds
         t = _Template(raw, k, [], None, Storages.of(layer), _layout(layer), inputs, out,
-                      reads=_reads_of(layer, guard), call=(a, kw))
+                      reads=_reads_of(layer, guard), call=(a, kw), guard=guard)
         try:
             if len(self.layers) < 2:
                 raise Refused("one layer: nothing to share")
@@ -347,8 +357,9 @@ class ShareGroup:
         try:
             nodes, edges = read_graph(raw.cuda_graph())
             pool_mem, device_mem = memory_ranges(pool)
+            # (a one-byte argument that differs may be the attribute that differs: refused)
             plan_rebase(t.nodes, nodes, t.edges, edges, t.storages, Storages.of(layer),
-                        pool_mem, t.again, None if self.strict else device_mem)
+                        pool_mem, t.again, None if self.strict else device_mem, one_byte=False)
         except Refused as e:
             raise Refused(f"layer {k} {differs} and its own capture differs from the "
                           f"template's: {e}") from None
@@ -428,9 +439,10 @@ class ShareGroup:
                 state = state_of_module(layer)
                 if state is not None:
                     state.release()
-            for t in self._templates.values():
+            for t in [*self._templates.values(), *self._stale]:
                 t.raw.release()
             self._templates.clear()
+            self._stale.clear()
             self._pools.clear()  # their keeper graphs go, and the pools' memory with them
             for group in self.pieces.values():
                 group.release()

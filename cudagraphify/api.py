@@ -272,9 +272,10 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
 
     ``layers`` is an ``nn.ModuleList`` or a sequence of modules of one structure (class,
     submodules, parameter and buffer shapes/dtypes/strides; a difference is an error naming
-    it). Plain attributes may differ (HF's ``layer_idx``): each layer whose attributes differ
-    from the template layer's is captured once and diffed against the template, and shares it
-    only where its own capture proves the difference changed no kernel argument. Each layer is graphified in place with ``options`` (those of
+    it). Plain attributes may differ (HF's ``layer_idx``): a layer whose forward reads a value
+    that differs from the template layer's does not share; one whose attributes differ but
+    are not read is captured once and diffed against the template, and shares it only where
+    its own capture proves the difference changed no kernel argument. Each layer is graphified in place with ``options`` (those of
     :func:`graphify`); calling any layer, as the parent's usual loop does, replays the shared
     capture: per input signature the first layer called is captured once (plus one capture of
     a second layer, to tell weight addresses from other bytes), and every layer gets a copy of

@@ -224,7 +224,9 @@ class _Scaled(nn.Module):
         self.scale = scale
 
     def forward(self, x):
-        return self.lin(x) * self.scale
+        # (read where the attribute recorder does not look: a value forward is seen to read
+        # that differs between layers refuses sharing before any diff)
+        return self.lin(x) * self.__dict__["scale"]
 
 
 def test_a_per_layer_scalar_is_refused_when_strict_and_caught_otherwise(reading):
@@ -305,9 +307,9 @@ def test_a_layer_index_forward_uses_is_caught_by_each_layers_proof(reading, use)
 @pytest.mark.parametrize("use", ["clamp", "unseen"])
 def test_a_later_layer_whose_value_differs_from_an_agreeing_pair_is_proven(reading, use):
     """Template and partner agree (0, 0), a later layer differs (a clamp its first input does
-    not reach): that layer's own proof refuses it, whether the attribute read was recorded
-    ("read values") or not ("attributes of its own"); the others share; eager's results on an
-    input that reaches the clamp."""
+    not reach): that layer is refused, as it reads another value ("read values") or by its own
+    proof where the read was not seen ("attributes of its own"); the others share; eager's
+    results on an input that reaches the clamp."""
     torch.manual_seed(0)
     layers = nn.ModuleList(_Indexed(i, use) for i in (0, 0, 5, 0))
     ref = copy.deepcopy(layers)
@@ -321,10 +323,12 @@ def test_a_later_layer_whose_value_differs_from_an_agreeing_pair_is_proven(readi
     s = group.stats()
     assert (s.retargets, s.per_layer) == (3, 1), s
     (why,) = s.reasons
-    seen = "read values its template layer did not" if use == "clamp" else \
-        "has attributes of its own"
-    assert why.startswith(f"layer 2 {seen} (layer_idx: 0 vs 5)"), why
-    assert "not a rebased parameter address" in why
+    if use == "clamp":  # seen to be read: refused before any diff
+        assert why.startswith("layer 2 read values its template layer did not (layer_idx: "
+                              "0 vs 5)"), why
+    else:  # not seen: proven by its own capture
+        assert why.startswith("layer 2 has attributes of its own (layer_idx: 0 vs 5)"), why
+        assert "not a rebased parameter address" in why
 
 
 def test_templates_are_capped_and_release_frees_everything(reading):
