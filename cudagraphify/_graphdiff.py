@@ -87,8 +87,7 @@ def _in(ranges: list[tuple[int, int]], v: int) -> bool:
 
 def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Storages,
                 pool: list[tuple[int, int]], again: list | None = None,
-                device: list[tuple[int, int]] | None = None,
-                one_byte: bool = True) -> RebasePlan:
+                device: list[tuple[int, int]] | None = None) -> RebasePlan:
     """Diff two captures of identical layers (``a`` then ``b``); raise :class:`Refused` unless
     every difference is proven harmless to keep or is a rebased address of the layer's storages.
 
@@ -105,8 +104,7 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     in any case: it cannot hold an address, and empty functors (elementwise kernels' lambdas,
     one byte the kernel never reads) hold whatever the host stack held, which two captures of
     the same layer may well agree on (seen on the H200: 0xf0 twice for one layer, 0x00 for the
-    other); with ``one_byte=False`` (a layer whose attributes differ from the template's: the
-    byte may be its flag) it refuses. Anything else refuses.
+    other). Anything else refuses.
     """
     if len(nodes0) != len(nodes1):
         raise Refused(f"the two captures have {len(nodes0)} and {len(nodes1)} nodes")
@@ -141,9 +139,8 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                 elif hit is None and b.find(v1) is None and (
                         w2 != w0 or (len(w0) == 8 and _in(pool, v0) and _in(pool, v1))):
                     continue  # capture-dependent: the template's own value stands for every layer
-                elif (len(x) == 1 and one_byte) or (len(x) > 1 and device is not None
-                                                    and not _in(device, v0)
-                                                    and not _in(device, v1)):
+                elif len(x) == 1 or (device is not None and not _in(device, v0)
+                                     and not _in(device, v1)):
                     plan.unproven += 1  # a one-byte argument, or not device memory in either
                 else:
                     raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "

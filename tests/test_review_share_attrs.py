@@ -183,6 +183,26 @@ def test_a_one_byte_flag_is_not_proven(reading, monkeypatch):  # noqa: F811
     assert _check_all(layers, ref, [neg, pos]) == [], group.stats().reasons
 
 
+class _UnseenFill(_Fill):
+    def forward(self, x):
+        y = x + self.w
+        m = torch.full(y.shape, self.__dict__["flag"], dtype=torch.bool)
+        return torch.where(m & (y > 0), y, -y)
+
+
+@pytest.mark.xfail(strict=True, reason="documented limitation (README, share_graph): a flag read "
+                   "where the attribute recorder does not look (self.__dict__) and passed to a "
+                   "kernel as a one-byte argument is kept as the template has it (one-byte "
+                   "arguments differ between layers as host-stack garbage: refusing them cost "
+                   "GPT-2 5 of its 12 shared layer graphs on the H200)")
+def test_a_one_byte_flag_read_unseen(reading, monkeypatch):  # noqa: F811
+    monkeypatch.setattr(tse._cugraph, "read_graph",
+                        lambda h: (_nodes_with_byte_flags(tse._traces[h]), frozenset()))
+    layers, ref, group = _group(_UnseenFill)
+    neg, pos = ("negative", torch.full((2, 8), -1.0)), ("positive", torch.full((2, 8), 1.0))
+    assert _check_all(layers, ref, [neg, pos]) == [], group.stats().reasons
+
+
 # -- what is right (plain tests) ---------------------------------------------------------------
 
 
