@@ -73,7 +73,7 @@ class Bucketed:
             return self._check(key, bucket, n, leaves, padded, spec)
         a, kw = pytree.tree_unflatten(padded, spec)
         self.padded_calls += 1
-        return self._slice(self._target(*a, **kw), bucket, n)
+        return self._slice(self._target(*a, **kw), n)
 
     # -- the rows of a call ------------------------------------------------------------------
 
@@ -101,7 +101,7 @@ class Bucketed:
         rows = t.new_zeros(shape) if zeros else t.narrow(self.dim, n - 1, 1).expand(shape)
         return torch.cat([t, rows], dim=self.dim)
 
-    def _slice(self, out: Any, bucket: int, n: int) -> Any:
+    def _slice(self, out: Any, n: int) -> Any:
         leaves, spec = pytree.tree_flatten(out)
         return pytree.tree_unflatten(
             [t.narrow(self.dim, 0, n) if isinstance(t, torch.Tensor) else t for t in leaves],

@@ -219,8 +219,7 @@ class ShareGroup:
                 differs = first_difference(self.layers[t.layer], self.layers[k],
                                            self.ignore_attrs)
                 if differs is not None:
-                    self._prove(t, k, a, kw, backend, device,
-                                f"has attributes of its own ({differs})")
+                    self._prove(t, k, backend, device, f"has attributes of its own ({differs})")
                 return self._retarget(t, k, leaves, backend, device, expected)
             except Refused as e:
                 self.refuse(str(e))
@@ -340,7 +339,7 @@ class ShareGroup:
             raise Refused("random ops (dropout in train mode): one shared graph cannot draw "
                           "fresh numbers per layer")
 
-    def _prove(self, t: _Template, k: int, a, kw, backend, device, differs: str) -> None:
+    def _prove(self, t: _Template, k: int, backend, device, differs: str) -> None:
         """Capture layer ``k`` and diff it against the template: it may use the template only
         when every difference is a rebased address of its own storages or capture-dependent
         (the values its forward read that differ changed no kernel argument). Raises
