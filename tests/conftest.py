@@ -275,6 +275,14 @@ class SimBackend:
 
 
 @pytest.fixture
+def quiet():
+    """cudagraphify's eager-fallback warnings off (CPU tests that expect fallbacks)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
+        yield
+
+
+@pytest.fixture
 def quiet_gpu():
     """GPU tests: cudagraphify's eager-fallback warnings off; all GPU work done afterwards."""
     with warnings.catch_warnings():

@@ -4,7 +4,6 @@ each bucket checked against eager on its first call. Through the simulated backe
 
 from __future__ import annotations
 
-import warnings
 
 import pytest
 import torch
@@ -43,13 +42,6 @@ def _same(got, want):
     for a, b in zip(g, w):
         assert a.shape == b.shape
         torch.testing.assert_close(a, b)
-
-
-@pytest.fixture
-def quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
-        yield
 
 
 def test_every_batch_size_is_served_by_the_bucket_graphs(sim, quiet):

@@ -11,7 +11,6 @@ import inspect
 import subprocess
 import sys
 import types
-import warnings
 from pathlib import Path
 
 import pytest
@@ -22,27 +21,9 @@ from torch.overrides import TorchFunctionMode
 
 import cudagraphify as cg
 from cudagraphify import _policy as new_policy
+from test_bucket import Mixes
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture
-def quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", cg.CudagraphifyWarning)
-        yield
-
-
-class Mixes(nn.Module):
-    """Rows interact: each row minus the batch mean (a batch of identical rows hides it)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(6, 6)
-
-    def forward(self, x):
-        h = self.a(x)
-        return h - h.mean(0, keepdim=True)
 
 
 def _pair(cls, *a):
