@@ -24,7 +24,7 @@ from torch.nn.modules import module as _module_mod
 from torch.overrides import TorchFunctionMode
 
 from ._watch import own_global_hook
-from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
+from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, _untagged, op_name
 from ._signature import storage_of
 
 __all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
@@ -115,16 +115,64 @@ class _Mode(TorchFunctionMode):
         if caller.startswith(_HERE) and caller != _OWN_MODELS:  # cudagraphify's own calls
             return func(*args, **kwargs)
         probe = self.probe
-        probe.record(func, args, kwargs)
-        if probe.written is not None:
-            probe.note_writes(func, args, kwargs)
+        info = _infos.get(id(func))
+        if info is None or info[0] is not func:
+            info = _info(func)
+        probe.record(func, args, kwargs, info[1])
+        written = probe.written
+        if written is not None and (info[2] or kwargs):
+            probe.note_writes(func, args, kwargs, info[2])
         out = func(*args, **kwargs)
         if probe.known is not None:
             probe.note_tensors(func, args, kwargs, out)
         return out
 
 
+# What the probe needs of each function it sees, by id (the function held, so that its id stays
+# its own): (func, op_name(func), what it writes without keywords: _W_NONE, _W_FIRST (an
+# in-place method or dunder: its first argument) or _W_SCHEMA (a custom op: its schema says))
+_infos: dict[int, tuple[Any, str, int]] = {}
+_W_NONE, _W_FIRST, _W_SCHEMA = 0, 1, 2
+_getters: dict[int, tuple[Any, str]] = {}  # id(a getset descriptor) -> (it, its op name)
+_MethodWrapper = type(torch.Tensor.shape.__get__)
+
+
+def _info(func: Any) -> tuple[Any, str, int]:
+    getter = getattr(func, "__self__", None) if type(func) is _MethodWrapper else None
+    if getter is not None:  # a property read (Tensor.shape): a new method-wrapper each time
+        hit = _getters.get(id(getter))
+        if hit is not None and hit[0] is getter:
+            return (func, hit[1], _W_NONE)
+    if getattr(func, "_schema", None) is not None:
+        writes = _W_SCHEMA
+    else:
+        name = getattr(func, "__name__", "") or ""
+        writes = _W_FIRST if (name.endswith("_") and not name.endswith("__")) \
+            or name in _INPLACE_DUNDERS else _W_NONE
+    info = (func, op_name(func), writes)
+    if getter is not None:
+        if len(_getters) >= 1024:
+            _getters.clear()
+        _getters[id(getter)] = (getter, info[1])
+        return info
+    if len(_infos) >= 4096:
+        _infos.clear()
+    _infos[id(func)] = info
+    return info
+
+
+_resolved: dict[str, tuple[Any, str] | None] = {}
+
+
 def _resolve(dotted: str) -> tuple[Any, str] | None:
+    """(owner, attribute name) of a dotted name of :data:`NON_OP_CALLS` (None where it is not
+    found), looked up once: each probe's entry wraps them all."""
+    if dotted not in _resolved:
+        _resolved[dotted] = _lookup(dotted)
+    return _resolved[dotted]
+
+
+def _lookup(dotted: str) -> tuple[Any, str] | None:
     parts = dotted.split(".")
     for i in range(len(parts) - 1, 0, -1):
         try:
@@ -204,6 +252,10 @@ class Probe:
         self.findings: list[Finding] = []
         self.sequences: dict[str, list[str]] = collections.defaultdict(list)
         self._stack: list[str] = []
+        self._seq: list[str] | None = None  # sequences[path], while that module runs
+        # the default policy's rules (not a subclass's), without Thunder: record's shortcut
+        self._plain = not thunder and type(policy).tags is OpPolicy.tags \
+            and type(policy).can_graph is OpPolicy.can_graph
         self._undo: list = []
         self._non_op_depth = 0
         self._thread: int | None = None
@@ -229,24 +281,43 @@ class Probe:
     def path(self) -> str:
         return self._stack[-1] if self._stack else ""
 
-    def record(self, func: Any, args: tuple, kwargs: dict) -> None:
-        name = op_name(func)
-        self.sequences[self.path].append(name)
-        key = None
-        if self.thunder:
-            key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor) else repr(a)
-                        for a in args)
-        tags = self.policy.tags(func, args, kwargs, accel=self.accel,
-                                thunder=self.thunder, thunder_key=key)
+    def record(self, func: Any, args: tuple, kwargs: dict, name: str | None = None) -> None:
+        if name is None:
+            name = op_name(func)
+        seq = self._seq
+        if seq is None:  # (the first op of this module since it was entered or left)
+            seq = self._seq = self.sequences[self.path]
+        seq.append(name)
+        if self._plain:
+            # the default policy's tags and can_graph, for the common case: an op with no
+            # rule, no aten tag and no override is never refused (see OpPolicy.tags)
+            if _untagged.get(func) is True and self.policy._overrides.get(func) is None and (
+                    not kwargs or ("generator" not in kwargs and "pin_memory" not in kwargs)):
+                return
+            tags = self.policy.tags(func, args, kwargs, accel=self.accel)
+        else:
+            key = None
+            if self.thunder:
+                key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor)
+                            else repr(a) for a in args)
+            tags = self.policy.tags(func, args, kwargs, accel=self.accel,
+                                    thunder=self.thunder, thunder_key=key)
         if not self.policy.can_graph(func, tags):  # asked about every call, tagged or not
             self.findings.append(Finding.at_caller(self.path, name, tuple(sorted(tags))))
 
-    def note_writes(self, func: Any, args: tuple, kwargs: dict) -> None:
+    def note_writes(self, func: Any, args: tuple, kwargs: dict, writes: int = _W_SCHEMA) -> None:
         """Note the storages ``func`` writes: the first argument of an in-place op
         (``add_``, ``copy_``, ``__setitem__``, ``__iadd__``, ``inplace=True``), ``out=``, and
-        what a custom op's schema declares written."""
+        what a custom op's schema declares written (``writes``: what :func:`_info` found;
+        the default looks at everything)."""
+        if kwargs or writes == _W_SCHEMA:
+            targets = _written_by(func, args, kwargs)
+        elif writes == _W_FIRST and args:
+            targets = (args[0],)
+        else:
+            return
         written = self.written
-        for t in _written_by(func, args, kwargs):
+        for t in targets:
             if isinstance(t, torch.Tensor):
                 ptr = storage_of(t)
                 if ptr:
@@ -257,29 +328,32 @@ class Probe:
     def note_tensors(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Note the storages ``func`` read that no earlier op of the run produced and that are
         not ``known``, and the storages it produced."""
-        for value in (*args, *kwargs.values()):
+        produced, known, outside = self.produced, self.known, self.outside
+        for value in (*args, *kwargs.values()) if kwargs else args:
             if isinstance(value, torch.Tensor):
-                self._read(func, value)
+                ptr = storage_of(value)
+                if ptr and ptr not in produced and ptr not in known and ptr not in outside:
+                    self._read(func, value, ptr)
             elif isinstance(value, (list, tuple)):
                 for v in value:
                     if isinstance(v, torch.Tensor):
-                        self._read(func, v)
-        known, outside = self.known, self.outside
+                        ptr = storage_of(v)
+                        if ptr and ptr not in produced and ptr not in known \
+                                and ptr not in outside:
+                            self._read(func, v, ptr)
         for value in (out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(value, torch.Tensor):
                 ptr = storage_of(value)
                 # (a view or alias of memory from before the call, ``x.data``, ``x[0]``, is
                 # not made by the run: a write through it writes that memory)
                 if ptr and ptr not in known and ptr not in outside:
-                    self.produced.add(ptr)
+                    produced.add(ptr)
 
-    def _read(self, func: Any, t: torch.Tensor) -> None:
-        ptr = storage_of(t)
-        if ptr and ptr not in self.produced and ptr not in self.known \
-                and ptr not in self.outside:
-            what = f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
-            self.outside[ptr] = Finding(self.path, op_name(func), ("OUTSIDE_TENSOR",),
-                                        f"{_user_frame()} (reads a {what})")
+    def _read(self, func: Any, t: torch.Tensor, ptr: int) -> None:
+        """``t`` (storage ``ptr``) is read and comes from outside the run: noted where."""
+        what = f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
+        self.outside[ptr] = Finding(self.path, op_name(func), ("OUTSIDE_TENSOR",),
+                                    f"{_user_frame()} (reads a {what})")
 
     def may_rehearse(self) -> bool:
         """Whether the code asked if it is being captured, and every place that asked is
@@ -289,6 +363,7 @@ class Probe:
 
     def _record_non_op(self, name: str, tags: tuple[str, ...]) -> None:
         self.sequences[self.path].append(name)
+        self._seq = None
         own = self.policy.overrides(name)
         final = frozenset(own) if own is not None else frozenset(tags)
         if not self.policy.can_graph(name, final):
@@ -299,11 +374,13 @@ class Probe:
         name = self.names.get(id(module))
         if name is not None and threading.get_ident() == self._thread:
             self._stack.append(name)
+            self._seq = None
 
     def _post(self, module, args, output):
         if self.names.get(id(module)) is not None and self._stack \
                 and threading.get_ident() == self._thread:
             self._stack.pop()
+            self._seq = None
 
     def __enter__(self) -> "Probe":
         self._thread = threading.get_ident()
@@ -330,6 +407,7 @@ class Probe:
         while self._undo:
             self._undo.pop()()
         self._stack.clear()
+        self._seq = None
 
     def unsafe_paths(self) -> dict[str, list[Finding]]:
         out: dict[str, list[Finding]] = collections.defaultdict(list)

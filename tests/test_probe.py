@@ -244,3 +244,98 @@ def test_a_finding_names_its_file_from_the_project_or_site_packages(tmp_path):
     (tmp_path / "proj" / "pyproject.toml").write_text("")
     assert _relative(str(tmp_path / "proj" / "pkg" / "model.py")) == "pkg/model.py"
     assert _relative(__file__) == "tests/test_probe.py"  # this project's own root
+
+
+# -- the probe's per-function shortcuts and the read recorder's --------------------------------
+
+class _ReadsAndWrites(nn.Module):
+    """Reads a shape (a property: a new method-wrapper per read), writes an intermediate in
+    place, and writes a buffer from before the call through ``out=`` and through ``add_``."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("acc", torch.zeros(2, 4))
+
+    def forward(self, x):
+        n = x.shape[0]
+        y = self.lin(x)
+        y.mul_(2)
+        torch.add(y, 1, out=self.acc)
+        self.acc.add_(n)
+        return y
+
+
+def test_property_reads_and_writes_are_recorded_the_same_on_every_run():
+    from cudagraphify._signature import storage_of
+
+    model, x = _ReadsAndWrites(), torch.randn(2, 4)
+    runs = []
+    for _ in range(3):  # the later runs take the probe's cached answers per function
+        probe = Probe(model, OpPolicy(), accel=ACC)
+        probe.known = {storage_of(t) for t in model.parameters()} | {storage_of(x)}
+        probe.known.add(storage_of(model.acc))
+        probe.written = set()
+        with torch.no_grad(), probe:
+            model(x)
+        runs.append(probe)
+    assert [dict(p.sequences) for p in runs[1:]] == [dict(runs[0].sequences)] * 2
+    assert runs[0].sequences[""][:1] == ["Tensor.shape"]
+    assert "Tensor.mul_" in runs[0].sequences[""] and "F.linear" in runs[0].sequences["lin"]
+    for p in runs:
+        # the buffer (memory from before the call) and the intermediate are written; only the
+        # buffer was not made by the run
+        assert storage_of(model.acc) in p.written and len(p.written) == 2
+        assert p.written_before_made == {storage_of(model.acc)}
+        assert p.findings == [] and p.outside == {}
+
+
+class _Shadowed(nn.Module):
+    """A submodule whose name is also a class attribute: ``self.lin`` is the class's value
+    (object.__getattribute__ finds it before Module.__getattr__ looks in the registries)."""
+
+    lin = 3.0
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)  # registered in _modules; the class attribute still wins
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.proj(x) * self.lin
+
+
+class _Forwarding(nn.Module):
+    """A module whose ``__getattr__`` is its own (as PEFT's wrappers): left to it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+        self.seen: list[str] = []
+
+    def __getattr__(self, name):
+        if name not in ("seen", "_parameters", "_buffers", "_modules"):
+            self.seen.append(name)
+        return super().__getattr__(name)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_the_read_recorder_returns_what_attribute_lookup_returns():
+    from cudagraphify._watch import Recorder, recording
+
+    x = torch.randn(2, 4)
+    shadowed, forwarding = _Shadowed(), _Forwarding()
+    want = (shadowed(x), forwarding(x))
+    forwarding.seen.clear()
+    rec = Recorder()
+    with torch.no_grad(), recording(rec):
+        got = (shadowed(x), forwarding(x))
+        assert shadowed.lin == 3.0 and isinstance(shadowed.proj, nn.Linear)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert forwarding.seen == ["proj"]  # its __getattr__ still ran for the submodule
+    # the class attribute is a read (its value drives forward); registries are not
+    reads = {(type(r.module).__name__, name) for (_, name), r in rec.reads.items()}
+    assert ("_Shadowed", "lin") in reads and ("_Shadowed", "proj") not in reads
+    assert rec.reads[(id(shadowed), "lin")].value == 3.0
