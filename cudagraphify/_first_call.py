@@ -215,7 +215,7 @@ class FirstCall:
         if self.short_of_memory:  # writes could not be checked: try again on a later call
             return Outcome(DEFERRED, self.result, reason=f"capture deferred (retried on a later "
                            f"call): {self.short_of_memory}", guard=self.warm_guard)
-        probe = self.probe
+        probe = warm = self.probe
         findings: dict[str, list[Finding]] = {}
         if probe is not None and probe.findings:
             rehearsal = rehearse(self) if probe.may_rehearse() else None
@@ -226,9 +226,10 @@ class FirstCall:
                 self.probe = probe = rehearsal  # what the capture must match
         for path, f in self._hook_findings():
             findings.setdefault(path, []).append(f)
-        if probe is not None:
-            for f in self._outside_tensors(probe):
-                findings.setdefault(f.path, []).append(f)
+        # tensors read from outside, on the eager path and on the rehearsed one (its copies of
+        # the inputs are known to it)
+        for f in self._outside_tensors(warm, probe):
+            findings.setdefault(f.path, []).append(f)
         mine = {id(t) for t in self.statics.tensors}
         if torch.is_grad_enabled() and any(t.requires_grad and id(t) not in mine
                                            for t in self.warm_guard.tensors):
@@ -272,11 +273,16 @@ class FirstCall:
                                             "on its own")))
         return out
 
-    def _outside_tensors(self, probe: Probe) -> list[Finding]:
-        """Tensors the run read that are neither arguments, parameters, buffers, module
-        attributes nor inside a ``static_argnames`` object: nothing would tell a replay that
-        one was replaced (or freed)."""
-        if not probe.outside:
+    def _outside_tensors(self, *probes: Probe | None) -> list[Finding]:
+        """Tensors the runs of ``probes`` read that are neither arguments, parameters,
+        buffers, module attributes nor inside a ``static_argnames`` object: nothing would tell
+        a replay that one was replaced (or freed). One finding per tensor."""
+        outside: dict[int, Finding] = {}
+        for probe in probes:
+            if probe is not None:
+                for ptr, f in probe.outside.items():
+                    outside.setdefault(ptr, f)
+        if not outside:
             return []
         known = set(self.static_storages)
         known.update(storage_of(t) for t in self.warm_guard.tensors)
@@ -286,7 +292,7 @@ class FirstCall:
                         f"{f.where}: a tensor that is not an argument, parameter, buffer or "
                         "module attribute (a global or a closure variable?): pass it as an "
                         "argument or register it as a buffer")
-                for ptr, f in probe.outside.items() if ptr not in known]
+                for ptr, f in outside.items() if ptr not in known]
 
     def _eager(self, reason: str, guard: StateGuard | None = None) -> Outcome:
         return Outcome(EAGER, self.result, reason=reason,
@@ -591,6 +597,9 @@ class FirstCall:
                 rehearsal = rehearse(self)
                 if rehearsal is not None:
                     differs = sequence_findings(rehearsal, second)
+                    if not differs:  # that path's own reads from outside (a global)
+                        for f in self._outside_tensors(rehearsal):
+                            differs.setdefault(f.path, []).append(f)
             if differs:
                 entry.release()
                 return Outcome(PIECEWISE, self.result, findings=differs,

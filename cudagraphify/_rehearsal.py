@@ -16,7 +16,7 @@ import torch
 from ._piecewise import new_probe, probed
 from ._probe import Probe
 from ._replay import StaticInputs
-from ._signature import unflatten_call
+from ._signature import storage_of, unflatten_call
 from . import _writes
 from ._nested import Nested
 
@@ -41,6 +41,9 @@ def rehearse(first) -> Probe | None:
         copy_marks = _writes.marks([b for _, b in copies.copy])
         rehearsal = new_probe(first.state)
         rehearsal.rehearse = True
+        # tensors it reads from outside (a global): seen as the warm-up's are (see screen)
+        rehearsal.known = {storage_of(x) for x in copies.leaves if isinstance(x, torch.Tensor)} \
+            | first.statics.storage_ptrs()
         ran = False
         try:
             a, kw = unflatten_call(copies.leaves, first.sig)

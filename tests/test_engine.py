@@ -1167,6 +1167,49 @@ def test_a_captured_path_that_writes_what_the_eager_one_does_not_is_not_trusted(
     assert model.count.item() == 0  # the rehearsal's write was undone
 
 
+_SHIFT = {"t": torch.ones(4)}  # a tensor that is no argument, parameter or buffer
+
+
+class _ReadsAGlobalOnItsCapturedPath(nn.Module):
+    """Capture-aware code whose path while captured reads a global tensor: ``"sync"``, the
+    eager path syncs (found by the warm-up: planned on a rehearsal); ``"skip"``, it returns
+    early without the global (the capture's ops differ: compared with a rehearsal)."""
+
+    def __init__(self, shortcut: str):
+        super().__init__()
+        self.shortcut = shortcut
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if not torch.cuda.is_current_stream_capturing():
+            if self.shortcut == "sync" and bool((y > -1e9).all()):
+                return y + _SHIFT["t"]
+            if self.shortcut == "skip":
+                return y + 1
+        return y + _SHIFT["t"] if self.shortcut == "sync" else y + _SHIFT["t"].sign()
+
+
+@pytest.mark.parametrize("shortcut", ["sync", "skip"])
+def test_a_rehearsed_path_that_reads_a_global_tensor_is_not_graphed_whole(faithful, shortcut,
+                                                                          monkeypatch):
+    # Replacing the global must be seen: the rehearsal's reads from outside count as the
+    # warm-up's do (a graph would keep reading the tensor it captured; "sync" then gave stale
+    # results). Such a forward runs piecewise, its eager path with it.
+    monkeypatch.setitem(_SHIFT, "t", torch.ones(4))
+    model = _ReadsAGlobalOnItsCapturedPath(shortcut)
+    ref = copy.deepcopy(model)
+    g = cg.graphify(model, op_policy=_trusting(__name__))
+    with torch.no_grad():
+        for k in range(4):
+            if k == 2:
+                _SHIFT["t"] = torch.full((4,), 5.0) if shortcut == "sync" else -torch.ones(4)
+            x = torch.randn(2, 4)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+    s = cg.stats(g)
+    assert s.eager == 4 and all("OUTSIDE_TENSOR" in r for r in s.eager_calls), s
+
+
 # -- the per-call paths ----------------------------------------------------------------------
 
 class _Sliced(nn.Module):
