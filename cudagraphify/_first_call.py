@@ -312,6 +312,7 @@ class FirstCall:
         second = new_probe(self.state, thunder=False)
         if second is not None:
             second.known = set()  # track what the capture's ops produce (see verify)
+            second.locate = False  # (what it reads from outside is the warm-up's business)
         rec = Recorder()
         try:
             if failed is not None:

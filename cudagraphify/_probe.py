@@ -269,7 +269,8 @@ class Probe:
         # not outside memory; ``outside`` maps each other storage to where it was first read.
         self.known: set[int] | None = None
         self.produced: set[int] = set()
-        self.outside: dict[int, Finding] = {}
+        self.outside: dict[int, Finding | None] = {}
+        self.locate = True  # False: ``outside`` holds None for each (only its keys are wanted)
         # Storages written in place (set to a set to start tracking): version counters miss
         # writes made through another tensor object on the same memory (``x.data``, a view of
         # ``.data``, a detached alias).
@@ -351,6 +352,9 @@ class Probe:
 
     def _read(self, func: Any, t: torch.Tensor, ptr: int) -> None:
         """``t`` (storage ``ptr``) is read and comes from outside the run: noted where."""
+        if not self.locate:
+            self.outside[ptr] = None
+            return
         what = f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
         self.outside[ptr] = Finding(self.path, op_name(func), ("OUTSIDE_TENSOR",),
                                     f"{_user_frame()} (reads a {what})")

@@ -224,7 +224,9 @@ def _recording_getattribute(self, name):
         raise
     if name in d:
         if d[name] is value:
-            rec.read(self, name, value)
+            key = (id(self), name)
+            if key not in rec.reads:  # (Recorder.read, inlined: most reads are of these)
+                rec.reads[key] = Read(self, name, value, False)
     else:
         raw = _class_attribute(type(self), name)
         if raw is value and not callable(raw):  # plain data on the class, not a descriptor
