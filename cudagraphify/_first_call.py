@@ -531,7 +531,7 @@ class FirstCall:
         a, kw = unflatten_call(leaves, self.sig)
         raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=family.pool,
                                    keep_graph=True)
-        _rebase.diff(family, raw, storages, family.pool)
+        _rebase.diff(family, raw, storages, family.pool, self._readable(family.inputs))
         if family.plan is not None and family.plan.unproven:
             # the proof runs the forward once more, eagerly, and the template once: on copies
             # of the states, but any other memory the forward writes would be written again
@@ -542,6 +542,20 @@ class FirstCall:
             _rebase.prove(family, [self.leaves[i] for i in idx], self._eager_with(idx),
                           self.leaves, backend, self.device)
         return raw, out, family.inputs
+
+    def _readable(self, inputs: StaticInputs) -> list[tuple[int, int]]:
+        """Address ranges of what the forward may read besides static states and its pool:
+        parameters, buffers, the static inputs, tensors kept as module attributes or inside
+        objects passed as they are (the probe refuses a run that reads other memory)."""
+        tensors = [*self.statics.tensors, *self.warm_guard.tensors,
+                   *(t for t in inputs.leaves if isinstance(t, torch.Tensor)),
+                   *(t for _, obj in self.objects for t in _tensors_in(obj))]
+        out = set()
+        for t in tensors:
+            s = t.untyped_storage()
+            if s.data_ptr():
+                out.add((s.data_ptr(), s.nbytes()))
+        return sorted(out)
 
     def _writes_besides(self, storages) -> str:
         """Why the warm-up's writes are not only to the static states' ``storages`` and to

@@ -245,9 +245,18 @@ def state_outputs(out: Any, leaves: list, indices: list[int]) -> Any:
     return pytree.tree_map(lambda v: StateArg(where[id(v)]) if id(v) in where else v, out)
 
 
-def diff(family: Family, raw, storages: Storages, pool) -> None:
+def diff(family: Family, raw, storages: Storages, pool,
+         legit: list[tuple[int, int]] | None = None) -> None:
     """Diff a second state's capture against the template; sets the family's plan, or records
-    a failure when the difference is not only the states' addresses."""
+    a failure when the difference is not only the states' addresses.
+
+    ``legit``: address ranges of the memory the forward may read besides the states and the
+    pool (parameters, buffers, the static inputs, tensors kept as module attributes: the probe
+    refuses reads of anything else). Given, a differing 8-byte value that lies in none of that
+    memory in either capture, nor in the pool, is kept but unproven: no tensor the forward
+    reads lies there, so it is an uninitialised byte of a kernel's argument struct that held a
+    stale address (seen on the H200: a neg kernel's struct tail, 0x7f3adfbea560 in one capture,
+    0x7f378ffc1c00 in the other). Without it, only values outside all device memory are."""
     from ._cugraph import DriverError, read_graph
 
     try:
@@ -255,9 +264,12 @@ def diff(family: Family, raw, storages: Storages, pool) -> None:
             family.nodes, family.edges = read_graph(family.raw.cuda_graph())
         nodes, edges = read_graph(raw.cuda_graph())
         pool_mem, device_mem = memory_ranges(pool)
-        # (with the device's memory: bytes that hold no device address in either capture,
-        # uninitialised tails of kernels' argument structs, are kept but unproven; the caller
-        # proves such a plan against eager once, on copies of the state)
+        if legit is not None:
+            device_mem = sorted(set(pool_mem) | set(legit) | set(family.storages.ranges)
+                                | set(storages.ranges))
+        # (bytes that hold no address of that memory in either capture, uninitialised tails of
+        # kernels' argument structs, are kept but unproven; the caller proves such a plan
+        # against eager once, on copies of the state)
         plan = plan_rebase(family.nodes, nodes, family.edges, edges, family.storages, storages,
                            pool_mem, None, device_mem)
         if plan.shared:

@@ -214,3 +214,45 @@ def test_release_drops_the_templates(fam):
     assert len(state.families) == 0 and family.raw is None
     _generate(ref, g)  # starts a family anew
     assert len(state.families) == 1
+
+
+def test_a_stale_address_in_a_struct_tail_is_unproven_not_refused(monkeypatch):
+    """A differing 8-byte value that lies in device memory but in none of the memory the
+    forward may read (states, pool, parameters, static inputs, attribute tensors) is a stale
+    address left in a kernel argument struct's uninitialised tail (seen on the H200): kept as
+    the template has it and counted unproven (the family then proves itself against eager).
+    One inside memory the forward reads still refuses."""
+    from cudagraphify import _graphdiff
+    from test_share import A, B, POOL, _k, _w
+
+    param = (0xC00000, 0x1000)  # a parameter: memory the forward reads
+    elsewhere = (0xB00000, 0x100000)  # device memory no tensor of the forward lies in
+    device = POOL + list(A.ranges) + list(B.ranges) + [param, elsewhere]
+    monkeypatch.setattr(_rebase, "memory_ranges", lambda pool: (POOL, device))
+
+    def diffed(template_value: int, other_value: int, legit):
+        nodes = {"t": [_k("neg", _w(0x10000 + 8, template_value))],
+                 "o": [_k("neg", _w(0x50000 + 8, other_value))]}
+        monkeypatch.setattr(_cugraph, "read_graph", lambda handle: (nodes[handle], frozenset()))
+
+        class Raw:
+            def __init__(self, name):
+                self.name = name
+
+            def cuda_graph(self):
+                return self.name
+
+        family = _rebase.Family(Raw("t"), None, None, A, None, None)
+        _rebase.diff(family, Raw("o"), B, None, legit)
+        return family
+
+    stale = diffed(0xB00100, 0xB08200, [param])
+    assert stale.plan is not None and (stale.plan.count, stale.plan.unproven) == (1, 1)
+    assert stale.failures == []
+    # without the readable memory (all device memory counts): refused, as before
+    assert diffed(0xB00100, 0xB08200, None).plan is None
+    # a differing address inside a parameter is no stale byte: refused
+    inside = diffed(0xC00010, 0xC00020, [param])
+    assert inside.plan is None and "not a rebased" in inside.failures[-1]
+    # one inside the pool in one capture only: refused too
+    assert diffed(0x900100, 0xB08200, [param]).plan is None
