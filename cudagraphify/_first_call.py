@@ -543,19 +543,13 @@ class FirstCall:
                           self.leaves, backend, self.device)
         return raw, out, family.inputs
 
-    def _readable(self, inputs: StaticInputs) -> list[tuple[int, int]]:
-        """Address ranges of what the forward may read besides static states and its pool:
-        parameters, buffers, the static inputs, tensors kept as module attributes or inside
-        objects passed as they are (the probe refuses a run that reads other memory)."""
-        tensors = [*self.statics.tensors, *self.warm_guard.tensors,
-                   *(t for t in inputs.leaves if isinstance(t, torch.Tensor)),
-                   *(t for _, obj in self.objects for t in _tensors_in(obj))]
-        out = set()
-        for t in tensors:
-            s = t.untyped_storage()
-            if s.data_ptr():
-                out.add((s.data_ptr(), s.nbytes()))
-        return sorted(out)
+    def _readable(self, inputs: StaticInputs) -> list[torch.Tensor]:
+        """The tensors the forward may read besides static states and its pool: parameters,
+        buffers, the static inputs, tensors kept as module attributes or inside objects passed
+        as they are (the probe refuses a run that reads other memory)."""
+        return [*self.statics.tensors, *self.warm_guard.tensors,
+                *(t for t in inputs.leaves if isinstance(t, torch.Tensor)),
+                *(t for _, obj in self.objects for t in _tensors_in(obj))]
 
     def _writes_besides(self, storages) -> str:
         """Why the warm-up's writes are not only to the static states' ``storages`` and to

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 __all__ = ["Refused", "Storages", "RebasePlan", "plan_rebase", "memory_ranges",
-           "RetargetedRaw"]
+           "readable_ranges", "RetargetedRaw"]
 
 
 class Refused(Exception):
@@ -146,6 +146,23 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                     raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "
                                   f"({v0:#x} vs {v1:#x}) and is not a rebased parameter address")
     return plan
+
+
+def readable_ranges(pool: list[tuple[int, int]], storages: list[Storages],
+                    tensors) -> list[tuple[int, int]]:
+    """Address ranges of the memory a captured forward may read: its pool, the storages of
+    the layers or states diffed, and the storages of ``tensors`` (parameters, buffers, static
+    inputs, tensors kept as module attributes: the probe refuses a run that reads anything
+    else). Given to :func:`plan_rebase` as ``device``, a differing value in none of these in
+    either capture is an uninitialised struct byte that held a stale address (kept, unproven)."""
+    out = set(pool)
+    for s in storages:
+        out.update(s.ranges)
+    for t in tensors:
+        s = t.untyped_storage()
+        if s.data_ptr():
+            out.add((s.data_ptr(), s.nbytes()))
+    return sorted(out)
 
 
 def memory_ranges(pool) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -39,7 +39,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages, memory_ranges,
-                         plan_rebase)
+                         plan_rebase, readable_ranges)
 
 __all__ = ["Families", "Family", "StateArg"]
 
@@ -245,13 +245,12 @@ def state_outputs(out: Any, leaves: list, indices: list[int]) -> Any:
     return pytree.tree_map(lambda v: StateArg(where[id(v)]) if id(v) in where else v, out)
 
 
-def diff(family: Family, raw, storages: Storages, pool,
-         legit: list[tuple[int, int]] | None = None) -> None:
+def diff(family: Family, raw, storages: Storages, pool, readable=None) -> None:
     """Diff a second state's capture against the template; sets the family's plan, or records
     a failure when the difference is not only the states' addresses.
 
-    ``legit``: address ranges of the memory the forward may read besides the states and the
-    pool (parameters, buffers, the static inputs, tensors kept as module attributes: the probe
+    ``readable``: the tensors the forward may read besides the states and the pool
+    (parameters, buffers, the static inputs, tensors kept as module attributes: the probe
     refuses reads of anything else). Given, a differing 8-byte value that lies in none of that
     memory in either capture, nor in the pool, is kept but unproven: no tensor the forward
     reads lies there, so it is an uninitialised byte of a kernel's argument struct that held a
@@ -264,9 +263,8 @@ def diff(family: Family, raw, storages: Storages, pool,
             family.nodes, family.edges = read_graph(family.raw.cuda_graph())
         nodes, edges = read_graph(raw.cuda_graph())
         pool_mem, device_mem = memory_ranges(pool)
-        if legit is not None:
-            device_mem = sorted(set(pool_mem) | set(legit) | set(family.storages.ranges)
-                                | set(storages.ranges))
+        if readable is not None:
+            device_mem = readable_ranges(pool_mem, [family.storages, storages], readable)
         # (bytes that hold no address of that memory in either capture, uninitialised tails of
         # kernels' argument structs, are kept but unproven; the caller proves such a plan
         # against eager once, on copies of the state)

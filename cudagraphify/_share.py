@@ -30,7 +30,7 @@ import torch.utils._pytree as pytree
 
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages,  # noqa: F401
-                         memory_ranges, plan_rebase)
+                         memory_ranges, plan_rebase, readable_ranges)
 from ._options import Stats
 from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
 
@@ -280,12 +280,13 @@ class ShareGroup:
                 nodes0, edges0 = read_graph(raw.cuda_graph())
                 nodes1, edges1 = capture(forward_b)
                 t.nodes = nodes0
-                pool_mem, device_mem = memory_ranges(pool)
+                pool_mem, _ = memory_ranges(pool)
                 b_storages = Storages.of(self.layers[other])
+                readable = None if self.strict else self._readable(t, pool_mem, b_storages)
 
                 def plan(again):
                     return plan_rebase(nodes0, nodes1, edges0, edges1, t.storages, b_storages,
-                                       pool_mem, again, None if self.strict else device_mem)
+                                       pool_mem, again, readable)
 
                 t.edges = edges0
                 try:
@@ -308,6 +309,16 @@ class ShareGroup:
         # the per-layer captures that follow (a pool whose graphs are all gone is unusable).
         self._templates[key] = t
         return t
+
+    @staticmethod
+    def _readable(t: _Template, pool_mem, other: Storages) -> list[tuple[int, int]]:
+        """What the layers' forward may read (strict=False's ``device`` ranges): the pool, the
+        two layers' storages, the static inputs, tensors the template's forward read as module
+        attributes. A differing value in none of it is a stale struct byte (unproven)."""
+        tensors = [x for x in t.inputs.leaves if isinstance(x, torch.Tensor)]
+        if t.guard is not None:
+            tensors += list(t.guard.tensors)
+        return readable_ranges(pool_mem, [t.storages, other], tensors)
 
     def _partner(self, k: int) -> int:
         for j in list(range(k + 1, len(self.layers))) + list(range(k)):
@@ -355,13 +366,15 @@ class ShareGroup:
         self.capture_seconds += raw.capture_seconds
         try:
             nodes, edges = read_graph(raw.cuda_graph())
-            pool_mem, device_mem = memory_ranges(pool)
+            pool_mem, _ = memory_ranges(pool)
             # (a one-byte argument that differs is kept and counted, as in the template's own
             # diff: empty functors hold host-stack bytes that differ between layers, seen on
             # GPT-2's layers on the H200, and refusing them refused 5 of its 12 layer graphs. A
             # one-byte flag of the layer's own that forward is seen to read refuses above.)
-            proof = plan_rebase(t.nodes, nodes, t.edges, edges, t.storages, Storages.of(layer),
-                                pool_mem, t.again, None if self.strict else device_mem)
+            mine = Storages.of(layer)
+            proof = plan_rebase(t.nodes, nodes, t.edges, edges, t.storages, mine, pool_mem,
+                                t.again,
+                                None if self.strict else self._readable(t, pool_mem, mine))
             if t.plan is not None:
                 t.plan.unproven += proof.unproven
         except Refused as e:

@@ -293,9 +293,10 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
         strict: refuse sharing when two layers' captures differ in a kernel argument that is
             neither a rebased address nor proven capture-dependent nor one byte long (an empty
             functor's byte, counted as unproven) (default). ``strict=False``
-            keeps such bytes as the template has them when they are no device address in
-            either capture (the uninitialised tail of a kernel's argument struct, as in HF
-            Llama's RMSNorm reduction) and relies on the check of each layer's graph against
+            keeps such bytes as the template has them when in neither capture they are an
+            address of memory the layers may read (their pool, parameters, buffers, inputs,
+            attribute tensors): the uninitialised tail of a kernel's argument struct, as in HF
+            Llama's RMSNorm reduction, now and then a stale address; and relies on the check of each layer's graph against
             its eager output: a per-layer scalar the forward reads from somewhere the
             structural check does not see would then be taken from the template layer.
 

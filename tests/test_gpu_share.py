@@ -153,11 +153,10 @@ def test_hf_llama_layers_share_one_capture():
                                                rtol=1e-5, atol=1e-5)
     n = 6 * len(seqs)  # layer graphs: 6 layers x the lengths
     s = group.stats()
-    # strict=False keeps such bytes unless one of the two happens to look like a device
-    # address (stack garbage can hold a stale pointer: byte 104 of the mean reduction's
-    # argument in one H200 run, for one length of two). That length then goes per layer, with
-    # the reason; the other lengths share (at least half of them: that happened in one run of
-    # many, to one length in two).
+    # strict=False keeps such bytes unless one of the two is an address of memory the layers
+    # read (stack garbage can hold a stale pointer: byte 104 of the mean reduction's argument in
+    # one H200 run, for one length of two; any device address refused until Dec 2026). That
+    # length then goes per layer, with the reason; the other lengths share (at least half).
     assert s.retargets >= n // 2 and s.retargets + s.per_layer == n, s
     assert s.unproven_slots, s
     assert all("not a rebased parameter address" in r for r in s.reasons), s.reasons

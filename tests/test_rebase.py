@@ -226,6 +226,17 @@ def test_a_stale_address_in_a_struct_tail_is_unproven_not_refused(monkeypatch):
     from test_share import A, B, POOL, _k, _w
 
     param = (0xC00000, 0x1000)  # a parameter: memory the forward reads
+
+    class Param:  # (what diff asks of a tensor it may read)
+        def untyped_storage(self):
+            return self
+
+        def data_ptr(self):
+            return param[0]
+
+        def nbytes(self):
+            return param[1]
+
     elsewhere = (0xB00000, 0x100000)  # device memory no tensor of the forward lies in
     device = POOL + list(A.ranges) + list(B.ranges) + [param, elsewhere]
     monkeypatch.setattr(_rebase, "memory_ranges", lambda pool: (POOL, device))
@@ -246,13 +257,13 @@ def test_a_stale_address_in_a_struct_tail_is_unproven_not_refused(monkeypatch):
         _rebase.diff(family, Raw("o"), B, None, legit)
         return family
 
-    stale = diffed(0xB00100, 0xB08200, [param])
+    stale = diffed(0xB00100, 0xB08200, [Param()])
     assert stale.plan is not None and (stale.plan.count, stale.plan.unproven) == (1, 1)
     assert stale.failures == []
     # without the readable memory (all device memory counts): refused, as before
     assert diffed(0xB00100, 0xB08200, None).plan is None
     # a differing address inside a parameter is no stale byte: refused
-    inside = diffed(0xC00010, 0xC00020, [param])
+    inside = diffed(0xC00010, 0xC00020, [Param()])
     assert inside.plan is None and "not a rebased" in inside.failures[-1]
     # one inside the pool in one capture only: refused too
-    assert diffed(0x900100, 0xB08200, [param]).plan is None
+    assert diffed(0x900100, 0xB08200, [Param()]).plan is None
