@@ -222,7 +222,6 @@ def test_a_stale_address_in_a_struct_tail_is_unproven_not_refused(monkeypatch):
     address left in a kernel argument struct's uninitialised tail (seen on the H200): kept as
     the template has it and counted unproven (the family then proves itself against eager).
     One inside memory the forward reads still refuses."""
-    from cudagraphify import _graphdiff
     from test_share import A, B, POOL, _k, _w
 
     param = (0xC00000, 0x1000)  # a parameter: memory the forward reads
