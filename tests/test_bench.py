@@ -324,14 +324,15 @@ def test_overhead_section_runs_every_row_on_a_cpu_with_a_stand_in_capture():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
 def test_cpu_mode_says_which_sections_need_a_gpu(tmp_path, capsys):
     out = tmp_path / "s.json"
-    assert bench.main(["--workloads", "--train", "A", "--share", "12", "24", "--sync", "item",
-                       "--json", str(out)]) == 0
+    assert bench.main(["--workloads", "--train", "A", "--share", "12", "24", "--share-hf",
+                       "--sync", "item", "--json", str(out)]) == 0
     lines = capsys.readouterr().out.splitlines()
-    for workload in ("A-train", "A-share-L12", "A-share-L24", "A-item"):
+    names = ["A-train", "A-share-L12", "A-share-L24", "hf-share", "A-item"]
+    for workload in names:
         assert any(ln.startswith(f"{workload}: not run: needs a CUDA GPU (") for ln in lines), (
             workload, lines)
     rows = json.loads(out.read_text())["rows"]
-    assert [r["workload"] for r in rows] == ["A-train", "A-share-L12", "A-share-L24", "A-item"]
+    assert [r["workload"] for r in rows] == names
     assert all(r["not_run"].startswith("needs a CUDA GPU") for r in rows)
 
 
@@ -382,3 +383,19 @@ def test_serve_rows_in_words():
                       "bucketed_mb": 12.0, "refused": 0, "bucketed_max_diff": 1e-6,
                       "exact_max_diff": 0.0})
     assert "bucketed 140 (4 graphs of [2, 4, 8, 16], 12.0 MB, 0 buckets refused)" in b
+
+
+def test_share_hf_rows_in_words():
+    from cudagraphify.bench.sections import format_share_hf
+
+    row = {"workload": "hf-share-llama-L16", "eager_us": 9000.0, "per_layer_us": 2100.0,
+           "per_layer_pool_mb": 40.0, "per_layer_equal": True, "share_graph_us": 2150.0,
+           "share_graph_pool_mb": 6.0, "share_graph_equal": True, "shared": 0, "per_layer": 16,
+           "reasons": ["node 3 (reduce): argument 1 at byte 104 differs"],
+           "share_vs_per_layer_us": 2150.0 / 2100.0}
+    text = format_share_hf(row)
+    assert text.startswith("hf-share-llama-L16: eager 9000 µs | per-layer graphify 2100 µs")
+    assert "0 layer graphs shared, 16 per layer ['node 3 (reduce)" in text
+    assert text.endswith("share/per-layer µs 1.024 (target <= 1.05)")
+    assert format_share_hf({"workload": "hf-share-gpt2-L12", "not_run": "ImportError: x"}) == \
+        "hf-share-gpt2-L12: not run: ImportError: x"

@@ -1,8 +1,8 @@
 """The benchmark: eager vs ``graphify`` vs what users would use instead, in one process and run.
 
     python -m cudagraphify.bench [--workloads A B C] [--columns ...] [--decode] [--quick]
-                                 [--train A] [--share 12 24 48] [--sync item] [--overhead]
-                                 [--serve] [--json out.json] [--chart out.png]
+                                 [--train A] [--share 12 24 48] [--share-hf] [--sync item]
+                                 [--overhead] [--serve] [--json out.json] [--chart out.png]
     python -m cudagraphify.bench.compose [--quick] [--json compose.json]
 
 The sections, one module each:
@@ -11,7 +11,7 @@ The sections, one module each:
   ``graphify``, per-block, ``share_graph``, ``make_graphed_callables``, ``torch.compile``,
   Thunder); on a CPU, the eager model only.
 - :mod:`.decode`: ``--decode``, greedy decode of an HF transformers Llama with a static cache.
-- :mod:`.sections`: ``--train``, ``--share``, ``--sync``.
+- :mod:`.sections`: ``--train``, ``--share``, ``--share-hf``, ``--sync``.
 - :mod:`.overhead`: ``--overhead``, the call path's cost in µs per call against the targets.
 - :mod:`.serve`: ``--serve``, many input sizes of one model (graph memory, capture time).
 - :mod:`.compose`: FSDP2, DDP, torch.compile, checkpointing and Thunder with and without
@@ -35,8 +35,8 @@ from .decode import DECODE_CPU_SIZES, bench_decode, format_decode
 from .models import WORKLOADS
 from .overhead import bench_overhead, format_overhead
 from .serve import bench_serve, format_serve
-from .sections import (SHARE_HEADING, bench_share, bench_sync, bench_training, format_share,
-                       format_sync, format_training)
+from .sections import (SHARE_HEADING, bench_share, bench_share_hf, bench_sync, bench_training,
+                       format_share, format_share_hf, format_sync, format_training)
 from .workloads import BENCH_WORKLOADS, COLUMNS, bench_cpu, bench_workload, format_workload
 
 __all__ = ["main", "parse_args", "draw_chart"]
@@ -68,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--share", nargs="*", type=int, default=[], metavar="L",
                    help="also compare share_graph with per-layer graphs on workload A at these "
                         "depths (e.g. 12 24 48)")
+    p.add_argument("--share-hf", action="store_true",
+                   help="also compare share_graph (no option) with per-layer graphify on HF "
+                        "Llama (8 and 16 layers) and GPT-2 (12) layers, bf16; alone (no "
+                        "--workloads), only this section")
     p.add_argument("--serve", action="store_true",
                    help="many input sizes of one model: graph memory of workload A at 8 batch "
                         "sizes (by hand, capture_sizes, on demand) and the time to capture 32 "
@@ -82,7 +86,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.chart and importlib.util.find_spec("matplotlib") is None:
         p.error("--chart needs matplotlib: pip install matplotlib (or leave --chart out)")
-    if (args.overhead or args.serve) and args.workloads is None:
+    if (args.overhead or args.serve or args.share_hf) and args.workloads is None:
         args.workloads = []
     if args.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2 (the first token comes from the prefill)")
@@ -133,6 +137,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in bench_share("A", WORKLOADS["A"], args.share, calls, repeats) if args.share else []:
         rows.append(r)
         print(format_share(r), flush=True)
+    for r in bench_share_hf(calls, repeats) if args.share_hf else []:
+        rows.append(r)
+        print(format_share_hf(r), flush=True)
     return _finish(rows, args, device=torch.cuda.get_device_name())
 
 
@@ -141,6 +148,7 @@ _GPU_ONLY = {
     "overhead": "it times graph replays against eager",
     "train": "a training step through forward and backward graphs",
     "share": "share_graph builds each layer's graph from a captured template",
+    "share-hf": "share_graph on HF layers, against per-layer graphs",
     "sync": "graphify's piecewise plan around a host sync, against eager",
     "serve": "graph memory and capture time of many input sizes",
 }
@@ -161,6 +169,7 @@ def _on_cpu(args, calls: int, repeats: int, decode_repeats: int) -> list[dict]:
                + [("serve", "serve")] * args.serve
                + [(f"{name}-train", "train") for name in args.train]
                + [(f"A-share-L{depth}", "share") for depth in args.share]
+               + [("hf-share", "share-hf")] * args.share_hf
                + [(f"A-{sync}", "sync") for sync in args.sync])
     for workload, section in skipped:
         rows.append({"workload": workload,

@@ -1,6 +1,7 @@
 """The benchmark's optional sections on workload A's GPT: a training step (``--train``),
-``share_graph`` against per-layer graphs at several depths (``--share``), and a host sync in every
-block (``--sync``). Each returns its row(s); ``format_*`` puts a row in words."""
+``share_graph`` against per-layer graphs at several depths (``--share``; on HF Llama and GPT-2
+layers with no option, ``--share-hf``), and a host sync in every block (``--sync``). Each returns
+its row(s); ``format_*`` puts a row in words."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import torch
 from ._common import progress, time_per_call
 from .models import GPT, GPTConfig, model_and_input
 
-__all__ = ["bench_training", "bench_share", "bench_sync", "format_training", "format_share",
-           "format_sync"]
+__all__ = ["bench_training", "bench_share", "bench_share_hf", "bench_sync", "format_training",
+           "format_share", "format_share_hf", "format_sync"]
 
 
 def _peak_extra_mb(fn, x, steps: int = 3) -> float:
@@ -127,6 +128,97 @@ def bench_share(name: str, cfg: GPTConfig, depths: list[int], calls: int, repeat
         row["share_vs_per_layer_us"] = row["share_graph_us"] / row["per_layer_us"]
         rows.append(row)
     return rows
+
+
+# (architecture, layers) of --share-hf: HF Llama (hidden 512, bf16) at two depths (graph memory
+# flat in depth?) and GPT-2 (n_embd 512, bf16)
+SHARE_HF = (("llama", 8), ("llama", 16), ("gpt2", 12))
+
+
+def _hf_model(arch: str, layers: int):
+    """A random-weight HF model in bf16 on the GPU, its decoder layers, and its call's
+    keywords (no cache: the same shapes on every call)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376,
+                                       num_hidden_layers=layers, num_attention_heads=8,
+                                       num_key_value_heads=4, vocab_size=32000)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.GPT2Config(n_embd=512, n_layer=layers, n_head=8, vocab_size=32000,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg)
+    model = model.to("cuda", torch.bfloat16).eval()
+    layers_of = (lambda m: m.model.layers) if arch == "llama" else (lambda m: m.transformer.h)
+    return model, layers_of
+
+
+def bench_share_hf(calls: int, repeats: int, seq: int = 16) -> list:
+    """``share_graph(layers)`` with no option against ``graphify`` of each layer, on HF models
+    (:data:`SHARE_HF`): µs per forward (one prompt of ``seq`` tokens, no cache), graph pool MB,
+    how many layer graphs were shared, and whether logits equal eager's bitwise."""
+    import copy
+
+    import cudagraphify as cg
+
+    rows = []
+    for arch, depth in SHARE_HF:
+        row: dict = {"workload": f"hf-share-{arch}-L{depth}"}
+        try:
+            ref, layers_of = _hf_model(arch, depth)
+        except Exception as e:  # noqa: BLE001 - transformers missing or broken: say so
+            row["not_run"] = f"{type(e).__name__}: {e}"[:200]
+            rows.append(row)
+            continue
+        ids = torch.randint(0, 32000, (1, seq), device="cuda")
+
+        def logits(m, x):
+            return m(input_ids=x, use_cache=False).logits
+
+        with torch.no_grad():
+            want = logits(ref, ids)
+            row["eager_us"] = time_per_call(lambda x: logits(ref, x), ids, calls, repeats)
+            for label in ("per_layer", "share_graph"):
+                progress(f"hf share {arch} L={depth}: {label}")
+                model = copy.deepcopy(ref)
+                layers = layers_of(model)
+                group = cg.share_graph(layers) if label == "share_graph" else None
+                if group is None:
+                    for layer in layers:
+                        cg.graphify(layer)
+                for _ in range(3):
+                    got = logits(model, ids)
+                row[f"{label}_equal"] = bool(torch.equal(got, want))
+                row[f"{label}_us"] = time_per_call(lambda x: logits(model, x), ids, calls,
+                                                   repeats)
+                stats = [cg.stats(layer) for layer in layers]
+                pool = sum(st.graph_pool_bytes for st in stats)
+                if group is not None:
+                    gs = group.stats()
+                    pool += gs.template_pool_bytes
+                    row["shared"], row["per_layer"] = gs.retargets, gs.per_layer
+                    row["reasons"] = list(gs.reasons)[:2]
+                    row["unproven_slots"] = sum(dict(gs.unproven_slots).values())
+                row[f"{label}_replays"] = sum(st.replays for st in stats)
+                row[f"{label}_pool_mb"] = pool / 2**20
+                del model, layers, group
+        row["share_vs_per_layer_us"] = row["share_graph_us"] / row["per_layer_us"]
+        rows.append(row)
+    return rows
+
+
+def format_share_hf(r: dict) -> str:
+    if "not_run" in r:
+        return f"{r['workload']}: not run: {r['not_run']}"
+    return (f"{r['workload']}: eager {r['eager_us']:.0f} µs | per-layer graphify "
+            f"{r['per_layer_us']:.0f} µs, {r['per_layer_pool_mb']:.1f} MB, equal "
+            f"{r['per_layer_equal']} | share_graph {r['share_graph_us']:.0f} µs, "
+            f"{r['share_graph_pool_mb']:.1f} MB, equal {r['share_graph_equal']}, "
+            f"{r['shared']} layer graphs shared, {r['per_layer']} per layer"
+            f"{' ' + str(r['reasons']) if r['reasons'] else ''} | share/per-layer µs "
+            f"{r['share_vs_per_layer_us']:.3f} (target <= 1.05)")
 
 
 def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -> dict:
