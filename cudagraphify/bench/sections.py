@@ -203,7 +203,7 @@ def bench_share_hf(calls: int, repeats: int, seq: int = 16) -> list:
                     row["unproven_slots"] = sum(dict(gs.unproven_slots).values())
                 row[f"{label}_replays"] = sum(st.replays for st in stats)
                 row[f"{label}_pool_mb"] = pool / 2**20
-                del model, layers, group
+                model = layers = group = None  # (freed before the next one is built)
         row["share_vs_per_layer_us"] = row["share_graph_us"] / row["per_layer_us"]
         rows.append(row)
     return rows
