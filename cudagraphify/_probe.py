@@ -133,17 +133,20 @@ class _Mode(TorchFunctionMode):
 # in-place method or dunder: its first argument) or _W_SCHEMA (a custom op: its schema says))
 _infos: dict[int, tuple[Any, str, int]] = {}
 _W_NONE, _W_FIRST, _W_SCHEMA = 0, 1, 2
-_getters: dict[int, tuple[Any, str]] = {}  # id(a getset descriptor) -> (it, its op name)
+# id(a getset descriptor) -> (it, the op name of its __get__: a property read; its __set__ and
+# other method-wrappers are keyed as any function)
+_getters: dict[int, tuple[Any, str]] = {}
 _MethodWrapper = type(torch.Tensor.shape.__get__)
 
 
 def _info(func: Any) -> tuple[Any, str, int]:
-    getter = getattr(func, "__self__", None) if type(func) is _MethodWrapper else None
+    getter = getattr(func, "__self__", None) if type(func) is _MethodWrapper \
+        and getattr(func, "__name__", None) == "__get__" else None
     if getter is not None:  # a property read (Tensor.shape): a new method-wrapper each time
         hit = _getters.get(id(getter))
         if hit is not None and hit[0] is getter:
             return (func, hit[1], _W_NONE)
-    if getattr(func, "_schema", None) is not None:
+    if _schemas(func):
         writes = _W_SCHEMA
     else:
         name = getattr(func, "__name__", "") or ""
@@ -253,9 +256,11 @@ class Probe:
         self.sequences: dict[str, list[str]] = collections.defaultdict(list)
         self._stack: list[str] = []
         self._seq: list[str] | None = None  # sequences[path], while that module runs
-        # the default policy's rules (not a subclass's), without Thunder: record's shortcut
-        self._plain = not thunder and type(policy).tags is OpPolicy.tags \
-            and type(policy).can_graph is OpPolicy.can_graph
+        # the default policy's rules (no subclass's or instance's own), without Thunder:
+        # record's shortcut
+        self._plain = not thunder \
+            and getattr(policy.tags, "__func__", None) is OpPolicy.tags \
+            and getattr(policy.can_graph, "__func__", None) is OpPolicy.can_graph
         self._undo: list = []
         self._non_op_depth = 0
         self._thread: int | None = None
@@ -314,7 +319,8 @@ class Probe:
         if kwargs or writes == _W_SCHEMA:
             targets = _written_by(func, args, kwargs)
         elif writes == _W_FIRST and args:
-            targets = (args[0],)
+            first = args[0]
+            targets = first if isinstance(first, (list, tuple)) else (first,)
         else:
             return
         written = self.written
@@ -429,20 +435,33 @@ def _written_by(func: Any, args: tuple, kwargs: dict) -> list:
     """The tensors (or lists of them) a call writes in place, as far as its name, its ``out=``
     and ``inplace=`` arguments and a custom op's schema tell."""
     out = []
+    schemas = _schemas(func)
+    if schemas:  # a custom op: its schemas say what it writes (every overload's, for a packet)
+        for schema in schemas:
+            for i, arg in enumerate(schema.arguments):
+                if arg.alias_info is not None and arg.alias_info.is_write:
+                    out.append(args[i] if i < len(args) else kwargs.get(arg.name))
+    else:
+        name = getattr(func, "__name__", "") or ""
+        if args and ((name.endswith("_") and not name.endswith("__"))
+                     or name in _INPLACE_DUNDERS or kwargs.get("inplace") is True):
+            out.append(args[0])  # (a list of tensors for the in-place _foreach ops)
+        out.append(kwargs.get("out"))
+    return [t for v in out for t in (v if isinstance(v, (list, tuple)) else (v,))]
+
+
+def _schemas(func: Any) -> list:
+    """The schemas of a custom op: an OpOverload's own, or each overload's of a packet
+    (``torch.ops.ns.op``); none for anything else."""
     schema = getattr(func, "_schema", None)
-    if schema is not None:  # an OpOverload: its schema says what it writes
-        for i, arg in enumerate(schema.arguments):
-            if arg.alias_info is not None and arg.alias_info.is_write:
-                out.append(args[i] if i < len(args) else kwargs.get(arg.name))
-        return [t for v in out for t in (v if isinstance(v, (list, tuple)) else (v,))]
-    name = getattr(func, "__name__", "") or ""
-    if args and ((name.endswith("_") and not name.endswith("__")) or name in _INPLACE_DUNDERS
-                 or kwargs.get("inplace") is True):
-        out.append(args[0])
-    target = kwargs.get("out")
-    if target is not None:
-        out.extend(target if isinstance(target, (list, tuple)) else (target,))
-    return out
+    if schema is not None:
+        return [schema]
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        try:
+            return [getattr(func, ov)._schema for ov in func.overloads()]
+        except Exception:  # noqa: BLE001 - an odd packet: its name decides, as for others
+            return []
+    return []
 
 
 def differing_paths(a: Probe, b: Probe) -> set[str]:

@@ -198,19 +198,15 @@ def _recording_getattribute(self, name):
     d = _object_getattribute(self, "__dict__")
     if name not in d:
         cls = type(self)
-        if cls.__getattr__ is _module_getattr:
+        if cls.__getattr__ is _module_getattr and cls.__getattribute__ is _recording_getattribute:
             # A parameter, buffer or submodule (the common case) is what Module.__getattr__
             # returns once object.__getattribute__ has raised: returned here without the two
-            # exceptions, where nothing on the class comes first. Registries are not reads.
+            # exceptions, where nothing on the class comes first (and the class has neither
+            # lookup of its own). Registries are not reads.
             for k in _REGISTRIES:
                 registry = d.get(k)
                 if registry is not None and name in registry:
-                    key = (cls, name)
-                    on_class = rec.class_has.get(key)
-                    if on_class is None:
-                        on_class = rec.class_has[key] = \
-                            _class_attribute(cls, name) is not MISSING
-                    if on_class:
+                    if _class_attribute(cls, name) is not MISSING:
                         break
                     return registry[name]
     try:
@@ -268,8 +264,6 @@ class Recorder:
         self.called: dict[int, nn.Module] = {}
         self.writes: list[tuple[nn.Module, str, Any, Any]] = []
         self._thread = threading.get_ident()
-        # (class, name) -> whether the class has that attribute (see _recording_getattribute)
-        self.class_has: dict[tuple[type, str], bool] = {}
 
     def read(self, module: nn.Module, name: str, value: Any, on_class: bool = False) -> None:
         key = (id(module), name)
