@@ -81,15 +81,21 @@ class _ReadsOrSetsData(nn.Module):
         return a + 1
 
 
-def test_property_read_and_write_are_told_apart(faithful, quiet):  # noqa: F811
+def _matches_eager(cls, calls: int = 3) -> None:
+    """``graphify(cls())`` gives an eager twin's results, bitwise, call after call."""
     torch.manual_seed(0)
-    m, ref = _ReadsOrSetsData(), _ReadsOrSetsData()
+    m, ref = cls(), cls()
     ref.load_state_dict(m.state_dict())
     g = cg.graphify(m)
     with torch.no_grad():
-        for _ in range(3):
+        for k in range(calls):
             x = torch.randn(2, 4)
-            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
+            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0,
+                                       msg=lambda s: f"call {k}: {s}")
+
+
+def test_property_read_and_write_are_told_apart(faithful, quiet):  # noqa: F811
+    _matches_eager(_ReadsOrSetsData)
 
 
 class _Catching(nn.Module):
@@ -125,15 +131,7 @@ class _Added(nn.Module):
 
 @pytest.mark.parametrize("cls", [_Catching, _Added])
 def test_lookup_while_recording_is_pythons(sim, quiet, cls):
-    torch.manual_seed(0)
-    m, ref = cls(), cls()
-    ref.load_state_dict(m.state_dict())
-    g = cg.graphify(m)
-    with torch.no_grad():
-        for k in range(3):
-            x = torch.randn(2, 4)
-            torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0,
-                                       msg=lambda s: f"call {k}: {s}")
+    _matches_eager(cls)
 
 
 _lib_w = torch.library.Library("cg_review_probe_w", "FRAGMENT")  # (kept: its ops live with it)
