@@ -24,6 +24,7 @@ from torch.nn.modules import module as _module_mod
 from torch.overrides import TorchFunctionMode
 
 from ._watch import own_global_hook
+from ._opinfo import W_FIRST, W_SCHEMA, info_of, infos, written_by
 from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, _untagged, op_name
 from ._signature import storage_of
 
@@ -115,9 +116,9 @@ class _Mode(TorchFunctionMode):
         if caller.startswith(_HERE) and caller != _OWN_MODELS:  # cudagraphify's own calls
             return func(*args, **kwargs)
         probe = self.probe
-        info = _infos.get(id(func))
+        info = infos.get(id(func))
         if info is None or info[0] is not func:
-            info = _info(func)
+            info = info_of(func)
         probe.record(func, args, kwargs, info[1])
         written = probe.written
         if written is not None and (info[2] or kwargs):
@@ -126,42 +127,6 @@ class _Mode(TorchFunctionMode):
         if probe.known is not None:
             probe.note_tensors(func, args, kwargs, out)
         return out
-
-
-# What the probe needs of each function it sees, by id (the function held, so that its id stays
-# its own): (func, op_name(func), what it writes without keywords: _W_NONE, _W_FIRST (an
-# in-place method or dunder: its first argument) or _W_SCHEMA (a custom op: its schema says))
-_infos: dict[int, tuple[Any, str, int]] = {}
-_W_NONE, _W_FIRST, _W_SCHEMA = 0, 1, 2
-# id(a getset descriptor) -> (it, the op name of its __get__: a property read; its __set__ and
-# other method-wrappers are keyed as any function)
-_getters: dict[int, tuple[Any, str]] = {}
-_MethodWrapper = type(torch.Tensor.shape.__get__)
-
-
-def _info(func: Any) -> tuple[Any, str, int]:
-    getter = getattr(func, "__self__", None) if type(func) is _MethodWrapper \
-        and getattr(func, "__name__", None) == "__get__" else None
-    if getter is not None:  # a property read (Tensor.shape): a new method-wrapper each time
-        hit = _getters.get(id(getter))
-        if hit is not None and hit[0] is getter:
-            return (func, hit[1], _W_NONE)
-    if _schemas(func):
-        writes = _W_SCHEMA
-    else:
-        name = getattr(func, "__name__", "") or ""
-        writes = _W_FIRST if (name.endswith("_") and not name.endswith("__")) \
-            or name in _INPLACE_DUNDERS else _W_NONE
-    info = (func, op_name(func), writes)
-    if getter is not None:
-        if len(_getters) >= 1024:
-            _getters.clear()
-        _getters[id(getter)] = (getter, info[1])
-        return info
-    if len(_infos) >= 4096:
-        _infos.clear()
-    _infos[id(func)] = info
-    return info
 
 
 _resolved: dict[str, tuple[Any, str] | None] = {}
@@ -311,14 +276,14 @@ class Probe:
         if not self.policy.can_graph(func, tags):  # asked about every call, tagged or not
             self.findings.append(Finding.at_caller(self.path, name, tuple(sorted(tags))))
 
-    def note_writes(self, func: Any, args: tuple, kwargs: dict, writes: int = _W_SCHEMA) -> None:
+    def note_writes(self, func: Any, args: tuple, kwargs: dict, writes: int = W_SCHEMA) -> None:
         """Note the storages ``func`` writes: the first argument of an in-place op
         (``add_``, ``copy_``, ``__setitem__``, ``__iadd__``, ``inplace=True``), ``out=``, and
-        what a custom op's schema declares written (``writes``: what :func:`_info` found;
-        the default looks at everything)."""
-        if kwargs or writes == _W_SCHEMA:
-            targets = _written_by(func, args, kwargs)
-        elif writes == _W_FIRST and args:
+        what a custom op's schema declares written (``writes``: what
+        :func:`~._opinfo.info_of` found; the default looks at everything)."""
+        if kwargs or writes == W_SCHEMA:
+            targets = written_by(func, args, kwargs)
+        elif writes == W_FIRST and args:
             first = args[0]
             targets = first if isinstance(first, (list, tuple)) else (first,)
         else:
@@ -424,44 +389,6 @@ class Probe:
         for f in self.findings:
             out[f.path].append(f)
         return dict(out)
-
-
-_INPLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__",
-                              "__ifloordiv__", "__imod__", "__ipow__", "__iand__", "__ior__",
-                              "__ixor__", "__ilshift__", "__irshift__", "__imatmul__"})
-
-
-def _written_by(func: Any, args: tuple, kwargs: dict) -> list:
-    """The tensors (or lists of them) a call writes in place, as far as its name, its ``out=``
-    and ``inplace=`` arguments and a custom op's schema tell."""
-    out = []
-    schemas = _schemas(func)
-    if schemas:  # a custom op: its schemas say what it writes (every overload's, for a packet)
-        for schema in schemas:
-            for i, arg in enumerate(schema.arguments):
-                if arg.alias_info is not None and arg.alias_info.is_write:
-                    out.append(args[i] if i < len(args) else kwargs.get(arg.name))
-    else:
-        name = getattr(func, "__name__", "") or ""
-        if args and ((name.endswith("_") and not name.endswith("__"))
-                     or name in _INPLACE_DUNDERS or kwargs.get("inplace") is True):
-            out.append(args[0])  # (a list of tensors for the in-place _foreach ops)
-        out.append(kwargs.get("out"))
-    return [t for v in out for t in (v if isinstance(v, (list, tuple)) else (v,))]
-
-
-def _schemas(func: Any) -> list:
-    """The schemas of a custom op: an OpOverload's own, or each overload's of a packet
-    (``torch.ops.ns.op``); none for anything else."""
-    schema = getattr(func, "_schema", None)
-    if schema is not None:
-        return [schema]
-    if isinstance(func, torch._ops.OpOverloadPacket):
-        try:
-            return [getattr(func, ov)._schema for ov in func.overloads()]
-        except Exception:  # noqa: BLE001 - an odd packet: its name decides, as for others
-            return []
-    return []
 
 
 def differing_paths(a: Probe, b: Probe) -> set[str]:
