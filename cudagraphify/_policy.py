@@ -319,10 +319,9 @@ class OpPolicy:
              accel: frozenset = ACCEL, thunder: bool = False, thunder_key: Any = None) -> frozenset:
         """Every tag name of one call (see the module docs for the sources, in order)."""
         kwargs = kwargs or {}
-        own = self._overrides.get(func)
-        if own is None and not thunder and _never_tagged(func) and (
-                not kwargs or ("generator" not in kwargs and "pin_memory" not in kwargs)):
+        if not thunder and self.untagged_call(func, kwargs):
             return _NONE  # (what the rules below find for it)
+        own = self._overrides.get(func)
         if own is not None and "SAFE" in own:
             return own
         found = set(own or ()) | builtin_tags(func, args, kwargs, accel)
@@ -336,6 +335,13 @@ class OpPolicy:
         if thunder and not isinstance(func, str):
             found |= {t for t in thunder_tags(func, thunder_key, args, kwargs) if t != "RNG"}
         return frozenset(found)
+
+    def untagged_call(self, func: Any, kwargs: dict) -> bool:
+        """True when no tag can apply to this call of ``func`` (Thunder's aside): no override,
+        no rule of :func:`builtin_tags`, no aten tag, no ``generator=`` or ``pin_memory=``.
+        Most calls; cached per function."""
+        return self._overrides.get(func) is None and _never_tagged(func) and (
+            not kwargs or ("generator" not in kwargs and "pin_memory" not in kwargs))
 
     def can_graph(self, func: Any, tags: frozenset) -> bool:
         """True when a call of ``func`` with these tags may be captured. Override to change the

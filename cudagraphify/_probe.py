@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._watch import own_global_hook
 from ._opinfo import W_FIRST, W_SCHEMA, info_of, infos, written_by
-from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, _untagged, op_name
+from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
 from ._signature import storage_of
 
 __all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
@@ -260,10 +260,9 @@ class Probe:
             seq = self._seq = self.sequences[self.path]
         seq.append(name)
         if self._plain:
-            # the default policy's tags and can_graph, for the common case: an op with no
-            # rule, no aten tag and no override is never refused (see OpPolicy.tags)
-            if _untagged.get(func) is True and self.policy._overrides.get(func) is None and (
-                    not kwargs or ("generator" not in kwargs and "pin_memory" not in kwargs)):
+            # the default policy's tags and can_graph, for the common case: a call no tag can
+            # apply to is never refused (see OpPolicy.tags)
+            if self.policy.untagged_call(func, kwargs):
                 return
             tags = self.policy.tags(func, args, kwargs, accel=self.accel)
         else:
@@ -302,17 +301,11 @@ class Probe:
         not ``known``, and the storages it produced."""
         produced, known, outside = self.produced, self.known, self.outside
         for value in (*args, *kwargs.values()) if kwargs else args:
-            if isinstance(value, torch.Tensor):
-                ptr = storage_of(value)
-                if ptr and ptr not in produced and ptr not in known and ptr not in outside:
-                    self._read(func, value, ptr)
-            elif isinstance(value, (list, tuple)):
-                for v in value:
-                    if isinstance(v, torch.Tensor):
-                        ptr = storage_of(v)
-                        if ptr and ptr not in produced and ptr not in known \
-                                and ptr not in outside:
-                            self._read(func, v, ptr)
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    ptr = storage_of(t)
+                    if ptr and ptr not in produced and ptr not in known and ptr not in outside:
+                        self._read(func, t, ptr)
         for value in (out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(value, torch.Tensor):
                 ptr = storage_of(value)
