@@ -44,12 +44,17 @@ def _same(got, want):
         torch.testing.assert_close(a, b)
 
 
-def test_every_batch_size_is_served_by_the_bucket_graphs(sim, quiet):
+def _bucketed(cls, sizes):
+    """An eager module, a graphified twin with its weights, and that twin bucketed at sizes."""
     torch.manual_seed(0)
-    ref = Rows()
-    g = cg.graphify(Rows())
+    ref = cls()
+    g = cg.graphify(cls())
     g.load_state_dict(ref.state_dict())
-    b = cg.bucketed(g, [8, 2, 4])
+    return ref, g, cg.bucketed(g, sizes)
+
+
+def test_every_batch_size_is_served_by_the_bucket_graphs(sim, quiet):
+    ref, g, b = _bucketed(Rows, [8, 2, 4])
     assert b.sizes == [2, 4, 8]
     with torch.no_grad():
         for n in [3, 1, 5, 8, 2, 7, 6, 4, 3, 1, 5, 7]:
@@ -64,11 +69,7 @@ def test_every_batch_size_is_served_by_the_bucket_graphs(sim, quiet):
 
 
 def test_a_bucket_where_rows_interact_runs_unpadded(sim):
-    torch.manual_seed(0)
-    ref = Mixes()
-    g = cg.graphify(Mixes())
-    g.load_state_dict(ref.state_dict())
-    b = cg.bucketed(g, [4])
+    ref, g, b = _bucketed(Mixes, [4])
     with torch.no_grad():
         x = torch.randn(3, 6)
         with pytest.warns(cg.CudagraphifyWarning, match="rows interact"):
@@ -140,11 +141,7 @@ def test_a_forward_that_writes_a_buffer_is_not_bucketed_and_runs_once(sim, quiet
 
 
 def test_other_values_of_a_plain_argument_are_checked_apart(sim, quiet):
-    torch.manual_seed(0)
-    ref = Rows()
-    g = cg.graphify(Rows())
-    g.load_state_dict(ref.state_dict())
-    b = cg.bucketed(g, [4])
+    ref, g, b = _bucketed(Rows, [4])
     with torch.no_grad():
         for scale in (1.0, 2.0, 1.0):
             x = torch.randn(3, 6)

@@ -176,9 +176,9 @@ def test_the_double_catches_a_graph_output_read_after_another_graphs_replay(psim
 
 # -- outputs the caller holds ------------------------------------------------------------------
 
-def test_interleaved_sizes_outputs_of_every_kind_equal_eager_and_stay_put(psim):
-    torch.manual_seed(0)
-    m = cg.graphify(Multi())
+def _interleaved_sizes_equal_eager_and_stay_put(m) -> None:
+    """``m`` called at every size of SIZES in turn: each output equals eager's, and every
+    output the caller keeps is unchanged by the later calls."""
     held = []
     with torch.no_grad():
         for b in SIZES:
@@ -188,6 +188,12 @@ def test_interleaved_sizes_outputs_of_every_kind_equal_eager_and_stay_put(psim):
             held.append((out, snapshot(out)))
     for out, snap in held:
         assert same(out, snap)
+
+
+def test_interleaved_sizes_outputs_of_every_kind_equal_eager_and_stay_put(psim):
+    torch.manual_seed(0)
+    m = cg.graphify(Multi())
+    _interleaved_sizes_equal_eager_and_stay_put(m)
     s = cg.stats(m)
     assert s.captures == 4 and s.replays == len(SIZES) - 4
 
@@ -338,14 +344,7 @@ def test_capture_sizes_then_interleaved_calls_equal_eager(psim):
     with torch.no_grad():
         done = cg.capture_sizes(m, lambda b: torch.randn(b, 4), [1, 2, 3, 4], progress=False)
         assert done.graphed == [4, 3, 2, 1]
-        held = []
-        for b in SIZES:
-            x = torch.randn(b, 4)
-            out = m(x)
-            assert same(out, eager(m)(x)), b
-            held.append((out, snapshot(out)))
-    for out, snap in held:
-        assert same(out, snap)
+    _interleaved_sizes_equal_eager_and_stay_put(m)
     assert cg.stats(m).captures == 4
 
 

@@ -217,6 +217,13 @@ def test_a_missed_weight_slot_is_caught_by_the_check_against_eager(reading, monk
     assert all("does not equal its eager output" in r for r in s.reasons), s.reasons
 
 
+def _each_layer_equals(layers, ref, x, calls: int = 2) -> None:
+    """Each layer, called ``calls`` times on ``x``, gives its eager twin's result bitwise."""
+    for _ in range(calls):
+        for m, r in zip(layers, ref):
+            torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
+
+
 class _Scaled(nn.Module):
     def __init__(self, scale: float):
         super().__init__()
@@ -238,9 +245,7 @@ def test_a_per_layer_scalar_is_refused_when_strict_and_caught_otherwise(reading)
         group = cg.share_graph(layers, ignore_attrs="scale", strict=strict)
         x = torch.randn(2, 8)
         with torch.no_grad():
-            for _ in range(2):
-                for m, r in zip(layers, ref):
-                    torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
+            _each_layer_equals(layers, ref, x)
         s = group.stats()
         assert s.retargets <= 1 and s.per_layer >= 2, (strict, s)
         why = " ".join(s.reasons)
@@ -279,9 +284,7 @@ def test_a_layer_index_forward_does_not_use_is_shared_with_no_option(reading):
     layers, ref, group = _indexed("")
     x = torch.randn(2, 8)
     with torch.no_grad():
-        for _ in range(2):
-            for m, r in zip(layers, ref):
-                torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
+        _each_layer_equals(layers, ref, x)
     s = group.stats()
     # every layer shares the template; each layer whose attributes differ from the template
     # layer's was captured once and diffed (template, partner, three proofs)
@@ -296,9 +299,7 @@ def test_a_layer_index_forward_uses_is_caught_by_each_layers_proof(reading, use)
     layers, ref, group = _indexed(use)
     with torch.no_grad():
         for x in (torch.randn(2, 8), torch.full((2, 8), 50.0), torch.randn(2, 8) * 100):
-            for _ in range(2):
-                for m, r in zip(layers, ref):
-                    torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
+            _each_layer_equals(layers, ref, x)
     s = group.stats()
     assert s.per_layer >= 3, s
     assert any("not a rebased parameter address" in r for r in s.reasons), s.reasons
@@ -317,9 +318,7 @@ def test_a_later_layer_whose_value_differs_from_an_agreeing_pair_is_proven(readi
     group = cg.share_graph(layers)
     with torch.no_grad():
         for x in (torch.randn(2, 8), torch.randn(2, 8) * 100):
-            for _ in range(2):
-                for m, r in zip(layers, ref):
-                    torch.testing.assert_close(m(x), r(x), rtol=0, atol=0)
+            _each_layer_equals(layers, ref, x)
     s = group.stats()
     assert (s.retargets, s.per_layer) == (3, 1), s
     (why,) = s.reasons
