@@ -31,6 +31,7 @@ intermediates, so only calls that copy their outputs out (``copy_outputs=True``,
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
@@ -38,8 +39,8 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.utils._pytree as pytree
 
-from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages, memory_ranges,
-                         plan_rebase, readable_ranges)
+from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages, HostMemory,
+                         memory_ranges, plan_rebase, readable_ranges)
 
 __all__ = ["Families", "Family", "StateArg"]
 
@@ -269,7 +270,7 @@ def diff(family: Family, raw, storages: Storages, pool, readable=None) -> None:
         # kernels' argument structs, are kept but unproven; the caller proves such a plan
         # against eager once, on copies of the state)
         plan = plan_rebase(family.nodes, nodes, family.edges, edges, family.storages, storages,
-                           pool_mem, None, device_mem)
+                           pool_mem, None, device_mem, functools.cache(HostMemory.read))
         if plan.shared:
             raise Refused("two caches share memory (a storage at the same address in both)")
         family.plan = plan

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -30,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages,  # noqa: F401
-                         memory_ranges, plan_rebase, readable_ranges)
+                         HostMemory, memory_ranges, plan_rebase, readable_ranges)
 from ._options import Stats
 from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
 
@@ -284,9 +285,11 @@ class ShareGroup:
                 b_storages = Storages.of(self.layers[other])
                 readable = None if self.strict else self._readable(t, pool_mem, b_storages)
 
+                host = functools.cache(HostMemory.read)
+
                 def plan(again):
                     return plan_rebase(nodes0, nodes1, edges0, edges1, t.storages, b_storages,
-                                       pool_mem, again, readable)
+                                       pool_mem, again, readable, host)
 
                 t.edges = edges0
                 try:
@@ -374,7 +377,8 @@ class ShareGroup:
             mine = Storages.of(layer)
             proof = plan_rebase(t.nodes, nodes, t.edges, edges, t.storages, mine, pool_mem,
                                 t.again,
-                                None if self.strict else self._readable(t, pool_mem, mine))
+                                None if self.strict else self._readable(t, pool_mem, mine),
+                                functools.cache(HostMemory.read))
             if t.plan is not None:
                 t.plan.unproven += proof.unproven
         except Refused as e:

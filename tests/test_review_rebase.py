@@ -9,6 +9,7 @@ Tests that expose a bug are xfail(strict=True) with the finding in the reason.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch

@@ -13,6 +13,7 @@ from torch import nn
 import cudagraphify as cg
 from conftest import assert_chain_matches
 from cudagraphify._cugraph import GraphNode
+from cudagraphify._graphdiff import HostMemory
 from cudagraphify._share import Refused, Storages, first_difference, plan_rebase
 from cudagraphify.bench.models import GPT
 
@@ -237,6 +238,65 @@ def test_non_address_bytes_are_kept_as_unproven_only_when_not_strict():
     with pytest.raises(Refused, match="not a rebased"):
         plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0,
                     device + [(0xB00000, 0x100000)])
+
+
+MAPS = """\
+55d0a0000000-55d0a0001000 r--p 00000000 08:01 123 /usr/bin/python3.12
+55d0a1000000-55d0a1400000 rw-p 00000000 00:00 0 [heap]
+7f0000000000-7f0040000000 ---p 00000000 00:00 0
+7f1000000000-7f1000200000 rw-s 00000000 00:05 77 /dev/nvidia-uvm
+7f2000000000-7f2000001000 rw-s 00000000 00:01 78 /memfd:cuda (deleted)
+7fe2a1300000-7fe2a1400000 r-xp 00020000 08:01 456 /usr/lib/libtorch_cuda.so
+7ffc22570000-7ffc22600000 rw-p 00000000 00:00 0 [stack]
+"""
+HOST = HostMemory.read(MAPS)
+
+
+def test_host_memory_is_the_stack_heap_and_mapped_files_never_anonymous_or_device_files():
+    assert HOST.host == [(0x55D0A0000000, 0x1000), (0x55D0A1000000, 0x400000),
+                         (0x7FE2A1300000, 0x100000), (0x7FFC22570000, 0x90000)]
+    assert len(HOST.mapped) == 7
+    assert HostMemory.read("") == ([], [])
+    assert HOST.not_device(0x4) and HOST.not_device(0x7FFC22592E50)
+    assert not HOST.not_device(0x7F0000001000) and not HOST.not_device(0x7F1000000100)
+
+
+@pytest.mark.parametrize("v0, v1, kept", [
+    (0x7FFC22592E50, 0x7FFC22592D20, True),  # two stack addresses (seen: Llama, 16 layers)
+    (0x7FE2A13138D3, 0x4, True),  # a return address into a library, and a small value
+    (0x4, 0x7FE2A13138D3, True),  # either capture may hold the host address
+    (0x7F0000001000, 0x7F0000002000, False),  # anonymous memory: device memory may lie there
+    (0x7FFC22592E50, 0x7F0000002000, False),  # a host address, and one that may be device's
+    (0x7F1000000100, 0x7FFC22592D20, False),  # a device file's mapping is not host memory
+    (0x7FFC22592E50, 0x50000, False),  # the other side is layer b's storage
+    (0x7FFC22592E50, 0xA00100, False),  # the other side is in the pool
+    (0x4, 0x8, False),  # two scalars
+])
+def test_a_host_address_in_either_capture_is_kept_as_unproven_when_strict(v0, v1, kept):
+    n0 = [_k("reduce", _w(v0, 0x10000))]
+    n1 = [_k("reduce", _w(v1, 0x50000))]
+    calls = []
+
+    def host():
+        calls.append(1)
+        return HOST
+
+    if kept:
+        plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0, host=host)
+        assert (plan.count, plan.unproven) == (1, 1) and calls
+    else:
+        with pytest.raises(Refused, match="argument 0 at byte 0 differs"):
+            plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0, host=host)
+    with pytest.raises(Refused, match="argument 0 at byte 0 differs"):  # not given: refused
+        plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0)
+
+
+def test_a_rebased_address_never_asks_for_host_memory():
+    n0 = [_k("gemm", _w(0x10000, 0x900100))]
+    n1 = [_k("gemm", _w(0x50000, 0xA00100))]
+    plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL,
+                       host=lambda: pytest.fail("read the maps for a proven slot"))
+    assert (plan.count, plan.unproven) == (1, 0)
 
 
 def test_a_one_byte_argument_is_kept_as_unproven_even_when_strict():
