@@ -143,6 +143,19 @@ class EagerEntry(Owned):
         pass
 
 
+class SetUpEntry(EagerEntry):
+    """A signature whose call sets up static states (a cache's first update allocates its
+    tensors): it runs eagerly, but a later call's states are first set up as this one's were
+    (``set_ups``: (leaf index, :class:`~._state.SetUp`)), and that call is then decided as one
+    with them set up. ``set_ups`` is emptied when a set-up does not give the layout expected."""
+
+    __slots__ = ("set_ups",)
+
+    def __init__(self, reason: str, owner, state, flags, set_ups: list):
+        super().__init__(reason, owner, state, flags)
+        self.set_ups = set_ups
+
+
 class GraphCache:
     """An LRU map from key to the entries made for it (graphs or eager decisions) that releases
     what it drops.

@@ -31,7 +31,7 @@ import torch
 
 from . import _capture, _region, _watch
 from ._capture import drain
-from ._cache import CachePolicy, EagerEntry, GraphCache
+from ._cache import CachePolicy, EagerEntry, GraphCache, SetUpEntry
 from ._errors import CudagraphifyUsageError, warn_once
 from ._fast import MISS, EagerFast, Fast
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
@@ -43,6 +43,7 @@ from ._rebase import Families
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
 from ._writes import inputs_alias
+from ._state import SetUp
 from ._statics import StaticState
 from ._training import TrainingGraph
 
@@ -88,6 +89,7 @@ class GraphedState:
         self.last_plan: tuple | None = None
         self.captures = 0
         self.retargets = 0  # graphs made from a share_graph template instead of a capture
+        self.set_ups = 0  # calls whose static states were set up before them (see _state.SetUp)
         self.replays = 0
         self.capture_seconds = 0.0
         self.warmup_seconds = 0.0
@@ -223,6 +225,9 @@ class GraphedState:
             kind = type(entry)
             if kind is CapturedGraph or kind is TrainingGraph:
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
+            if kind is SetUpEntry and self._set_up(entry, leaves):
+                # the call's states are now as its first update leaves them: decided anew
+                return self._call(backend, region, fn, args, kwargs)
             self._fast = EagerFast.decided(self, region, entry, args, kwargs)
             return self._eager(entry.reason, fn, args, kwargs)
         reason = self._ineligible(backend, leaves, cache)
@@ -245,6 +250,16 @@ class GraphedState:
         finally:
             self.warmup_seconds += first.warmup_seconds
         return self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs)
+
+    def _set_up(self, entry: SetUpEntry, leaves: list) -> bool:
+        """Set the call's static states up as the entry's first call left its own; False (and
+        the entry's set-ups dropped) where one does not come out the same."""
+        for i, set_up in entry.set_ups:
+            if not set_up.apply(leaves[i]):
+                entry.set_ups = []
+                return False
+        self.set_ups += bool(entry.set_ups)
+        return bool(entry.set_ups)
 
     def _training_refused(self) -> str | None:
         """Why grad-mode calls run eagerly (a backward cannot follow), or None."""
@@ -359,7 +374,11 @@ class GraphedState:
                 entry = EagerEntry(reason, self, outcome.guard, outcome.flags)
         else:
             reason = outcome.reason
-            entry = EagerEntry(reason, self, outcome.guard, outcome.flags)
+            set_ups = [(i, SetUp.read(leaves[i])) for i in outcome.set_up]
+            if set_ups and all(s is not None for _, s in set_ups):
+                entry = SetUpEntry(reason, self, outcome.guard, outcome.flags, set_ups)
+            else:
+                entry = EagerEntry(reason, self, outcome.guard, outcome.flags)
         cache.put(key, entry)
         self.eager_calls[reason] += 1
         warn_once(self._warned, self.name, reason)
@@ -472,6 +491,7 @@ class GraphedState:
             invalidations=self.invalidations,
             input_copies=self._retired_copies + sum(g.input_copies for g in graphs),
             retargets=self.retargets,
+            set_ups=self.set_ups,
             reasons=self.families.reasons(),
             template_pool_bytes=self.families.pool_bytes(),
         )

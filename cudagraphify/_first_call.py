@@ -62,6 +62,7 @@ class Outcome:
     remember: bool = True  # EAGER: decided for the signature (False: for this call only)
     quiet: bool = False  # DEFERRED: an expected first call (no warning)
     states: list = field(default_factory=list)  # GRAPHED: static state it is keyed to
+    set_up: tuple = ()  # EAGER: leaves of the static states this call set up (allocated)
 
 
 class FirstCall:
@@ -196,8 +197,10 @@ class FirstCall:
         if self.set_up is not None:
             where, state = self.set_up
             if state:  # keyed by what it held: calls with it in that state set it up again
-                return self._eager(f"this call sets up {where} (a cache's first update "
-                                   "allocates its tensors); graphed once it is set up")
+                out = self._eager(f"this call sets up {where} (a cache's first update "
+                                  "allocates its tensors); graphed once it is set up")
+                out.set_up = tuple(self.sig.static_states)
+                return out
             seen = self.state.set_up_keys
             if self.key not in seen:  # once: an object changed by every call is decided below
                 if len(seen) >= 64:

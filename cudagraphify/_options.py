@@ -123,7 +123,9 @@ class Stats:
 
     A graphed callable's ``retargets`` are graphs of a static state (an HF cache) made by
     rebasing an earlier state's graph to its memory; ``reasons`` say why a signature's states
-    are not rebased, ``template_pool_bytes`` is the memory of the graphs kept to rebase.
+    are not rebased, ``template_pool_bytes`` is the memory of the graphs kept to rebase;
+    ``set_ups`` counts the calls whose static states (a new cache) were set up before the call
+    as an earlier cache's first update had set it up (so that the call is graphed).
     """
 
     captures: int = 0
@@ -140,6 +142,7 @@ class Stats:
     # graphs made from a share_graph template, or from the first graph of a static state
     # (a cache) rebased to another state's memory: no capture of their own
     retargets: int = 0
+    set_ups: int = 0  # calls whose static states were set up beforehand (HF caches)
     # share_graph groups
     layers: int = 0
     per_layer: int = 0  # layer graphs captured on their own (sharing refused)

@@ -8,7 +8,13 @@ cache passed holds tensors at the addresses the graph was captured with, with th
 layouts and the same Python state. So a cache that ``generate()`` makes anew for every call
 (``cache_implementation="static"``) reuses the graphs of an earlier one whose memory it was
 given, a cache that was reset in place (``cache.reset()``) keeps them, and a cache whose
-tensors were replaced or moved gets graphs of its own. Pure: nothing here touches CUDA.
+tensors were replaced or moved gets graphs of its own.
+
+A cache allocates its tensors on its first update, inside forward; that call runs eagerly. What
+it allocated is read back as a :class:`SetUp` (HF's ``Cache.early_initialization`` arguments):
+the next cache passed in the state the first one was in is set up the same way before the call,
+so that its first call (a prefill) is graphed too. Nothing here touches CUDA but
+:meth:`SetUp.apply` (it allocates the cache's tensors, as its first update would).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from typing import Any, Hashable
 import torch
 
 __all__ = ["is_static_state", "may_be_static_state", "state_key", "state_layout",
-           "StateUnkeyable"]
+           "StateUnkeyable", "SetUp"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _MAX_ITEMS = 512  # values walked per object: beyond that it is refused (too costly per call)
@@ -93,6 +99,70 @@ def state_layout(values: list) -> tuple[Hashable, list[tuple[int, int]]]:
     key = tuple(_key(v, 0, [0], walk) for v in values)
     ranges = sorted(walk.storages.items(), key=lambda item: item[1][0])
     return key, [(ptr, nbytes) for ptr, (_, nbytes) in ranges]
+
+
+class SetUp:
+    """How a static state was set up by a call (an HF cache's first update allocating its
+    layers' tensors), read back from the object afterwards: the arguments of HF's
+    ``Cache.early_initialization`` and the layout (:func:`state_layout`) it left.
+
+    :meth:`apply` sets another object (in the state the first one was in before that call) up
+    the same way, before its call: that call then finds its tensors allocated, as every later
+    call does, and need not run eagerly. It keeps the set-up only when the object's layout is
+    then exactly the one the call left (every tensor's shape, stride, dtype, device, storage
+    size and offset, every other value), and otherwise puts the object back as it was."""
+
+    __slots__ = ("kwargs", "layout")
+
+    def __init__(self, kwargs: dict, layout: Hashable):
+        self.kwargs = kwargs
+        self.layout = layout
+
+    @classmethod
+    def read(cls, value: Any) -> "SetUp | None":
+        """From an object a call set up; None where it is not a cache whose every layer was
+        allocated as ``early_initialization`` allocates (a key and a value tensor each, of one
+        head size, one batch size, dtype and device for all)."""
+        layers = getattr(value, "layers", None)
+        if not callable(getattr(value, "early_initialization", None)) or not layers \
+                or type(layers) is not list:
+            return None
+        heads, dims, common = [], [], set()
+        for layer in layers:
+            if getattr(layer, "supports_early_init", False) is not True \
+                    or getattr(layer, "is_initialized", False) is not True:
+                return None
+            try:
+                k, v = layer.k_head_dim, layer.v_head_dim
+                common.add((layer.batch_size, layer.dtype, layer.device))
+                heads.append(layer.num_heads)
+            except AttributeError:
+                return None
+            if k != v or len(common) > 1:
+                return None
+            dims.append(k)
+        ((batch, dtype, device),) = common
+        try:
+            layout = state_layout([value])[0]
+        except StateUnkeyable:
+            return None
+        return cls(dict(batch_size=batch, num_heads=heads, head_dim=dims, dtype=dtype,
+                        device=device), layout)
+
+    def apply(self, value: Any) -> bool:
+        """Set ``value`` up; True when it then has the layout the first call left (else it is
+        put back as it was, and False)."""
+        saved = [(obj, dict(obj.__dict__)) for obj in [value] + list(value.layers)]
+        try:
+            value.early_initialization(**self.kwargs)
+            if state_layout([value])[0] == self.layout:
+                return True
+        except Exception:  # noqa: BLE001 - not set up: the call sets it up itself, eagerly
+            pass
+        for obj, d in saved:
+            obj.__dict__.clear()
+            obj.__dict__.update(d)
+        return False
 
 
 class StateKey:

@@ -52,15 +52,17 @@ def test_generate_with_cache_implementation_static(hf):
         got = g.generate(prompt, cache_implementation="static", **_greedy())
         _same(got, want)
     s = cg.stats(g)
-    # every generate makes a cache: its prefill sets it up (eager), its first decode step is
-    # graphed, the other steps replay. The first two generates capture (the second capture,
-    # diffed with the first, proves they differ only in the caches' addresses); the later
-    # ones rebase the first capture to their cache. A dead cache's graph is released, not
+    # every generate makes a cache. The first one's prefill sets it up (eager); every later
+    # cache is set up before its prefill as the first one was (set_ups), so that its prefill
+    # is graphed too. Prefill and decode step each: captured for the first two caches that
+    # reach them (the second capture, diffed with the first, proves they differ only in the
+    # caches' addresses), rebased to the later ones. A dead cache's graphs are released, not
     # evicted.
-    assert (s.captures, s.retargets) == (2, 2), (s.captures, s.retargets, s.reasons)
-    # (a rebased graph replays the first decode step too: no warm-up)
-    assert s.replays == 4 * (NEW - 2) + 2 and s.evictions == 0
-    assert s.graphs <= 2
+    assert s.eager == 1 and s.set_ups == 3, (s.eager_calls, s.set_ups)
+    assert (s.captures, s.retargets) == (4, 3), (s.captures, s.retargets, s.reasons)
+    # (a rebased graph replays its first call too: no warm-up)
+    assert s.replays == 4 * (NEW - 2) + 3 and s.evictions == 0
+    assert s.graphs <= 4
 
 
 def test_generate_with_a_kept_static_cache_reuses_its_graph(hf):

@@ -226,6 +226,7 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
         after = cg.stats(graphed)
         row[f"generate_{key}_captures"] = after.captures - before.captures
         row[f"generate_{key}_rebased"] = after.retargets - before.retargets
+        row[f"generate_{key}_set_ups"] = after.set_ups - before.set_ups
         row[f"generate_{key}_build_s"] = after.capture_seconds - before.capture_seconds
         row[f"generate_{key}_tokens_identical"] = all(torch.equal(o, e_outs[0])
                                                       for o in e_outs + g_outs)
@@ -264,7 +265,8 @@ def format_decode(row: dict) -> str:
             f"tokens identical: {row[f'generate_{key}_tokens_identical']}; "
             f"{row[f'generate_{key}_captures']} captures and {row[f'generate_{key}_rebased']} "
             f"rebased graphs for its generates ({row[f'generate_{key}_build_s']:.3f} s "
-            "capturing and rebasing in all)")
+            f"capturing and rebasing in all), {row.get(f'generate_{key}_set_ups', 0)} caches "
+            "set up before their prefill")
     if "generate_captures" in row:
         text += (f"\n  generate, both forms: captures {row['generate_captures']}, replays "
                  f"{row['generate_replays']}, evictions {row['generate_evictions']}")

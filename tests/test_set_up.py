@@ -1,0 +1,223 @@
+"""A new static cache set up before its first call, as an earlier cache's first update set it up
+(``_state.SetUp``; CPU, simulated backend).
+
+``generate(cache_implementation="static")`` makes a new HF ``StaticCache`` for every call; its
+first update (the prefill) allocates its tensors inside forward, so that call runs eagerly. The
+first such call is read back (HF's ``Cache.early_initialization`` arguments and the layout it
+left); a later call passing a cache in the state the first one was in has it set up before the
+call (kept only when the layout comes out exactly the same) and is graphed. The stand-ins follow
+transformers 5's ``Cache``/``StaticLayer`` code (lazy_initialization, early_initialization);
+the GPU tests run the real ones (tests/test_gpu_hf.py).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._state import SetUp, state_key
+
+H, D, MAX = 2, 8, 12  # heads, head size, cache length
+
+
+class Cache:
+    """transformers.cache_utils.Cache, as far as set-up goes."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    @property
+    def is_compileable(self) -> bool:
+        return all(layer.is_compileable for layer in self.layers)
+
+    def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
+        for layer, h, d in zip(self.layers, num_heads, head_dim):
+            if not layer.supports_early_init or layer.is_initialized:
+                continue
+            fake = torch.zeros((batch_size, h, 0, d), dtype=dtype, device=device)
+            layer.lazy_initialization(fake, fake)
+
+
+Cache.__module__ = "transformers.cache_utils"
+
+
+class StaticLayer:
+    """transformers 5's StaticLayer: allocated on the first update, then written in place."""
+
+    is_compileable = True
+    supports_early_init = True
+
+    def __init__(self, max_cache_len: int):
+        self.max_cache_len = max_cache_len
+        self.is_initialized = False
+
+    def lazy_initialization(self, key_states, value_states):
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.batch_size, self.num_heads = key_states.shape[:2]
+        self.k_head_dim, self.v_head_dim = key_states.shape[-1], value_states.shape[-1]
+        shape = (self.batch_size, self.num_heads, self.max_cache_len)
+        self.keys = torch.zeros(shape + (self.k_head_dim,), dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape + (self.v_head_dim,), dtype=self.dtype,
+                                  device=self.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, pos):
+        # (transformers 5 counts positions in a tensor of the cache's; here they are passed:
+        # on the CPU, a small CPU tensor in the cache is host state, read by value)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, pos, key_states)
+        self.values.index_copy_(2, pos, value_states)
+        return self.keys, self.values
+
+
+class StaticCache(Cache):
+    def __init__(self, n: int = 2, max_cache_len: int = MAX):
+        super().__init__([StaticLayer(max_cache_len) for _ in range(n)])
+
+
+class Attn(nn.Module):
+    def __init__(self, n: int = 2):
+        super().__init__()
+        self.heads = H
+        self.projs = nn.ModuleList([nn.Linear(H * D, H * D) for _ in range(n)])
+
+    def forward(self, x, cache, pos):
+        b, t, _ = x.shape
+        for i, proj in enumerate(self.projs):
+            k = proj(x).view(b, t, self.heads, -1).transpose(1, 2)
+            keys, values = cache.layers[i].update(k, k * 2, pos)
+            x = x + (keys.sum(2) + values.sum(2)).transpose(1, 2).reshape(b, 1, -1)
+        return x
+
+
+def _pair(seed=0, n=2):
+    torch.manual_seed(seed)
+    ref = Attn(n)
+    return ref, cg.graphify(copy.deepcopy(ref))
+
+
+@torch.no_grad()
+def _generate(ref, g, batch=1, prompt=4, steps=3, make=StaticCache):
+    """A prefill of ``prompt`` tokens then ``steps`` one-token steps, each on a new cache of
+    its own for the model and its eager twin; outputs and caches compared bitwise."""
+    ref_cache, cache = make(), make()
+    x, pos = torch.randn(batch, prompt, H * D), torch.arange(prompt)
+    for t in range(steps + 1):
+        want, got = ref(x, ref_cache, pos), g(x, cache, pos)
+        assert torch.equal(got, want), t
+        for a, b in zip(ref_cache.layers, cache.layers):
+            assert a.is_initialized == b.is_initialized, t
+            if a.is_initialized:
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), t
+        x, pos = torch.randn(batch, 1, H * D), torch.tensor([prompt + t])
+    return cache
+
+
+def _set_up_calls(g) -> int:
+    return sum(n for r, n in cg.stats(g).eager_calls.items() if "sets up" in r)
+
+
+def test_a_new_cache_is_set_up_as_the_first_was_and_its_prefill_graphed(sim):
+    ref, g = _pair()
+    _generate(ref, g)
+    s = cg.stats(g)
+    assert (_set_up_calls(g), s.set_ups, s.captures) == (1, 0, 1)  # prefill eager, step graphed
+    for k in range(2):
+        _generate(ref, g)
+    s = cg.stats(g)
+    # the first cache's prefill alone ran eagerly to set it up; each new cache was set up
+    # before its prefill, which was then graphed (a capture per cache here: no rebasing in
+    # this test's backend)
+    assert (_set_up_calls(g), s.set_ups) == (1, 2)
+    assert s.captures == 1 + 2 * 2
+
+
+def test_the_set_up_is_read_back_from_what_the_call_allocated():
+    cache = StaticCache(n=3)
+    assert SetUp.read(cache) is None  # not set up
+    for layer in cache.layers:
+        layer.update(torch.zeros(2, H, 3, D, dtype=torch.float64),
+                     torch.zeros(2, H, 3, D, dtype=torch.float64), torch.arange(3))
+    set_up = SetUp.read(cache)
+    assert set_up.kwargs == dict(batch_size=2, num_heads=[H] * 3, head_dim=[D] * 3,
+                                 dtype=torch.float64, device=torch.device("cpu"))
+    other = StaticCache(n=3)
+    assert set_up.apply(other)
+    assert all(x.keys.shape == (2, H, MAX, D) and x.keys.dtype == torch.float64
+               for x in other.layers)
+    odd = StaticCache(n=3)
+    odd.layers[1].v_head_dim = D + 1  # keys and values of other sizes: no early_initialization
+    for layer in odd.layers:
+        layer.is_initialized = True
+    assert SetUp.read(odd) is None
+
+
+def test_a_set_up_that_comes_out_otherwise_is_undone_and_the_call_sets_up_itself(sim):
+    ref, g = _pair()
+    _generate(ref, g)
+
+    class Sloppy(StaticCache):  # its early initialization allocates another dtype
+        def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
+            super().early_initialization(batch_size, num_heads, head_dim, torch.float64, device)
+
+    before = Sloppy()
+    cache = _generate(ref, g, make=Sloppy)  # the same key: Sloppy is keyed like StaticCache
+    assert state_key(before) != state_key(StaticCache())  # (another class: another key)
+    s = cg.stats(g)
+    assert s.set_ups == 0 and _set_up_calls(g) == 2
+    assert all(layer.keys.dtype == torch.float32 for layer in cache.layers)
+
+
+def test_a_set_up_that_does_not_fit_is_put_back_as_it_was(sim):
+    ref, g = _pair()
+    _generate(ref, g)
+    entry = next(e for _, e in g._cudagraphify_state.cache.items(g._cudagraphify_state)
+                 if hasattr(e, "set_ups"))
+    (i, set_up), = entry.set_ups
+    cache = StaticCache()
+    layers_before = [dict(layer.__dict__) for layer in cache.layers]
+    wrong = SetUp(dict(set_up.kwargs, num_heads=[H + 1] * 2), set_up.layout)
+    assert not wrong.apply(cache)
+    assert [layer.__dict__ for layer in cache.layers] == layers_before
+    assert not cache.layers[0].is_initialized
+
+
+def test_another_batch_size_is_set_up_by_its_own_first_call(sim):
+    ref, g = _pair()
+    _generate(ref, g, batch=1)
+    _generate(ref, g, batch=3)
+    assert (_set_up_calls(g), cg.stats(g).set_ups) == (2, 0)
+    _generate(ref, g, batch=3)
+    _generate(ref, g, batch=1)
+    assert (_set_up_calls(g), cg.stats(g).set_ups) == (2, 2)
+
+
+def test_a_changed_attribute_forward_read_is_not_set_up_from_the_old_call(sim):
+    ref, g = _pair()
+    _generate(ref, g)
+    for m in (ref, g):
+        m.heads = 4  # another number of heads: the cache's layers would be set up otherwise
+    _generate(ref, g)
+    assert cg.stats(g).set_ups == 0 and _set_up_calls(g) == 2
+    _generate(ref, g)
+    assert cg.stats(g).set_ups == 1
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_every_layer_of_a_cache_is_set_up(sim, n):
+    ref, g = _pair(n=n)
+    for _ in range(3):
+        _generate(ref, g, make=lambda: StaticCache(n))
+    assert cg.stats(g).set_ups == 2
+
+
+def test_a_cache_with_a_layer_its_first_call_left_unallocated_is_not_set_up(sim):
+    ref, g = _pair(n=1)
+    for _ in range(3):
+        _generate(ref, g, make=lambda: StaticCache(2))  # the model uses one of two layers
+    assert cg.stats(g).set_ups == 0 and _set_up_calls(g) == 3
