@@ -34,6 +34,7 @@ from ._nested import Nested
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
 from ._rehearsal import rehearse
+from ._state import tensors_in as _tensors_in
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
 from ._signature import Signature, storage_of, unflatten_call
@@ -741,22 +742,6 @@ def _rng_offset(device: torch.device) -> int | None:
     if device is None or device.type != "cuda":
         return None
     return torch.cuda.default_generators[device.index or 0].get_offset()
-
-
-def _tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Tensors reachable from ``value`` (containers and object attributes, 4 levels)."""
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if depth > 4:
-        return []
-    if isinstance(value, dict):
-        items = list(value.values())
-    elif isinstance(value, (list, tuple, set, frozenset)):
-        items = list(value)
-    else:
-        d = getattr(value, "__dict__", None)
-        items = list(d.values()) if isinstance(d, dict) else []
-    return [t for item in items for t in _tensors_in(item, depth + 1)]
 
 
 def _forget_frames(error: BaseException) -> None:

@@ -10,6 +10,7 @@ probe then stands in for the warm-up's (see :mod:`._first_call`).
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import torch
 
@@ -17,6 +18,7 @@ from ._piecewise import new_probe, probed
 from ._probe import Probe
 from ._replay import StaticInputs
 from ._signature import storage_of, unflatten_call
+from ._state import tensors_in as _tensors_in
 from . import _writes
 from ._nested import Nested
 
@@ -33,8 +35,11 @@ def rehearse(first) -> Probe | None:
     path) do not apply to the graph. The run reads copies of the inputs; the buffers and
     parameters it writes and the random state are restored, so only the real call's
     effect remains. The capture must then take the same path, op for op."""
-    if first.opaque:
+    if first.sig.static_objects:
         return None  # objects passed as they are: another run would change them
+    states = _copies_of_states(first)  # (static states: the run reads and writes copies)
+    if states is None:
+        return None
     statics, buffers = first.statics.watchable()
     with restored(statics, buffers, first.wrote_statics, first.device) as wrote:
         copies = StaticInputs(first.leaves, [False] * len(first.leaves))
@@ -43,10 +48,12 @@ def rehearse(first) -> Probe | None:
         rehearsal.rehearse = True
         # tensors it reads from outside (a global): seen as the warm-up's are (see screen)
         rehearsal.known = {storage_of(x) for x in copies.leaves if isinstance(x, torch.Tensor)} \
-            | first.statics.storage_ptrs()
+            | first.statics.storage_ptrs() \
+            | {storage_of(t) for obj in states.values() for t in _tensors_in(obj)}
         ran = False
         try:
-            a, kw = unflatten_call(copies.leaves, first.sig)
+            leaves = [states.get(i, x) for i, x in enumerate(copies.leaves)]
+            a, kw = unflatten_call(leaves, first.sig)
             with Nested():
                 first.backend.warmup(probed(rehearsal, lambda: first.fn(*a, **kw)),
                                     first.device)
@@ -61,6 +68,24 @@ def rehearse(first) -> Probe | None:
             or wrote_inputs != set(first.mutated):
         return None
     return rehearsal
+
+
+def _copies_of_states(first) -> dict | None:
+    """Deep copies of the call's static states (an HF StaticCache), by leaf index, for a
+    rehearsal to read and write instead of them (the real call has already written them);
+    None where one cannot be copied or the copies would take more than half the free device
+    memory (a rehearsal is then not made)."""
+    idx = first.sig.static_states
+    if not idx:
+        return {}
+    nbytes = sum(t.untyped_storage().nbytes() for i in idx for t in _tensors_in(first.leaves[i]))
+    if first.device.type == "cuda" and nbytes > torch.cuda.mem_get_info(first.device)[0] // 2:
+        return None
+    try:
+        with torch.no_grad():
+            return {i: copy.deepcopy(first.leaves[i]) for i in idx}
+    except Exception:  # noqa: BLE001 - an object deepcopy cannot copy: no rehearsal
+        return None
 
 
 @contextlib.contextmanager

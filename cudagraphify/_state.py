@@ -26,7 +26,7 @@ from typing import Any, Hashable
 import torch
 
 __all__ = ["is_static_state", "may_be_static_state", "state_key", "state_layout",
-           "StateUnkeyable", "SetUp"]
+           "StateUnkeyable", "SetUp", "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _MAX_ITEMS = 512  # values walked per object: beyond that it is refused (too costly per call)
@@ -99,6 +99,22 @@ def state_layout(values: list) -> tuple[Hashable, list[tuple[int, int]]]:
     key = tuple(_key(v, 0, [0], walk) for v in values)
     ranges = sorted(walk.storages.items(), key=lambda item: item[1][0])
     return key, [(ptr, nbytes) for ptr, (_, nbytes) in ranges]
+
+
+def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
+    """Tensors reachable from ``value`` (containers and object attributes, 4 levels)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if depth > 4:
+        return []
+    if isinstance(value, dict):
+        items = list(value.values())
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = list(value)
+    else:
+        d = getattr(value, "__dict__", None)
+        items = list(d.values()) if isinstance(d, dict) else []
+    return [t for item in items for t in tensors_in(item, depth + 1)]
 
 
 class SetUp:

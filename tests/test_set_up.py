@@ -221,3 +221,40 @@ def test_a_cache_with_a_layer_its_first_call_left_unallocated_is_not_set_up(sim)
     for _ in range(3):
         _generate(ref, g, make=lambda: StaticCache(2))  # the model uses one of two layers
     assert cg.stats(g).set_ups == 0 and _set_up_calls(g) == 3
+
+
+class _AsksIfCaptured(Attn):
+    """HF's mask code, in small: eagerly it syncs on the cache's state (is it empty?); while
+    captured it takes the path that does not ask (trusted to compute the same)."""
+
+    def forward(self, x, cache, pos):
+        if not torch.cuda.is_current_stream_capturing() and cache.layers[0].is_initialized:
+            bool(cache.layers[0].keys.abs().sum() == 0)  # a host sync, on the eager path only
+        return super().forward(x, cache, pos)
+
+
+@pytest.fixture
+def faithful(sim, monkeypatch):
+    """The simulated capture answering torch.cuda.is_current_stream_capturing() "yes" while
+    it captures, as a real one does."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: sim.capturing)
+    return sim
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_a_call_with_a_cache_is_rehearsed_on_copies_of_the_cache(faithful, trusted):
+    torch.manual_seed(0)
+    ref = _AsksIfCaptured()
+    policy = cg.OpPolicy()
+    policy.TRUSTED_CAPTURED_PATHS = (__name__,) if trusted else ()
+    g = cg.graphify(copy.deepcopy(ref), op_policy=policy)
+    for _ in range(3):
+        # (a rehearsal that wrote the real cache would shift every later position: the
+        # comparison with the eager twin's cache, bitwise, after every call catches it)
+        _generate(ref, g)
+    s = cg.stats(g)
+    if trusted:  # the prefill and the step are single graphs, planned on the captured path
+        assert s.set_ups == 2 and not any(r.startswith("piecewise") for r in s.eager_calls), s
+        assert s.captures == 1 + 2 * 2
+    else:  # the eager path's sync stands: piecewise (its Linears graphed)
+        assert any(r.startswith("piecewise") for r in s.eager_calls), s
