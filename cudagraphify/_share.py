@@ -144,34 +144,6 @@ class _Template:
     guard: Any = None  # what the template layer's first call read (a StateGuard): while valid
 
 
-def _on_a_new_thread(fn, device: torch.device):
-    """``fn()`` on a new thread, under this thread's grad mode and autocast (thread-local),
-    with ``device`` current; returns its result or raises its exception."""
-    grad = torch.is_grad_enabled()
-    casts = [(d, torch.get_autocast_dtype(d)) for d in ("cuda", "cpu")
-             if torch.is_autocast_enabled(d)]
-    box: list = []
-
-    def run():
-        try:
-            with torch.set_grad_enabled(grad), contextlib.ExitStack() as stack:
-                if device.type == "cuda":
-                    stack.enter_context(torch.cuda.device(device))
-                for d, dtype in casts:
-                    stack.enter_context(torch.autocast(d, dtype=dtype))
-                box.append((True, fn()))
-        except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
-            box.append((False, e))
-
-    th = threading.Thread(target=run, name="cudagraphify-share-capture")
-    th.start()
-    th.join()
-    ok, value = box[0]
-    if not ok:
-        raise value
-    return value
-
-
 class ShareGroup:
     """Layers that share captures; made by :func:`cudagraphify.share_graph`."""
 
@@ -324,11 +296,8 @@ class ShareGroup:
                     t.plan = plan(None)
                 except Refused:
                     # Some difference is not a rebased address nor two intermediates: capture
-                    # layer a once more to tell capture-dependent bytes (padding) from the rest,
-                    # on a thread of its own: uninitialised struct bytes hold what that thread's
-                    # stack held, which the captures of two layers on this one may well share
-                    # with each layer's own (seen on the H200: HF Llama's mean reduction)
-                    t.again, _ = _on_a_new_thread(lambda: capture(forward_a), device)
+                    # layer a once more to tell capture-dependent bytes (padding) from the rest.
+                    t.again, _ = capture(forward_a)
                     t.plan = plan(t.again)
             finally:
                 for r in extra:

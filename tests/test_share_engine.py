@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import struct
-import threading
 import warnings
 import weakref
 
@@ -252,36 +251,6 @@ def test_a_per_layer_scalar_is_refused_when_strict_and_caught_otherwise(reading)
         why = " ".join(s.reasons)
         assert ("not a rebased parameter address" if strict else
                 "does not equal its eager output") in why, (strict, why)
-
-
-class _StackBytes(nn.Module):
-    """A kernel argument that holds what the capturing thread's stack held: the same for every
-    capture of one layer on one thread, another for another layer (as HF Llama's mean
-    reduction on the H200), another on another thread. The kernel does not read it."""
-
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        y = self.lin(x)
-        garbage = (threading.get_ident() * 31 + id(self)) % 997 + 1
-        return torch.add(y, torch.zeros_like(y), alpha=garbage)  # alpha times zeros
-
-
-def test_bytes_that_differ_by_layer_and_by_capturing_thread_are_shared_when_strict(reading):
-    torch.manual_seed(0)
-    layers = nn.ModuleList(_StackBytes() for _ in range(4))
-    ref = copy.deepcopy(layers)
-    _register(layers)
-    group = cg.share_graph(layers)  # no options: strict
-    with torch.no_grad():
-        _each_layer_equals(layers, ref, torch.randn(2, 8))
-    s = group.stats()
-    assert (s.retargets, s.per_layer) == (4, 0), s.reasons
-    # (the second capture of the template layer, on a thread of its own, told them apart from
-    # a value of the layer's: a per-layer scalar still refuses, see the test above)
-    assert s.captures == 3
 
 
 class _Indexed(nn.Module):
