@@ -147,13 +147,16 @@ class SetUpEntry(EagerEntry):
     """A signature whose call sets up static states (a cache's first update allocates its
     tensors): it runs eagerly, but a later call's states are first set up as this one's were
     (``set_ups``: (leaf index, :class:`~._state.SetUp`)), and that call is then decided as one
-    with them set up. ``set_ups`` is emptied when a set-up does not give the layout expected."""
+    with them set up. ``set_ups`` is emptied when a set-up does not give the layout expected,
+    and when set-up calls keep capturing (``captured``: their states' graphs are not rebased,
+    so each new state would cost a capture instead of an eager call)."""
 
-    __slots__ = ("set_ups",)
+    __slots__ = ("set_ups", "captured")
 
     def __init__(self, reason: str, owner, state, flags, set_ups: list):
         super().__init__(reason, owner, state, flags)
         self.set_ups = set_ups
+        self.captured = 0
 
 
 class GraphCache:

@@ -227,7 +227,15 @@ class GraphedState:
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
             if kind is SetUpEntry and self._set_up(entry, leaves):
                 # the call's states are now as its first update leaves them: decided anew
-                return self._call(backend, region, fn, args, kwargs)
+                captures = self.captures
+                out = self._call(backend, region, fn, args, kwargs)
+                if self.captures > captures:
+                    # (the first two states capture: a family's template and its diff; a
+                    # third that captures was not rebased, nor will the next ones be)
+                    entry.captured += 1
+                    if entry.captured > 2:
+                        entry.set_ups = []
+                return out
             self._fast = EagerFast.decided(self, region, entry, args, kwargs)
             return self._eager(entry.reason, fn, args, kwargs)
         reason = self._ineligible(backend, leaves, cache)

