@@ -33,7 +33,7 @@ from ._guards import FlagsGuard, StateGuard, function_bindings
 from ._nested import Nested
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
-from ._rehearsal import rehearse
+from ._rehearsal import rehearse, snapshot_states
 from ._state import tensors_in as _tensors_in
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
@@ -102,6 +102,7 @@ class FirstCall:
         self.draws = False  # the warm-up drew random numbers (checked where states are passed)
         self.family = None  # the _rebase.Family this call's graph came from or founded
         self.side_effect = ""  # which of them this call changed otherwise (a step count)
+        self.states_before: dict | None = {}  # copies of the states before the call
 
     # -- 1. warm up ------------------------------------------------------------------------
 
@@ -142,6 +143,9 @@ class FirstCall:
         before_objects = StateGuard([], objects=passed) if passed else None
         tensors_before = {id(t) for _, obj in passed for t in _tensors_in(obj)}
         rng = _rng_offset(self.device) if self.states else None
+        # the static states as the call finds them: a rehearsal or a proof runs it again on
+        # copies of these, not of what it leaves
+        self.states_before = snapshot_states(leaves, self.sig.static_states, self.device)
         t0 = time.perf_counter()
         with Nested(), recording(rec):
             self.result = self.backend.warmup(
@@ -543,7 +547,11 @@ class FirstCall:
             if why:
                 family.refuse(f"rebasing is not proven: {why}", final=True)
                 return raw, out, family.inputs
-            _rebase.prove(family, [self.leaves[i] for i in idx], self._eager_with(idx),
+            if self.states_before is None:
+                family.refuse("rebasing is not proven: the cache could not be copied as the "
+                              "call found it (too large for the free memory)", final=True)
+                return raw, out, family.inputs
+            _rebase.prove(family, [self.states_before[i] for i in idx], self._eager_with(idx),
                           self.leaves, backend, self.device)
         return raw, out, family.inputs
 

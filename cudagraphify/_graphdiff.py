@@ -106,8 +106,9 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     one byte the kernel never reads) hold whatever the host stack held, which two captures of
     the same layer may well agree on (seen on the H200: 0xf0 twice for one layer, 0x00 for the
     other). With ``host`` (a function giving :func:`host_ranges`, called for each such slot:
-    cache it), an 8-byte slot whose value in one capture lies in host-only memory (a stack,
-    the heap, a mapped file's code or data), and in neither in the two layers' storages, is
+    cache it), an 8-byte slot of a kernel's arguments whose value in one capture lies in
+    host-only memory (a stack, a mapped file's code or data), and in neither in the two
+    layers' storages, is
     kept and counted as unproven too: that capture's kernel ran with a host address there, so
     it does not read the slot; the other capture may hold a stale device address there. (Struct
     padding that held a stack or a return address, seen on the H200 in HF Llama's mean
@@ -150,7 +151,8 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                 elif len(x) == 1 or (device is not None and not _in(device, v0)
                                      and not _in(device, v1)):
                     plan.unproven += 1  # a one-byte argument, or not device memory in either
-                elif len(w0) == 8 and host is not None and _host_garbage(v0, v1, host(), a, b):
+                elif len(w0) == 8 and n0.kind == 0 and host is not None \
+                        and _host_garbage(v0, v1, host(), a, b):
                     plan.unproven += 1  # a host address in one capture: never a kernel's pointer
                 else:
                     raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "
@@ -185,11 +187,13 @@ def readable_ranges(pool: list[tuple[int, int]], storages: list[Storages],
 
 
 def host_ranges(maps: str | None = None) -> list[tuple[int, int]]:
-    """Address ranges of this process's host-only memory, from ``/proc/self/maps`` (or the
-    text ``maps``): its stack, its heap, and mappings of files (the interpreter's and the
-    libraries' code and data). Unified addressing reserves device memory in mappings of its
-    own (anonymous, or of a ``/dev`` device file), never in these: a value inside them is not
-    a device address. Empty where the maps cannot be read."""
+    """Address ranges of this process's host-only memory that no plain number lands in, from
+    ``/proc/self/maps`` (or the text ``maps``): its stacks and the mappings of files (the
+    interpreter's and the libraries' code and data) above 4 GiB. Unified addressing reserves
+    device memory in mappings of its own (anonymous, or of a ``/dev`` device file), never in
+    these: a value inside them is not a device address. (The heap, and a non-PIE executable
+    mapped low, are left out: an ordinary integer may lie in them.) Empty where the maps
+    cannot be read."""
     if maps is None:
         try:
             with open("/proc/self/maps") as f:
@@ -200,9 +204,10 @@ def host_ranges(maps: str | None = None) -> list[tuple[int, int]]:
     for line in maps.splitlines():
         fields = line.split(None, 5)
         path = fields[5].strip() if len(fields) == 6 else ""  # none: anonymous
-        if path in ("[stack]", "[heap]") or (
-                path.startswith("/") and not path.startswith(("/dev/", "/memfd:"))):
-            start, _, end = fields[0].partition("-")
+        start, _, end = fields[0].partition("-") if fields else ("", "", "")
+        if path.startswith("[stack") or (
+                path.startswith("/") and not path.startswith(("/dev/", "/memfd:"))
+                and int(start, 16) >= 1 << 32):
             out.append((int(start, 16), int(end, 16) - int(start, 16)))
     return out
 

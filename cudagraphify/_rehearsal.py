@@ -22,7 +22,7 @@ from ._state import tensors_in as _tensors_in
 from . import _writes
 from ._nested import Nested
 
-__all__ = ["rehearse", "restored"]
+__all__ = ["rehearse", "restored", "snapshot_states"]
 
 
 def rehearse(first) -> Probe | None:
@@ -70,21 +70,32 @@ def rehearse(first) -> Probe | None:
     return rehearsal
 
 
-def _copies_of_states(first) -> dict | None:
-    """Deep copies of the call's static states (an HF StaticCache), by leaf index, for a
-    rehearsal to read and write instead of them (the real call has already written them);
-    None where one cannot be copied or the copies would take more than half the free device
-    memory (a rehearsal is then not made)."""
-    idx = first.sig.static_states
+def snapshot_states(leaves: list, idx: list[int], device: torch.device) -> dict | None:
+    """Deep copies of the static states at leaves ``idx`` (an HF StaticCache), taken before
+    the real call writes them: a rehearsal, or a family's proof, runs the call again on copies
+    of these (on the states the call left, a prefill would write again after what it wrote,
+    past the end of a cache it filled more than half). None where one cannot be copied or the
+    copies would take more than a quarter of the free device memory (then neither is made)."""
     if not idx:
         return {}
-    nbytes = sum(t.untyped_storage().nbytes() for i in idx for t in _tensors_in(first.leaves[i]))
-    if first.device.type == "cuda" and nbytes > torch.cuda.mem_get_info(first.device)[0] // 2:
+    nbytes = sum(t.untyped_storage().nbytes() for i in idx for t in _tensors_in(leaves[i]))
+    if device.type == "cuda" and nbytes > torch.cuda.mem_get_info(device)[0] // 4:
         return None
     try:
         with torch.no_grad():
-            return {i: copy.deepcopy(first.leaves[i]) for i in idx}
+            return {i: copy.deepcopy(leaves[i]) for i in idx}
     except Exception:  # noqa: BLE001 - an object deepcopy cannot copy: no rehearsal
+        return None
+
+
+def _copies_of_states(first) -> dict | None:
+    """Copies of the states as the call found them, for a rehearsal to read and write."""
+    if first.states_before is None:
+        return None
+    try:
+        with torch.no_grad():
+            return {i: copy.deepcopy(v) for i, v in first.states_before.items()}
+    except torch.OutOfMemoryError:
         return None
 
 

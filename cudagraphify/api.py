@@ -292,7 +292,8 @@ def share_graph(layers: Any, *, ignore_attrs: tuple[str, ...] | str = (), strict
             differs from the template only in them is not captured to prove it.
         strict: refuse sharing when two layers' captures differ in a kernel argument that is
             neither a rebased address nor proven capture-dependent nor one byte long (an empty
-            functor's byte, counted as unproven) (default). ``strict=False``
+            functor's byte, counted as unproven) nor a host address in one of them (a stack
+            address in a struct's unused tail, counted as unproven) (default). ``strict=False``
             keeps such bytes as the template has them when in neither capture they are an
             address of memory the layers may read (their pool, parameters, buffers, inputs,
             attribute tensors): the uninitialised tail of a kernel's argument struct, as in HF

@@ -1,6 +1,8 @@
 """GPU tests: HF transformers ``generate()`` with a static cache under ``graphify(model)``, no
-option. Tokens and logits are compared with eager's (bitwise: the graph runs eager's kernels);
-counters prove the decode steps replayed."""
+option. Tokens and logits are compared with eager's, bitwise: decode steps run eager's kernels;
+a replayed prefill runs HF's captured path (an explicit mask over the whole cache, where eager
+runs SDPA's causal kernel on the prompt's slice), equal on these small models. Counters prove
+the decode steps replayed."""
 
 from __future__ import annotations
 

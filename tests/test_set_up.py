@@ -293,3 +293,58 @@ def test_set_up_prefills_are_rebased_to_each_new_cache(fam):
     assert s.set_ups == 5 and _set_up_calls(g) == 1, (s.set_ups, s.eager_calls, s.reasons)
     # prefill and step: a template and its diff each, then rebased for every later cache
     assert s.captures == 4 and s.retargets >= 2 * 3, (s.captures, s.retargets, s.reasons)
+
+
+class _CountingLayer(StaticLayer):
+    """transformers 5's StaticLayer with its own position count (a tensor of the cache's, as
+    ``cumulative_length``; 65 elements so that, on the CPU, it is keyed as device memory and
+    not by value): a second run of a call on the states that call left writes after what it
+    wrote, past the end of a cache it filled more than half."""
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        self.count = torch.zeros(65, dtype=torch.long)
+
+    def update(self, key_states, value_states, pos):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n = key_states.shape[-2]
+        pos = torch.arange(n) + self.count[:1]
+        self.count.add_(n)
+        return super().update(key_states, value_states, pos)
+
+
+class _Recording(_AsksIfCaptured):
+    """Records, for each run that is told it is captured (a rehearsal or a capture), whether
+    the backend was capturing, the tokens passed and the position count the cache held."""
+
+    sim = None  # the backend (set by the test)
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, x, cache, pos):
+        if torch.cuda.is_current_stream_capturing() and cache.layers[0].is_initialized:
+            self.seen.append((_Recording.sim.capturing, x.shape[1],
+                              cache.layers[0].count[:1].clone()))
+        return super().forward(x, cache, pos)
+
+
+def test_a_rehearsal_reruns_the_call_on_the_cache_as_the_call_found_it(faithful):
+    # rehearsed on the cache the call left, a prefill of 4 would write positions 4 to 7: past
+    # the end of a cache of 6 (on a GPU, a device-side assert that loses the CUDA context).
+    # (This backend's capture runs forward on the cache the call left: a cache of 12 here.)
+    torch.manual_seed(0)
+    _Recording.sim = faithful
+    ref = _Recording()
+    policy = cg.OpPolicy()
+    policy.TRUSTED_CAPTURED_PATHS = (__name__,)
+    g = cg.graphify(copy.deepcopy(ref), op_policy=policy)
+    for _ in range(3):
+        _generate(ref, g, prompt=4, steps=2,
+                  make=lambda: Cache([_CountingLayer(12) for _ in range(2)]))
+    s = cg.stats(g)
+    assert s.set_ups == 2 and not any(r.startswith("piecewise") for r in s.eager_calls), s
+    rehearsals = [n.item() for capturing, t, n in g.seen if not capturing and t == 4]
+    assert rehearsals and all(n == 0 for n in rehearsals), rehearsals

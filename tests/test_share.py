@@ -241,6 +241,7 @@ def test_non_address_bytes_are_kept_as_unproven_only_when_not_strict():
 
 
 MAPS = """\
+00400000-00401000 r--p 00000000 08:01 122 /usr/bin/python3-non-pie
 55d0a0000000-55d0a0001000 r--p 00000000 08:01 123 /usr/bin/python3.12
 55d0a1000000-55d0a1400000 rw-p 00000000 00:00 0 [heap]
 7f0000000000-7f0040000000 ---p 00000000 00:00 0
@@ -252,9 +253,10 @@ MAPS = """\
 HOST = host_ranges(MAPS)
 
 
-def test_host_memory_is_the_stack_heap_and_mapped_files_never_anonymous_or_device_files():
-    assert HOST == [(0x55D0A0000000, 0x1000), (0x55D0A1000000, 0x400000),
-                         (0x7FE2A1300000, 0x100000), (0x7FFC22570000, 0x90000)]
+def test_host_memory_is_the_stack_and_mapped_files_never_anonymous_device_files_or_heap():
+    # (nor a mapping below 4 GiB, where an ordinary integer may lie: a non-PIE executable)
+    assert HOST == [(0x55D0A0000000, 0x1000), (0x7FE2A1300000, 0x100000),
+                    (0x7FFC22570000, 0x90000)]
     assert host_ranges("") == []
 
 
@@ -270,6 +272,8 @@ def test_host_memory_is_the_stack_heap_and_mapped_files_never_anonymous_or_devic
     (0x7FFC22592E50, 0x50000, False),  # the other side is layer b's storage
     (0x10008, 0x7FFC22592D20, False),  # or layer a's
     (0x4, 0x8, False),  # two scalars
+    (0x400100, 0x7F0000002000, False),  # a number (in a non-PIE executable's range)
+    (0x55D0A1000100, 0x7F0000002000, False),  # the heap: a host buffer a node may write
 ])
 def test_a_host_address_in_either_capture_is_kept_as_unproven_when_strict(v0, v1, kept):
     n0 = [_k("reduce", _w(v0, 0x10000))]
@@ -288,6 +292,17 @@ def test_a_host_address_in_either_capture_is_kept_as_unproven_when_strict(v0, v1
             plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0, host=host)
     with pytest.raises(Refused, match="argument 0 at byte 0 differs"):  # not given: refused
         plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0)
+
+
+def test_a_host_address_in_a_copy_node_is_never_kept():
+    # a memcpy's host pointer is where it writes or reads: another layer's is another buffer
+    n0 = [_k("memcpy", _w(0x7FFC22592E50, 0x900100), kind=1)]
+    n1 = [_k("memcpy", _w(0x7FFC22592D20, 0x900100), kind=1)]
+    k0, k1 = [_k("f", *n0[0].chunks)], [_k("f", *n1[0].chunks)]
+    plan = plan_rebase(k0, k1, frozenset(), frozenset(), A, B, POOL, k0, host=lambda: HOST)
+    assert plan.unproven == 1  # (the same bytes in a kernel's arguments are kept)
+    with pytest.raises(Refused, match="argument 0 at byte 0 differs"):
+        plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0, host=lambda: HOST)
 
 
 def test_a_rebased_address_never_asks_for_host_memory():
