@@ -170,9 +170,11 @@ class Families:
             return None
         key, _, storages = found
         family = self._families.get(key)
-        if family is None or family.plan is None or family.reason is not None \
-                or not family.verified or not family.guard.valid() or not family.flags.check():
+        if family is None or family.reason is not None or not family.verified \
+                or not family.guard.valid() or not family.flags.check():
             return None
+        if family.plan is None and storages.ranges != family.storages.ranges:
+            return None  # (the template's own addresses, in a new state, need no plan)
         if any(leaves[i].data_ptr() != ptr for i, ptr in family.pinned):
             return None  # a parameter passed as an argument, read in place: another one
         try:
@@ -339,6 +341,12 @@ def retarget(family: Family, storages: Storages, backend, device: torch.device):
     from ._cugraph import DriverError, RetargetedExec
 
     plan = family.plan
+    if plan is None:
+        # a state at the template's own addresses (a dead state's memory, reused by the
+        # allocator for the next one): the template as it is
+        if storages.ranges != family.storages.ranges:
+            raise Refused("no plan to rebase with")
+        plan = RebasePlan()
     plan.check(family.storages, storages, 0, 256 if device.type == "cuda" else 1)
     t0 = time.perf_counter()
     chunks = {i: n.chunks for i, n in enumerate(family.nodes)}

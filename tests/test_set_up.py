@@ -348,3 +348,47 @@ def test_a_rehearsal_reruns_the_call_on_the_cache_as_the_call_found_it(faithful)
     assert s.set_ups == 2 and not any(r.startswith("piecewise") for r in s.eager_calls), s
     rehearsals = [n.item() for capturing, t, n in g.seen if not capturing and t == 4]
     assert rehearsals and all(n == 0 for n in rehearsals), rehearsals
+
+
+def test_a_new_cache_at_a_dead_caches_addresses_replays_that_caches_graph(fam):
+    # generate() drops its cache; the allocator gives the next one the same memory (on the
+    # H200, every set-up cache after the second): the template's graph applies to it as it
+    # is, where a diff of two captures at the same addresses could prove nothing
+    import gc
+
+    from test_share_engine import _tensors
+
+    ref, g = _pair()
+    _generate(ref, g)  # sets its cache up (eager), graphs the steps
+    x, pos = torch.randn(1, 4, H * D), torch.arange(4)
+    kept = []
+
+    def set_up(tensors=None):
+        cache = StaticCache()
+        cache.early_initialization(1, [H] * 2, [D] * 2, torch.float32, torch.device("cpu"))
+        for j, layer in enumerate(cache.layers):
+            if tensors is not None:  # the dead cache's memory
+                layer.keys, layer.values = tensors[j]
+                layer.keys.zero_()
+                layer.values.zero_()
+            _tensors[layer.keys.data_ptr()] = layer.keys
+            _tensors[layer.values.data_ptr()] = layer.values
+        return cache
+
+    cache = set_up()
+    assert torch.equal(g(x, cache, pos), ref(x, set_up(), pos))  # the prefill's template
+    kept = [(layer.keys, layer.values) for layer in cache.layers]
+    del cache
+    gc.collect()
+    before = cg.stats(g)
+    for _ in range(2):
+        ref_cache, cache = set_up(), set_up(kept)
+        assert torch.equal(g(x, cache, pos), ref(x, ref_cache, pos))
+        for a, b in zip(ref_cache.layers, cache.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+        del cache
+        gc.collect()
+    s = cg.stats(g)
+    # (the second call replays the first one's graph: the same addresses, the same graph)
+    assert s.captures == before.captures and s.retargets - before.retargets >= 1, s.reasons
+    assert s.replays - before.replays == 2 and not s.reasons
