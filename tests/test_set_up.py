@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+import test_static_state
 from test_rebase import fam  # noqa: F401 (a fixture)
 from test_share_engine import reading  # noqa: F401 (a fixture)
 from cudagraphify._state import SetUp, state_key
@@ -26,15 +27,8 @@ from cudagraphify._state import SetUp, state_key
 H, D, MAX = 2, 8, 12  # heads, head size, cache length
 
 
-class Cache:
+class Cache(test_static_state.Cache):
     """transformers.cache_utils.Cache, as far as set-up goes."""
-
-    def __init__(self, layers):
-        self.layers = layers
-
-    @property
-    def is_compileable(self) -> bool:
-        return all(layer.is_compileable for layer in self.layers)
 
     def early_initialization(self, batch_size, num_heads, head_dim, dtype, device):
         for layer, h, d in zip(self.layers, num_heads, head_dim):
@@ -42,9 +36,6 @@ class Cache:
                 continue
             fake = torch.zeros((batch_size, h, 0, d), dtype=dtype, device=device)
             layer.lazy_initialization(fake, fake)
-
-
-Cache.__module__ = "transformers.cache_utils"
 
 
 class StaticLayer:
