@@ -262,12 +262,14 @@ class GraphedState:
     def _set_up(self, entry: SetUpEntry, leaves: list) -> bool:
         """Set the call's static states up as the entry's first call left its own; False (and
         the entry's set-ups dropped) where one does not come out the same."""
+        if not entry.set_ups:
+            return False
         for i, set_up in entry.set_ups:
             if not set_up.apply(leaves[i]):
                 entry.set_ups = []
                 return False
-        self.set_ups += bool(entry.set_ups)
-        return bool(entry.set_ups)
+        self.set_ups += 1
+        return True
 
     def _training_refused(self) -> str | None:
         """Why grad-mode calls run eagerly (a backward cannot follow), or None."""

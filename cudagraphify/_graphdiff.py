@@ -108,9 +108,9 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     other). With ``host`` (a function giving :func:`host_ranges`, called for each such slot:
     cache it), an 8-byte slot of a kernel's arguments whose value in one capture lies in
     host-only memory (a stack, a mapped file's code or data), and in neither in the two
-    layers' storages, is
-    kept and counted as unproven too: that capture's kernel ran with a host address there, so
-    it does not read the slot; the other capture may hold a stale device address there. (Struct
+    layers' storages, is kept and counted as unproven too: that capture's kernel ran with a
+    host address there, so it does not read the slot; the other capture may hold a stale
+    device address there. (Struct
     padding that held a stack or a return address, seen on the H200 in HF Llama's mean
     reduction, stable across two captures of one layer; in a comparison kernel of HF's mask,
     a stack address against an address in the pool.) Anything else refuses.
@@ -203,8 +203,10 @@ def host_ranges(maps: str | None = None) -> list[tuple[int, int]]:
     out = []
     for line in maps.splitlines():
         fields = line.split(None, 5)
+        if not fields:
+            continue
         path = fields[5].strip() if len(fields) == 6 else ""  # none: anonymous
-        start, _, end = fields[0].partition("-") if fields else ("", "", "")
+        start, _, end = fields[0].partition("-")
         if path.startswith("[stack") or (
                 path.startswith("/") and not path.startswith(("/dev/", "/memfd:"))
                 and int(start, 16) >= 1 << 32):

@@ -173,8 +173,6 @@ class Families:
         if family is None or family.reason is not None or not family.verified \
                 or not family.guard.valid() or not family.flags.check():
             return None
-        if family.plan is None and storages.ranges != family.storages.ranges:
-            return None  # (the template's own addresses, in a new state, need no plan)
         if any(leaves[i].data_ptr() != ptr for i, ptr in family.pinned):
             return None  # a parameter passed as an argument, read in place: another one
         try:
@@ -342,8 +340,8 @@ def retarget(family: Family, storages: Storages, backend, device: torch.device):
 
     plan = family.plan
     if plan is None:
-        # a state at the template's own addresses (a dead state's memory, reused by the
-        # allocator for the next one): the template as it is
+        # no plan yet: only a state at the template's own addresses (a dead state's memory,
+        # reused by the allocator for the next one) can take the template, as it is
         if storages.ranges != family.storages.ranges:
             raise Refused("no plan to rebase with")
         plan = RebasePlan()
