@@ -88,7 +88,8 @@ def _in(ranges: list[tuple[int, int]], v: int) -> bool:
 def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Storages,
                 pool: list[tuple[int, int]], again: list | None = None,
                 device: list[tuple[int, int]] | None = None,
-                host: Callable[[], list[tuple[int, int]]] | None = None) -> RebasePlan:
+                host: Callable[[], list[tuple[int, int]]] | None = None,
+                tied: bool = True) -> RebasePlan:
     """Diff two captures of identical layers (``a`` then ``b``); raise :class:`Refused` unless
     every difference is proven harmless to keep or is a rebased address of the layer's storages.
 
@@ -114,6 +115,14 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     padding that held a stack or a return address, seen on the H200 in HF Llama's mean
     reduction, stable across two captures of one layer; in a comparison kernel of HF's mask,
     a stack address against an address in the pool.) Anything else refuses.
+
+    ``tied``: a storage at the same address in ``a`` and ``b`` is one storage both layers
+    share (tied weights: kept, and :meth:`RebasePlan.check` refuses a layer with its own).
+    With ``tied=False`` (two caches, the second made where the first one's memory was freed)
+    it is two storages that happen to lie at one address: every kernel's 8-byte slot holding
+    an address inside it, the same in both captures, is rebased too (:func:`_same_address_slots`),
+    and each such slot counts as unproven (equal bytes prove no address: the caller must verify
+    the plan against eager at other addresses).
     """
     if len(nodes0) != len(nodes1):
         raise Refused(f"the two captures have {len(nodes0)} and {len(nodes1)} nodes")
@@ -125,7 +134,10 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
             na != nb for (_, na), (_, nb) in zip(a.ranges, b.ranges)):
         raise Refused("the layers' storages differ in number or size")
     shared = {j for j, (sa, sb) in enumerate(zip(a.ranges, b.ranges)) if sa[0] == sb[0]}
-    plan = RebasePlan(shared=frozenset(shared))
+    plan = RebasePlan(shared=frozenset(shared) if tied else frozenset())
+    if not tied and shared:
+        _same_address_slots(plan, nodes0, nodes1, a, shared)
+        shared = set()
     for i, (n0, n1) in enumerate(zip(nodes0, nodes1)):
         if n0.key != n1.key:
             raise Refused(f"node {i} ({n0.name}) is different work in the two captures")
@@ -158,6 +170,31 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                     raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "
                                   f"({v0:#x} vs {v1:#x}) and is not a rebased parameter address")
     return plan
+
+
+def _same_address_slots(plan: RebasePlan, nodes0: list, nodes1: list, a: Storages,
+                        same: set[int]) -> None:
+    """Add to ``plan`` the 8-byte kernel-argument slots that hold, identically in both
+    captures, an address inside one of the storages ``same`` (at one address in both), each
+    counted as unproven; refuse a copy or memset node that reaches one."""
+    ranges = [(a.ranges[j][0], a.ranges[j][1], j) for j in sorted(same)]
+    for i, (n0, n1) in enumerate(zip(nodes0, nodes1)):
+        for c, (x, y) in enumerate(zip(n0.chunks, n1.chunks)):
+            for pos in range(0, len(x) - 7, 8):
+                w = x[pos:pos + 8]
+                if w != y[pos:pos + 8]:
+                    continue  # (a differing slot is the main diff's)
+                v = int.from_bytes(w, "little")
+                for start, n, j in ranges:
+                    if start <= v < start + n:
+                        if n0.kind != 0:
+                            raise Refused(f"node {i} ({n0.name}) copies or sets a cache's "
+                                          "memory")
+                        plan.slots.setdefault(i, {}).setdefault(c, []).append(
+                            (pos, j, v - start))
+                        plan.count += 1
+                        plan.unproven += 1
+                        break
 
 
 def _host_garbage(v0: int, v1: int, host: list[tuple[int, int]], a: Storages,

@@ -12,7 +12,9 @@ offset, its storage's alignment, every other value the state holds) at other add
 - A second state of the family is captured too (on the template's static inputs, in the same
   pool), and the two captures are diffed node by node (:func:`~._graphdiff.plan_rebase`, as
   ``share_graph`` does for layers): the plan holds every kernel argument that is an address
-  inside the state's storages. Bytes that differ and hold no device address in either capture
+  inside the state's storages (a storage of the second state at the template's own address,
+  memory of a dead state the allocator handed on, is rebased too, and the plan then proven).
+  Bytes that differ and hold no device address in either capture
   (uninitialised tails of kernels' argument structs) are kept, and the plan is then proven
   once: the forward run eagerly on one copy of the state, the template rebased to another,
   bitwise equal (outputs and copies). Any other difference, or a failed proof, refuses the
@@ -269,11 +271,11 @@ def diff(family: Family, raw, storages: Storages, pool, readable=None) -> None:
         # (bytes that hold no address of that memory in either capture, uninitialised tails of
         # kernels' argument structs, are kept but unproven; the caller proves such a plan
         # against eager once, on copies of the state)
-        plan = plan_rebase(family.nodes, nodes, family.edges, edges, family.storages, storages,
-                           pool_mem, None, device_mem, functools.cache(host_ranges))
-        if plan.shared:
-            raise Refused("two caches share memory (a storage at the same address in both)")
-        family.plan = plan
+        # (a storage of the second cache at the template's address, where the allocator
+        # handed it memory of a dead cache, is rebased like the others: tied=False)
+        family.plan = plan_rebase(family.nodes, nodes, family.edges, edges, family.storages,
+                                  storages, pool_mem, None, device_mem,
+                                  functools.cache(host_ranges), tied=False)
     except Refused as e:
         family.refuse(f"two caches' captures differ in more than the caches' addresses: {e}")
     except DriverError as e:

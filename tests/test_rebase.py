@@ -266,3 +266,32 @@ def test_a_stale_address_in_a_struct_tail_is_unproven_not_refused(monkeypatch):
     assert inside.plan is None and "not a rebased" in inside.failures[-1]
     # one inside the pool in one capture only: refused too
     assert diffed(0x900100, 0xB08200, [Param()]).plan is None
+
+
+def test_a_cache_partly_in_a_dead_caches_memory_is_rebased_and_must_be_proven(monkeypatch):
+    """The allocator hands the next cache some of the dead template cache's memory (seen on
+    the H200 for the prefill's family): a storage at the template's own address is rebased
+    like the others (its slots are the same bytes in both captures), and the plan is unproven
+    (the engine proves it against eager on copies at other addresses). Before, the family
+    was refused ("two caches share memory")."""
+    from test_share import A, POOL, _k, _w
+
+    partly = _rebase.Storages(((A.ranges[0][0], 0x400), (0x60000, 0x100)))
+    monkeypatch.setattr(_rebase, "memory_ranges", lambda pool: (POOL, POOL + list(A.ranges)
+                                                                + list(partly.ranges)))
+    nodes = {"t": [_k("index_copy", _w(0x10000 + 8, 0x20000))],
+             "o": [_k("index_copy", _w(0x10000 + 8, 0x60000))]}
+    monkeypatch.setattr(_cugraph, "read_graph", lambda handle: (nodes[handle], frozenset()))
+
+    class Raw:
+        def __init__(self, name):
+            self.name = name
+
+        def cuda_graph(self):
+            return self.name
+
+    family = _rebase.Family(Raw("t"), None, None, A, None, None)
+    _rebase.diff(family, Raw("o"), partly, None)
+    assert family.failures == []
+    assert sorted(family.plan.slots[0][0]) == [(0, 0, 8), (8, 1, 0)]
+    assert family.plan.unproven == 1  # the same-address slot: proven before any rebase

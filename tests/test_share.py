@@ -333,6 +333,26 @@ def test_a_storage_both_layers_share_is_never_rebased():
     assert plan.slots == {0: {0: [(8, 1, 0)]}}
 
 
+def test_untied_a_storage_at_one_address_in_both_is_rebased_and_unproven():
+    # two caches, the second where the first one's storage 0 was freed: its slots are the
+    # same bytes in both captures, rebased all the same, and the plan must be proven
+    again = Storages(((0x10000, 0x400), (0x60000, 0x100)))
+    n0 = [_k("gemm", _w(0x10000 + 8, 0x20000, 0x10000 + 0x3ff)), _k("f", _w(0x10000 + 0x400))]
+    n1 = [_k("gemm", _w(0x10000 + 8, 0x60000, 0x10000 + 0x3ff)), _k("f", _w(0x10000 + 0x400))]
+    plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, again, POOL, tied=False)
+    assert sorted(plan.slots[0][0]) == [(0, 0, 8), (8, 1, 0), (16, 0, 0x3ff)]  # (not past the end)
+    assert list(plan.slots) == [0]
+    assert (plan.count, plan.unproven, plan.shared) == (3, 2, frozenset())
+    plan.check(A, Storages(((0x70000, 0x400), (0x80000, 0x100))), 1, 1)  # a third: no refusal
+    patched = plan.patches({0: n0[0].chunks}, Storages(((0x70000, 0x400), (0x80000, 0x100))))
+    assert patched[0][0] == _w(0x70000 + 8, 0x80000, 0x70000 + 0x3ff)
+    copy0 = [_k("memcpy", _w(0x10000), kind=1)]
+    with pytest.raises(Refused, match="copies or sets a cache's memory"):
+        plan_rebase(copy0, copy0, frozenset(), frozenset(), A, again, POOL, tied=False)
+    tied_plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, again, POOL)
+    assert tied_plan.slots == {0: {0: [(8, 1, 0)]}} and tied_plan.shared == {0}
+
+
 def test_storages_are_deduplicated_in_parameter_order():
     m = nn.Linear(3, 3)
     flat = torch.zeros(12)
