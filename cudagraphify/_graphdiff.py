@@ -89,7 +89,7 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                 pool: list[tuple[int, int]], again: list | None = None,
                 device: list[tuple[int, int]] | None = None,
                 host: Callable[[], list[tuple[int, int]]] | None = None,
-                tied: bool = True) -> RebasePlan:
+                tied: bool = True, one_sided: bool = False) -> RebasePlan:
     """Diff two captures of identical layers (``a`` then ``b``); raise :class:`Refused` unless
     every difference is proven harmless to keep or is a rebased address of the layer's storages.
 
@@ -98,14 +98,19 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     template's value when it is capture-dependent, not layer-dependent: two addresses of
     graph-owned memory (``pool``: intermediates), or a slot whose value also differs in
     ``again``, a second capture of layer ``a`` itself (struct padding, which holds whatever the
-    host stack held). With ``device`` (every device memory segment) given, a slot whose two
-    values are both outside device memory is kept too but counted as unproven
-    (``plan.unproven``): kernels take structs with uninitialised tails (unused dimensions of
-    an offset calculator) that differ with whatever the host stack held; the caller must verify
-    such a graph against eager. A one-byte argument that differs is kept and counted as unproven
-    in any case: it cannot hold an address, and empty functors (elementwise kernels' lambdas,
-    one byte the kernel never reads) hold whatever the host stack held, which two captures of
-    the same layer may well agree on (seen on the H200: 0xf0 twice for one layer, 0x00 for the
+    host stack held). With ``device`` (every device memory segment, or the memory the forward
+    may read: :func:`readable_ranges`) given, a slot whose two values are both outside it is
+    kept too but counted as unproven (``plan.unproven``): kernels take structs with
+    uninitialised tails (unused dimensions of an offset calculator) that differ with whatever
+    the host stack held; the caller must verify such a graph against eager. With
+    ``one_sided`` (a family of static states, whose plan is proven against eager before any
+    use), one value outside it is enough, when neither is an address of the storages diffed:
+    a stale device address in a struct's tail may lie in memory the forward reads (its pool)
+    in one capture, and a pointer the launch wrote would point into that memory in both. A
+    one-byte argument that differs is kept and counted as unproven in any case: it cannot
+    hold an address, and empty functors (elementwise kernels' lambdas, one byte the kernel
+    never reads) hold whatever the host stack held, which two captures of the same layer may
+    well agree on (seen on the H200: 0xf0 twice for one layer, 0x00 for the
     other). With ``host`` (a function giving :func:`host_ranges`, called for each such slot:
     cache it), an 8-byte slot of a kernel's arguments whose value in one capture lies in
     host-only memory (a stack, a mapped file's code or data), and in neither in the two
@@ -160,9 +165,9 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                 elif hit is None and b.find(v1) is None and (
                         w2 != w0 or (len(w0) == 8 and _in(pool, v0) and _in(pool, v1))):
                     continue  # capture-dependent: the template's own value stands for every layer
-                elif len(x) == 1 or (device is not None and not _in(device, v0)
-                                     and not _in(device, v1)):
-                    plan.unproven += 1  # a one-byte argument, or not device memory in either
+                elif len(x) == 1 or (device is not None
+                                     and _stale(v0, v1, device, one_sided, a, b)):
+                    plan.unproven += 1  # a one-byte argument, or a stale struct byte
                 elif len(w0) == 8 and n0.kind == 0 and host is not None \
                         and _host_garbage(v0, v1, host(), a, b):
                     plan.unproven += 1  # a host address in one capture: never a kernel's pointer
@@ -197,13 +202,25 @@ def _same_address_slots(plan: RebasePlan, nodes0: list, nodes1: list, a: Storage
                         break
 
 
+def _stale(v0: int, v1: int, device: list[tuple[int, int]], one_sided: bool, a: Storages,
+           b: Storages) -> bool:
+    """Two differing values no kernel reads as a pointer: both outside ``device``; with
+    ``one_sided``, one of them, and neither in the storages diffed."""
+    out0, out1 = not _in(device, v0), not _in(device, v1)
+    return (out0 and out1) or (one_sided and (out0 or out1) and not _in_either(v0, v1, a, b))
+
+
+def _in_either(v0: int, v1: int, a: Storages, b: Storages) -> bool:
+    """Whether either value lies in either layer's storages."""
+    return any(s.find(v) is not None for s in (a, b) for v in (v0, v1))
+
+
 def _host_garbage(v0: int, v1: int, host: list[tuple[int, int]], a: Storages,
                   b: Storages) -> bool:
     """One of two differing values lies in host-only memory, and neither in the layers'
     storages: the kernel of that capture ran with a host address in the slot, so it does not
     read the slot (the other capture's kernel is the same, with the same other arguments)."""
-    return (_in(host, v0) or _in(host, v1)) \
-        and not any(s.find(v) is not None for s in (a, b) for v in (v0, v1))
+    return (_in(host, v0) or _in(host, v1)) and not _in_either(v0, v1, a, b)
 
 
 def readable_ranges(pool: list[tuple[int, int]], storages: list[Storages],

@@ -275,7 +275,7 @@ def diff(family: Family, raw, storages: Storages, pool, readable=None) -> None:
         # handed it memory of a dead cache, is rebased like the others: tied=False)
         family.plan = plan_rebase(family.nodes, nodes, family.edges, edges, family.storages,
                                   storages, pool_mem, None, device_mem,
-                                  functools.cache(host_ranges), tied=False)
+                                  functools.cache(host_ranges), tied=False, one_sided=True)
     except Refused as e:
         family.refuse(f"two caches' captures differ in more than the caches' addresses: {e}")
     except DriverError as e:

@@ -264,8 +264,15 @@ def test_a_stale_address_in_a_struct_tail_is_unproven_not_refused(monkeypatch):
     # a differing address inside a parameter is no stale byte: refused
     inside = diffed(0xC00010, 0xC00020, [Param()])
     assert inside.plan is None and "not a rebased" in inside.failures[-1]
-    # one inside the pool in one capture only: refused too
-    assert diffed(0x900100, 0xB08200, [Param()]).plan is None
+    # one inside the pool (or a parameter) in one capture only: a stale address that lies
+    # in memory the forward reads, kept too (seen on the H200: a neg kernel's tail refused
+    # the decode family of a generate); either way round
+    for v0, v1 in ((0x900100, 0xB08200), (0xB08200, 0x900100), (0xC00010, 0xB08200)):
+        one = diffed(v0, v1, [Param()])
+        assert one.plan is not None and one.plan.unproven == 1, (hex(v0), hex(v1))
+    # but never where one of them is an address of a cache (it may be the cache's pointer)
+    assert diffed(0x10000 + 16, 0xB08200, [Param()]).plan is None
+    assert diffed(0xB08200, 0x50000 + 16, [Param()]).plan is None
 
 
 def test_a_cache_partly_in_a_dead_caches_memory_is_rebased_and_must_be_proven(monkeypatch):
