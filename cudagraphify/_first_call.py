@@ -33,7 +33,7 @@ from ._guards import FlagsGuard, StateGuard, function_bindings
 from ._nested import Nested
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
-from ._rehearsal import rehearse, snapshot_states
+from ._rehearsal import rehearse, rehearsing, snapshot_states
 from ._state import tensors_in as _tensors_in
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
@@ -133,7 +133,7 @@ class FirstCall:
             self.short_of_memory = f"out of memory preparing the capture: {_first_line(e)}"
         self.watchable, buffers = statics.watchable()
         static_marks = _writes.marks(self.watchable, buffers)
-        self.probe = probe = new_probe(self.state)
+        self.probe = self.warm_probe = probe = new_probe(self.state)
         if probe is not None:
             probe.known = {storage_of(x) for _, x in tensors} | statics.storage_ptrs()
             probe.written = set()
@@ -565,11 +565,16 @@ class FirstCall:
 
     def _writes_besides(self, storages) -> str:
         """Why the warm-up's writes are not only to the static states' ``storages`` and to
-        memory it made itself ("" when they are)."""
-        probe = self.probe
-        if probe is None or probe.written is None:
+        memory it made itself ("" when they are); nor, where the capture took the rehearsed
+        path, the rehearsal's to its copies of the states."""
+        warm, probe = self.warm_probe, self.probe
+        if warm is None or warm.written is None:
             return "the probe is off (probe=False): what the forward writes is unknown"
-        foreign = [p for p in probe.written_before_made if storages.find(p) is None]
+        foreign = [p for p in warm.written_before_made if storages.find(p) is None]
+        if probe is not warm:  # (a rehearsal: it wrote copies of the states)
+            if probe.written is None:
+                return "what the rehearsed path writes is unknown"
+            foreign += [p for p in probe.written_before_made if p not in probe.states_written]
         if foreign:
             return (f"forward writes {len(foreign)} tensor(s) besides the cache (a proof "
                     "would write them again)")
@@ -582,8 +587,12 @@ class FirstCall:
             for i, v in zip(idx, states):
                 leaves[i] = v
             a, kw = unflatten_call(leaves, self.sig)
+            # (the path the template's capture took: a rehearsed one where it was)
+            rehearsed = self.probe is not None and self.probe.rehearse
             with Nested():
-                return self.backend.warmup(lambda: self.fn(*a, **kw), self.device)
+                return self.backend.warmup(
+                    rehearsing(self.state, lambda: self.fn(*a, **kw)) if rehearsed
+                    else lambda: self.fn(*a, **kw), self.device)
         return run
 
     # -- 4. verify -------------------------------------------------------------------------

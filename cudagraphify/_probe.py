@@ -247,6 +247,7 @@ class Probe:
         self.written: set[int] | None = None
         # those of them that no earlier op of the run produced (memory from before the call)
         self.written_before_made: set[int] = set()
+        self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
 
     @property
     def path(self) -> str:

@@ -22,7 +22,7 @@ from ._state import tensors_in as _tensors_in
 from . import _writes
 from ._nested import Nested
 
-__all__ = ["rehearse", "restored", "snapshot_states"]
+__all__ = ["rehearse", "rehearsing", "restored", "snapshot_states"]
 
 
 def rehearse(first) -> Probe | None:
@@ -46,6 +46,10 @@ def rehearse(first) -> Probe | None:
         copy_marks = _writes.marks([b for _, b in copies.copy])
         rehearsal = new_probe(first.state)
         rehearsal.rehearse = True
+        if first.probe.written is not None:  # what it writes: a family's proof asks
+            rehearsal.written = set()
+        rehearsal.states_written = {storage_of(t) for obj in states.values()
+                                    for t in _tensors_in(obj)}
         # tensors it reads from outside (a global): seen as the warm-up's are (see screen)
         rehearsal.known = {storage_of(x) for x in copies.leaves if isinstance(x, torch.Tensor)} \
             | first.statics.storage_ptrs() \
@@ -68,6 +72,14 @@ def rehearse(first) -> Probe | None:
             or wrote_inputs != set(first.mutated):
         return None
     return rehearsal
+
+
+def rehearsing(state, fn):
+    """``fn`` run as a rehearsal runs it (``torch.cuda.is_current_stream_capturing()``
+    answers "yes"): the path a rehearsed capture took, run eagerly."""
+    probe = new_probe(state)
+    probe.rehearse = True
+    return probed(probe, fn)
 
 
 def snapshot_states(leaves: list, idx: list[int], device: torch.device) -> dict | None:

@@ -302,3 +302,60 @@ def test_a_cache_partly_in_a_dead_caches_memory_is_rebased_and_must_be_proven(mo
     assert family.failures == []
     assert sorted(family.plan.slots[0][0]) == [(0, 0, 8), (8, 1, 0)]
     assert family.plan.unproven == 1  # the same-address slot: proven before any rebase
+
+
+class _SyncsUnlessCaptured(Net):
+    """A prefill-like forward (HF's mask building): its eager path syncs with the host, a
+    capture takes another path that computes something else (a rounding, say). Graphs are
+    planned on the captured path (a rehearsal), so a family's proof must run that path too."""
+
+    def forward(self, x, cache, pos):
+        y = super().forward(x, cache, pos)
+        _PATH[0] = "captured" if torch.cuda.is_current_stream_capturing() else "eager"
+        if _PATH[0] == "eager" and bool((y > -1e9).all()):  # a host sync
+            return y
+        return y * (1 + 2 ** -10)
+
+
+_PATH = [""]  # the path the last run took
+
+
+def test_a_rehearsed_family_is_proven_on_the_captured_path(fam, monkeypatch):
+    """A rehearsed signature's family with unproven bytes (forced here: the CPU double has no
+    stale struct bytes) is proven with the forward run eagerly *on the captured path* (the
+    template's), and what it writes is the rehearsal's: before, the proof was refused ("the
+    probe is off") and would have compared the eager path with the template."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: fam.capturing)
+    plan_rebase = _rebase.plan_rebase
+
+    def unproven(*a, **kw):
+        plan = plan_rebase(*a, **kw)
+        plan.unproven += 1
+        return plan
+
+    monkeypatch.setattr(_rebase, "plan_rebase", unproven)
+    proved, prove = [], _rebase.prove
+
+    def watched(family, states, run_eager, *a, **kw):
+        def run(copies):
+            out = run_eager(copies)
+            proved.append(_PATH[0])
+            return out
+        return prove(family, states, run, *a, **kw)
+
+    monkeypatch.setattr(_rebase, "prove", watched)
+    torch.manual_seed(0)
+    policy = cg.OpPolicy()
+    policy.TRUSTED_CAPTURED_PATHS = (__name__,)  # (trusted as HF's code is)
+    g = cg.graphify(_SyncsUnlessCaptured(), op_policy=policy)
+    kept = []
+    for _ in range(4):
+        c = _cache()
+        for t in range(3):
+            x = torch.randn(1, 1, 16)
+            g(x, c, torch.tensor([t]))
+            _register(c)
+        kept.append(c)
+    s = cg.stats(g)
+    assert proved == ["captured"], (proved, s)
+    assert (s.captures, s.retargets) == (2, 2) and not s.reasons, s
