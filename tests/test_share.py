@@ -305,6 +305,37 @@ def test_a_host_address_in_a_copy_node_is_never_kept():
         plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0, host=lambda: HOST)
 
 
+def test_the_stack_canary_is_read_from_the_random_bytes_the_kernel_passes():
+    import struct
+
+    from cudagraphify._graphdiff import stack_canary
+
+    auxv = struct.pack("<8Q", 6, 4096, 25, 0x7FFC0000A000, 31, 0x7FFC0000B000, 0, 0)
+    memory = {0x7FFC0000A000: bytes([0x41, 0x0B, 0x7C, 0x8D, 0x55, 0xA6, 0x4F, 0x1B])}
+    read = lambda address, n: memory[address][:n]  # noqa: E731
+    assert stack_canary(auxv, read) == 0x1B4FA6558D7C0B00  # (the low byte is zeroed)
+    assert stack_canary(struct.pack("<4Q", 6, 4096, 0, 0), read) is None  # no AT_RANDOM
+    assert stack_canary(b"", read) is None
+    canary = stack_canary()  # this process's: a word its protected frames hold
+    if canary is not None:
+        assert canary & 0xFF == 0 and (canary, 1) in host_ranges()
+    assert not any(n == 1 for _, n in host_ranges(MAPS))  # (not from another process's maps)
+
+
+def test_the_stack_canary_in_one_capture_is_kept_as_unproven_when_strict():
+    # seen on the H200: HF Llama's mean reduction, one layer's struct tail holding the canary
+    # (in both of its captures), the other's 0x8
+    canary = 0x1B4FA6558D7C0B00
+    n0 = [_k("reduce", _w(canary, 0x10000))]
+    n1 = [_k("reduce", _w(0x8, 0x50000))]
+    plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, B, POOL, n0,
+                       host=lambda: HOST + [(canary, 1)])
+    assert (plan.count, plan.unproven) == (1, 1)
+    with pytest.raises(Refused, match="argument 0 at byte 0 differs"):  # one more: refused
+        plan_rebase(n0, [_k("reduce", _w(0x8, 0x50000))], frozenset(), frozenset(), A, B,
+                    POOL, n0, host=lambda: HOST + [(canary + 0x100, 1)])
+
+
 def test_a_rebased_address_never_asks_for_host_memory():
     n0 = [_k("gemm", _w(0x10000, 0x900100))]
     n1 = [_k("gemm", _w(0x50000, 0xA00100))]
