@@ -253,6 +253,15 @@ class CudaBackend:
     def stream_token(self, device: torch.device) -> int:
         return torch._C._cuda_getCurrentRawStream(device.index)
 
+    def clock(self, device: torch.device) -> Callable[[], float]:
+        """Seconds, read once ``device`` has done the work queued so far (timing a piece's
+        graph against its eager run: see _trial)."""
+        def now() -> float:
+            with self._capturing(device):  # (not while another thread captures)
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+        return now
+
     def stream_getter(self, device: torch.device) -> Callable[[], int]:
         """``stream_token(device)`` as one C call (the replay path's)."""
         return functools.partial(torch._C._cuda_getCurrentRawStream, device.index)

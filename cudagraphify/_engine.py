@@ -39,6 +39,7 @@ from ._nested import in_graphed_call
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
+from ._trial import Trial
 from ._rebase import Families
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
@@ -118,6 +119,10 @@ class GraphedState:
         # graphs keyed to static state, rebased to a new state's memory (see _rebase)
         self.families = Families()
         self._pools: dict = {}  # device index -> the memory pool of this callable's graphs
+        # a piece whose graph cost more than its eager run: why it runs as plain PyTorch
+        # (see _trial); calls run eagerly, checked first (the DirectCall checks it too)
+        self.given_back: str | None = None
+        self.timed_calls = 0  # a piece's first calls run eagerly to time its graph against
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
     def __deepcopy__(self, memo) -> None:
@@ -139,6 +144,9 @@ class GraphedState:
 
     def slow(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """A call the fast path did not take: decided afresh."""
+        if self.given_back is not None:
+            self.eager_calls[self.given_back] += 1
+            return fn(*args, **kwargs)
         enabled = self.options.enabled
         if enabled is not True and not (enabled() if callable(enabled) else enabled):
             return self._eager("disabled (enabled=False)", fn, args, kwargs, warn=False)
@@ -319,13 +327,31 @@ class GraphedState:
                 # Another stream replayed last: its copies may still be in flight.
                 backend.order_after(device, holder._stream_token)
             holder._stream_token = token
+        trial = None if training else entry.trial
+        if trial is not None and trial.eager_next():
+            self.timed_calls += 1
+            return self._judge(entry, trial.timed(lambda: fn(*args, **kwargs), True))
         self.replays += 1
         if region is not None:
             region.replays += 1
         if training:
             return entry.run(leaves, self.statics.grad_params(), self)
+        if trial is not None:
+            return self._judge(entry, trial.timed(lambda: entry.run(leaves), False))
         out = entry.run(leaves)
         self._fast = Fast.make(self, entry, region, backend, args, kwargs, token)
+        return out
+
+    def _judge(self, entry, out: Any) -> Any:
+        """After a timed call of a piece's graph (see _trial): once timed enough, keep the
+        graph, or give the piece back (it runs as plain PyTorch, its graphs released)."""
+        trial = entry.trial
+        if trial.done:
+            entry.trial = None
+            why = trial.verdict()
+            if why is not None:
+                self.given_back = why
+                self.release()
         return out
 
     def _last_move(self, moved: str | None) -> str:
@@ -407,6 +433,10 @@ class GraphedState:
         self.capture_seconds += entry.capture_seconds
         if region is not None:
             region.record_capture(entry)
+        clock = getattr(backend, "clock", None)
+        if self.options.piece and clock is not None and region is None \
+                and self.share is None and type(entry) is CapturedGraph:
+            entry.trial = Trial(clock(entry.device))  # (see _trial)
         evicted = cache.put(key, entry)
         if evicted and region is None:
             # the pool holds the evicted graphs' memory until its last graph is gone: later
@@ -502,6 +532,7 @@ class GraphedState:
             input_copies=self._retired_copies + sum(g.input_copies for g in graphs),
             retargets=self.retargets,
             set_ups=self.set_ups,
+            timed_calls=self.timed_calls,
             reasons=self.families.reasons(),
             template_pool_bytes=self.families.pool_bytes(),
         )

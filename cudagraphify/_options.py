@@ -29,6 +29,7 @@ class Options:
     cache_policy: CachePolicy | None = None
     probe: str | bool = "auto"
     op_policy: Any = None
+    piece: bool = False  # a submodule a piecewise plan graphified (not a user option)
 
     @classmethod
     def build(cls, caller: str, **given: Any) -> "Options":
@@ -143,6 +144,7 @@ class Stats:
     # (a cache) rebased to another state's memory: no capture of their own
     retargets: int = 0
     set_ups: int = 0  # calls whose static states were set up beforehand (HF caches)
+    timed_calls: int = 0  # a piecewise plan's pieces' first calls, run eagerly to time them
     # share_graph groups
     layers: int = 0
     per_layer: int = 0  # layer graphs captured on their own (sharing refused)

@@ -194,6 +194,7 @@ class CapturedGraph(Owned):
     """
 
     hazard: frozenset | set = frozenset()
+    trial = None  # a piece's graph being timed against its eager run (see _trial)
 
     def __init__(self, raw, inputs: StaticInputs, mutated: list[int], actions: list, spec,
                  keep: list, device: torch.device):

@@ -189,6 +189,9 @@ class DirectCall(_watch.CallImpl):
                 d.pop("_compiled_call_impl", None)  # ungraphified: step aside for good
             return module._call_impl(*args, **kwargs)
         state = self.state
+        if state.given_back is not None:  # a piece whose graph did not pay (see _trial)
+            state.eager_calls[state.given_back] += 1
+            return self.fn(*args, **kwargs)
         fast = state._fast
         if fast is not None:  # (no global module hooks: checked above)
             out = fast.call(self.fn, args, kwargs)
@@ -330,7 +333,7 @@ def install_pieces(root: torch.nn.Module, paths: list[str], options: Options) ->
     overwritten by its second call.
     """
     options = dataclasses.replace(options, static_argnames=(), cache_policy=None,
-                                  copy_outputs=True)
+                                  copy_outputs=True, piece=True)
     installed = []
     share = share_of(root)  # a share_graph layer: pieces share too
     for path in paths:

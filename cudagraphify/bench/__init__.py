@@ -61,8 +61,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="new tokens per decode run (default 64)")
     p.add_argument("--decode-batch", type=int, default=1, metavar="B",
                    help="sequences decoded together (default 1)")
-    p.add_argument("--sync", nargs="*", default=[], choices=["item", "nonzero"],
-                   help="also time workload A with this host sync in every block")
+    p.add_argument("--sync", nargs="*", default=[], choices=["item", "nonzero", "item-inline"],
+                   help="also time workload A with this host sync in every block "
+                        "(item-inline: an .item() block that computes attention and MLP "
+                        "inline, its children one-kernel Linear and LayerNorm layers)")
     p.add_argument("--train", nargs="*", default=[], choices=sorted(WORKLOADS),
                    help="also time a training step (forward + .sum().backward()) of these")
     p.add_argument("--share", nargs="*", type=int, default=[], metavar="L",

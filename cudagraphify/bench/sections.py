@@ -234,9 +234,14 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
         graphed = GPT.from_config(cfg, "cuda", sync=sync)
         graphed.load_state_dict(model.state_dict())
         cg.graphify(graphed)
-        for _ in range(3):
+        for _ in range(12):  # (the root's plan, its pieces' captures and timed first calls)
             graphed(x)
         row["graphify_us"] = time_per_call(graphed, x, calls, repeats)
+        states = [m.__dict__.get("_cudagraphify_state") for m in graphed.modules()
+                  if m is not graphed]
+        states = [st for st in states if st is not None]
+        row["pieces"] = len(states)
+        row["pieces_given_back"] = sum(st.given_back is not None for st in states)
         row["graphify_max_abs_err"] = (graphed(x).float() - ref.float()).abs().max().item()
         row["explain"] = str(cg.explain(graphed))
         plain = GPT.from_config(cfg, "cuda")
@@ -250,7 +255,8 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
 
 
 def format_sync(r: dict) -> str:
-    return (f"{r['workload']}: eager {r['eager_us']:.0f} µs, graphify (piecewise) "
+    return (f"{r['workload']}: eager {r['eager_us']:.0f} µs, graphify (piecewise: "
+            f"{r['pieces']} pieces, {r['pieces_given_back']} given back as not paying) "
             f"{r['graphify_us']:.0f} µs ({r['graphify_vs_eager']:.3f} of eager), graphify "
             f"without the sync {r['graphify_without_sync_us']:.0f} µs; max abs err "
             f"{r['graphify_max_abs_err']:.2e}\n{r['explain']}")

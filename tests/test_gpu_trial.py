@@ -1,0 +1,58 @@
+"""GPU: a piecewise plan's pieces timed against their eager runs (cudagraphify/_trial.py), with
+the real clock: a piece of one elementwise kernel costs more graphed (copy-in, replay, clone)
+than eager and is given back; a piece of forty kernels keeps its graph. Every output equals
+eager's bitwise, through the trial and after it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+
+pytestmark = [pytest.mark.cuda, pytest.mark.times_pieces, pytest.mark.usefixtures("quiet_gpu")]
+
+
+class _Deep(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(*[m for _ in range(20) for m in (nn.Linear(16, 16),
+                                                                      nn.ReLU())])
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class _Model(nn.Module):
+    """A host sync between a one-kernel piece and a forty-kernel one."""
+
+    def __init__(self):
+        super().__init__()
+        self.small = nn.ReLU()
+        self.deep = _Deep()
+
+    def forward(self, x):
+        y = self.small(x)
+        if y.sum().item() > 1e9:  # a host sync: piecewise
+            y = y * 0
+        return self.deep(y)
+
+
+def test_a_piece_that_does_not_pay_is_given_back_and_one_that_does_keeps_its_graph():
+    torch.manual_seed(0)
+    ref = _Model().cuda()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for _ in range(12):
+            x = torch.randn(4, 16, device="cuda")
+            assert torch.equal(g(x), ref(x))
+    small, deep = cg.stats(g.small), cg.stats(g.deep)
+    assert small.timed_calls == 3 and small.graphs == 0, small
+    (why,) = small.eager_calls
+    assert why.startswith("piece given back: its graph costs more than its eager run"), why
+    assert deep.timed_calls == 3 and deep.graphs == 1 and deep.eager == 0, deep
+    assert deep.replays == 12 - 2 - 3  # (call 1: the root's; 2: its capture; 3 timed eager)
+    assert g.deep._cudagraphify_state._fast is not None

@@ -1,0 +1,124 @@
+"""Pieces that pay (cudagraphify/_trial.py): a piecewise plan's piece is timed against its
+eager run on its first calls and given back when its graph costs more.
+
+On the CPU double, with a clock of the test's: the piece's eager forward advances it by
+``EAGER`` and a replay of its graph by ``GRAPH`` (what each costs on a device, here chosen)."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify import _trial
+from conftest import SimGraph
+
+_NOW = [0.0]
+_COST = {"eager": 0.0, "graph": 0.0}
+
+
+class _Piece(nn.Linear):
+    def forward(self, x):
+        _NOW[0] += _COST["eager"]  # (runs only when the forward's Python runs: eagerly)
+        return super().forward(x)
+
+
+class _Root(nn.Module):
+    """A host sync between two pieces: the root runs piecewise, ``a`` and ``b`` graphed."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Piece(8, 8), _Piece(8, 8)
+
+    def forward(self, x):
+        y = self.a(x)
+        if bool((y > -1e9).all()):  # a host sync
+            y = y + 1
+        return self.b(y)
+
+
+@pytest.fixture
+def timed(sim, monkeypatch):
+    sim.clock = lambda device: lambda: _NOW[0]
+    replay = SimGraph.replay
+
+    def costly(self):
+        _NOW[0] += _COST["graph"]
+        return replay(self)
+
+    monkeypatch.setattr(SimGraph, "replay", costly)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with torch.no_grad():
+            yield sim
+
+
+def _run(graph_cost: float, eager_cost: float, calls: int = 10):
+    _COST.update(graph=graph_cost, eager=eager_cost)
+    torch.manual_seed(0)
+    ref = _Root()
+    g = cg.graphify(copy.deepcopy(ref))
+    for _ in range(calls):
+        x = torch.randn(4, 8)
+        assert torch.equal(g(x), ref(x))  # every call: eager's result, graphed or timed
+    return g
+
+
+def test_a_piece_whose_graph_costs_more_is_given_back(timed):
+    g = _run(graph_cost=30e-6, eager_cost=10e-6)
+    for piece in (g.a, g.b):
+        s = cg.stats(piece)
+        # call 1: the root's warm-up; 2: each piece's first call (warm-up, capture); 3-8: a
+        # replay and an eager run, timed, three times each; then given back
+        assert (s.captures, s.timed_calls, s.graphs) == (1, 3, 0), s
+        (why, n), = s.eager_calls.items()
+        assert why.startswith("piece given back: its graph costs more than its eager run "
+                              "(30 vs 10 µs a call") and n == 2, s
+    assert g._cudagraphify_state.given_back is None  # (the root is not a piece)
+
+
+def test_a_piece_whose_graph_pays_keeps_it_and_replays_fast(timed):
+    g = _run(graph_cost=5e-6, eager_cost=50e-6)
+    for piece in (g.a, g.b):
+        s = cg.stats(piece)
+        assert (s.captures, s.timed_calls, s.graphs, s.eager) == (1, 3, 1, 0), s
+        assert s.replays == 9 - 1 - 3  # calls 2-10: a capture, three timed eager runs
+        assert piece._cudagraphify_state._fast is not None  # the fast path after the trial
+
+
+def test_a_tie_keeps_the_graph(timed):
+    g = _run(graph_cost=10.5e-6, eager_cost=10e-6)  # within the margin
+    assert cg.stats(g.a).graphs == 1 and cg.stats(g.a).eager == 0
+
+
+def test_the_verdict_needs_the_margin_and_enough_samples():
+    t = _trial.Trial(lambda: 0.0)
+    assert not t.done and not t.eager_next()
+    t.graph, t.eager = [3.0, 2.0, 2.5], [1.9, 5.0, 1.95]
+    assert t.done and t.verdict() is None  # 2.0 vs 1.9: within 10%
+    t.eager = [1.0, 5.0, 1.5]
+    assert "(2000000 vs 1000000 µs a call" in t.verdict()
+
+
+def test_no_clock_no_trial(sim):
+    # (the CPU double has no clock): pieces keep their graphs untimed
+    with torch.no_grad():
+        g = cg.graphify(_Root())
+        for _ in range(4):
+            g(torch.randn(4, 8))
+    s = cg.stats(g.a)
+    assert (s.timed_calls, s.graphs, s.replays) == (0, 1, 2), s
+
+
+def test_a_given_back_piece_stays_plain_through_the_direct_call_and_ungraphify(timed):
+    g = _run(graph_cost=30e-6, eager_cost=10e-6)
+    state = g.a._cudagraphify_state
+    before = state.eager_calls[state.given_back]
+    g(torch.randn(4, 8))
+    assert state.eager_calls[state.given_back] == before + 1
+    cg.ungraphify(g)
+    assert "forward" not in g.a.__dict__ and "_cudagraphify_state" not in g.a.__dict__
