@@ -540,19 +540,23 @@ class FirstCall:
         raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=family.pool,
                                    keep_graph=True)
         _rebase.diff(family, raw, storages, family.pool, self._readable(family.inputs))
-        if family.plan is not None and family.plan.unproven:
+        plan = family.plan
+        if plan is not None and plan.unproven:
             # the proof runs the forward once more, eagerly, and the template once: on copies
-            # of the states, but any other memory the forward writes would be written again
+            # of the states, but any other memory the forward writes would be written again.
+            # (Where only slots into memory both caches hold need it, another cache, at other
+            # addresses, may need none: not final.)
+            final = plan.unproven > plan.same
             why = self._writes_besides(storages)
             if why:
-                family.refuse(f"rebasing is not proven: {why}", final=True)
+                family.refuse(f"rebasing is not proven: {why}", final=final)
                 return raw, out, family.inputs
             if self.states_before is None:
                 family.refuse("rebasing is not proven: the cache could not be copied as the "
-                              "call found it (too large for the free memory)", final=True)
+                              "call found it (too large for the free memory)", final=final)
                 return raw, out, family.inputs
             _rebase.prove(family, [self.states_before[i] for i in idx], self._eager_with(idx),
-                          self.leaves, backend, self.device)
+                          self.leaves, backend, self.device, live=[self.leaves[i] for i in idx])
         return raw, out, family.inputs
 
     def _readable(self, inputs: StaticInputs) -> list[torch.Tensor]:

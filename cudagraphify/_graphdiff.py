@@ -52,6 +52,7 @@ class RebasePlan:
     slots: dict[int, dict[int, list[tuple[int, int, int]]]] = field(default_factory=dict)
     count: int = 0
     unproven: int = 0  # differing non-address slots kept on the strength of verification
+    same: int = 0  # of them, slots into a storage at one address in both (tied=False)
     shared: frozenset = frozenset()  # storages the two diffed layers have in common (tied)
 
     def check(self, template: Storages, mine: Storages, k: int, alignment: int = 256) -> None:
@@ -180,9 +181,11 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
 def _same_address_slots(plan: RebasePlan, nodes0: list, nodes1: list, a: Storages,
                         same: set[int]) -> None:
     """Add to ``plan`` the 8-byte kernel-argument slots that hold, identically in both
-    captures, an address inside one of the storages ``same`` (at one address in both), each
+    captures, an address inside one of the storages ``same`` (at one address in both), or
+    its end (one past its last byte, a loop's bound, where no storage starts there), each
     counted as unproven; refuse a copy or memset node that reaches one."""
     ranges = [(a.ranges[j][0], a.ranges[j][1], j) for j in sorted(same)]
+    starts = {start for start, _ in a.ranges}
     for i, (n0, n1) in enumerate(zip(nodes0, nodes1)):
         for c, (x, y) in enumerate(zip(n0.chunks, n1.chunks)):
             for pos in range(0, len(x) - 7, 8):
@@ -190,16 +193,17 @@ def _same_address_slots(plan: RebasePlan, nodes0: list, nodes1: list, a: Storage
                 if w != y[pos:pos + 8]:
                     continue  # (a differing slot is the main diff's)
                 v = int.from_bytes(w, "little")
-                for start, n, j in ranges:
-                    if start <= v < start + n:
-                        if n0.kind != 0:
-                            raise Refused(f"node {i} ({n0.name}) copies or sets a cache's "
-                                          "memory")
-                        plan.slots.setdefault(i, {}).setdefault(c, []).append(
-                            (pos, j, v - start))
-                        plan.count += 1
-                        plan.unproven += 1
-                        break
+                hit = next(((j, v - start) for start, n, j in ranges
+                            if start <= v < start + n or (v == start + n and v not in starts)),
+                           None)
+                if hit is None:
+                    continue
+                if n0.kind != 0:
+                    raise Refused(f"node {i} ({n0.name}) copies or sets a cache's memory")
+                plan.slots.setdefault(i, {}).setdefault(c, []).append((pos, *hit))
+                plan.count += 1
+                plan.unproven += 1
+                plan.same += 1
 
 
 def _stale(v0: int, v1: int, device: list[tuple[int, int]], one_sided: bool, a: Storages,

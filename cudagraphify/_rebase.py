@@ -14,8 +14,8 @@ offset, its storage's alignment, every other value the state holds) at other add
   ``share_graph`` does for layers): the plan holds every kernel argument that is an address
   inside the state's storages (a storage of the second state at the template's own address,
   memory of a dead state the allocator handed on, is rebased too, and the plan then proven).
-  Bytes that differ and hold no device address in either capture
-  (uninitialised tails of kernels' argument structs) are kept, and the plan is then proven
+  Bytes that differ and hold no address of memory the forward reads in one capture at
+  least (uninitialised tails of kernels' argument structs) are kept, and the plan is then proven
   once: the forward run eagerly on one copy of the state, the template rebased to another,
   bitwise equal (outputs and copies). Any other difference, or a failed proof, refuses the
   state; after three, the family, with the reason (``stats().reasons``).
@@ -93,6 +93,10 @@ class Family:
         self.plan = None
         self.failures.append(why)
         self.final = self.final or final
+        # (spares were rewritten for the plan that is gone: a later plan rewrites other slots)
+        spare, self.spare = self.spare, []
+        for exe in spare:
+            exe.destroy()
 
     # executable graphs of states that died, rewritten for the next state instead of
     # instantiating the template again
@@ -285,36 +289,48 @@ def diff(family: Family, raw, storages: Storages, pool, readable=None) -> None:
 
 
 def prove(family: Family, states: list, run_eager: Callable[[list], Any], inputs: list,
-          backend, device: torch.device) -> None:
+          backend, device: torch.device, live: list = ()) -> None:
     """Prove a plan with unproven bytes: on two copies of ``states`` (their state as it is
     now), the forward run eagerly (``run_eager(copies)``) and the template rebased to the
     other copy must give bitwise the same outputs and leave the copies bitwise the same. Sets
     a failure (and drops the plan) otherwise. ``inputs``: this call's leaves, copied
-    into the template's static inputs."""
+    into the template's static inputs.
+
+    A slot the plan missed still points where the template's or ``live`` (this call's own
+    states, diffed with it) state lies, which may hold what the copies hold: the copies are
+    made away from both (``Refused`` where the allocator keeps handing that memory back), and
+    ``live``'s memory holds 0xff bytes (NaN) while the proof runs (put back after)."""
     import copy
 
     from ._state import state_layout
 
     try:
-        mine, theirs = copy.deepcopy(states), copy.deepcopy(states)
+        avoid = [family.storages, Storages(tuple((t.untyped_storage().data_ptr(),
+                                                  t.untyped_storage().nbytes())
+                                                 for t in _tensors(live)))]
+        held: list = []  # copies that landed in that memory, held so that the next do not
+        mine, theirs = (_fresh_copy(states, avoid, held, copy.deepcopy) for _ in range(2))
+        del held
         layout, ranges = state_layout(theirs)
         if layout != family.layout:
             raise Refused("a copy of the cache is laid out differently (its alignment)")
-        want = run_eager(mine)
-        raw = retarget(family, Storages(tuple(ranges)), backend, device)
-        try:
-            with torch.no_grad():
-                for i, buf in family.inputs.copy:
-                    buf.copy_(inputs[i])
-            raw.replay()
-            got = [t for t in pytree.tree_leaves(family.out) if isinstance(t, torch.Tensor)]
-            want = [t for t in pytree.tree_leaves(want) if isinstance(t, torch.Tensor)]
-            a, b = _tensors(mine), _tensors(theirs)
-            same = len(got) == len(want) and len(a) == len(b) and all(
-                x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
-                for x, y in zip(got + a, want + b))
-        finally:
-            raw.release()
+        with _poisoned(_tensors(live)):
+            want = run_eager(mine)
+            # (destroyed after, never kept as a spare: it points at a copy that dies here)
+            raw = retarget(family, Storages(tuple(ranges)), backend, device, spare=False)
+            try:
+                with torch.no_grad():
+                    for i, buf in family.inputs.copy:
+                        buf.copy_(inputs[i])
+                raw.replay()
+                got = [t for t in pytree.tree_leaves(family.out) if isinstance(t, torch.Tensor)]
+                want = [t for t in pytree.tree_leaves(want) if isinstance(t, torch.Tensor)]
+                a, b = _tensors(mine), _tensors(theirs)
+                same = len(got) == len(want) and len(a) == len(b) and all(
+                    x.shape == y.shape and x.dtype == y.dtype and torch.equal(x, y)
+                    for x, y in zip(got + a, want + b))
+            finally:
+                raw.release()
         if not same:
             raise Refused("the first capture rebased to a copy of the cache does not equal "
                           "the forward run eagerly on another copy, bitwise")
@@ -326,6 +342,39 @@ def prove(family: Family, states: list, run_eager: Callable[[list], Any], inputs
         family.refuse(f"proving a rebase failed unexpectedly: {type(e).__name__}: {e}")
 
 
+def _fresh_copy(states: list, avoid: list[Storages], held: list, deepcopy) -> list:
+    """A copy of ``states`` none of whose storages overlaps ``avoid`` (copies that do are
+    kept in ``held``, so that the allocator hands out other memory)."""
+    for _ in range(3):
+        made = deepcopy(states)
+        mine = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                 for t in _tensors(made)]
+        if not any(start < s_start + s_n and s_start < start + n
+                   for s in avoid for s_start, s_n in s.ranges for start, n in mine):
+            return made
+        held.append(made)
+    raise Refused("copies of the cache keep landing in the memory of the caches diffed")
+
+
+@contextlib.contextmanager
+def _poisoned(tensors: list):
+    """Inside, the storages of ``tensors`` hold 0xff bytes; after, what they held."""
+    storages = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr():
+            storages.setdefault(st.data_ptr(), st)
+    with torch.no_grad():
+        saved = {k: st.clone() for k, st in storages.items()}
+        try:
+            for st in storages.values():
+                st.fill_(0xFF)
+            yield
+        finally:
+            for k, st in storages.items():
+                st.copy_(saved[k])
+
+
 def _tensors(states: list) -> list[torch.Tensor]:
     from ._state import _Walk, _key
 
@@ -335,18 +384,22 @@ def _tensors(states: list) -> list[torch.Tensor]:
     return walk.tensors
 
 
-def retarget(family: Family, storages: Storages, backend, device: torch.device):
+def retarget(family: Family, storages: Storages, backend, device: torch.device,
+             spare: bool = True):
     """The template's graph with the state addresses rewritten to ``storages``: a raw graph
-    (replay, release) owned by the caller. Raises :class:`Refused`."""
+    (replay, release) owned by the caller. Raises :class:`Refused`. ``spare``: it may be a
+    dead state's graph rewritten, and goes back to the spares when released (else it is
+    instantiated, and destroyed when released)."""
     from ._cugraph import DriverError, RetargetedExec
 
     plan = family.plan
     if plan is None:
         # no plan yet: only a state at the template's own addresses (a dead state's memory,
-        # reused by the allocator for the next one) can take the template, as it is
+        # reused by the allocator for the next one) can take the template, as it is (a new
+        # instance: a spare holds the addresses of the state it was rewritten for)
         if storages.ranges != family.storages.ranges:
             raise Refused("no plan to rebase with")
-        plan = RebasePlan()
+        plan, spare = RebasePlan(), False
     plan.check(family.storages, storages, 0, 256 if device.type == "cuda" else 1)
     t0 = time.perf_counter()
     chunks = {i: n.chunks for i, n in enumerate(family.nodes)}
@@ -355,7 +408,7 @@ def retarget(family: Family, storages: Storages, backend, device: torch.device):
     try:
         with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
             exe = None
-            while family.spare and exe is None:  # a dead state's: rewritten, not instantiated
+            while spare and family.spare and exe is None:  # a dead state's, rewritten
                 exe = family.spare.pop()
                 try:
                     exe.repatch(template, patches, family.nodes)
@@ -367,4 +420,4 @@ def retarget(family: Family, storages: Storages, backend, device: torch.device):
     except DriverError as e:
         raise Refused(f"rewriting the graph failed: {e}") from e
     return RetargetedRaw(exe, lambda: backend.stream_token(device), time.perf_counter() - t0,
-                         family.pool, recycle=family.recycle)
+                         family.pool, recycle=family.recycle if spare else None)

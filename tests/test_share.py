@@ -371,11 +371,12 @@ def test_untied_a_storage_at_one_address_in_both_is_rebased_and_unproven():
     n0 = [_k("gemm", _w(0x10000 + 8, 0x20000, 0x10000 + 0x3ff)), _k("f", _w(0x10000 + 0x400))]
     n1 = [_k("gemm", _w(0x10000 + 8, 0x60000, 0x10000 + 0x3ff)), _k("f", _w(0x10000 + 0x400))]
     plan = plan_rebase(n0, n1, frozenset(), frozenset(), A, again, POOL, tied=False)
-    assert sorted(plan.slots[0][0]) == [(0, 0, 8), (8, 1, 0), (16, 0, 0x3ff)]  # (not past the end)
-    assert list(plan.slots) == [0]
-    assert (plan.count, plan.unproven, plan.shared) == (3, 2, frozenset())
+    assert sorted(plan.slots[0][0]) == [(0, 0, 8), (8, 1, 0), (16, 0, 0x3ff)]
+    assert plan.slots[1] == {0: [(0, 0, 0x400)]}  # its end (a bound), where nothing starts
+    assert (plan.count, plan.unproven, plan.same, plan.shared) == (4, 3, 3, frozenset())
     plan.check(A, Storages(((0x70000, 0x400), (0x80000, 0x100))), 1, 1)  # a third: no refusal
-    patched = plan.patches({0: n0[0].chunks}, Storages(((0x70000, 0x400), (0x80000, 0x100))))
+    patched = plan.patches({0: n0[0].chunks, 1: n0[1].chunks},
+                           Storages(((0x70000, 0x400), (0x80000, 0x100))))
     assert patched[0][0] == _w(0x70000 + 8, 0x80000, 0x70000 + 0x3ff)
     copy0 = [_k("memcpy", _w(0x10000), kind=1)]
     with pytest.raises(Refused, match="copies or sets a cache's memory"):
