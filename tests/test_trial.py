@@ -122,3 +122,10 @@ def test_a_given_back_piece_stays_plain_through_the_direct_call_and_ungraphify(t
     assert state.eager_calls[state.given_back] == before + 1
     cg.ungraphify(g)
     assert "forward" not in g.a.__dict__ and "_cudagraphify_state" not in g.a.__dict__
+
+
+def test_explain_shows_a_given_back_piece_with_the_reason(timed):
+    g = _run(graph_cost=30e-6, eager_cost=10e-6)
+    text = str(cg.explain(g))
+    assert text.count("given back (eager)") == 2, text
+    assert "its graph costs more than its eager run (30 vs 10 µs a call" in text, text
