@@ -216,6 +216,16 @@ def test_release_drops_the_templates(fam):
     assert len(state.families) == 1
 
 
+class _Named:
+    """A raw graph whose driver handle is its name (what the faked read_graph looks up)."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def cuda_graph(self):
+        return self.name
+
+
 def test_a_stale_address_in_a_struct_tail_is_unproven_not_refused(monkeypatch):
     """A differing 8-byte value that lies in device memory but in none of the memory the
     forward may read (states, pool, parameters, static inputs, attribute tensors) is a stale
@@ -245,15 +255,8 @@ def test_a_stale_address_in_a_struct_tail_is_unproven_not_refused(monkeypatch):
                  "o": [_k("neg", _w(0x50000 + 8, other_value))]}
         monkeypatch.setattr(_cugraph, "read_graph", lambda handle: (nodes[handle], frozenset()))
 
-        class Raw:
-            def __init__(self, name):
-                self.name = name
-
-            def cuda_graph(self):
-                return self.name
-
-        family = _rebase.Family(Raw("t"), None, None, A, None, None)
-        _rebase.diff(family, Raw("o"), B, None, legit)
+        family = _rebase.Family(_Named("t"), None, None, A, None, None)
+        _rebase.diff(family, _Named("o"), B, None, legit)
         return family
 
     stale = diffed(0xB00100, 0xB08200, [Param()])
@@ -290,15 +293,8 @@ def test_a_cache_partly_in_a_dead_caches_memory_is_rebased_and_must_be_proven(mo
              "o": [_k("index_copy", _w(0x10000 + 8, 0x60000))]}
     monkeypatch.setattr(_cugraph, "read_graph", lambda handle: (nodes[handle], frozenset()))
 
-    class Raw:
-        def __init__(self, name):
-            self.name = name
-
-        def cuda_graph(self):
-            return self.name
-
-    family = _rebase.Family(Raw("t"), None, None, A, None, None)
-    _rebase.diff(family, Raw("o"), partly, None)
+    family = _rebase.Family(_Named("t"), None, None, A, None, None)
+    _rebase.diff(family, _Named("o"), partly, None)
     assert family.failures == []
     assert sorted(family.plan.slots[0][0]) == [(0, 0, 8), (8, 1, 0)]
     assert family.plan.unproven == 1  # the same-address slot: proven before any rebase

@@ -10,7 +10,6 @@ graph keeps the arguments it was last given. ``_NodeExec`` below models that.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import cudagraphify as cg
 from cudagraphify import _cugraph, _graphdiff, _rebase, _state
 from cudagraphify._graphdiff import Refused, Storages, plan_rebase
 from test_rebase import fam  # noqa: F401 (a fixture)
-from test_review_static_state import Cache, Net, StaticLayer
+from test_review_static_state import Cache, Net, StaticLayer, _quiet  # noqa: F401 (autouse)
 from test_share import A, B, POOL, _k, _w
 from test_share_engine import _FakeExec, _nodes, _tensors, _traces, _outputs  # noqa: F401
 from test_share_engine import reading  # noqa: F401 (a fixture)
@@ -410,14 +409,6 @@ def test_control_plan_check_with_tied_false_never_refuses_a_moved_storage():
     plan.check(A, Storages(((0x70000, 0x400), (0x80000, 0x100))), 0, 256)
     with pytest.raises(Refused, match="aligned"):
         plan.check(A, Storages(((0x70010, 0x400), (0x80000, 0x100))), 0, 256)
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.no_grad():
-            yield
 
 
 # -- F5 (not a wrong result: a regression in reach) --------------------------------------------
