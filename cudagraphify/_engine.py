@@ -35,7 +35,7 @@ from ._cache import CachePolicy, EagerEntry, GraphCache, SetUpEntry
 from ._errors import CudagraphifyUsageError, warn_once
 from ._fast import MISS, EagerFast, Fast
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
-from ._nested import in_graphed_call
+from ._nested import in_graphed_call, nesting
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
@@ -122,6 +122,7 @@ class GraphedState:
         # a piece whose graph cost more than its eager run: why it runs as plain PyTorch
         # (see _trial); calls run eagerly, checked first (the DirectCall checks it too)
         self.given_back: str | None = None
+        self._backward_pending = False  # given back, a training graph's backward still to run
         self.timed_calls = 0  # a piece's first calls run eagerly to time its graph against
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
@@ -145,8 +146,7 @@ class GraphedState:
     def slow(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """A call the fast path did not take: decided afresh."""
         if self.given_back is not None:
-            self.eager_calls[self.given_back] += 1
-            return fn(*args, **kwargs)
+            return self._given_back(fn, args, kwargs)
         enabled = self.options.enabled
         if enabled is not True and not (enabled() if callable(enabled) else enabled):
             return self._eager("disabled (enabled=False)", fn, args, kwargs, warn=False)
@@ -174,6 +174,8 @@ class GraphedState:
         self._train_eager = reason
 
     def _call(self, backend, region, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.given_back is not None:  # (given back while this call waited for the lock)
+            return self._given_back(fn, args, kwargs)
         self._fast = None  # remade by a replay that qualifies
         while self._state_died:
             cache, ref = self._state_died.pop()
@@ -350,9 +352,43 @@ class GraphedState:
             entry.trial = None
             why = trial.verdict()
             if why is not None:
-                self.given_back = why
-                self.release()
+                self.give_back(why)
         return out
+
+    def give_back(self, why: str) -> None:
+        """From now on this piece's calls run its plain forward (see _trial): its graphs are
+        released, but for a training graph whose backward is still to run (kept until
+        ``release``: autograd holds the call), and, with none left, what its statics hold."""
+        self.given_back = why
+        self._fast = None
+        self._release_given_back()
+
+    def _release_given_back(self) -> None:
+        """Release a given-back piece's graphs but a training graph whose backward is still
+        to run (released by a later call once it ran), and, with none left, let go of what its
+        statics hold (parameters moved later must not be held here)."""
+        graphs = [g for g in self.cache.graphs(self)
+                  if not (type(g) is TrainingGraph and g.pending())]
+        if graphs:  # the stream that replayed last may still be using their memory
+            drain(graphs[0].device, self._stream_holder(None)._stream_token)
+        for g in graphs:
+            self._retired_copies += g.input_copies
+            self.cache.discard(g)
+        self._backward_pending = bool(self.cache.graphs(self))
+        if not self._backward_pending:
+            self.families.release()
+            self._pools.clear()
+            self.statics.let_go()
+
+    def _given_back(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """A call of a piece given back: its plain forward (counted, but inside another
+        graph's warm-up or capture on this thread, whose ops these are)."""
+        if self._backward_pending:
+            with self.lock:
+                self._release_given_back()
+        if not (nesting[0] and in_graphed_call()):
+            self.eager_calls[self.given_back] += 1
+        return fn(*args, **kwargs)
 
     def _last_move(self, moved: str | None) -> str:
         if moved is not None:

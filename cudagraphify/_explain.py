@@ -145,7 +145,7 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         elif plan is None:
             node["status"] = "no plan yet (call it, or explain it with example inputs)"
         elif path in graphed or (path == "" and "" in graphed):
-            given_back = getattr(state_of_module(sub), "given_back", None) if path else None
+            given_back = getattr(state_of_module(sub), "given_back", None)
             node["status"] = "given back (eager)" if given_back else "graphed"
             if given_back:
                 node["reasons"] = [{"text": given_back, "reason": given_back}]

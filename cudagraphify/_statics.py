@@ -226,6 +226,13 @@ class StaticState:
     def storage_ptrs(self) -> set[int]:
         return {t.untyped_storage().data_ptr() for t in self.tensors}
 
+    def let_go(self) -> None:
+        """Hold none of the tensors' storages any more (no graph of this callable reads them);
+        the next check rescans."""
+        self._held = []
+        self.tensors = []  # (a Parameter replaced later, load_state_dict(assign=True))
+        self._generation = -1
+
     def same(self) -> bool:
         """Whether the statics are as scanned: no structural write since (the dicts are
         watched), the same addresses (``.data`` swaps move them) and the same buffer layouts

@@ -190,8 +190,7 @@ class DirectCall(_watch.CallImpl):
             return module._call_impl(*args, **kwargs)
         state = self.state
         if state.given_back is not None:  # a piece whose graph did not pay (see _trial)
-            state.eager_calls[state.given_back] += 1
-            return self.fn(*args, **kwargs)
+            return state._given_back(self.fn, args, kwargs)
         fast = state._fast
         if fast is not None:  # (no global module hooks: checked above)
             out = fast.call(self.fn, args, kwargs)
