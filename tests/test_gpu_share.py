@@ -200,7 +200,8 @@ def test_hf_layers_share_with_no_option(arch):
                 got = got.logits if arch == "gpt2" else got.last_hidden_state
                 assert torch.equal(got, want)
     s = group.stats()
-    assert (s.retargets, s.per_layer) == (6 * len(seqs), 0), s
+    # (the reasons first: the Stats repr is cut short in pytest's report)
+    assert (s.retargets, s.per_layer) == (6 * len(seqs), 0), (list(s.reasons), s)
     assert s.replays >= 6 * len(seqs) * 2, s  # the later calls replay the shared graphs
 
 
