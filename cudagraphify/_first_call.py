@@ -143,6 +143,10 @@ class FirstCall:
         before_objects = StateGuard([], objects=passed) if passed else None
         tensors_before = {id(t) for _, obj in passed for t in _tensors_in(obj)}
         rng = _rng_offset(self.device) if self.states else None
+        # lists and dicts passed in, as they are: a forward that changes them (a cache grown
+        # by ``kv[0] = torch.cat(...)``, ``state["acc"] = ...``) does on every call what a
+        # replay, which runs no Python, would not
+        containers = _container_marks((*self.args, *self.kwargs.values()))
         # the static states as the call finds them: a rehearsal or a proof runs it again on
         # copies of these, not of what it leaves
         self.states_before = snapshot_states(leaves, self.sig.static_states, self.device)
@@ -191,6 +195,9 @@ class FirstCall:
             else:
                 self.side_effect = where
         del before_objects
+        if not self.side_effect and _containers_changed(containers):
+            self.side_effect = "a list or dict it is passed"
+        del containers
         # the capture's run must leave the static states as it found them (see verify)
         self.states_guard = StateGuard([], objects=self.states) if self.states else None
 
@@ -756,6 +763,36 @@ def _saved_indices(packed: list[torch.Tensor], copies: StaticInputs, tensor_idx:
         if storage_of(p) in storages:
             out.add(n + k)
     return out
+
+
+def _container_marks(values, depth: int = 0) -> list:
+    """(container, its items as they are) for every list and dict in ``values``, nested
+    ones too (through tuples, lists and dicts); the items are held, not their ids, so that
+    an item replaced and freed cannot pass for one at the same address."""
+    out: list = []
+    for v in values:
+        if isinstance(v, list):
+            out.append((v, tuple(v)))
+        elif isinstance(v, dict):
+            out.append((v, tuple(v.items())))
+        else:
+            if type(v) is tuple and depth < 8:
+                out += _container_marks(v, depth + 1)
+            continue
+        if depth < 8:
+            out += _container_marks(v.values() if isinstance(v, dict) else v, depth + 1)
+    return out
+
+
+def _containers_changed(marks: list) -> bool:
+    """Whether a container of :func:`_container_marks` holds other items (or keys) now."""
+    for c, items in marks:
+        now = tuple(c.items()) if isinstance(c, dict) else tuple(c)
+        if len(now) != len(items) or any(
+                (a[0] is not b[0] or a[1] is not b[1]) if isinstance(c, dict) else a is not b
+                for a, b in zip(now, items)):
+            return True
+    return False
 
 
 def _rng_offset(device: torch.device) -> int | None:
