@@ -7,14 +7,13 @@ with an eager twin bitwise, outputs and containers."""
 from __future__ import annotations
 
 import copy
-import warnings
 
-import pytest
 import torch
 from torch import nn
 
 import cudagraphify as cg
 from cudagraphify._first_call import _container_marks, _containers_changed
+from test_review_static_state import _quiet  # noqa: F401 (autouse: no grad, no warnings)
 
 
 class _Accumulates(nn.Module):
@@ -44,14 +43,6 @@ class _Reads(nn.Module):
 
     def forward(self, x, parts):
         return self.lin(x) + parts[0] * parts[1]["w"]
-
-
-@pytest.fixture(autouse=True)
-def _quiet():
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.no_grad():
-            yield
 
 
 def _pair(cls):

@@ -19,28 +19,7 @@ import cudagraphify as cg
 from cudagraphify import _capture
 from conftest import SimBackend, SimGraph
 
-_NOW = [0.0]
-_COST = {"eager": 0.0, "graph": 0.0}
-
-
-class _Piece(nn.Linear):
-    def forward(self, x):
-        _NOW[0] += _COST["eager"]  # (only when the forward's Python runs: eagerly)
-        return super().forward(x)
-
-
-class _Root(nn.Module):
-    """A host sync between two pieces: the root runs piecewise, ``a`` and ``b`` are pieces."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = _Piece(8, 8), _Piece(8, 8)
-
-    def forward(self, x):
-        y = self.a(x)
-        if bool((y > -1e9).all()):  # a host sync
-            y = y + 1
-        return self.b(y)
+from test_trial import _COST, _NOW, _Piece, _Root  # (the same clock and model)
 
 
 @pytest.fixture
