@@ -367,17 +367,9 @@ class GraphedState:
         """Release a given-back piece's graphs but a training graph whose backward is still
         to run (released by a later call once it ran), and, with none left, let go of what its
         statics hold (parameters moved later must not be held here)."""
-        graphs = [g for g in self.cache.graphs(self)
-                  if not (type(g) is TrainingGraph and g.pending())]
-        if graphs:  # the stream that replayed last may still be using their memory
-            drain(graphs[0].device, self._stream_holder(None)._stream_token)
-        for g in graphs:
-            self._retired_copies += g.input_copies
-            self.cache.discard(g)
+        self.release(keep=lambda g: type(g) is TrainingGraph and g.pending())
         self._backward_pending = bool(self.cache.graphs(self))
         if not self._backward_pending:
-            self.families.release()
-            self._pools.clear()
             self.statics.let_go()
 
     def _given_back(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -532,17 +524,24 @@ class GraphedState:
         for region in _region.all_open():
             region.forget(self)
 
-    def release(self) -> None:
-        """Release every graph of this callable's own cache, once the work queued on the
-        stream that replayed last is done (its memory may be handed to another stream at once)."""
+    def release(self, keep: Callable[[Any], bool] | None = None) -> None:
+        """Release every graph of this callable's own cache (but those ``keep`` names, and
+        then its eager decisions stay too), once the work queued on the stream that replayed
+        last is done (its memory may be handed to another stream at once)."""
         self._fast = None
         graphs = self.cache.graphs(self)
-        if graphs:
-            drain(graphs[0].device, self._stream_holder(None)._stream_token)
-        self._retired_copies += sum(g.input_copies for g in graphs)
-        self.cache.clear(owner=self)
-        self.families.release()  # after the graphs made from the templates
-        self._pools.clear()  # (a pool lives while a graph captured into it does)
+        gone = graphs if keep is None else [g for g in graphs if not keep(g)]
+        if gone:
+            drain(gone[0].device, self._stream_holder(None)._stream_token)
+        self._retired_copies += sum(g.input_copies for g in gone)
+        if keep is None:
+            self.cache.clear(owner=self)
+        else:
+            for g in gone:
+                self.cache.discard(g)
+        if len(gone) == len(graphs):
+            self.families.release()  # after the graphs made from the templates
+            self._pools.clear()  # (a pool lives while a graph captured into it does)
 
     def pool(self, backend, device: torch.device):
         """The memory pool shared by this callable's own inference graphs on ``device`` that

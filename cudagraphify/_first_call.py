@@ -771,26 +771,30 @@ def _container_marks(values, depth: int = 0) -> list:
     an item replaced and freed cannot pass for one at the same address."""
     out: list = []
     for v in values:
-        if isinstance(v, list):
-            out.append((v, tuple(v)))
-        elif isinstance(v, dict):
-            out.append((v, tuple(v.items())))
+        if isinstance(v, (list, dict)):
+            out.append((v, _items(v)))
+            inner = v.values() if isinstance(v, dict) else v
+        elif type(v) is tuple:
+            inner = v
         else:
-            if type(v) is tuple and depth < 8:
-                out += _container_marks(v, depth + 1)
             continue
         if depth < 8:
-            out += _container_marks(v.values() if isinstance(v, dict) else v, depth + 1)
+            out += _container_marks(inner, depth + 1)
     return out
+
+
+def _items(container) -> tuple:
+    """A list's items, or a dict's keys and values in turn."""
+    if isinstance(container, dict):
+        return tuple(x for item in container.items() for x in item)
+    return tuple(container)
 
 
 def _containers_changed(marks: list) -> bool:
     """Whether a container of :func:`_container_marks` holds other items (or keys) now."""
     for c, items in marks:
-        now = tuple(c.items()) if isinstance(c, dict) else tuple(c)
-        if len(now) != len(items) or any(
-                (a[0] is not b[0] or a[1] is not b[1]) if isinstance(c, dict) else a is not b
-                for a, b in zip(now, items)):
+        now = _items(c)
+        if len(now) != len(items) or any(a is not b for a, b in zip(now, items)):
             return True
     return False
 

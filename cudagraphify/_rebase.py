@@ -300,16 +300,12 @@ def prove(family: Family, states: list, run_eager: Callable[[list], Any], inputs
     states, diffed with it) state lies, which may hold what the copies hold: the copies are
     made away from both (``Refused`` where the allocator keeps handing that memory back), and
     ``live``'s memory holds 0xff bytes (NaN) while the proof runs (put back after)."""
-    import copy
-
     from ._state import state_layout
 
     try:
-        avoid = [family.storages, Storages(tuple((t.untyped_storage().data_ptr(),
-                                                  t.untyped_storage().nbytes())
-                                                 for t in _tensors(live)))]
+        avoid = [family.storages, Storages(_ranges(live))]
         held: list = []  # copies that landed in that memory, held so that the next do not
-        mine, theirs = (_fresh_copy(states, avoid, held, copy.deepcopy) for _ in range(2))
+        mine, theirs = (_fresh_copy(states, avoid, held) for _ in range(2))
         del held
         layout, ranges = state_layout(theirs)
         if layout != family.layout:
@@ -342,13 +338,20 @@ def prove(family: Family, states: list, run_eager: Callable[[list], Any], inputs
         family.refuse(f"proving a rebase failed unexpectedly: {type(e).__name__}: {e}")
 
 
-def _fresh_copy(states: list, avoid: list[Storages], held: list, deepcopy) -> list:
+def _ranges(states) -> tuple[tuple[int, int], ...]:
+    """(address, bytes) of the storage of every tensor the states hold."""
+    return tuple((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                 for t in _tensors(states))
+
+
+def _fresh_copy(states: list, avoid: list[Storages], held: list) -> list:
     """A copy of ``states`` none of whose storages overlaps ``avoid`` (copies that do are
     kept in ``held``, so that the allocator hands out other memory)."""
+    import copy
+
     for _ in range(3):
-        made = deepcopy(states)
-        mine = [(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-                 for t in _tensors(made)]
+        made = copy.deepcopy(states)
+        mine = _ranges(made)
         if not any(start < s_start + s_n and s_start < start + n
                    for s in avoid for s_start, s_n in s.ranges for start, n in mine):
             return made

@@ -44,8 +44,7 @@ def rehearse(first) -> Probe | None:
     with restored(statics, buffers, first.wrote_statics, first.device) as wrote:
         copies = StaticInputs(first.leaves, [False] * len(first.leaves))
         copy_marks = _writes.marks([b for _, b in copies.copy])
-        rehearsal = new_probe(first.state)
-        rehearsal.rehearse = True
+        rehearsal = _rehearsal_probe(first.state)
         if first.probe.written is not None:  # what it writes: a family's proof asks
             rehearsal.written = set()
         rehearsal.states_written = {storage_of(t) for obj in states.values()
@@ -77,9 +76,14 @@ def rehearse(first) -> Probe | None:
 def rehearsing(state, fn):
     """``fn`` run as a rehearsal runs it (``torch.cuda.is_current_stream_capturing()``
     answers "yes"): the path a rehearsed capture took, run eagerly."""
+    return probed(_rehearsal_probe(state), fn)
+
+
+def _rehearsal_probe(state) -> Probe:
+    """A probe of ``state``'s callable that answers "yes" to whether it is captured."""
     probe = new_probe(state)
     probe.rehearse = True
-    return probed(probe, fn)
+    return probe
 
 
 def snapshot_states(leaves: list, idx: list[int], device: torch.device) -> dict | None:
