@@ -217,6 +217,9 @@ class GraphCache:
         if not variants:
             del self._by_key[key]
 
+    def key_of(self, entry) -> Hashable:
+        return self._lru[id(entry)][0]
+
     def discard(self, entry) -> None:
         """Drop and release ``entry`` (not an eviction)."""
         if id(entry) in self._lru:

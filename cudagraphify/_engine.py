@@ -35,10 +35,11 @@ from ._cache import CachePolicy, EagerEntry, GraphCache, SetUpEntry
 from ._errors import CudagraphifyUsageError, warn_once
 from ._fast import MISS, EagerFast, Fast
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
-from ._nested import in_graphed_call, nesting
+from ._nested import Nested, in_graphed_call, nesting
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
-from ._piecewise import PiecewiseEntry, plan
+from ._piecewise import PiecewiseEntry, new_probe, plan, probed
+from ._probe import Finding
 from ._trial import Trial
 from ._rebase import Families
 from ._replay import CapturedGraph
@@ -123,6 +124,7 @@ class GraphedState:
         # (see _trial); calls run eagerly, checked first (the DirectCall checks it too)
         self.given_back: str | None = None
         self._backward_pending = False  # given back, a training graph's backward still to run
+        self._opaque_planned = False  # pieces planned around an opaque argument (once)
         self.timed_calls = 0  # a piece's first calls run eagerly to time its graph against
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
@@ -204,6 +206,8 @@ class GraphedState:
         if opaque is not None:
             _refuse_tracers(args, kwargs)
             self._fast = EagerFast.opaque(self, region, opaque, args, kwargs)
+            if not self._opaque_planned and region is None and not torch.is_grad_enabled():
+                return self._plan_around(opaque, backend, fn, args, kwargs)
             return self._eager(opaque, fn, args, kwargs)
         sig, leaves, static_flags = build_signature(args, kwargs, self.static_positions,
                                                     self.static_names)
@@ -344,6 +348,35 @@ class GraphedState:
         self._fast = Fast.make(self, entry, region, backend, args, kwargs, token)
         return out
 
+    def _plan_around(self, opaque: str, backend, fn: Callable, args: tuple,
+                     kwargs: dict) -> Any:
+        """The first inference call with an argument no signature can hold (an HF
+        ``DynamicCache``, which ``generate()`` passes from its first call on): it runs eagerly,
+        under the probe, once, and the submodules that the argument and the unsafe ops leave
+        safe are graphed as the pieces of a piecewise plan are (a decoder layer's norms, MLP
+        and projections around its attention over the growing cache). Each piece decides its
+        own calls (its own probe, guards and timing)."""
+        self._opaque_planned = True
+        root = self.statics.root
+        params = self.statics.tensors
+        if root is None or self.install_pieces is None or not self.options.probe \
+                or not params or not backend.supports(params[0].device):
+            return self._eager(opaque, fn, args, kwargs)
+        probe = new_probe(self)
+        with Nested():
+            out = probed(probe, lambda: fn(*args, **kwargs))()
+        findings: dict[str, list] = {"": [Finding("", "an argument", ("OPAQUE",), opaque)]}
+        for f in probe.findings:
+            findings.setdefault(f.path, []).append(f)
+        _, pieces = plan(root, findings, set(probe.sequences))
+        if pieces:
+            installed = self.install_pieces(pieces)
+            self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
+            self.last_plan = (findings, pieces)
+        self.eager_calls[opaque] += 1
+        warn_once(self._warned, self.name, opaque)
+        return out
+
     def _judge(self, entry, out: Any) -> Any:
         """After a timed call of a piece's graph (see _trial): once timed enough, keep the
         graph, or give the piece back (it runs as plain PyTorch, its graphs released)."""
@@ -351,7 +384,20 @@ class GraphedState:
         if trial.done:
             entry.trial = None
             why = trial.verdict()
-            if why is not None:
+            if why is None:
+                pass
+            elif any(g is not entry for g in self.cache.graphs(self)):
+                # other signatures have graphs (a prefill's and a decode step's): only this
+                # one runs eagerly from now on
+                key = self.cache.key_of(entry)
+                drain(entry.device, self._stream_holder(None)._stream_token)
+                self._retired_copies += entry.input_copies
+                self.cache.discard(entry)
+                self.cache.put(key, EagerEntry(why.replace("piece given back", "signature "
+                                                           "run eagerly", 1),
+                                               self, entry.state, entry.flags))
+                self._fast = None
+            else:
                 self.give_back(why)
         return out
 

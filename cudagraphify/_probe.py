@@ -410,6 +410,9 @@ def _inside(path: str, other: str) -> bool:
     return other == path or path == "" or other.startswith(path + ".")
 
 
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)
+
+
 def plan_pieces(root: torch.nn.Module, unsafe: set[str], ran: set[str]) -> list[str]:
     """The largest submodules (paths) that ran and contain no unsafe path: graph these.
 
@@ -424,8 +427,8 @@ def plan_pieces(root: torch.nn.Module, unsafe: set[str], ran: set[str]) -> list[
             p = f"{path}.{name}" if path else name
             if not any(_inside(p, r) for r in ran):
                 continue  # never ran: nothing to graph
-            if any(_inside(p, u) for u in unsafe):
-                visit(p, child)
+            if any(_inside(p, u) for u in unsafe) or isinstance(child, _CONTAINERS):
+                visit(p, child)  # (a container is never called: its members are)
             else:
                 pieces.append(p)
 

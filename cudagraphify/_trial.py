@@ -7,7 +7,9 @@ calls after its capture alternate between its graph and its forward run eagerly,
 from a device synchronisation to the next (host and device work together, as the call costs in
 a forward that waits on the host anyway); after :data:`SAMPLES` of each, a piece whose graph
 is slower than its eager run by more than :data:`MARGIN` is given back: it runs as plain
-PyTorch from then on, its graphs released, the reason in ``stats().eager_calls``.
+PyTorch from then on, its graphs released, the reason in ``stats().eager_calls``; where the
+piece has graphs of other signatures (a prefill's beside a decode step's), only that
+signature runs eagerly from then on.
 
 Timing needs a backend with a ``clock(device)`` (the CUDA one); the CPU test double has none
 unless a test gives it one.
@@ -53,5 +55,4 @@ class Trial:
         if eager * MARGIN >= graph:
             return None
         return (f"piece given back: its graph costs more than its eager run ({graph * 1e6:.0f} "
-                f"vs {eager * 1e6:.0f} µs a call, timed on its first calls); it runs as plain "
-                "PyTorch")
+                f"vs {eager * 1e6:.0f} µs a call, timed on its first calls)")

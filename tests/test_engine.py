@@ -1296,9 +1296,12 @@ def test_a_remembered_eager_decision_is_checked_cheaply_and_counted(sim):
         x = torch.randn(2, 4)
         out = g(x, 3)  # an immutable value instead: keyable, so graphed
         g(x, 3)
-    s = cg.stats(g)
+    s = g._cudagraphify_state.stats()  # (the root's own: cg.stats adds its pieces')
     (reason,) = [r for r in s.eager_calls if "Opaque" in r]
     assert s.eager_calls[reason] == 4 and s.captures == 1 and s.replays == 1
+    # the first opaque call planned the Linear as a piece: graphed on its own calls
+    lin = cg.stats(g.lin)
+    assert (lin.captures, lin.replays) == (1, 2), lin
     torch.testing.assert_close(out, g.lin(x), rtol=0, atol=0)
 
 

@@ -129,3 +129,36 @@ def test_explain_shows_a_given_back_piece_with_the_reason(timed):
     text = str(cg.explain(g))
     assert text.count("given back (eager)") == 2, text
     assert "its graph costs more than its eager run (30 vs 10 µs a call" in text, text
+
+
+class _Scaled(nn.Linear):
+    """Its eager run costs 10 µs a row: one row, less than its graph; eight, more."""
+
+    def forward(self, x):
+        _NOW[0] += 10e-6 * x.shape[0]
+        return super().forward(x)
+
+
+class _ScaledRoot(_Root):
+    def __init__(self):
+        super().__init__()
+        self.a = _Scaled(8, 8)
+
+
+def test_only_the_signature_whose_graph_does_not_pay_runs_eagerly(timed):
+    """A piece with two signatures (a prefill's and a decode step's): the one whose graph costs
+    more runs eagerly from its verdict on, the other keeps its graph."""
+    _COST.update(graph=30e-6, eager=0.0)
+    torch.manual_seed(0)
+    ref = _ScaledRoot()
+    g = cg.graphify(copy.deepcopy(ref))
+    for _ in range(10):
+        for rows in (8, 1):
+            x = torch.randn(rows, 8)
+            assert torch.equal(g(x), ref(x))
+    state = g.a._cudagraphify_state
+    assert state.given_back is None
+    (why,) = [r for r in state.eager_calls if r.startswith("signature run eagerly")]
+    assert "(30 vs 10 µs a call" in why and state.eager_calls[why] >= 2, state.eager_calls
+    s = cg.stats(g.a)
+    assert s.graphs == 1 and s.timed_calls == 6, s  # (the 8-row graph kept)

@@ -1,0 +1,114 @@
+"""Pieces planned around an argument no signature can hold (an HF ``DynamicCache``, which
+``generate()`` passes from its first call on): the first such inference call runs eagerly
+under the probe, and the submodules it leaves safe are graphed as a piecewise plan's pieces.
+On the CPU double, every output compared with an eager twin, bitwise."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+
+
+class _Growing:
+    """A cache that grows every step (a new tensor each time): opaque to a signature."""
+
+    def __init__(self):
+        self.keys = None
+
+    def update(self, k):
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
+        return self.keys
+
+
+class _Attention(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        keys = cache.update(self.k(x))
+        return torch.softmax(self.q(x) @ keys.transpose(1, 2), -1) @ keys
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.attn = _Attention()
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x, cache):
+        x = x + self.attn(self.norm(x), cache)
+        return x + self.mlp(x)
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer() for _ in range(2)])
+
+    def forward(self, x, cache):
+        for layer, c in zip(self.layers, cache.layers):
+            x = layer(x, c)
+        return x
+
+
+class _Cache:
+    """Its layers' growing keys (as HF's DynamicCache holds them)."""
+
+    def __init__(self):
+        self.layers = [_Growing(), _Growing()]
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _decode(ref, g, steps=6):
+    rc, c = _Cache(), _Cache()
+    for _ in range(steps):
+        x = torch.randn(1, 1, 8)
+        assert torch.equal(g(x, c), ref(x, rc))
+
+
+def test_an_opaque_first_call_plans_the_pieces_around_it(sim):
+    torch.manual_seed(0)
+    ref = _Model()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        _decode(ref, g)
+        _decode(ref, g)  # (a second sequence: the pieces' graphs apply again)
+    root = g._cudagraphify_state
+    assert all("is not a tensor or an immutable value" in r for r in root.eager_calls), root
+    for layer in g.layers:
+        # a layer and its attention get the cache: pieces that run eagerly, and plan their
+        # own pieces around it on their first calls (the attention's a call later)
+        for part in (layer, layer.attn):
+            own = part._cudagraphify_state
+            assert own.captures == 0 and all("is not a tensor" in r for r in own.eager_calls)
+        for piece in (layer.norm, layer.mlp, layer.attn.q, layer.attn.k):
+            s = cg.stats(piece)
+            assert s.captures == 1 and s.replays >= 8, (piece, s)
+    text = str(cg.explain(g.layers[0]))
+    assert "mlp (Sequential): graphed [captures=1" in text and "[OPAQUE]" in text, text
+
+
+def test_only_once_and_not_in_grad_mode_or_without_the_probe(sim):
+    torch.manual_seed(0)
+    ref = _Model()
+    g = cg.graphify(copy.deepcopy(ref))
+    _decode(ref, g, steps=2)  # grad mode: no plan
+    assert g._cudagraphify_state.pieces == []
+    off = cg.graphify(copy.deepcopy(ref), probe=False)
+    with torch.no_grad():
+        _decode(ref, off, steps=2)
+    assert off._cudagraphify_state.pieces == [] and off._cudagraphify_state._opaque_planned
