@@ -205,9 +205,13 @@ class GraphedState:
         opaque = opaque_argument(args, kwargs, self.static_positions, self.static_names)
         if opaque is not None:
             _refuse_tracers(args, kwargs)
+            if not self._opaque_planned:
+                if region is None and not torch.is_grad_enabled():
+                    self._fast = EagerFast.opaque(self, region, opaque, args, kwargs)
+                    return self._plan_around(opaque, backend, fn, args, kwargs)
+                # (no fast path yet: a later inference call must reach the plan)
+                return self._eager(opaque, fn, args, kwargs)
             self._fast = EagerFast.opaque(self, region, opaque, args, kwargs)
-            if not self._opaque_planned and region is None and not torch.is_grad_enabled():
-                return self._plan_around(opaque, backend, fn, args, kwargs)
             return self._eager(opaque, fn, args, kwargs)
         sig, leaves, static_flags = build_signature(args, kwargs, self.static_positions,
                                                     self.static_names)

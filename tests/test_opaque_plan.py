@@ -112,3 +112,14 @@ def test_only_once_and_not_in_grad_mode_or_without_the_probe(sim):
     with torch.no_grad():
         _decode(ref, off, steps=2)
     assert off._cudagraphify_state.pieces == [] and off._cudagraphify_state._opaque_planned
+
+
+def test_a_first_call_in_grad_mode_does_not_keep_a_later_inference_call_from_the_plan(sim):
+    # (review helper-18, F2: the eager fast path made in grad mode skipped the plan for good)
+    torch.manual_seed(0)
+    ref = _Model()
+    g = cg.graphify(copy.deepcopy(ref))
+    _decode(ref, g, steps=2)  # grad mode (as a model(**inputs) before generate())
+    with torch.no_grad():
+        _decode(ref, g)
+    assert g._cudagraphify_state._opaque_planned and g._cudagraphify_state.pieces
