@@ -366,10 +366,12 @@ class GraphedState:
         if root is None or self.install_pieces is None or not self.options.probe \
                 or not params or not backend.supports(params[0].device):
             return self._eager(opaque, fn, args, kwargs)
+        self.eager_calls[opaque] += 1  # (counted first, as _eager does: forward may raise)
+        warn_once(self._warned, self.name, opaque)
         probe = new_probe(self)
         with Nested():
             out = probed(probe, lambda: fn(*args, **kwargs))()
-        findings: dict[str, list] = {"": [Finding("", "an argument", ("OPAQUE",), opaque)]}
+        findings: dict[str, list] = {"": [Finding("", opaque, ("OPAQUE",), "every call")]}
         for f in probe.findings:
             findings.setdefault(f.path, []).append(f)
         _, pieces = plan(root, findings, set(probe.sequences))
@@ -377,8 +379,6 @@ class GraphedState:
             installed = self.install_pieces(pieces)
             self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
             self.last_plan = (findings, pieces)
-        self.eager_calls[opaque] += 1
-        warn_once(self._warned, self.name, opaque)
         return out
 
     def _judge(self, entry, out: Any) -> Any:

@@ -129,7 +129,7 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
     if module is None:
         return Explanation(name, nodes, stats, decisions)
     findings, pieces, ran = plan if plan is not None else ({}, None, None)
-    graphed = set(pieces or ())
+    findings, graphed = _with_own_plans(module, findings, pieces or ())
     # called, but every call ran eagerly before anything was planned (no CUDA, disabled...)
     unplanned = plan is None and stats.eager > 0
     for path, sub in module.named_modules():
@@ -172,6 +172,34 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
                              "reasons": s.reasons}
         nodes.append(node)
     return Explanation(name, nodes, stats, decisions)
+
+
+def _with_own_plans(module: torch.nn.Module, findings: dict,
+                    pieces) -> tuple[dict, set[str]]:
+    """The plan with the plans of its pieces merged in: a piece that plans pieces of its own (it
+    gets an argument no signature holds, and runs eagerly) is eager, for its own findings, and its
+    pieces are listed under it (recursively)."""
+    findings = {p: list(fs) for p, fs in findings.items()}
+    graphed, todo = set(pieces), list(pieces)
+    while todo:
+        path = todo.pop()
+        sub = module.get_submodule(path) if path else module
+        state = state_of_module(sub)
+        own = state.last_plan if state is not None and sub is not module else None
+        if own is None:
+            continue
+        graphed.discard(path)
+        own_findings, own_pieces = own
+        for p, fs in own_findings.items():
+            findings.setdefault(_join(path, p), []).extend(fs)
+        for p in own_pieces:
+            graphed.add(_join(path, p))
+            todo.append(_join(path, p))
+    return findings, graphed
+
+
+def _join(path: str, sub: str) -> str:
+    return f"{path}.{sub}" if path and sub else path or sub
 
 
 def _below(path: str, other: str) -> bool:

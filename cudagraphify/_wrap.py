@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import weakref
 from typing import Any, Callable, NamedTuple
 
 import torch
@@ -23,7 +24,8 @@ from ._errors import CudagraphifyUsageError
 from ._options import Options
 
 __all__ = ["STATE", "SHARE", "Share", "GraphedForward", "graphed_forward", "graphed_forward_of", "install",
-           "wrap", "install_pieces", "uninstall_instance", "state_of_module", "share_of"]
+           "wrap", "install_pieces", "uninstall_instance", "uninstall_class", "state_of_module",
+           "share_of"]
 
 STATE = "_cudagraphify_state"  # a module's GraphedState, in its __dict__
 SHARE = "_cudagraphify_share"  # a share_graph layer's Share, in its __dict__
@@ -55,6 +57,8 @@ class Dispatch:
         self.owner = owner
         self.had_own = had_own
         self.state: GraphedState | None = None  # for plain functions
+        # the instances this (class) graphify made states for: ungraphify(cls) releases them
+        self.instances: weakref.WeakSet = weakref.WeakSet()
         self._bindings: dict[bool, tuple[frozenset[int], frozenset[str]]] = {}
 
     def binding(self, fn: Callable, skip_self: bool) -> tuple[frozenset[int], frozenset[str]]:
@@ -114,6 +118,7 @@ class Dispatch:
             share=share_of(module))
         state.dispatch = self
         module.__dict__[STATE] = state
+        self.instances.add(module)
         DirectCall.install(module, self, state)
         return state
 
@@ -387,6 +392,25 @@ def uninstall_instance(module: torch.nn.Module) -> None:
     """Restore an instance's own ``forward``, leave its share_graph group, release its graphs and
     those of the submodules a piecewise plan graphified."""
     del module.__dict__["forward"]
+    _drop_state(module)
+
+
+def uninstall_class(cls: type, proxy: GraphedForward) -> None:
+    """Restore the class's ``forward``; release the states it made for its instances and the
+    pieces their plans graphified (those stay graphed otherwise)."""
+    dispatch = proxy._self_dispatch
+    if dispatch.had_own:
+        setattr(cls, "forward", proxy.__wrapped__)
+    else:
+        delattr(cls, "forward")
+    for module in list(dispatch.instances):
+        state = module.__dict__.get(STATE)
+        if state is not None and state.dispatch is dispatch:
+            _drop_state(module)
+    dispatch.instances.clear()
+
+
+def _drop_state(module: torch.nn.Module) -> None:
     _drop_direct_call(module.__dict__)
     module.__dict__.pop(SHARE, None)
     state = module.__dict__.pop(STATE, None)

@@ -13,7 +13,7 @@ from ._cache import CachePolicy
 from ._engine import GraphedState
 from ._options import Options, Stats
 from ._wrap import (SHARE, GraphedForward, Share, graphed_forward, graphed_forward_of, install,
-                    state_of_module, uninstall_instance, wrap)
+                    state_of_module, uninstall_class, uninstall_instance, wrap)
 from ._errors import CudagraphifyUsageError
 from ._policy import OpPolicy, default_policy
 from ._region import GraphRegion
@@ -133,10 +133,7 @@ def ungraphify(target: Any) -> Any:
         proxy = graphed_forward_of(target)
         if proxy is None or proxy._self_dispatch.owner is not target:
             raise CudagraphifyUsageError(f"{target.__name__} is not graphified")
-        if proxy._self_dispatch.had_own:
-            setattr(target, "forward", proxy.__wrapped__)
-        else:
-            delattr(target, "forward")
+        uninstall_class(target, proxy)
         return target
     if isinstance(target, torch.nn.Module):
         if not isinstance(target.__dict__.get("forward"), GraphedForward):

@@ -123,3 +123,66 @@ def test_a_first_call_in_grad_mode_does_not_keep_a_later_inference_call_from_the
     with torch.no_grad():
         _decode(ref, g)
     assert g._cudagraphify_state._opaque_planned and g._cudagraphify_state.pieces
+
+
+def test_a_first_opaque_call_that_raises_is_counted_and_plans_nothing(sim):
+    # (the GPU suite's bad-input case: an object() argument raises in forward, as eagerly)
+    torch.manual_seed(0)
+    ref = _Model()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for n in (1, 2):
+            with pytest.raises(AttributeError):
+                g(torch.randn(1, 1, 8), object())
+            (count,) = g._cudagraphify_state.eager_calls.values()
+            assert count == n
+    assert g._cudagraphify_state.pieces == []
+
+
+def test_explain_lists_a_piece_that_plans_its_own_pieces_as_eager_with_them(sim):
+    # (review helper-18, F3: each layer was listed as "graphed", its pieces hidden)
+    torch.manual_seed(0)
+    ref = _Model()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        _decode(ref, g)
+    nodes = {n["path"]: n for n in cg.explain(g).to_dict()["modules"]}
+    for layer in ("layers.0", "layers.1"):
+        for part in (layer, f"{layer}.attn"):
+            assert nodes[part]["status"] == "eager", nodes[part]
+            assert any("OPAQUE" in r.get("tags", ()) for r in nodes[part]["reasons"]), nodes[part]
+        for piece in ("norm", "mlp", "attn.q", "attn.k"):
+            node = nodes[f"{layer}.{piece}"]
+            assert node["status"] == "graphed" and node["stats"]["captures"] == 1, node
+    assert not any(p.startswith("layers.0.mlp.") for p in nodes)  # inside a graph: not listed
+
+
+def _graphed(model):
+    from cudagraphify import _wrap
+    return [n for n, m in model.named_modules()
+            if _wrap.graphed_forward(m) is not None or _wrap.STATE in m.__dict__]
+
+
+def test_ungraphify_of_a_class_releases_its_instances_and_their_pieces(sim):
+    # (review helper-18, F4: the instances' pieces stayed graphed and kept their graphs)
+    class M(_Model):
+        pass
+
+    torch.manual_seed(0)
+    ref = _Model()
+    cg.graphify(M)
+    try:
+        m = M()
+        m.load_state_dict(ref.state_dict())
+        with torch.no_grad():
+            _decode(ref, m, steps=3)
+        states = [s.__dict__["_cudagraphify_state"] for s in m.modules()
+                  if "_cudagraphify_state" in s.__dict__]
+        assert len(_graphed(m)) > 1 and sum(bool(s.cache.graphs(s)) for s in states) >= 4
+    finally:
+        cg.ungraphify(M)
+    assert _graphed(m) == [] and "forward" not in vars(M)
+    assert not any(s.cache.graphs(s) for s in states)  # released
+    with torch.no_grad():
+        _decode(ref, m, steps=3)  # plain PyTorch again, still right
+    assert _graphed(m) == []
