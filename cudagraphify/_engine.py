@@ -51,6 +51,8 @@ from ._training import TrainingGraph
 
 __all__ = ["GraphedState"]
 
+_region_stack = _region.stack_var()
+
 
 def _keep_until_release(ref: weakref.ref) -> Callable[[], None]:
     """A release hook holding ``ref`` (a weak reference with a callback) until the graph is
@@ -125,6 +127,8 @@ class GraphedState:
         self.given_back: str | None = None
         self._backward_pending = False  # given back, a training graph's backward still to run
         self._opaque_planned = False  # pieces planned around an opaque argument (once)
+        # the implicit region in which this callable's eager runs call its pieces (see _chained)
+        self._chain: _region.GraphRegion | None = None
         self.timed_calls = 0  # a piece's first calls run eagerly to time its graph against
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
@@ -206,13 +210,13 @@ class GraphedState:
         if opaque is not None:
             _refuse_tracers(args, kwargs)
             if not self._opaque_planned:
-                if region is None and not torch.is_grad_enabled():
+                if (region is None or region.implicit) and not torch.is_grad_enabled():
                     self._fast = EagerFast.opaque(self, region, opaque, args, kwargs)
                     return self._plan_around(opaque, backend, fn, args, kwargs)
                 # (no fast path yet: a later inference call must reach the plan)
                 return self._eager(opaque, fn, args, kwargs)
             self._fast = EagerFast.opaque(self, region, opaque, args, kwargs)
-            return self._eager(opaque, fn, args, kwargs)
+            return self._eager(opaque, fn, args, kwargs, chained=True)
         sig, leaves, static_flags = build_signature(args, kwargs, self.static_positions,
                                                     self.static_names)
         if isinstance(sig, Unkeyable):
@@ -255,7 +259,8 @@ class GraphedState:
                         entry.set_ups = []
                 return out
             self._fast = EagerFast.decided(self, region, entry, args, kwargs)
-            return self._eager(entry.reason, fn, args, kwargs)
+            return self._eager(entry.reason, fn, args, kwargs,
+                               chained=type(entry) is PiecewiseEntry)
         reason = self._ineligible(backend, leaves, cache)
         if reason is not None:
             cache.put(key, EagerEntry(reason, self))
@@ -340,14 +345,14 @@ class GraphedState:
         trial = None if training else entry.trial
         if trial is not None and trial.eager_next():
             self.timed_calls += 1
-            return self._judge(entry, trial.timed(lambda: fn(*args, **kwargs), True))
+            return self._judge(entry, trial.timed(lambda: fn(*args, **kwargs), True), region)
         self.replays += 1
         if region is not None:
             region.replays += 1
         if training:
             return entry.run(leaves, self.statics.grad_params(), self)
         if trial is not None:
-            return self._judge(entry, trial.timed(lambda: entry.run(leaves), False))
+            return self._judge(entry, trial.timed(lambda: entry.run(leaves), False), region)
         out = entry.run(leaves)
         self._fast = Fast.make(self, entry, region, backend, args, kwargs, token)
         return out
@@ -381,25 +386,26 @@ class GraphedState:
             self.last_plan = (findings, pieces)
         return out
 
-    def _judge(self, entry, out: Any) -> Any:
+    def _judge(self, entry, out: Any, region) -> Any:
         """After a timed call of a piece's graph (see _trial): once timed enough, keep the
         graph, or give the piece back (it runs as plain PyTorch, its graphs released)."""
         trial = entry.trial
         if trial.done:
             entry.trial = None
             why = trial.verdict()
+            cache = region.cache_for(self) if region is not None else self.cache
             if why is None:
                 pass
-            elif any(g is not entry for g in self.cache.graphs(self)):
+            elif any(k != cache.key_of(entry) for k, _ in self._graph_items()):
                 # other signatures have graphs (a prefill's and a decode step's): only this
                 # one runs eagerly from now on
-                key = self.cache.key_of(entry)
-                drain(entry.device, self._stream_holder(None)._stream_token)
+                key = cache.key_of(entry)
+                drain(entry.device, self._stream_holder(region)._stream_token)
                 self._retired_copies += entry.input_copies
-                self.cache.discard(entry)
-                self.cache.put(key, EagerEntry(why.replace("piece given back", "signature "
-                                                           "run eagerly", 1),
-                                               self, entry.state, entry.flags))
+                cache.discard(entry)
+                cache.put(key, EagerEntry(why.replace("piece given back", "signature run "
+                                                      "eagerly", 1), self, entry.state,
+                                          entry.flags))
                 self._fast = None
             else:
                 self.give_back(why)
@@ -412,6 +418,9 @@ class GraphedState:
         self.given_back = why
         self._fast = None
         self._release_given_back()
+        for region in _region.all_open():
+            if region.implicit:  # its graphs chained in a callable's region (see chained)
+                region.forget(self)
 
     def _release_given_back(self) -> None:
         """Release a given-back piece's graphs but a training graph whose backward is still
@@ -445,12 +454,34 @@ class GraphedState:
         return self.share.group if self.share is not None else self
 
     def _eager(self, reason: str, fn: Callable, args: tuple, kwargs: dict,
-               warn: bool = True) -> Any:
-        """Count and warn (once per reason), then run ``fn`` eagerly."""
+               warn: bool = True, chained: bool = False) -> Any:
+        """Count and warn (once per reason), then run ``fn`` eagerly (``chained``: with its
+        pieces chained, see :meth:`chained`)."""
         self.eager_calls[reason] += 1
         if warn:
             warn_once(self._warned, self.name, reason)
-        return fn(*args, **kwargs)
+        return self.chained(fn, args, kwargs) if chained else fn(*args, **kwargs)
+
+    def chained(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run ``fn`` eagerly; where this callable graphed pieces (a piecewise plan, or pieces
+        around an opaque argument), an inference call outside any region calls them inside an
+        implicit region of its own: their graphs share one pool and chain as a
+        ``graph_region``'s do (an output is handed on without a copy, a piece whose input is
+        one reads it in place; an alias still held is moved to a copy before its memory is
+        overwritten, or the call runs eagerly). The region lives as long as the plan."""
+        if not self.pieces or _region_stack.get() or torch.is_grad_enabled() \
+                or self.share is not None:  # (share_graph layers share outside regions)
+            return fn(*args, **kwargs)
+        chain = self._chain
+        if chain is None:
+            chain = self._chain = _region.GraphRegion()
+            chain.implicit = True
+            _region.register(chain)  # (an invalidated piece forgets its graphs in it)
+        token = _region_stack.set((chain,))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _region_stack.reset(token)
 
     # -- recording a first call's outcome -----------------------------------------------------
 
@@ -512,7 +543,7 @@ class GraphedState:
         if region is not None:
             region.record_capture(entry)
         clock = getattr(backend, "clock", None)
-        if self.options.piece and clock is not None and region is None \
+        if self.options.piece and clock is not None and (region is None or region.implicit) \
                 and self.share is None and type(entry) is CapturedGraph:
             entry.trial = Trial(clock(entry.device))  # (see _trial)
         evicted = cache.put(key, entry)
@@ -593,6 +624,13 @@ class GraphedState:
             self.families.release()  # after the graphs made from the templates
             self._pools.clear()  # (a pool lives while a graph captured into it does)
 
+    def close_chain(self) -> None:
+        """Release the implicit region the pieces chain in (``ungraphify``). (An invalidation
+        leaves it open: each piece forgets its own graphs in it when its statics move.)"""
+        chain, self._chain = self._chain, None
+        if chain is not None:
+            chain.close()
+
     def pool(self, backend, device: torch.device):
         """The memory pool shared by this callable's own inference graphs on ``device`` that
         copy their outputs out (see FirstCall._capture_inference)."""
@@ -602,8 +640,19 @@ class GraphedState:
             pool = self._pools[idx] = backend.new_pool(device)
         return pool
 
+    def all_graphs(self) -> list:
+        """This callable's graphs: its own cache's and those chained in implicit regions (see
+        :meth:`chained`; a ``graph_region``'s are the region's)."""
+        return [g for _, g in self._graph_items()]
+
+    def _graph_items(self) -> list:
+        """(key, graph) of :meth:`all_graphs`."""
+        caches = [self.cache] + [c for region in _region.all_open() if region.implicit
+                                 for c in region.cache_of(self)]
+        return [(k, e) for c in caches for k, e in c.items(self) if not isinstance(e, EagerEntry)]
+
     def stats(self) -> Stats:
-        graphs = self.cache.graphs(self)
+        graphs = self.all_graphs()
         return Stats(
             captures=self.captures,
             replays=self.replays,

@@ -44,7 +44,7 @@ class EagerFast:
     turns no eager decision into a graph)."""
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
-                 "others", "entry", "statics_same")
+                 "others", "entry", "statics_same", "chained")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -78,6 +78,7 @@ class EagerFast:
             return None  # keyed by what it holds, never held (see _state): decide again
         self.entry = entry
         self.statics_same = state.statics.same
+        self.chained = getattr(entry, "pieces", None) is not None  # a piecewise entry
         return self
 
     @staticmethod
@@ -86,6 +87,7 @@ class EagerFast:
         self.state, self.region, self.reason = state, region, reason
         self.n, self.names = len(args), tuple(kwargs)
         self.types, self.tensors, self.tguard, self.others, self.entry = (), (), None, (), None
+        self.chained = True  # (an opaque call's: see GraphedState.chained)
         return self
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -115,6 +117,8 @@ class EagerFast:
             if (state is not None and not state.valid()) or not self.statics_same():
                 return _MISS
         self.state.eager_calls[self.reason] += 1
+        if self.chained:
+            return self.state.chained(fn, args, kwargs)
         return fn(*args, **kwargs)
 
 

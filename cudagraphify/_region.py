@@ -43,6 +43,12 @@ def current() -> "GraphRegion | None":
     return stack[-1] if stack else None
 
 
+def register(region: "GraphRegion") -> None:
+    """Count ``region`` as open (a callable's implicit region, never entered with ``with``):
+    :func:`all_open` lists it until it is closed."""
+    _open.add(region)
+
+
 def stack_var() -> contextvars.ContextVar:
     """The context variable holding the tuple of regions entered (the last is in effect)."""
     return _stack
@@ -107,6 +113,8 @@ class Slot:
 
 class GraphRegion:
     """The scope object that ``with graph_region(...) as region`` binds."""
+
+    implicit = False  # a callable's own region around its pieces (see GraphedState.chained)
 
     def __init__(self, enabled: bool = True, max_graphs: int | None = None, chain: bool = True):
         if not isinstance(enabled, bool):
@@ -210,6 +218,11 @@ class GraphRegion:
             ref = weakref.ref(state, lambda r, key=id(state): dead.append((key, r)))
             item = self._caches[id(state)] = (ref, GraphCache(policy))
         return item[1]
+
+    def cache_of(self, state: Any) -> list[GraphCache]:
+        """``state``'s cache in this region, as a list (empty where it has none)."""
+        item = self._caches.get(id(state))
+        return [item[1]] if item is not None and item[0]() is state else []
 
     def _collect(self) -> None:
         """Release the graphs of callables that were deleted while this region is open (and

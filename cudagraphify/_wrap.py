@@ -112,6 +112,7 @@ class Dispatch:
         old = module.__dict__.get(STATE)
         if old is not None:
             old.release()
+            old.close_chain()
         state = GraphedState(
             module, options, f"{type(module).__name__}.forward", positions, names,
             install_pieces=lambda paths: install_pieces(module, paths, self.options),
@@ -416,6 +417,7 @@ def _drop_state(module: torch.nn.Module) -> None:
     state = module.__dict__.pop(STATE, None)
     if state is not None:
         state.release()
+        state.close_chain()
         for piece in state.pieces:
             if isinstance(piece.__dict__.get("forward"), GraphedForward):
                 uninstall_instance(piece)

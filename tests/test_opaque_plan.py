@@ -178,11 +178,11 @@ def test_ungraphify_of_a_class_releases_its_instances_and_their_pieces(sim):
             _decode(ref, m, steps=3)
         states = [s.__dict__["_cudagraphify_state"] for s in m.modules()
                   if "_cudagraphify_state" in s.__dict__]
-        assert len(_graphed(m)) > 1 and sum(bool(s.cache.graphs(s)) for s in states) >= 4
+        assert len(_graphed(m)) > 1 and sum(bool(s.all_graphs()) for s in states) >= 4
     finally:
         cg.ungraphify(M)
     assert _graphed(m) == [] and "forward" not in vars(M)
-    assert not any(s.cache.graphs(s) for s in states)  # released
+    assert not any(s.all_graphs() for s in states)  # released
     with torch.no_grad():
         _decode(ref, m, steps=3)  # plain PyTorch again, still right
     assert _graphed(m) == []

@@ -1,0 +1,140 @@
+"""Pieces chained in their root's implicit region: a piecewise root (or one planned around an
+opaque argument) called for inference outside any region calls its graphed pieces inside a
+region of its own, so an output goes on to the next piece without a clone and is read there in
+place. On the CPU double (whose replays write the captured storages), against an eager twin,
+bitwise; what the caller holds must not change."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify import _region
+
+import test_opaque_plan as T
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class _Synced(nn.Module):
+    """Two pieces around a host sync: the root runs piecewise."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(8)
+        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+
+    def forward(self, x):
+        h = self.norm(x)
+        if h.sum().item() > 1e9:  # a host sync
+            h = h * 0
+        return self.mlp(h)
+
+
+def _pair(cls=_Synced, **options):
+    torch.manual_seed(0)
+    ref = cls()
+    return ref, cg.graphify(copy.deepcopy(ref), **options)
+
+
+def test_pieces_chain_in_the_roots_region_and_read_outputs_in_place(sim):
+    ref, g = _pair()
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), ref(x))
+    root = g._cudagraphify_state
+    assert root._chain is not None and root._chain in _region.all_open()
+    norm, mlp = cg.stats(g.norm), cg.stats(g.mlp)
+    assert (norm.captures, norm.graphs, mlp.captures, mlp.graphs) == (1, 1, 1, 1)
+    # the mlp reads the norm's output where it lies (no copy); the norm copies x in
+    assert mlp.input_copies == 0 and norm.input_copies == 4, (norm, mlp)  # calls 2-5
+    assert root._chain.replays == 8  # calls 2-5, two pieces each
+
+
+def test_outputs_held_across_calls_stay_as_they_were(sim):
+    ref, g = _pair()
+    held, want = [], []
+    with torch.no_grad():
+        for _ in range(6):
+            x = torch.randn(4, 8)
+            held.append(g(x))
+            want.append(ref(x))
+            view = held[-1][1:]  # a view of the last output, held too
+    for got, w in zip(held, want):
+        assert torch.equal(got, w)
+    assert torch.equal(view, want[-1][1:])
+
+
+def test_a_held_view_of_an_output_makes_the_overwriting_call_eager_not_wrong(sim):
+    ref, g = _pair()
+    with torch.no_grad():
+        for _ in range(3):
+            g(torch.randn(4, 8))
+        x = torch.randn(4, 8)
+        view, want = g(x)[:2], ref(x)[:2]  # only a view of the mlp's output is kept
+        before = cg.stats(g.mlp).eager
+        for _ in range(2):
+            y = torch.randn(4, 8)
+            assert torch.equal(g(y), ref(y))
+    assert torch.equal(view, want)
+    assert cg.stats(g.mlp).eager > before  # that call of the mlp ran eagerly
+
+
+def test_opaque_plans_chain_across_nested_callables(sim):
+    torch.manual_seed(0)
+    ref = T._Model()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        T._decode(ref, g, steps=8)
+    root = g._cudagraphify_state
+    # one region, the outermost callable's: the layers and attentions plan inside it
+    assert root._chain is not None
+    for layer in g.layers:
+        assert layer._cudagraphify_state._chain is None
+        assert layer.attn._cudagraphify_state.pieces
+        q = cg.stats(layer.attn.q)
+        assert q.graphs == 1 and q.input_copies == 0, q  # reads the norm's output in place
+    assert root._chain.replays > 0
+
+
+def test_no_chain_in_grad_mode_or_inside_a_users_region(sim):
+    ref, g = _pair()
+    for _ in range(3):  # grad mode: the plan's eager runs call the pieces as before
+        x = torch.randn(4, 8)
+        assert torch.equal(g(x), ref(x))
+    assert g._cudagraphify_state._chain is None
+    ref, g = _pair()
+    with torch.no_grad(), cg.graph_region() as region:
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), ref(x))
+        assert g._cudagraphify_state._chain is None and region.stats().replays > 0
+
+
+def test_the_chain_goes_with_ungraphify_and_with_moved_parameters(sim):
+    ref, g = _pair()
+    with torch.no_grad():
+        for _ in range(3):
+            g(torch.randn(4, 8))
+        chain = g._cudagraphify_state._chain
+        assert chain is not None and not chain.closed
+        for m in (g, ref):
+            m.double()
+        for _ in range(3):
+            x = torch.randn(4, 8, dtype=torch.double)
+            assert torch.equal(g(x), ref(x))
+        state = g._cudagraphify_state
+        cg.ungraphify(g)
+    assert (state._chain is None or state._chain.closed) and chain.closed
+    assert chain not in _region.all_open()
