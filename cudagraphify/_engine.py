@@ -52,6 +52,9 @@ from ._training import TrainingGraph
 __all__ = ["GraphedState"]
 
 _region_stack = _region.stack_var()
+# Pieces chain in their root's implicit region (see GraphedState.chained); the bench turns this
+# off to time what chaining buys, side by side.
+CHAIN_PIECES = True
 
 
 def _keep_until_release(ref: weakref.ref) -> Callable[[], None]:
@@ -470,7 +473,8 @@ class GraphedState:
         one reads it in place; an alias still held is moved to a copy before its memory is
         overwritten, or the call runs eagerly). The region lives as long as the plan."""
         if not self.pieces or _region_stack.get() or torch.is_grad_enabled() \
-                or self.share is not None:  # (share_graph layers share outside regions)
+                or self.share is not None or not CHAIN_PIECES:
+            # (share_graph layers share outside regions)
             return fn(*args, **kwargs)
         chain = self._chain
         if chain is None:

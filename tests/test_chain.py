@@ -138,3 +138,16 @@ def test_the_chain_goes_with_ungraphify_and_with_moved_parameters(sim):
         cg.ungraphify(g)
     assert (state._chain is None or state._chain.closed) and chain.closed
     assert chain not in _region.all_open()
+
+
+def test_chaining_off_keeps_each_piece_to_its_own_copies(sim, monkeypatch):
+    # (the bench's side-by-side switch)
+    from cudagraphify import _engine
+    monkeypatch.setattr(_engine, "CHAIN_PIECES", False)
+    ref, g = _pair()
+    with torch.no_grad():
+        for _ in range(5):
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), ref(x))
+    assert g._cudagraphify_state._chain is None
+    assert cg.stats(g.mlp).input_copies == 3  # calls 3-5: the mlp copies the norm's clone in

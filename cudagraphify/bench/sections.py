@@ -222,21 +222,50 @@ def format_share_hf(r: dict) -> str:
 
 
 def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -> dict:
-    """A GPT with a host sync in every block: eager vs graphify (piecewise) vs graphify of the
-    same GPT without the sync."""
+    """A GPT with a host sync in every block: eager vs graphify (piecewise, its pieces chained
+    in the root's implicit region) vs the same with chaining off (each piece copies in and
+    clones out) vs graphify of the same GPT without the sync. Eager and the two piecewise
+    forms are timed in three interleaved rounds (each its best), in one process."""
     import cudagraphify as cg
+    from cudagraphify import _engine
 
     model, x = model_and_input(cfg, "cuda", sync)
     row: dict = {"workload": f"{name}-{sync}", "config": repr(cfg)}
+
+    def graphify_copy():
+        m = GPT.from_config(cfg, "cuda", sync=sync)
+        m.load_state_dict(model.state_dict())
+        cg.graphify(m)
+        for _ in range(12):  # (the root's plan, its pieces' captures and timed first calls)
+            m(x)
+        return m
+
+    def chaining(on: bool, fn):
+        def run(inp):
+            _engine.CHAIN_PIECES = on
+            try:
+                return fn(inp)
+            finally:
+                _engine.CHAIN_PIECES = True
+        return run
+
     with torch.no_grad():
         ref = model(x)
-        row["eager_us"] = time_per_call(model, x, calls, repeats)
-        graphed = GPT.from_config(cfg, "cuda", sync=sync)
-        graphed.load_state_dict(model.state_dict())
-        cg.graphify(graphed)
-        for _ in range(12):  # (the root's plan, its pieces' captures and timed first calls)
-            graphed(x)
-        row["graphify_us"] = time_per_call(graphed, x, calls, repeats)
+        graphed = graphify_copy()
+        _engine.CHAIN_PIECES = False
+        try:
+            unchained = graphify_copy()
+        finally:
+            _engine.CHAIN_PIECES = True
+        timed = {"eager_us": model, "graphify_us": graphed,
+                 "graphify_unchained_us": chaining(False, unchained)}
+        for key in timed:
+            row[key] = float("inf")
+        for _ in range(3):
+            for key, fn in timed.items():
+                row[key] = min(row[key], time_per_call(fn, x, calls, repeats))
+        row["graphify_unchained_max_abs_err"] = (
+            chaining(False, unchained)(x).float() - ref.float()).abs().max().item()
         states = [m.__dict__.get("_cudagraphify_state") for m in graphed.modules()
                   if m is not graphed]
         states = [st for st in states if st is not None]
@@ -250,6 +279,7 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
         plain(x), plain(x)
         row["graphify_without_sync_us"] = time_per_call(plain, x, calls, repeats)
     row["graphify_vs_eager"] = row["graphify_us"] / row["eager_us"]
+    row["graphify_unchained_vs_eager"] = row["graphify_unchained_us"] / row["eager_us"]
     row["graphify_vs_graphify_without_sync"] = row["graphify_us"] / row["graphify_without_sync_us"]
     return row
 
@@ -257,7 +287,9 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
 def format_sync(r: dict) -> str:
     return (f"{r['workload']}: eager {r['eager_us']:.0f} µs, graphify (piecewise: "
             f"{r['pieces']} pieces, {r['pieces_given_back']} given back as not paying) "
-            f"{r['graphify_us']:.0f} µs ({r['graphify_vs_eager']:.3f} of eager), graphify "
+            f"{r['graphify_us']:.0f} µs ({r['graphify_vs_eager']:.3f} of eager), its pieces not "
+            f"chained {r['graphify_unchained_us']:.0f} µs ({r['graphify_unchained_vs_eager']:.3f}"
+            f" of eager; max abs err {r['graphify_unchained_max_abs_err']:.2e}), graphify "
             f"without the sync {r['graphify_without_sync_us']:.0f} µs; max abs err "
             f"{r['graphify_max_abs_err']:.2e}\n{r['explain']}")
 
