@@ -183,7 +183,11 @@ def _with_own_plans(module: torch.nn.Module, findings: dict,
     graphed, todo = set(pieces), list(pieces)
     while todo:
         path = todo.pop()
-        sub = module.get_submodule(path) if path else module
+        try:
+            sub = module.get_submodule(path) if path else module
+        except AttributeError:  # removed since it was planned (a pruned layer)
+            graphed.discard(path)
+            continue
         state = state_of_module(sub)
         own = state.last_plan if state is not None and sub is not module else None
         if own is None:

@@ -298,9 +298,17 @@ class GraphedForward(_OwnClass, wrapt.FunctionWrapper):
                                Dispatch(d.options, d.kind, None, d.had_own))
 
     def __reduce_ex__(self, protocol):
+        if self._self_dispatch.options.piece:
+            # A plan's piece (a class-graphified model pickled after its first calls): it
+            # unpickles as its plain forward; the root plans again on its first call.
+            return (_plain_forward, (self.__wrapped__,))
         raise CudagraphifyUsageError(
             "a graphified forward cannot be pickled; call cudagraphify.ungraphify(...) first, "
             "or graphify the class instead of the instance")
+
+
+def _plain_forward(fn: Callable) -> Callable:
+    return fn
 
 
 def _static_binding(fn: Callable, static_argnames: tuple[str, ...],

@@ -186,3 +186,49 @@ def test_ungraphify_of_a_class_releases_its_instances_and_their_pieces(sim):
     with torch.no_grad():
         _decode(ref, m, steps=3)  # plain PyTorch again, still right
     assert _graphed(m) == []
+
+
+class _Pickled(_Model):
+    pass
+
+
+def test_a_class_graphified_model_pickles_after_its_plan_and_plans_again(sim):
+    # (review helper-19, F1: its pieces' forwards refused to pickle, so torch.save of a
+    # class-graphified HF model failed after its first generate())
+    import pickle
+
+    torch.manual_seed(0)
+    ref = _Model()
+    cg.graphify(_Pickled)
+    try:
+        m = _Pickled()
+        m.load_state_dict(ref.state_dict())
+        with torch.no_grad():
+            _decode(ref, m, steps=4)
+        assert m._cudagraphify_state.pieces
+        back = pickle.loads(pickle.dumps(m))
+        from cudagraphify import _wrap
+        # no piece comes back graphed, no state comes back (the root is, through its class)
+        assert [n for n, s in back.named_modules()
+                if isinstance(s.__dict__.get("forward"), _wrap.GraphedForward)
+                or s.__dict__.get(_wrap.STATE) is not None] == []
+        with torch.no_grad():
+            _decode(ref, back, steps=4)  # plans again, as eager
+        assert back._cudagraphify_state.pieces and cg.stats(back.layers[0].mlp).replays > 0
+    finally:
+        cg.ungraphify(_Pickled)
+    with pytest.raises(cg.CudagraphifyUsageError, match="cannot be pickled"):
+        pickle.dumps(cg.graphify(_Model()))  # (an instance's own graphify still refuses)
+
+
+def test_explain_after_a_planned_piece_is_removed(sim):
+    # (review helper-19, F2: explain raised AttributeError for the removed layer's plan)
+    torch.manual_seed(0)
+    ref = _Model()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        _decode(ref, g)
+        del g.layers[1], ref.layers[1]
+        _decode(ref, g)
+    paths = [n["path"] for n in cg.explain(g).to_dict()["modules"]]
+    assert "layers.0.mlp" in paths and not any(p.startswith("layers.1") for p in paths)
