@@ -399,3 +399,29 @@ def test_share_hf_rows_in_words():
     assert text.endswith("share/per-layer µs 1.024 (target <= 1.05)")
     assert format_share_hf({"workload": "hf-share-gpt2-L12", "not_run": "ImportError: x"}) == \
         "hf-share-gpt2-L12: not run: ImportError: x"
+
+
+def test_generate_forms_give_eager_tokens_through_the_cpu_double(sim):
+    """Every generate() form of the decode section, through the simulated backend: tokens equal
+    eager's, the dynamic form's pieces chained and not (the section's side-by-side)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).eval()
+    row: dict = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bench_decode._generate_rows(row, transformers, config, model,
+                                    torch.randint(0, 128, (1, 4)), 6, 2, lambda: None)
+    for key, *_ in bench_decode.GENERATE_FORMS:
+        assert row[f"generate_{key}_tokens_identical"], key
+    assert row["generate_dynamic_unchained_tokens_identical"]
+    assert row["generate_dynamic_captures"] > 0  # the pieces around the cache
+    assert "its pieces not chained" in bench_decode.format_decode(
+        dict(row, config="c", batch=1, prompt=4, new_tokens=6, eager_tokens_per_s=1.0,
+             eager_us=1.0, device="cpu", graphify_us=1.0, graphify_tokens_per_s=1.0,
+             graphify_speedup=1.0, tokens_identical=True, graphify_first_call_s=0.1,
+             graphify_peak_mb=0.0, graphify_captures=1, graphify_replays=1,
+             graphify_eager_calls={}))

@@ -195,16 +195,24 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=0)
     max_len = prompt.shape[1] + new_tokens
+    from cudagraphify import _engine
+
     graphed = cg.graphify(copy.deepcopy(model))
+    # the dynamic form also runs a copy whose pieces are not chained (each copies in and
+    # clones out), to show what chaining buys, in this process
+    unchained = cg.graphify(copy.deepcopy(model))
     for key, _, form, _ in GENERATE_FORMS:
         progress(f"llama-generate ({key}): eager, then graphify(model)")
         results = {}
         before = cg.stats(graphed)
-        for name, m, extra in (("eager", model, {"disable_compile": True}),
-                               ("graphify", graphed, {})):
+        runs = [("eager", model, {"disable_compile": True}), ("graphify", graphed, {})]
+        if form == "dynamic":
+            runs.append(("unchained", unchained, {}))
+        for name, m, extra in runs:
             cache = static_cache(transformers, config, prompt.shape[0], max_len, prompt.device,
                                  next(model.parameters()).dtype) if form == "kept" else None
             outs, seconds = [], []
+            _engine.CHAIN_PIECES = name != "unchained"
             for _ in range(repeats + 1):
                 kwargs = dict(greedy, **extra)
                 if cache is not None:
@@ -217,6 +225,7 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
                 outs.append(m.generate(prompt, **kwargs))
                 sync()
                 seconds.append(time.perf_counter() - t0)
+            _engine.CHAIN_PIECES = True
             results[name] = (outs, seconds)
         (e_outs, e_s), (g_outs, g_s) = results["eager"], results["graphify"]
         e_tps = new_tokens * prompt.shape[0] / statistics.median(e_s[1:])
@@ -232,11 +241,18 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
         row[f"generate_{key}_build_s"] = after.capture_seconds - before.capture_seconds
         row[f"generate_{key}_tokens_identical"] = all(torch.equal(o, e_outs[0])
                                                       for o in e_outs + g_outs)
+        if "unchained" in results:
+            u_outs, u_s = results["unchained"]
+            row[f"generate_{key}_unchained_tokens_per_s"] = \
+                new_tokens * prompt.shape[0] / statistics.median(u_s[1:])
+            row[f"generate_{key}_unchained_tokens_identical"] = all(
+                torch.equal(o, e_outs[0]) for o in u_outs)
     s = cg.stats(graphed)
     row["generate_captures"], row["generate_replays"] = s.captures, s.replays
     row["generate_evictions"] = s.evictions
     row["generate_not_rebased"] = list(s.reasons)
     cg.ungraphify(graphed)
+    cg.ungraphify(unchained)
 
 
 def format_decode(row: dict) -> str:
@@ -270,6 +286,10 @@ def format_decode(row: dict) -> str:
             f"rebased graphs for its generates ({row[f'generate_{key}_build_s']:.3f} s "
             f"capturing and rebasing in all), {row.get(f'generate_{key}_set_ups', 0)} caches "
             "set up before their prefill")
+        if f"generate_{key}_unchained_tokens_per_s" in row:
+            text += (f"; its pieces not chained (each copies in and clones out): "
+                     f"{row[f'generate_{key}_unchained_tokens_per_s']:.0f} tokens/s, tokens "
+                     f"identical: {row[f'generate_{key}_unchained_tokens_identical']}")
     if "generate_captures" in row:
         text += (f"\n  generate, all forms: captures {row['generate_captures']}, replays "
                  f"{row['generate_replays']}, evictions {row['generate_evictions']}")
