@@ -73,6 +73,12 @@ def _quiet():
         yield
 
 
+def _pair():
+    torch.manual_seed(0)
+    ref = _Model()
+    return ref, cg.graphify(copy.deepcopy(ref))
+
+
 def _decode(ref, g, steps=6):
     rc, c = _Cache(), _Cache()
     for _ in range(steps):
@@ -81,9 +87,7 @@ def _decode(ref, g, steps=6):
 
 
 def test_an_opaque_first_call_plans_the_pieces_around_it(sim):
-    torch.manual_seed(0)
-    ref = _Model()
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair()
     with torch.no_grad():
         _decode(ref, g)
         _decode(ref, g)  # (a second sequence: the pieces' graphs apply again)
@@ -103,9 +107,7 @@ def test_an_opaque_first_call_plans_the_pieces_around_it(sim):
 
 
 def test_only_once_and_not_in_grad_mode_or_without_the_probe(sim):
-    torch.manual_seed(0)
-    ref = _Model()
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair()
     _decode(ref, g, steps=2)  # grad mode: no plan
     assert g._cudagraphify_state.pieces == []
     off = cg.graphify(copy.deepcopy(ref), probe=False)
@@ -116,9 +118,7 @@ def test_only_once_and_not_in_grad_mode_or_without_the_probe(sim):
 
 def test_a_first_call_in_grad_mode_does_not_keep_a_later_inference_call_from_the_plan(sim):
     # (review helper-18, F2: the eager fast path made in grad mode skipped the plan for good)
-    torch.manual_seed(0)
-    ref = _Model()
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair()
     _decode(ref, g, steps=2)  # grad mode (as a model(**inputs) before generate())
     with torch.no_grad():
         _decode(ref, g)
@@ -127,9 +127,7 @@ def test_a_first_call_in_grad_mode_does_not_keep_a_later_inference_call_from_the
 
 def test_a_first_opaque_call_that_raises_is_counted_and_plans_nothing(sim):
     # (the GPU suite's bad-input case: an object() argument raises in forward, as eagerly)
-    torch.manual_seed(0)
-    ref = _Model()
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair()
     with torch.no_grad():
         for n in (1, 2):
             with pytest.raises(AttributeError):
@@ -141,9 +139,7 @@ def test_a_first_opaque_call_that_raises_is_counted_and_plans_nothing(sim):
 
 def test_explain_lists_a_piece_that_plans_its_own_pieces_as_eager_with_them(sim):
     # (review helper-18, F3: each layer was listed as "graphed", its pieces hidden)
-    torch.manual_seed(0)
-    ref = _Model()
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair()
     with torch.no_grad():
         _decode(ref, g)
     nodes = {n["path"]: n for n in cg.explain(g).to_dict()["modules"]}
@@ -163,6 +159,16 @@ def _graphed(model):
             if _wrap.graphed_forward(m) is not None or _wrap.STATE in m.__dict__]
 
 
+def _planned(cls, ref, steps: int):
+    """An instance of a graphified class with ``ref``'s weights, after ``steps`` decode steps
+    (its pieces planned and captured), each equal to ``ref``'s."""
+    m = cls()
+    m.load_state_dict(ref.state_dict())
+    with torch.no_grad():
+        _decode(ref, m, steps=steps)
+    return m
+
+
 def test_ungraphify_of_a_class_releases_its_instances_and_their_pieces(sim):
     # (review helper-18, F4: the instances' pieces stayed graphed and kept their graphs)
     class M(_Model):
@@ -172,10 +178,7 @@ def test_ungraphify_of_a_class_releases_its_instances_and_their_pieces(sim):
     ref = _Model()
     cg.graphify(M)
     try:
-        m = M()
-        m.load_state_dict(ref.state_dict())
-        with torch.no_grad():
-            _decode(ref, m, steps=3)
+        m = _planned(M, ref, steps=3)
         states = [s.__dict__["_cudagraphify_state"] for s in m.modules()
                   if "_cudagraphify_state" in s.__dict__]
         assert len(_graphed(m)) > 1 and sum(bool(s.all_graphs()) for s in states) >= 4
@@ -201,10 +204,7 @@ def test_a_class_graphified_model_pickles_after_its_plan_and_plans_again(sim):
     ref = _Model()
     cg.graphify(_Pickled)
     try:
-        m = _Pickled()
-        m.load_state_dict(ref.state_dict())
-        with torch.no_grad():
-            _decode(ref, m, steps=4)
+        m = _planned(_Pickled, ref, steps=4)
         assert m._cudagraphify_state.pieces
         back = pickle.loads(pickle.dumps(m))
         from cudagraphify import _wrap
@@ -223,9 +223,7 @@ def test_a_class_graphified_model_pickles_after_its_plan_and_plans_again(sim):
 
 def test_explain_after_a_planned_piece_is_removed(sim):
     # (review helper-19, F2: explain raised AttributeError for the removed layer's plan)
-    torch.manual_seed(0)
-    ref = _Model()
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair()
     with torch.no_grad():
         _decode(ref, g)
         del g.layers[1], ref.layers[1]
