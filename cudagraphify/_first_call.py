@@ -434,7 +434,7 @@ class FirstCall:
         seq, forget = None, None
         copy_outputs = state.options.copy_outputs
         if chain:
-            seq, pool_output, forget = region.adopt()
+            seq, pool_output, forget, refit = region.adopt()
         elif copy_outputs:
             pool_output = clone_output
         else:
@@ -465,6 +465,7 @@ class FirstCall:
             entry.hazard = {storage_of(t) for t in _tensors_in(out)} - {0}
         if forget is not None:
             entry.on_release.append(forget)
+            entry.after_release.append(refit)
         for slot, held in zip(borrow.values(), held_before):
             # outputs that are views of a borrowed input are cudagraphify's own references
             slot.own_more(slot.users() - held)

@@ -166,9 +166,10 @@ class GraphRegion:
                     out[i] = slot
         return out
 
-    def adopt(self) -> tuple[int, Callable, Callable[[], None]]:
+    def adopt(self) -> tuple[int, Callable, Callable[[], None], Callable[[], None]]:
         """For a new inference graph: its capture order, the factory of its output actions
-        (protected aliases), and the hook that forgets its slots when it is released."""
+        (protected aliases), the hook that forgets its slots when it is released, and the one
+        that runs once its release is done (see ``forget``)."""
         seq = self._seq
         self._seq += 1
         slots: list[Slot] = []
@@ -179,13 +180,32 @@ class GraphRegion:
             self._slots[t.data_ptr()] = slot
             return slot.hand_out
 
+        kept: list[tuple[Slot, int]] = []
+
         def forget():
+            # The graph goes (evicted, invalidated, a piece given back), but an alias of its
+            # output may still be held: its memory is then the caller's, and graphs captured
+            # before this one may still write there (their freed temporaries may lie under
+            # it). The alias moves to a copy now; where a view of it is held instead, the slot
+            # stays protected as before (its baseline refitted once the graph's own references
+            # are gone: ``refit``).
             for slot in slots:
-                self._live.pop(slot, None)
                 if self._slots.get(slot.tensor.data_ptr()) is slot:
                     del self._slots[slot.tensor.data_ptr()]
+                if slot not in self._live:
+                    continue
+                extra = slot.extra_users()
+                if extra <= 0:
+                    del self._live[slot]
+                elif not slot.protect():
+                    kept.append((slot, extra))
 
-        return seq, pool_output, forget
+        def refit():
+            for slot, extra in kept:
+                slot.baseline = slot.users() - extra
+            kept.clear()
+
+        return seq, pool_output, forget, refit
 
     def protect_before(self, entry, leaves: list) -> bool:
         """Protect the slots a replay of ``entry`` may overwrite; False if one cannot be."""

@@ -205,6 +205,7 @@ class CapturedGraph(Owned):
         self.shared = False  # made from a share_graph template
         self.borrowed: list = []  # (leaf index, region slot) read in place from another graph
         self.on_release: list[Callable[[], None]] = []
+        self.after_release: list[Callable[[], None]] = []  # run once released
         self.input_copies = 0
         self._replay = raw.replay
         self._copy_in = [(i, buf, buf.data_ptr()) for i, buf in inputs.copy]
@@ -267,6 +268,7 @@ class CapturedGraph(Owned):
         for hook in self.on_release:
             hook()
         self.on_release = []
+        after, self.after_release = self.after_release, []
         raw, self.raw = self.raw, None
         self._replay = None
         self.borrowed = []
@@ -277,3 +279,5 @@ class CapturedGraph(Owned):
         self._clone = None
         if raw is not None:
             raw.release()
+        for hook in after:  # (the graph's own references are gone now)
+            hook()
