@@ -471,7 +471,9 @@ class GraphedState:
         implicit region of its own: their graphs share one pool and chain as a
         ``graph_region``'s do (an output is handed on without a copy, a piece whose input is
         one reads it in place; an alias still held is moved to a copy before its memory is
-        overwritten, or the call runs eagerly). The region lives as long as the plan."""
+        overwritten, or the call runs eagerly). The region lives as long as the plan. The
+        outputs returned to the caller are copies where they lie on a piece's memory (the
+        caller may share them where use counts do not see: DLPack, CuPy; or resize them)."""
         if not self.pieces or _region_stack.get() or torch.is_grad_enabled() \
                 or self.share is not None or not CHAIN_PIECES:
             # (share_graph layers share outside regions)
@@ -483,9 +485,12 @@ class GraphedState:
             _region.register(chain)  # (an invalidated piece forgets its graphs in it)
         token = _region_stack.set((chain,))
         try:
-            return fn(*args, **kwargs)
+            out = fn(*args, **kwargs)
         finally:
             _region_stack.reset(token)
+        # what goes back to the caller is theirs: copies, not the pieces' aliases
+        with chain.lock:
+            return chain.owned_outputs(out)
 
     # -- recording a first call's outcome -----------------------------------------------------
 

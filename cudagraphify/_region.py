@@ -25,6 +25,7 @@ import weakref
 from typing import Any, Callable
 
 import torch
+import torch.utils._pytree as pytree
 
 from ._cache import GraphCache
 from ._capture import drain
@@ -59,6 +60,7 @@ def all_open() -> list["GraphRegion"]:
 
 
 _use_count = torch._C._storage_Use_Count
+_same_version = torch.autograd._unsafe_preserve_version_counter
 
 
 class Slot:
@@ -103,7 +105,10 @@ class Slot:
             if alias is None or extra > 1:
                 return False  # a view or a detached copy of the alias: cannot be moved
             try:
-                alias.set_(self.tensor.clone())
+                # (the same values: autograd may have saved the alias for a backward, which
+                # must still find it at the version it saved)
+                with _same_version(alias):
+                    alias.set_(self.tensor.clone())
             except RuntimeError:
                 return False
             self.region.moved_outputs += 1
@@ -238,6 +243,21 @@ class GraphRegion:
             ref = weakref.ref(state, lambda r, key=id(state): dead.append((key, r)))
             item = self._caches[id(state)] = (ref, GraphCache(policy))
         return item[1]
+
+    def owned_outputs(self, out: Any) -> Any:
+        """``out`` with every tensor on a slot's memory (an alias handed out, or a view of one)
+        replaced by a copy: what a callable running its pieces in this region returns to its
+        caller, who may share it where use counts do not see (DLPack, CuPy) or resize it."""
+        if not self._live:
+            return out
+        ptrs = {slot.storage.data_ptr() for slot in self._live}
+        leaves, spec = pytree.tree_flatten(out)
+        if not any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs
+                   for t in leaves):
+            return out
+        return pytree.tree_unflatten(
+            [t.clone() if isinstance(t, torch.Tensor)
+             and t.untyped_storage().data_ptr() in ptrs else t for t in leaves], spec)
 
     def cache_of(self, state: Any) -> list[GraphCache]:
         """``state``'s cache in this region, as a list (empty where it has none)."""

@@ -52,9 +52,10 @@ class PoolGraph(SimGraph):
         for ref in b.members.get(self.pool_key, []):
             g = ref()
             # a replay writes this graph's memory: what graphs captured after it in the pool
-            # may have reused while it was free (their outputs too), never what a graph
-            # captured before it still held (its outputs) when it was captured
-            if g is None or g is self or g.released or g.order < self.order:
+            # may have reused while it was free (their outputs too, still there once such a
+            # graph is released, for whoever holds them), never what a graph captured before
+            # it still held (its outputs) when it was captured
+            if g is None or g is self or g.order < self.order:
                 continue
             with torch._C._DisableTorchDispatch():
                 for st in g.fresh:
@@ -70,8 +71,7 @@ class PoolGraph(SimGraph):
         b.last[id(self)] = (s, b.counter[s])
 
     def release(self):
-        super().release()
-        self.fresh = []
+        super().release()  # (fresh kept: released memory someone holds is still written)
 
 
 class PoolSim(SimBackend):
