@@ -17,7 +17,7 @@ from test_review_pools import psim  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
-def ksim(psim):
+def ksim(psim):  # noqa: F811
     # (the pool double: a replay scribbles over the memory of graphs captured after it,
     # released ones too, where someone holds it)
     with warnings.catch_warnings():
