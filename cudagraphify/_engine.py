@@ -130,7 +130,7 @@ class GraphedState:
         self.given_back: str | None = None
         self._backward_pending = False  # given back, a training graph's backward still to run
         self._opaque_planned = False  # pieces planned around an opaque argument (once)
-        # the implicit region in which this callable's eager runs call its pieces (see _chained)
+        # the implicit region in which this callable's eager runs call its pieces (see chained)
         self._chain: _region.GraphRegion | None = None
         self.timed_calls = 0  # a piece's first calls run eagerly to time its graph against
 
