@@ -20,22 +20,27 @@ from ._options import Stats
 from ._wrap import share_of, state_of_module
 from ._policy import default_policy
 from ._probe import Probe, control_flow_findings, plan_pieces
+from ._segments import TracingProbe, runs
 
 __all__ = ["Explanation", "probe_plan", "build"]
 
 class Explanation:
     """The report :func:`cudagraphify.explain` returns."""
 
-    def __init__(self, name: str, nodes: list[dict], stats: Stats, decisions: list):
+    def __init__(self, name: str, nodes: list[dict], stats: Stats, decisions: list,
+                 runs: list | None = None):
         self.name = name
         self.nodes = nodes
         self.stats = stats
         self.decisions = decisions
+        # with example inputs and refused calls: where the forward is cut (see _segments)
+        self.runs = runs or []
 
     def to_dict(self) -> dict:
         return {"name": self.name, "modules": self.nodes,
                 "signatures": [{"key": repr(k), "decision": d} for k, d in self.decisions],
-                "stats": dataclasses.asdict(self.stats)}
+                "stats": dataclasses.asdict(self.stats),
+                "runs": [r.to_dict() for r in self.runs]}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=1, default=str)
@@ -62,6 +67,10 @@ class Explanation:
                              f"layer{': ' + why if why else ''}")
             for reason in node.get("reasons", []):
                 lines.append(f"{'  ' * depth}  - {reason['text']}")
+        if self.runs:
+            lines.append(f"runs of graphable calls between refused ones ({len(self.runs)}; "
+                         "graphed today only where a safe submodule holds them):")
+            lines.extend(f"  {r}" for r in self.runs)
         s = self.stats
         if s.captures or s.replays or s.eager:
             lines.append(f"calls: {s.captures} captures, {s.replays} replays, {s.eager} eager")
@@ -75,7 +84,8 @@ class Explanation:
 def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
     """Run ``module`` twice on the example inputs under a probe; restore its state after.
 
-    Returns (findings by path, pieces, paths that ran).
+    Returns (findings by path, pieces, paths that ran, the first run's runs
+    of calls between refused ones, see :mod:`._segments`).
     """
     policy = policy or default_policy
     on_gpu = any(t.is_cuda for t in list(module.parameters()) + list(module.buffers())) or any(
@@ -88,7 +98,8 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
     def two_runs(rehearse: bool) -> list[Probe]:
         probes = []
         for _ in range(2):
-            probe = Probe(module, policy, accel=accel, thunder=True)
+            probe = (TracingProbe if not probes else Probe)(module, policy, accel=accel,
+                                                            thunder=True)
             probe.rehearse = rehearse
             # each run leaves the buffers and the random state as they were
             with restored(buffers, [True] * len(buffers), [], device), torch.no_grad(), \
@@ -112,7 +123,8 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
                                       "runs").items():
         findings.setdefault(p, []).append(f)
     ran = set(probes[0].sequences)
-    return findings, plan_pieces(module, set(findings), ran), ran
+    cut = runs(probes[0].trace) if probes[0].findings else []
+    return findings, plan_pieces(module, set(findings), ran), ran, cut
 
 
 def _live(module: torch.nn.Module) -> dict | None:
@@ -128,7 +140,7 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
     nodes: list[dict] = []
     if module is None:
         return Explanation(name, nodes, stats, decisions)
-    findings, pieces, ran = plan if plan is not None else ({}, None, None)
+    findings, pieces, ran = plan[:3] if plan is not None else ({}, None, None)
     findings, graphed = _with_own_plans(module, findings, pieces or ())
     # called, but every call ran eagerly before anything was planned (no CUDA, disabled...)
     unplanned = plan is None and stats.eager > 0
@@ -171,7 +183,7 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
                              "retargets": s.retargets, "per_layer": s.per_layer,
                              "reasons": s.reasons}
         nodes.append(node)
-    return Explanation(name, nodes, stats, decisions)
+    return Explanation(name, nodes, stats, decisions, plan[3] if plan and len(plan) > 3 else None)
 
 
 def _with_own_plans(module: torch.nn.Module, findings: dict,

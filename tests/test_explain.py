@@ -142,3 +142,39 @@ def test_explain_plans_trusted_code_that_asks_whether_it_is_captured_on_its_capt
     assert statuses == ({"": "graphed"} if trusted and not sync_always  # whole: parts unlisted
                         else {"": "eager", "lin": "graphed"}), statuses
     assert torch.equal(model.calls, calls)  # left as it was
+
+
+def test_explain_with_inputs_shows_where_refused_calls_cut_the_forward():
+    report = cg.explain(GPT(32, 2, 2, sync="item").eval(), torch.randn(1, 4, 32))
+    runs = report.to_dict()["runs"]
+    # two blocks, an .item() in each: three runs of graphable calls, the first two cut by it
+    assert [r["cut_by"]["op"] if r["cut_by"] else None for r in runs] == \
+        ["Tensor.item", "Tensor.item", None]
+    assert all(r["cut_by"]["tags"] == ["HOST_SYNC"] for r in runs[:2])
+    assert runs[0]["start"] == 0 and runs[1]["start"] == runs[0]["end"] + 1
+    assert runs[2]["end"] == runs[2]["start"] + runs[2]["calls"]
+    # a run spans module boundaries: the second holds block 0's MLP and block 1's attention
+    assert "blocks.0.mlp" in runs[1]["modules"] and "blocks.1.attn" in runs[1]["modules"]
+    assert runs[0]["first"].startswith("cudagraphify/bench/models.py:")
+    text = str(report)
+    assert "runs of graphable calls between refused ones (3;" in text
+    assert "then Tensor.item [HOST_SYNC] at cudagraphify/bench/models.py:88" in text
+
+
+def test_explain_of_a_safe_model_lists_no_runs():
+    report = cg.explain(GPT(32, 2, 1).eval(), torch.randn(1, 4, 32))
+    assert report.runs == [] and "runs of graphable" not in str(report)
+
+
+def test_runs_of_a_trace():
+    from cudagraphify._probe import Finding
+    from cudagraphify._segments import runs
+
+    stop = Finding("a", "Tensor.item", ("HOST_SYNC",), "f.py:3")
+    trace = [("add", "a", "f.py:1", None), ("mul", "a", "f.py:2", None),
+             ("Tensor.item", "a", "f.py:3", stop), ("Tensor.item", "a", "f.py:4", stop),
+             ("relu", "b", "f.py:5", None)]
+    got = runs(trace)
+    assert [(r.start, r.end, r.first, r.last, r.modules, r.cut_by) for r in got] == \
+        [(0, 2, "f.py:1", "f.py:2", ("a",), stop), (4, 5, "f.py:5", "f.py:5", ("b",), None)]
+    assert runs([]) == [] and runs(trace[2:4]) == []
