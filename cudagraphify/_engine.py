@@ -382,7 +382,7 @@ class GraphedState:
         findings: dict[str, list] = {"": [Finding("", opaque, ("OPAQUE",), "every call")]}
         for f in probe.findings:
             findings.setdefault(f.path, []).append(f)
-        _, pieces = plan(root, findings, set(probe.sequences))
+        _, pieces = plan(root, findings, probe.ran())
         if pieces:
             installed = self.install_pieces(pieces)
             self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))

@@ -122,7 +122,7 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
     for p, f in control_flow_findings(*probes, "the op sequence differs between two "
                                       "runs").items():
         findings.setdefault(p, []).append(f)
-    ran = set(probes[0].sequences)
+    ran = probes[0].ran()
     cut = runs(probes[0].trace) if probes[0].findings else []
     return findings, plan_pieces(module, set(findings), ran), ran, cut
 
@@ -170,6 +170,8 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
                                                 + ", ".join(below), "submodules": below})
         elif ran is not None and not any(r == path or r.startswith(path + ".") for r in ran):
             node["status"] = "not run"
+        elif ran is not None and path and path not in ran:
+            node["status"] = "not called (its submodules are, directly)"
         else:
             node["status"] = "eager (no ops of its own)"
         live = _live(sub)

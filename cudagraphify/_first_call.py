@@ -252,7 +252,7 @@ class FirstCall:
                                "(a plain attribute, a global or a closure variable): a graph "
                                "cannot give it a gradient; register it as an nn.Parameter")
         if findings:
-            ran = set(probe.sequences) if probe is not None else {""}
+            ran = probe.ran() if probe is not None else {""}
             return Outcome(PIECEWISE, self.result, findings=findings, ran=ran,
                            guard=self.warm_guard)
         if self.mutated and inputs_alias(self.leaves):
@@ -352,7 +352,7 @@ class FirstCall:
             if self.probe is not None and self.statics.root is not None:
                 found = {"": [Finding("", "capture", (), f"capture failed: {e}")]}
                 return Outcome(PIECEWISE, self.result, findings=found,
-                               ran=set(self.probe.sequences), guard=self.warm_guard)
+                               ran=self.probe.ran(), guard=self.warm_guard)
             return self._eager(f"capture failed: {e}")
         except OutputPlanError as e:
             return self._eager(str(e))
@@ -645,7 +645,7 @@ class FirstCall:
             if differs:
                 entry.release()
                 return Outcome(PIECEWISE, self.result, findings=differs,
-                               ran=set(probe.sequences), guard=self.warm_guard)
+                               ran=probe.ran(), guard=self.warm_guard)
         # The graph computes what the capture's run computed: it stands while what that run
         # read stands (a layer's graph made from a template: what its own warm-up read).
         guard = self.warm_guard if shared else self._guard(rec)
@@ -697,7 +697,7 @@ class FirstCall:
         found: dict[str, list[Finding]] = {}
         for f in findings:
             found.setdefault(f.path, []).append(f)
-        return Outcome(PIECEWISE, self.result, findings=found, ran=set(self.probe.sequences),
+        return Outcome(PIECEWISE, self.result, findings=found, ran=self.probe.ran(),
                        guard=guard)
 
     def _writes_refused(self, rec: Recorder) -> Outcome:

@@ -219,6 +219,7 @@ class Probe:
         self.names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
         self.findings: list[Finding] = []
         self.sequences: dict[str, list[str]] = collections.defaultdict(list)
+        self.called: set[str] = set()  # the submodules whose forward ran (ops of their own or not)
         self._stack: list[str] = []
         self._seq: list[str] | None = None  # sequences[path], while that module runs
         # the default policy's rules (no subclass's or instance's own), without Thunder:
@@ -248,6 +249,10 @@ class Probe:
         # those of them that no earlier op of the run produced (memory from before the call)
         self.written_before_made: set[int] = set()
         self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
+
+    def ran(self) -> set[str]:
+        """The module paths that ran: made ops of their own, or had their forward called."""
+        return set(self.sequences) | self.called
 
     @property
     def path(self) -> str:
@@ -344,6 +349,7 @@ class Probe:
         if name is not None and threading.get_ident() == self._thread:
             self._stack.append(name)
             self._seq = None
+            self.called.add(name)
 
     def _post(self, module, args, output):
         if self.names.get(id(module)) is not None and self._stack \
@@ -427,8 +433,11 @@ def plan_pieces(root: torch.nn.Module, unsafe: set[str], ran: set[str]) -> list[
             p = f"{path}.{name}" if path else name
             if not any(_inside(p, r) for r in ran):
                 continue  # never ran: nothing to graph
-            if any(_inside(p, u) for u in unsafe) or isinstance(child, _CONTAINERS):
-                visit(p, child)  # (a container is never called: its members are)
+            if any(_inside(p, u) for u in unsafe) or isinstance(child, _CONTAINERS) \
+                    or p not in ran:
+                # (a container is never called: its members are; nor is a module whose
+                # parent calls its children itself, ``self.attn.qkv(x)``)
+                visit(p, child)
             else:
                 pieces.append(p)
 

@@ -185,3 +185,19 @@ def test_chaining_off_keeps_each_piece_to_its_own_copies(sim, monkeypatch):
             assert torch.equal(g(x), ref(x))
     assert g._cudagraphify_state._chain is None
     assert cg.stats(g.mlp).input_copies == 3  # calls 3-5: the mlp copies the norm's clone in
+
+
+def test_submodules_a_parent_calls_directly_are_pieces(sim):
+    from cudagraphify.bench.models import GPT
+
+    torch.manual_seed(0)
+    ref = GPT(32, 2, 2, sync="item-inline").eval()  # its blocks call attn.qkv, attn.proj
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(1, 4, 32)
+            assert torch.equal(g(x), ref(x))
+    for blk in g.blocks:
+        for piece in (blk.attn.qkv, blk.attn.proj, blk.mlp.fc, blk.mlp.out, blk.ln1):
+            assert cg.stats(piece).replays == 3, piece  # calls 2-4
+        assert "forward" not in blk.attn.__dict__  # never called: not a piece

@@ -60,9 +60,34 @@ def test_plan_for_nested_modules_skips_what_never_ran():
     model = Deep()
     probe = run(model, torch.randn(2, 4))
     assert set(probe.unsafe_paths()) == {""}
-    assert plan_pieces(model, {""}, set(probe.sequences)) == ["a", "b"]
+    assert plan_pieces(model, {""}, probe.ran()) == ["a", "b"]
     # a sync deep inside: only its ancestors run eagerly
-    assert plan_pieces(model, {"a.1.1"}, {"a.0", "a.1.0", "a.1.1", "b"}) == ["a.0", "a.1.0", "b"]
+    assert plan_pieces(model, {"a.1.1"}, {"a", "a.0", "a.1", "a.1.0", "a.1.1", "b"}) == \
+        ["a.0", "a.1.0", "b"]
+
+
+def test_plan_descends_into_a_module_whose_children_its_parent_calls_directly():
+    class Inline(nn.Module):
+        """Calls ``self.attn.qkv`` and ``self.attn.proj`` itself: ``attn`` never runs."""
+
+        def __init__(self):
+            super().__init__()
+            self.attn = nn.Module()
+            self.attn.qkv, self.attn.proj = nn.Linear(4, 4), nn.Linear(4, 4)
+            self.mlp = nn.Sequential(nn.Linear(4, 4), nn.GELU())
+
+        def forward(self, x):
+            h = self.attn.proj(self.attn.qkv(x))
+            if h.sum().item() > 1e9:  # a host sync
+                h = h * 0
+            return self.mlp(h)
+
+    model = Inline()
+    probe = run(model, torch.randn(2, 4))
+    assert "attn" not in probe.ran() and "mlp" in probe.ran()
+    # (before: "attn" was planned, a piece nobody calls, and its Linears stayed eager)
+    assert plan_pieces(model, set(probe.unsafe_paths()), probe.ran()) == \
+        ["attn.qkv", "attn.proj", "mlp"]
 
 
 def test_data_dependent_control_flow_shows_as_differing_sequences():
