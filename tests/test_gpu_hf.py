@@ -115,3 +115,20 @@ def test_a_replaced_cache_tensor_is_seen_by_the_next_step(hf):
         runs.append(m(nxt, past_key_values=cache, use_cache=True).logits)
         runs.append(m(nxt, past_key_values=cache, use_cache=True).logits)
     assert torch.equal(runs[0], runs[2]) and torch.equal(runs[1], runs[3])
+
+
+def test_generate_with_its_dynamic_cache_graphs_the_pieces_around_it(hf):
+    # no cache option: generate() passes its DynamicCache (which grows every step) from the
+    # first call on; the model runs eagerly with its norms, MLPs and projections graphed as
+    # pieces, chained in the model's implicit region
+    transformers, config, model = hf
+    g = cg.graphify(copy.deepcopy(model))
+    for length in (8, 5, 8):  # two prompts' lengths: prefill signatures of their own
+        prompt = torch.randint(0, config.vocab_size, (1, length), device=DEV)
+        want = model.generate(prompt, **_greedy())
+        _same(g.generate(prompt, **_greedy()), want)
+    assert g._cudagraphify_state._chain is not None
+    for layer in g.model.layers:
+        for piece in (layer.mlp, layer.input_layernorm, layer.self_attn.q_proj):
+            s = cg.stats(piece)
+            assert s.captures >= 1 and s.replays >= 2 * NEW, (piece, s)
