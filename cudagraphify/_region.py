@@ -199,6 +199,9 @@ class GraphRegion:
                     del self._slots[slot.tensor.data_ptr()]
                 if slot not in self._live:
                     continue
+                if self.closed:  # (closing: nothing replays in this pool again)
+                    del self._live[slot]
+                    continue
                 extra = slot.extra_users()
                 if extra <= 0:
                     del self._live[slot]
@@ -323,6 +326,7 @@ class GraphRegion:
             caches = [cache for _, cache in self._caches.values()]
             self._caches.clear()
             self._dead.clear()
+            self.closed = True  # (its graphs' slots go without being protected: see adopt)
             for cache in caches:
                 self._release(cache)
             self._pools.clear()
