@@ -397,12 +397,12 @@ class GraphedState:
             entry.trial = None
             why = trial.verdict()
             cache = region.cache_for(self) if region is not None else self.cache
+            key = cache.key_of(entry)
             if why is None:
                 pass
-            elif any(k != cache.key_of(entry) for k, _ in self._graph_items()):
+            elif any(k != key for k, _ in self._graph_items()):
                 # other signatures have graphs (a prefill's and a decode step's): only this
                 # one runs eagerly from now on
-                key = cache.key_of(entry)
                 drain(entry.device, self._stream_holder(region)._stream_token)
                 self._retired_copies += entry.input_copies
                 cache.discard(entry)

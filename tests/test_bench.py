@@ -164,11 +164,7 @@ def test_decode_step_gives_eager_tokens_and_a_cpu_counter_keeps_it_eager(sim):
     transformers = pytest.importorskip("transformers")
     import cudagraphify as cg
 
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=128, max_position_embeddings=16)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    config, model = _tiny_llama(transformers, positions=16)
     step = bench_decode.decode_step(model)
     graphed = cg.graphify(step, static_argnames=("cache",))
     prompt, positions = torch.randint(0, 128, (1, 4)), torch.arange(4, 16)
@@ -401,15 +397,20 @@ def test_share_hf_rows_in_words():
         "hf-share-gpt2-L12: not run: ImportError: x"
 
 
+def _tiny_llama(transformers, positions: int):
+    """A 2-layer, 32-wide HF Llama (vocabulary 128) with random weights, on the CPU."""
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2,
+                                      vocab_size=128, max_position_embeddings=positions)
+    torch.manual_seed(0)
+    return config, transformers.LlamaForCausalLM(config).eval()
+
+
 def test_generate_forms_give_eager_tokens_through_the_cpu_double(sim):
     """Every generate() form of the decode section, through the simulated backend: tokens equal
     eager's, the dynamic form's pieces chained and not (the section's side-by-side)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2,
-                                      vocab_size=128, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).eval()
+    config, model = _tiny_llama(transformers, positions=64)
     row: dict = {}
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")

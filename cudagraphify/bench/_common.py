@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import sys
@@ -9,7 +10,20 @@ import time
 
 import torch
 
-__all__ = ["time_per_call", "hand_capture", "error_text", "free_memory", "progress"]
+__all__ = ["time_per_call", "hand_capture", "error_text", "free_memory", "progress", "chaining"]
+
+
+@contextlib.contextmanager
+def chaining(on: bool):
+    """Pieces chained in their root's implicit region (the default) or not, inside the block:
+    the side-by-side rows time what chaining buys."""
+    from cudagraphify import _engine
+
+    _engine.CHAIN_PIECES = on
+    try:
+        yield
+    finally:
+        _engine.CHAIN_PIECES = True
 
 
 def time_per_call(fn, x, calls: int, repeats: int, sync=None) -> float:

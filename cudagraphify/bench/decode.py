@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ._common import error_text, free_memory, progress
+from ._common import chaining, error_text, free_memory, progress
 
 # Greedy decode of an HF transformers Llama from a small config (random weights, nothing
 # downloaded) with a static KV cache: the decode anchor of the design notes.
@@ -195,8 +195,6 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                   pad_token_id=0)
     max_len = prompt.shape[1] + new_tokens
-    from cudagraphify import _engine
-
     graphed = cg.graphify(copy.deepcopy(model))
     # the dynamic form also runs a copy whose pieces are not chained (each copies in and
     # clones out), to show what chaining buys, in this process
@@ -212,20 +210,19 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
             cache = static_cache(transformers, config, prompt.shape[0], max_len, prompt.device,
                                  next(model.parameters()).dtype) if form == "kept" else None
             outs, seconds = [], []
-            _engine.CHAIN_PIECES = name != "unchained"
-            for _ in range(repeats + 1):
-                kwargs = dict(greedy, **extra)
-                if cache is not None:
-                    cache.reset()
-                    kwargs["past_key_values"] = cache
-                elif form == "static":
-                    kwargs["cache_implementation"] = "static"
-                sync()
-                t0 = time.perf_counter()
-                outs.append(m.generate(prompt, **kwargs))
-                sync()
-                seconds.append(time.perf_counter() - t0)
-            _engine.CHAIN_PIECES = True
+            with chaining(name != "unchained"):
+                for _ in range(repeats + 1):
+                    kwargs = dict(greedy, **extra)
+                    if cache is not None:
+                        cache.reset()
+                        kwargs["past_key_values"] = cache
+                    elif form == "static":
+                        kwargs["cache_implementation"] = "static"
+                    sync()
+                    t0 = time.perf_counter()
+                    outs.append(m.generate(prompt, **kwargs))
+                    sync()
+                    seconds.append(time.perf_counter() - t0)
             results[name] = (outs, seconds)
         (e_outs, e_s), (g_outs, g_s) = results["eager"], results["graphify"]
         e_tps = new_tokens * prompt.shape[0] / statistics.median(e_s[1:])

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ._common import progress, time_per_call
+from ._common import chaining, progress, time_per_call
 from .models import GPT, GPTConfig, model_and_input
 
 __all__ = ["bench_training", "bench_share", "bench_share_hf", "bench_sync", "format_training",
@@ -227,7 +227,6 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
     clones out) vs graphify of the same GPT without the sync. Eager and the two piecewise
     forms are timed in three interleaved rounds (each its best), in one process."""
     import cudagraphify as cg
-    from cudagraphify import _engine
 
     model, x = model_and_input(cfg, "cuda", sync)
     row: dict = {"workload": f"{name}-{sync}", "config": repr(cfg)}
@@ -240,32 +239,24 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
             m(x)
         return m
 
-    def chaining(on: bool, fn):
-        def run(inp):
-            _engine.CHAIN_PIECES = on
-            try:
-                return fn(inp)
-            finally:
-                _engine.CHAIN_PIECES = True
-        return run
+    def unchained_call(inp):
+        with chaining(False):
+            return unchained(inp)
 
     with torch.no_grad():
         ref = model(x)
         graphed = graphify_copy()
-        _engine.CHAIN_PIECES = False
-        try:
+        with chaining(False):
             unchained = graphify_copy()
-        finally:
-            _engine.CHAIN_PIECES = True
         timed = {"eager_us": model, "graphify_us": graphed,
-                 "graphify_unchained_us": chaining(False, unchained)}
+                 "graphify_unchained_us": unchained_call}
         for key in timed:
             row[key] = float("inf")
         for _ in range(3):
             for key, fn in timed.items():
                 row[key] = min(row[key], time_per_call(fn, x, calls, repeats))
         row["graphify_unchained_max_abs_err"] = (
-            chaining(False, unchained)(x).float() - ref.float()).abs().max().item()
+            unchained_call(x).float() - ref.float()).abs().max().item()
         states = [m.__dict__.get("_cudagraphify_state") for m in graphed.modules()
                   if m is not graphed]
         states = [st for st in states if st is not None]
