@@ -66,23 +66,24 @@ _same_version = torch.autograd._unsafe_preserve_version_counter
 class Slot:
     """A static output of a region graph, handed out as an alias instead of a copy."""
 
-    __slots__ = ("region", "live", "tensor", "storage", "seq", "baseline", "alias")
+    __slots__ = ("region", "live", "tensor", "storage", "cdata", "seq", "baseline", "alias")
 
     def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int):
         self.region = region
         self.live = region._live  # the region's slots whose last alias may still be held
         self.tensor = tensor
         self.storage = tensor.untyped_storage()  # held: reading its use count is then cheap
+        self.cdata = self.storage._cdata  # (valid while ``storage`` is held)
         self.seq = seq
         self.baseline: int | None = None
         self.alias: weakref.ref | None = None
 
     def users(self) -> int:
-        return _use_count(self.storage._cdata)
+        return _use_count(self.cdata)
 
     def extra_users(self) -> int:
         """Tensors sharing this memory beyond cudagraphify's own."""
-        return _use_count(self.storage._cdata) - self.baseline
+        return _use_count(self.cdata) - self.baseline
 
     def own_more(self, n: int) -> None:
         """cudagraphify now holds ``n`` more (or fewer) tensors on this memory."""
@@ -220,11 +221,15 @@ class GraphRegion:
         live = self._live
         if live:
             seq = entry.seq
-            for slot in [s for s in live if s.seq >= seq]:
-                if _use_count(slot.storage._cdata) == slot.baseline:
+            for slot in tuple(live):
+                if slot.seq < seq:
+                    continue  # captured before: this replay cannot reach its memory
+                if _use_count(slot.cdata) == slot.baseline:
                     del live[slot]  # no alias left: nothing to protect (``protect``'s common case)
                 elif not slot.protect():
                     return False
+        if not entry.borrowed:
+            return True
         for i, slot in entry.borrowed:
             if leaves[i].data_ptr() != slot.tensor.data_ptr() and not slot.protect():
                 return False
