@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _capture, _region, _watch
+from . import _capture, _region, _segrun, _watch
 from ._capture import drain
 from ._cache import CachePolicy, EagerEntry, GraphCache, SetUpEntry
 from ._errors import CudagraphifyUsageError, warn_once
@@ -132,6 +132,7 @@ class GraphedState:
         self._opaque_planned = False  # pieces planned around an opaque argument (once)
         # the implicit region in which this callable's eager runs call its pieces (see chained)
         self._chain: _region.GraphRegion | None = None
+        self.segments = _segrun.Segments(self)  # graphed runs of calls in eager signatures
         self.timed_calls = 0  # a piece's first calls run eagerly to time its graph against
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
@@ -263,7 +264,7 @@ class GraphedState:
                 return out
             self._fast = EagerFast.decided(self, region, entry, args, kwargs)
             return self._eager(entry.reason, fn, args, kwargs,
-                               chained=type(entry) is PiecewiseEntry)
+                               chained=type(entry) is PiecewiseEntry, entry=entry)
         reason = self._ineligible(backend, leaves, cache)
         if reason is not None:
             cache.put(key, EagerEntry(reason, self))
@@ -457,15 +458,15 @@ class GraphedState:
         return self.share.group if self.share is not None else self
 
     def _eager(self, reason: str, fn: Callable, args: tuple, kwargs: dict,
-               warn: bool = True, chained: bool = False) -> Any:
+               warn: bool = True, chained: bool = False, entry=None) -> Any:
         """Count and warn (once per reason), then run ``fn`` eagerly (``chained``: with its
-        pieces chained, see :meth:`chained`)."""
+        pieces chained, or its segments graphed, see :meth:`chained`)."""
         self.eager_calls[reason] += 1
         if warn:
             warn_once(self._warned, self.name, reason)
-        return self.chained(fn, args, kwargs) if chained else fn(*args, **kwargs)
+        return self.chained(fn, args, kwargs, entry) if chained else fn(*args, **kwargs)
 
-    def chained(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def chained(self, fn: Callable, args: tuple, kwargs: dict, entry=None) -> Any:
         """Run ``fn`` eagerly; where this callable graphed pieces (a piecewise plan, or pieces
         around an opaque argument), an inference call outside any region calls them inside an
         implicit region of its own: their graphs share one pool and chain as a
@@ -473,7 +474,15 @@ class GraphedState:
         one reads it in place; an alias still held is moved to a copy before its memory is
         overwritten, or the call runs eagerly). The region lives as long as the plan. The
         outputs returned to the caller are copies where they lie on a piece's memory (the
-        caller may share them where use counts do not see: DLPack, CuPy; or resize them)."""
+        caller may share them where use counts do not see: DLPack, CuPy; or resize them).
+
+        With segments on (``_segrun.ENABLED``), an inference call of a piecewise ``entry``
+        outside any region runs its forward with the runs of safe calls graphed instead
+        (:class:`~._segrun.Segments`; its pieces then run as part of it)."""
+        if entry is not None and _segrun.ENABLED and self._device is not None \
+                and self.share is None and not torch.is_grad_enabled() \
+                and not _region_stack.get():
+            return self.segments.call(entry, _capture.default_backend(), fn, args, kwargs)
         if not self.pieces or _region_stack.get() or torch.is_grad_enabled() \
                 or self.share is not None or not CHAIN_PIECES:
             # (share_graph layers share outside regions)
@@ -518,8 +527,8 @@ class GraphedState:
                 guard=outcome.guard, flags=outcome.flags)
         if kind == PIECEWISE:
             reason, pieces = plan(self.statics.root, outcome.findings, outcome.ran)
-            if pieces:
-                installed = self.install_pieces(pieces) if self.install_pieces else []
+            if pieces or _segrun.ENABLED:
+                installed = self.install_pieces(pieces) if self.install_pieces and pieces else []
                 self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
                 self.last_plan = (outcome.findings, pieces)
                 entry = PiecewiseEntry(reason, self, outcome.findings, pieces, outcome.guard,
@@ -610,6 +619,7 @@ class GraphedState:
         """Drop every graph (they read memory that is no longer the module's)."""
         self.invalidations += 1
         self._parent_reshards.forget()  # the statics were re-read: its modules may differ
+        self.segments.release()
         self.release()
         for region in _region.all_open():
             region.forget(self)
@@ -636,6 +646,7 @@ class GraphedState:
     def close_chain(self) -> None:
         """Release the implicit region the pieces chain in (``ungraphify``). (An invalidation
         leaves it open: each piece forgets its own graphs in it when its statics move.)"""
+        self.segments.release()
         chain, self._chain = self._chain, None
         if chain is not None:
             chain.close()
@@ -676,6 +687,8 @@ class GraphedState:
             retargets=self.retargets,
             set_ups=self.set_ups,
             timed_calls=self.timed_calls,
+            segments=self.segments.counts()[0],
+            segment_replays=self.segments.counts()[1],
             reasons=self.families.reasons(),
             template_pool_bytes=self.families.pool_bytes(),
         )

@@ -118,7 +118,7 @@ class EagerFast:
                 return _MISS
         self.state.eager_calls[self.reason] += 1
         if self.chained:
-            return self.state.chained(fn, args, kwargs)
+            return self.state.chained(fn, args, kwargs, self.entry)
         return fn(*args, **kwargs)
 
 

@@ -145,6 +145,8 @@ class Stats:
     retargets: int = 0
     set_ups: int = 0  # calls whose static states were set up beforehand (HF caches)
     timed_calls: int = 0  # a piecewise plan's pieces' first calls, run eagerly to time them
+    segments: int = 0  # graphed runs of calls inside eager signatures (experimental, _segrun)
+    segment_replays: int = 0  # their replays
     # share_graph groups
     layers: int = 0
     per_layer: int = 0  # layer graphs captured on their own (sharing refused)

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from .. import _segrun
 from ._common import chaining, progress, time_per_call
 from .models import GPT, GPTConfig, model_and_input
 
@@ -243,13 +244,25 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
         with chaining(False):
             return unchained(inp)
 
+    def segments_call(inp):  # (segments are experimental: on only for this copy's calls)
+        old, _segrun.ENABLED = _segrun.ENABLED, True
+        try:
+            return segmented(inp)
+        finally:
+            _segrun.ENABLED = old
+
     with torch.no_grad():
         ref = model(x)
         graphed = graphify_copy()
         with chaining(False):
             unchained = graphify_copy()
+        old, _segrun.ENABLED = _segrun.ENABLED, True
+        try:
+            segmented = graphify_copy()
+        finally:
+            _segrun.ENABLED = old
         timed = {"eager_us": model, "graphify_us": graphed,
-                 "graphify_unchained_us": unchained_call}
+                 "graphify_unchained_us": unchained_call, "segments_us": segments_call}
         for key in timed:
             row[key] = float("inf")
         for _ in range(3):
@@ -257,6 +270,11 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
                 row[key] = min(row[key], time_per_call(fn, x, calls, repeats))
         row["graphify_unchained_max_abs_err"] = (
             unchained_call(x).float() - ref.float()).abs().max().item()
+        row["segments_bitwise"] = bool(torch.equal(segments_call(x), ref))
+        seg_stats = cg.stats(segmented)
+        row["segments"], row["segment_replays"] = seg_stats.segments, seg_stats.segment_replays
+        row["segments_plan"] = [line for p in segmented._cudagraphify_state.segments.plans()
+                                for line in p.describe()]
         states = [m.__dict__.get("_cudagraphify_state") for m in graphed.modules()
                   if m is not graphed]
         states = [st for st in states if st is not None]
@@ -271,6 +289,7 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
         row["graphify_without_sync_us"] = time_per_call(plain, x, calls, repeats)
     row["graphify_vs_eager"] = row["graphify_us"] / row["eager_us"]
     row["graphify_unchained_vs_eager"] = row["graphify_unchained_us"] / row["eager_us"]
+    row["segments_vs_eager"] = row["segments_us"] / row["eager_us"]
     row["graphify_vs_graphify_without_sync"] = row["graphify_us"] / row["graphify_without_sync_us"]
     return row
 
@@ -282,7 +301,11 @@ def format_sync(r: dict) -> str:
             f"chained {r['graphify_unchained_us']:.0f} µs ({r['graphify_unchained_vs_eager']:.3f}"
             f" of eager; max abs err {r['graphify_unchained_max_abs_err']:.2e}), graphify "
             f"without the sync {r['graphify_without_sync_us']:.0f} µs; max abs err "
-            f"{r['graphify_max_abs_err']:.2e}\n{r['explain']}")
+            f"{r['graphify_max_abs_err']:.2e}\n  segments (experimental): {r['segments_us']:.0f}"
+            f" µs ({r['segments_vs_eager']:.3f} of eager), {r['segments']} graphed, "
+            f"{r['segment_replays']} replays, bitwise equal to eager: {r['segments_bitwise']}\n"
+            + "\n".join("    " + line for line in r["segments_plan"][:6])
+            + f"\n{r['explain']}")
 
 
 def format_training(r: dict) -> str:

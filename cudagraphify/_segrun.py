@@ -1,0 +1,638 @@
+"""Segments: inside a forward that makes calls the policy refuses, graph each run of safe calls.
+
+A callable whose signature runs eagerly because of refused calls (``.item()``, a sync, a
+CPU copy) still makes most of its torch calls between those. With segments on
+(:data:`ENABLED`), such a signature's forward runs under a ``TorchFunctionMode``:
+
+- **record** (its first call): every top-level torch call runs eagerly and is recorded: the
+  function, the structure of its arguments with their non-tensor values, and where each tensor
+  argument comes from (an earlier recorded call's output; a parameter or buffer, read in place;
+  anything else, copied). A call is a *member* when the policy allows it, it writes nothing in
+  place, its arguments are plain values and tensors on the device and its outputs are tensors;
+  every other call is a *boundary* and runs eagerly. Members between two boundaries form a
+  segment. Metadata reads (``x.shape``, ``x.size()``) run as they are and are not recorded.
+- **capture**: each segment's recorded calls are run again inside one capture (one pool for
+  the plan), then the graph is replayed once on the recorded inputs and every output compared
+  bitwise with what the eager calls gave. A segment whose graph differs (random ops, work the
+  mode does not see that changed a member's output) or fails to capture runs eagerly.
+- **replay**: the forward's Python runs; a member call whose function, argument structure,
+  values and tensor sources match the record is not run: its copied inputs are copied into the
+  graph's buffers and it returns aliases of the graph's outputs. The graph replays when its
+  segment ends (its last member, or any other call). A call that does not match replays the
+  pending segment (its graph writes only memory of its own, so values already handed out come
+  out right) and runs, with the rest of the forward, eagerly. Outputs on the graph's memory are
+  copied before the forward returns them.
+
+Only inference calls outside any region use segments; the plan is dropped when the global flags
+or the parameters' addresses change (:class:`~._guards.FlagsGuard`, the statics' check).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from ._guards import FlagsGuard
+from ._nested import Nested
+from ._opinfo import infos, info_of, written_by
+from ._policy import default_policy
+from ._probe import _HERE, _OWN_MODELS
+
+__all__ = ["ENABLED", "SegmentPlan", "Segments"]
+
+ENABLED = False  # experimental: off until it has been measured on a GPU (see issue 16)
+MIN_CALLS = 2  # a segment with fewer members runs eagerly (a replay would not pay)
+MAX_PLANS = 4  # plans recorded per signature before it stays eager (control flow that varies)
+
+_META = frozenset("Tensor." + n for n in (
+    "shape", "size", "dim", "ndim", "dtype", "device", "numel", "__len__", "is_contiguous",
+    "stride", "storage_offset", "is_cuda", "requires_grad", "layout", "is_floating_point",
+    "is_complex", "element_size", "nelement", "ndimension", "is_leaf", "grad_fn", "is_sparse",
+    "is_quantized", "is_meta", "is_cpu", "is_nested", "get_device", "__hash__"))
+_CONSTS = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
+           torch.layout, type(Ellipsis))
+_Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_MethodWrapper = type(torch.Tensor.shape.__get__)  # a property read: a new object each time
+P, S, X = 0, 1, 2  # a tensor argument's source: a member's output, a static, a copy
+
+
+_RANGE = "cudagraphify.segment_call"  # the profiler range around each recorded call
+_LAUNCHES = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx",
+             "cudaLaunchCooperativeKernel", "cudaMemcpyAsync", "cudaMemsetAsync",
+             "cuMemcpyAsync", "cuMemsetD8Async", "cuMemsetD32Async", "cudaGraphLaunch",
+             "cuGraphLaunch")
+
+
+def _profiler():
+    """A CPU+CUDA profiler for the record, or None where it cannot run (another one is on)."""
+    try:
+        from torch.autograd.profiler import _is_profiler_enabled
+        if _is_profiler_enabled:
+            return None
+        acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        return torch.profiler.profile(activities=acts)
+    except Exception:  # noqa: BLE001 - no profiler: no segments
+        return None
+
+
+def direct_launch(events) -> str | None:
+    """Why segments cannot be trusted, from a profile of the record: a kernel launch, copy or
+    memset outside every recorded call (a C++ extension or Triton kernel called directly: a
+    replay would not see that it reads or writes a segment's memory). None where there is none.
+    ``events``: the profile's events (name, ``cpu_parent``)."""
+    for evt in events:
+        name = evt.name
+        if name not in _LAUNCHES and not name.startswith(("cudaLaunch", "cuLaunch")):
+            continue
+        parent = evt.cpu_parent
+        while parent is not None and parent.name != _RANGE:
+            parent = parent.cpu_parent
+        if parent is None:
+            return (f"{name} ran outside every torch call the mode sees (a C++ or Triton "
+                    "kernel called directly): a graphed segment would not see its work")
+    return None
+
+
+class _Opaque(Exception):
+    """An argument that is neither a tensor nor a plain value: the call is a boundary."""
+
+
+def _flat(v: Any, leaves: list) -> Any:
+    """``v``'s structure with its plain values (floats by their bits); its tensors in ``leaves``."""
+    t = type(v)
+    if t is _Tensor or t is _Parameter:
+        leaves.append(v)
+        return 0
+    if t is tuple or t is list or t is torch.Size:
+        return (t, tuple([_flat(x, leaves) for x in v]))
+    if t is float:
+        return (float, v.hex())
+    if t is slice:
+        return (slice, _flat(v.start, leaves), _flat(v.stop, leaves), _flat(v.step, leaves))
+    if t in _CONSTS:
+        return (t, v)
+    raise _Opaque(t.__name__)
+
+
+def _build(s: Any, it) -> Any:
+    if s == 0 and type(s) is int:
+        return next(it)
+    t = s[0]
+    if t is float:
+        return float.fromhex(s[1])
+    if t is slice:
+        return slice(_build(s[1], it), _build(s[2], it), _build(s[3], it))
+    if t is tuple or t is list or t is torch.Size:
+        return t([_build(x, it) for x in s[1]])
+    return s[1]
+
+
+def _structure(args: tuple, kwargs: dict, leaves: list) -> tuple:
+    return (_flat(args, leaves), tuple((k, _flat(v, leaves)) for k, v in kwargs.items()))
+
+
+def _call_args(struct: tuple, leaves: list) -> tuple[tuple, dict]:
+    it = iter(leaves)
+    args = _build(struct[0], it)
+    return args, {k: _build(s, it) for k, s in struct[1]}
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (t.shape, t.stride(), t.dtype, t.device)
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.is_floating_point() or a.is_complex():
+        return bool(((a == b) | (a.isnan() & b.isnan())).all())
+    return torch.equal(a, b)
+
+
+def _own_frame() -> bool:
+    caller = sys._getframe(2).f_code.co_filename
+    return caller.startswith(_HERE) and caller != _OWN_MODELS
+
+
+class _Call:
+    """One recorded top-level call."""
+
+    __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "n_out", "eager_out")
+
+    def __init__(self, func, name: str):
+        self.func, self.name = func, name
+        self.struct = None
+        # per tensor leaf: (P, call, k) | (S, tensor, ptr, meta) | (X, meta[, recorded value])
+        self.refs: list = []
+        self.seg: int | None = None  # its segment's index (None: a boundary)
+        self.out_struct = None
+        self.n_out = 0
+        self.eager_out: list[torch.Tensor] = []  # record: copies of its outputs (verification)
+
+
+class _Segment:
+    __slots__ = ("calls", "first", "last", "graph", "bufs", "outs", "refused")
+
+    def __init__(self, first: int):
+        self.calls: list[int] = []
+        self.first = first
+        self.last = first
+        self.graph = None
+        self.bufs: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> static buffer
+        self.outs: dict[int, list[torch.Tensor]] = {}  # call -> its static outputs
+        self.refused: str | None = None
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, plan: "SegmentPlan"):
+        super().__init__()
+        self.plan = plan
+        self.made: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(tensor) -> (call, k, it)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _own_frame():
+            return func(*args, **kwargs)
+        info = infos.get(id(func))
+        if info is None or info[0] is not func:
+            info = info_of(func)
+        if info[1] in _META:
+            return func(*args, **kwargs)
+        plan = self.plan
+        if plan.profiling:
+            with torch.profiler.record_function(_RANGE):
+                return self._record(func, info, args, kwargs)
+        return self._record(func, info, args, kwargs)
+
+    def _record(self, func, info, args: tuple, kwargs: dict) -> Any:
+        plan = self.plan
+        call = _Call(func, info[1])
+        plan.calls.append(call)
+        why = plan.refusal(func, info, args, kwargs)
+        leaves: list = []
+        if why is None:
+            try:
+                call.struct = _structure(args, kwargs, leaves)
+            except _Opaque as e:
+                why = f"an argument of type {e}"
+        if why is None:
+            why = self._sources(call, leaves)
+        out = func(*args, **kwargs)
+        if why is None:
+            outs: list = []
+            try:
+                call.out_struct = _flat(out, outs)
+            except _Opaque as e:
+                why = f"returns a {e}"
+            if why is None and (not outs or any(t.device != plan.device for t in outs)):
+                why = "returns no tensor on the device"
+            if why is None and any(
+                    t.untyped_storage().data_ptr() in plan.copied_ptrs for t in outs):
+                why = "returns a view of memory it reads (copied into a graph)"
+            if why is None:
+                call.n_out = len(outs)
+                call.eager_out = [t.clone() for t in outs]
+                call.refs = [(X, ref[1], leaf.clone()) if ref[0] == X else ref
+                             for leaf, ref in zip(leaves, call.refs)]
+                for k, t in enumerate(outs):
+                    self.made[id(t)] = (len(plan.calls) - 1, k, t)
+                call.seg = 0  # a member (segments are numbered in plan.segment())
+        if why is not None:
+            call.refs = []
+            plan.boundaries[len(plan.calls) - 1] = why
+        return out
+
+    def _sources(self, call: _Call, leaves: list) -> str | None:
+        plan, made = self.plan, self.made
+        for leaf in leaves:
+            if leaf.device != plan.device:
+                return "a tensor argument on another device"
+            hit = made.get(id(leaf))
+            if hit is not None and hit[2] is leaf:
+                call.refs.append((P, hit[0], hit[1]))
+                continue
+            ptr = leaf.untyped_storage().data_ptr()
+            if ptr in plan.static_ptrs:
+                call.refs.append((S, leaf, leaf.data_ptr(), _meta(leaf)))
+            else:
+                call.refs.append((X, _meta(leaf)))
+                plan.copied_ptrs.add(ptr)
+        return None
+
+
+class _Run:
+    """One replayed call of the forward: where it is in the plan, what it handed out."""
+
+    __slots__ = ("plan", "cursor", "pending", "handed", "diverged")
+
+    def __init__(self, plan: "SegmentPlan"):
+        self.plan = plan
+        self.cursor = 0
+        self.pending: _Segment | None = None
+        self.handed: dict[int, list[torch.Tensor]] = {}
+        self.diverged = False
+
+    def flush(self) -> None:
+        seg = self.pending
+        if seg is not None:
+            self.pending = None
+            seg.graph.replay()
+            self.plan.replays += 1
+
+    def diverge(self, func, args, kwargs) -> Any:
+        self.flush()
+        self.diverged = True
+        self.plan.divergences += 1
+        return func(*args, **kwargs)
+
+
+class _Replayer(TorchFunctionMode):
+    def __init__(self, run: _Run):
+        super().__init__()
+        self.run = run
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        run = self.run
+        if run.diverged:
+            return func(*args, **kwargs)
+        if _own_frame():  # (cudagraphify's own calls: not recorded, they see real values)
+            run.flush()
+            return func(*args, **kwargs)
+        info = infos.get(id(func))
+        if info is None or info[0] is not func:
+            info = info_of(func)
+        name = info[1]
+        if name in _META:
+            return func(*args, **kwargs)
+        plan = run.plan
+        i = run.cursor
+        if i >= len(plan.calls):
+            return run.diverge(func, args, kwargs)
+        call = plan.calls[i]
+        if call.func is not func and (type(func) is not _MethodWrapper or call.name != name):
+            return run.diverge(func, args, kwargs)
+        seg = plan.segments[call.seg] if call.seg is not None else None
+        if seg is None or seg.refused is not None:
+            run.flush()
+            run.cursor = i + 1
+            return func(*args, **kwargs)
+        leaves: list = []
+        try:
+            struct = _structure(args, kwargs, leaves)
+        except _Opaque:
+            return run.diverge(func, args, kwargs)
+        if struct != call.struct:
+            return run.diverge(func, args, kwargs)
+        copies = []
+        handed = run.handed
+        for k, (leaf, ref) in enumerate(zip(leaves, call.refs)):
+            kind = ref[0]
+            if kind == P:
+                got = handed.get(ref[1])
+                if got is None or got[ref[2]] is not leaf:
+                    return run.diverge(func, args, kwargs)
+            elif kind == S:
+                if leaf is not ref[1] and (leaf.data_ptr() != ref[2] or _meta(leaf) != ref[3]):
+                    return run.diverge(func, args, kwargs)
+            else:
+                if _meta(leaf) != ref[1]:
+                    return run.diverge(func, args, kwargs)
+                copies.append((seg.bufs[i, k], leaf))
+        if run.pending is not seg:
+            run.flush()
+            run.pending = seg
+        for buf, leaf in copies:
+            buf.copy_(leaf)
+        outs = [t.detach() for t in seg.outs[i]]
+        handed[i] = outs
+        run.cursor = i + 1
+        if i == seg.last:
+            run.flush()
+        return _build(call.out_struct, iter(outs))
+
+
+class SegmentPlan:
+    """The record, segments and graphs of one signature's forward (see the module docs)."""
+
+    def __init__(self, state, backend, device: torch.device):
+        self.state = state
+        self.backend = backend
+        self.device = device
+        self.calls: list[_Call] = []
+        self.boundaries: dict[int, str] = {}  # call index -> why it runs eagerly
+        self.segments: list[_Segment] = []
+        self.policy = state.options.op_policy or default_policy
+        self.static_ptrs = state.statics.storage_ptrs()
+        self.copied_ptrs: set[int] = set()
+        self.pool_ptrs: set[int] = set()
+        self.flags: FlagsGuard | None = None
+        self.pool = None
+        self.replays = 0
+        self.divergences = 0
+        self.misses = 0  # calls in a row that diverged
+        self.ready = False
+        self.profiling = False  # the record runs under the profiler (CUDA)
+        self.unseen: str | None = None  # why no segment can be graphed: work the mode misses
+
+    # -- record and capture -------------------------------------------------------------------
+
+    def refusal(self, func, info, args: tuple, kwargs: dict) -> str | None:
+        """Why a call cannot be a member, or None."""
+        policy = self.policy
+        if not policy.untagged_call(func, kwargs):
+            tags = policy.tags(func, args, kwargs, accel=self.state.accel)
+            if not policy.can_graph(func, tags):
+                return f"refused by the policy ({', '.join(sorted(tags)) or 'no tag'})"
+        if (info[2] or kwargs) and any(isinstance(t, torch.Tensor) or isinstance(t, (list, tuple))
+                                       for t in written_by(func, args, kwargs)):
+            return "writes a tensor in place"
+        return None
+
+    def record(self, fn, args: tuple, kwargs: dict) -> Any:
+        """The first call: run eagerly, record, then capture and verify each segment."""
+        prof = _profiler() if self.device.type == "cuda" else None
+        if prof is not None:
+            self.profiling = True
+            try:
+                with prof, Nested(), _Recorder(self):
+                    out = fn(*args, **kwargs)
+            finally:
+                self.profiling = False
+            why = direct_launch(prof.events())
+            if why is not None:
+                self.unseen = why
+                self.ready = True  # (a plan with no segment: every call runs eagerly)
+                return out
+        elif self.device.type == "cuda":
+            with Nested():
+                out = fn(*args, **kwargs)
+            self.unseen = "the profiler could not be started (it finds kernels the mode " \
+                "does not see)"
+            self.ready = True
+            return out
+        else:
+            with Nested(), _Recorder(self):
+                out = fn(*args, **kwargs)
+        self._segment()
+        self._capture()
+        for call in self.calls:  # (the record's copies are not needed any more)
+            call.eager_out = []
+            call.refs = [ref[:2] if ref[0] == X else ref for ref in call.refs]
+        self.ready = True
+        return out
+
+    def _segment(self) -> None:
+        seg = None
+        for i, call in enumerate(self.calls):
+            if call.seg is None:
+                seg = None
+                continue
+            if seg is None:
+                seg = _Segment(i)
+                self.segments.append(seg)
+            seg.calls.append(i)
+            seg.last = i
+            call.seg = len(self.segments) - 1
+        for seg in self.segments:
+            if len(seg.calls) < MIN_CALLS:
+                seg.refused = f"fewer than {MIN_CALLS} calls"
+
+    def _capture(self) -> None:
+        backend = self.backend
+        self.flags = FlagsGuard()
+        self.pool = backend.new_pool(self.device)
+        for s, seg in enumerate(self.segments):
+            if seg.refused is not None:
+                continue
+            # sources in a segment that runs eagerly are copied in
+            for i in seg.calls:
+                call = self.calls[i]
+                for k, ref in enumerate(call.refs):
+                    if ref[0] == P and ref[1] not in seg.calls and \
+                            self.segments[self.calls[ref[1]].seg].refused is not None:
+                        value = self.calls[ref[1]].eager_out[ref[2]]
+                        call.refs[k] = (X, _meta(value), value)
+            try:
+                self._capture_one(seg)
+            except Exception as e:  # noqa: BLE001 - a segment that cannot be graphed runs eagerly
+                seg.refused = f"capture failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+                seg.graph = None
+                continue
+            for t in [*(t for i in seg.calls for t in seg.outs[i]), *seg.bufs.values()]:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in self.static_ptrs:  # (a member may return a view of a parameter)
+                    self.pool_ptrs.add(ptr)
+
+    def _inputs(self, seg: _Segment) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(static buffer, recorded value) of each copied input of ``seg``."""
+        pairs = []
+        for i in seg.calls:
+            for k, ref in enumerate(self.calls[i].refs):
+                if ref[0] == X:
+                    shape, stride, dtype, device = ref[1]
+                    buf = seg.bufs[i, k] = torch.empty_strided(shape, stride, dtype=dtype,
+                                                               device=device)
+                    pairs.append((buf, ref[2]))
+        return pairs
+
+    def _capture_one(self, seg: _Segment) -> None:
+        calls = self.calls
+        inputs = self._inputs(seg)
+
+        def load():
+            for buf, value in inputs:
+                buf.copy_(value)
+
+        def run():
+            outs: dict[int, list[torch.Tensor]] = {}
+            for i in seg.calls:
+                call = calls[i]
+                leaves = []
+                for k, ref in enumerate(call.refs):
+                    if ref[0] == P:
+                        src = outs.get(ref[1])
+                        leaves.append(src[ref[2]] if src is not None
+                                      else self.segments[calls[ref[1]].seg].outs[ref[1]][ref[2]])
+                    elif ref[0] == S:
+                        leaves.append(ref[1])
+                    else:
+                        leaves.append(seg.bufs[i, k])
+                a, kw = _call_args(call.struct, leaves)
+                flat: list = []
+                _flat(call.func(*a, **kw), flat)
+                outs[i] = flat
+            return outs
+
+        with torch.no_grad():
+            load()
+            self.backend.warmup(run, self.device)
+            load()
+            graph, outs = self.backend.capture(run, self.device, self.pool)
+            seg.graph, seg.outs = graph, outs
+            load()
+            graph.replay()
+            for i in seg.calls:
+                for k, (got, want) in enumerate(zip(outs[i], calls[i].eager_out)):
+                    if not _bitwise_equal(got, want):
+                        graph.release()
+                        seg.graph, seg.outs = None, {}
+                        raise RuntimeError(f"the graph's output {k} of {calls[i].name} differs "
+                                           "from the eager call's (a random op, or work the "
+                                           "mode does not see)")
+
+    # -- replay ---------------------------------------------------------------------------------
+
+    def valid(self) -> bool:
+        return self.flags is not None and self.flags.check() and self.state.statics.same()
+
+    def replay(self, fn, args: tuple, kwargs: dict) -> Any:
+        if not self.segments:
+            return fn(*args, **kwargs)
+        run = _Run(self)
+        with Nested(), _Replayer(run):
+            out = fn(*args, **kwargs)
+            run.flush()
+        if not run.diverged and run.cursor != len(self.calls):
+            run.diverged = True  # (fewer calls than recorded)
+            self.divergences += 1
+        self.misses = self.misses + 1 if run.diverged else 0
+        return self.owned(out)
+
+    def owned(self, out: Any) -> Any:
+        """``out`` with tensors on the graphs' memory replaced by copies."""
+        ptrs = self.pool_ptrs
+        if not ptrs:
+            return out
+        if type(out) is _Tensor:
+            return out.clone() if out.untyped_storage().data_ptr() in ptrs else out
+        leaves: list = []
+        try:
+            s = _flat(out, leaves)
+        except _Opaque:
+            import torch.utils._pytree as pytree
+            return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor)
+                                   and t.untyped_storage().data_ptr() in ptrs else t, out)
+        return _build(s, iter([t.clone() if t.untyped_storage().data_ptr() in ptrs else t
+                               for t in leaves]))
+
+    def release(self) -> None:
+        for seg in self.segments:
+            if seg.graph is not None:
+                seg.graph.release()
+                seg.graph = None
+            seg.outs, seg.bufs = {}, {}
+        self.pool = None
+        self.ready = False
+
+    def describe(self) -> list[str]:
+        """One line per segment and boundary, for ``explain``."""
+        lines = [f"no segments: {self.unseen}"] if self.unseen else []
+        for s, seg in enumerate(self.segments):
+            names = [self.calls[i].name for i in seg.calls]
+            what = f"refused: {seg.refused}" if seg.refused else "graphed"
+            lines.append(f"segment {s}: calls {seg.first}-{seg.last} ({len(names)}: "
+                         f"{names[0]} .. {names[-1]}) {what}")
+        for i, why in sorted(self.boundaries.items()):
+            lines.append(f"call {i} {self.calls[i].name}: eager ({why})")
+        return lines
+
+
+class Segments:
+    """A callable's segment plans: one per signature entry that runs eagerly for refused calls
+    (a :class:`~._piecewise.PiecewiseEntry`), at most :data:`MAX_PLANS` recorded for each."""
+
+    def __init__(self, state):
+        self.state = state
+        self._plans: dict[int, list] = {}  # id(entry) -> [entry, plan or None, plans recorded]
+
+    def call(self, entry, backend, fn, args: tuple, kwargs: dict) -> Any:
+        """``fn(*args, **kwargs)`` with its segments graphed (recorded on a first call)."""
+        item = self._plans.get(id(entry))
+        if item is None or item[0] is not entry:
+            self._prune()
+            item = self._plans[id(entry)] = [entry, None, 0]
+        plan = item[1]
+        if plan is not None and (not plan.valid() or plan.misses >= 3):
+            plan.release()  # global flags or parameters changed, or its calls went another way
+            plan = item[1] = None
+        state = self.state
+        with state.lock:
+            if plan is None:
+                if item[2] >= MAX_PLANS:
+                    return fn(*args, **kwargs)
+                item[2] += 1
+                plan = item[1] = SegmentPlan(state, backend, state._device)
+                try:
+                    return plan.record(fn, args, kwargs)
+                except BaseException:
+                    plan.release()
+                    item[1] = None
+                    raise
+            return plan.replay(fn, args, kwargs)
+
+    def _prune(self) -> None:
+        """Release the plans of entries no longer in the callable's cache (a new decision
+        replaced them: its module state changed)."""
+        live = {id(e) for _, e in self.state.cache.items(self.state)}
+        for key in [k for k in self._plans if k not in live]:
+            plan = self._plans.pop(key)[1]
+            if plan is not None:
+                plan.release()
+
+    def plans(self) -> list["SegmentPlan"]:
+        return [item[1] for item in self._plans.values() if item[1] is not None]
+
+    def counts(self) -> tuple[int, int]:
+        """(segments graphed, segment replays) over the current plans."""
+        plans = self.plans()
+        return (sum(1 for p in plans for s in p.segments if s.graph is not None),
+                sum(p.replays for p in plans))
+
+    def release(self) -> None:
+        for plan in self.plans():
+            plan.release()
+        self._plans.clear()

@@ -1,0 +1,117 @@
+"""Segments on CUDA (experimental, cudagraphify._segrun): bitwise equal to eager, replays
+counted, and work the mode cannot see (a Triton kernel launched directly) refuses them."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify import _segrun
+from cudagraphify.bench.models import GPT
+
+pytestmark = pytest.mark.cuda
+
+
+@pytest.fixture(autouse=True)
+def segments():
+    old = _segrun.ENABLED
+    _segrun.ENABLED = True
+    try:
+        yield
+    finally:
+        _segrun.ENABLED = old
+
+
+def _graphed(m):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return cg.graphify(copy.deepcopy(m))
+
+
+def _plans(g):
+    return g._cudagraphify_state.segments.plans()
+
+
+@pytest.mark.parametrize("sync", ["item", "item-inline"])
+def test_sync_blocks_replay_their_segments_bitwise(sync):
+    torch.manual_seed(0)
+    m = GPT(256, 4, 4, sync=sync).cuda().eval()
+    g = _graphed(m)
+    xs = [torch.randn(2, 16, 256, device="cuda") for _ in range(5)]
+    with torch.no_grad():
+        kept = [g(x) for x in xs]  # (the caller keeps every output)
+        for x, y in zip(xs, kept):
+            assert torch.equal(y, m(x))
+    s = cg.stats(g)
+    (plan,) = _plans(g)
+    assert plan.unseen is None, plan.unseen
+    # (call 1 is probed, call 2 recorded, calls 3-5 replay the five segments)
+    assert (s.segments, s.segment_replays) == (5, 3 * 5), plan.describe()
+    assert plan.divergences == 0
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+        self.b = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        if h.sum().item() > 0:
+            return self.b(h) * 2 + 1
+        return self.b(h).neg() - 1
+
+
+def test_a_call_that_goes_another_way_is_eagers():
+    torch.manual_seed(0)
+    m = _Branchy().cuda().eval()
+    g = _graphed(m)
+    x = torch.ones(4, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(4):
+            assert torch.equal(g(x), m(x))
+        (plan,) = _plans(g)
+        assert plan.replays > 0 and plan.divergences == 0
+        m.a.bias.fill_(-100.0)
+        g.a.bias.fill_(-100.0)
+        assert torch.equal(g(x), m(x))
+        assert plan.divergences == 1
+
+
+def test_a_triton_kernel_called_directly_keeps_every_call_eager():
+    triton = pytest.importorskip("triton")
+    tl = pytest.importorskip("triton.language")
+
+    @triton.jit
+    def double(src, dst, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(dst + i, tl.load(src + i, mask=i < n) * 2, mask=i < n)
+
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 64)
+
+        def forward(self, x):
+            h = self.lin(x).relu() + 1
+            out = torch.empty_like(h)
+            double[(1,)](h, out, h.numel(), BLOCK=1024)  # not a torch call
+            y = out * 3 - 1
+            return y if y.sum().item() > -1e30 else y
+
+    torch.manual_seed(0)
+    m = M().cuda().eval()
+    g = _graphed(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 64, device="cuda")
+            assert torch.equal(g(x), m(x))
+    (plan,) = _plans(g)
+    assert plan.unseen is not None and "outside every torch call" in plan.unseen
+    assert cg.stats(g).segment_replays == 0
