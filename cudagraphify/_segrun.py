@@ -55,6 +55,8 @@ _META = frozenset("Tensor." + n for n in (
 _CONSTS = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
            torch.layout, type(Ellipsis))
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_grad_enabled = torch.is_grad_enabled
+_use_count = torch._C._storage_Use_Count
 _MethodWrapper = type(torch.Tensor.shape.__get__)  # a property read: a new object each time
 P, S, X = 0, 1, 2  # a tensor argument's source: a member's output, a static, a copy
 
@@ -232,6 +234,8 @@ class _Recorder(TorchFunctionMode):
             if why is None and any(
                     t.untyped_storage().data_ptr() in plan.copied_ptrs for t in outs):
                 why = "returns a view of memory it reads (copied into a graph)"
+            if why is None and (_grad_enabled() or any(t.requires_grad for t in outs)):
+                why = "records autograd history"
             if why is None:
                 call.n_out = len(outs)
                 call.eager_out = [t.clone() for t in outs]
@@ -266,7 +270,7 @@ class _Recorder(TorchFunctionMode):
 class _Run:
     """One replayed call of the forward: where it is in the plan, what it handed out."""
 
-    __slots__ = ("plan", "cursor", "pending", "handed", "diverged")
+    __slots__ = ("plan", "cursor", "pending", "handed", "diverged", "stream")
 
     def __init__(self, plan: "SegmentPlan"):
         self.plan = plan
@@ -274,11 +278,22 @@ class _Run:
         self.pending: _Segment | None = None
         self.handed: dict[int, list[torch.Tensor]] = {}
         self.diverged = False
+        self.stream = None  # the stream the pending segment's inputs were copied on (CUDA)
+
+    def start(self, seg: _Segment) -> None:
+        self.flush()
+        self.pending = seg
+        if self.plan.cuda:
+            self.stream = torch.cuda.current_stream()
 
     def flush(self) -> None:
         seg = self.pending
         if seg is not None:
             self.pending = None
+            if self.plan.cuda:
+                now = torch.cuda.current_stream()
+                if now != self.stream:  # (the forward switched streams inside the segment)
+                    now.wait_stream(self.stream)
             seg.graph.replay()
             self.plan.replays += 1
 
@@ -342,9 +357,12 @@ class _Replayer(TorchFunctionMode):
                 if _meta(leaf) != ref[1]:
                     return run.diverge(func, args, kwargs)
                 copies.append((seg.bufs[i, k], leaf))
+        if _grad_enabled():  # (the record's calls ran without autograd)
+            return run.diverge(func, args, kwargs)
         if run.pending is not seg:
-            run.flush()
-            run.pending = seg
+            if i != seg.first:  # (a segment is entered at its first call only)
+                return run.diverge(func, args, kwargs)
+            run.start(seg)
         for buf, leaf in copies:
             buf.copy_(leaf)
         outs = [t.detach() for t in seg.outs[i]]
@@ -376,6 +394,9 @@ class SegmentPlan:
         self.misses = 0  # calls in a row that diverged
         self.ready = False
         self.profiling = False  # the record runs under the profiler (CUDA)
+        self.cuda = device.type == "cuda"
+        # (storage, use count with only the plan's own references) of the graphs' memory
+        self._baselines: list[tuple[Any, int]] = []
         self.unseen: str | None = None  # why no segment can be graphed: work the mode misses
 
     # -- record and capture -------------------------------------------------------------------
@@ -422,6 +443,7 @@ class SegmentPlan:
         for call in self.calls:  # (the record's copies are not needed any more)
             call.eager_out = []
             call.refs = [ref[:2] if ref[0] == X else ref for ref in call.refs]
+        self._baselines = self._use_counts()
         self.ready = True
         return out
 
@@ -526,8 +548,27 @@ class SegmentPlan:
 
     # -- replay ---------------------------------------------------------------------------------
 
+    def _use_counts(self) -> list[tuple[Any, int]]:
+        storages = {}
+        for seg in self.segments:
+            for t in [*(t for outs in seg.outs.values() for t in outs), *seg.bufs.values()]:
+                st = t.untyped_storage()
+                if st.data_ptr() in self.pool_ptrs:
+                    storages[st.data_ptr()] = st
+        return [(st, _use_count(st._cdata)) for st in storages.values()]
+
+    def held(self) -> bool:
+        """Whether a tensor on the graphs' memory outlived the call that handed it out (the
+        forward kept it, or returned it inside an object the output copy does not look into):
+        a replay would overwrite it."""
+        for st, n in self._baselines:
+            if _use_count(st._cdata) != n:
+                return True
+        return False
+
     def valid(self) -> bool:
-        return self.flags is not None and self.flags.check() and self.state.statics.same()
+        return self.flags is not None and self.flags.check() and self.state.statics.same() \
+            and not self.held()
 
     def replay(self, fn, args: tuple, kwargs: dict) -> Any:
         if not self.segments:
@@ -566,6 +607,7 @@ class SegmentPlan:
                 seg.graph = None
             seg.outs, seg.bufs = {}, {}
         self.pool = None
+        self._baselines = []
         self.ready = False
 
     def describe(self) -> list[str]:

@@ -197,3 +197,31 @@ def test_a_launch_outside_every_recorded_call_is_found():
     assert _segrun.direct_launch([_Evt("cudaDeviceSynchronize")]) is None
     why = _segrun.direct_launch(inside + [_Evt("cuLaunchKernel", _Evt("triton_launcher"))])
     assert why is not None and why.startswith("cuLaunchKernel ran outside")
+
+
+class _Box:
+    """A plain object: the output copy does not look into it."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+def test_a_graph_output_kept_inside_an_object_is_not_overwritten(segments):
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            h = self.lin(x).relu() * 2
+            return _Box((h + 1) * 3) if h.sum().item() > -1e9 else None
+
+    torch.manual_seed(0)
+    m = M().eval()
+    g = _graphed(m)
+    xs = [torch.randn(2, 8) for _ in range(6)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        boxes = [g(x) for x in xs]
+        for x, box in zip(xs, boxes):
+            assert torch.equal(box.t, m(x).t)
