@@ -29,6 +29,7 @@ or the parameters' addresses change (:class:`~._guards.FlagsGuard`, the statics'
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any
 
@@ -58,6 +59,7 @@ _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _grad_enabled = torch.is_grad_enabled
 _use_count = torch._C._storage_Use_Count
 _MethodWrapper = type(torch.Tensor.shape.__get__)  # a property read: a new object each time
+_MISSING = object()
 P, S, X = 0, 1, 2  # a tensor argument's source: a member's output, a static, a copy
 
 
@@ -154,15 +156,53 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+_own_codes: dict[Any, bool] = {}  # code object -> whether it is cudagraphify's own
+
+
 def _own_frame() -> bool:
-    caller = sys._getframe(2).f_code.co_filename
-    return caller.startswith(_HERE) and caller != _OWN_MODELS
+    code = sys._getframe(2).f_code
+    own = _own_codes.get(code)
+    if own is None:
+        caller = code.co_filename
+        own = _own_codes[code] = caller.startswith(_HERE) and caller != _OWN_MODELS
+    return own
+
+
+def _fast_spec(struct: tuple) -> tuple | None:
+    """For a call whose positional arguments are tensors and plain values (no container) and
+    whose keyword arguments are plain values: (number of positional arguments, per argument
+    None for a tensor or (type, value), the keyword values, their types). None otherwise."""
+    args, kw = struct
+    specs = []
+    for a in args[1]:
+        if a == 0 and type(a) is int:
+            specs.append(None)
+        elif a[0] in (tuple, list, torch.Size, slice):
+            return None
+        elif a[0] is float:
+            specs.append((float, float.fromhex(a[1])))
+        else:
+            specs.append(a)
+    kwargs = {}
+    for k, v in kw:
+        if (v == 0 and type(v) is int) or v[0] in (tuple, list, torch.Size, slice, float):
+            return None
+        kwargs[k] = v[1]
+    return (len(specs), tuple(specs), kwargs, tuple((k, type(v)) for k, v in kwargs.items()))
+
+
+def _same_value(a: Any, spec: tuple) -> bool:
+    t, v = spec
+    if type(a) is not t or a != v:
+        return False
+    return t is not float or v != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, v)
 
 
 class _Call:
     """One recorded top-level call."""
 
-    __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "n_out", "eager_out")
+    __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "n_out", "eager_out",
+                 "fast", "single")
 
     def __init__(self, func, name: str):
         self.func, self.name = func, name
@@ -173,6 +213,8 @@ class _Call:
         self.out_struct = None
         self.n_out = 0
         self.eager_out: list[torch.Tensor] = []  # record: copies of its outputs (verification)
+        self.fast: tuple | None = None  # see _fast_spec
+        self.single = False  # returns one tensor
 
 
 class _Segment:
@@ -242,7 +284,9 @@ class _Recorder(TorchFunctionMode):
                 call.refs = [(X, ref[1], leaf.clone()) if ref[0] == X else ref
                              for leaf, ref in zip(leaves, call.refs)]
                 for k, t in enumerate(outs):
-                    self.made[id(t)] = (len(plan.calls) - 1, k, t)
+                    old = self.made.get(id(t))
+                    if old is None or old[2] is not t:  # (x.float() of a float x is x itself)
+                        self.made[id(t)] = (len(plan.calls) - 1, k, t)
                 call.seg = 0  # a member (segments are numbered in plan.segment())
         if why is not None:
             call.refs = []
@@ -336,12 +380,28 @@ class _Replayer(TorchFunctionMode):
             run.cursor = i + 1
             return func(*args, **kwargs)
         leaves: list = []
-        try:
-            struct = _structure(args, kwargs, leaves)
-        except _Opaque:
-            return run.diverge(func, args, kwargs)
-        if struct != call.struct:
-            return run.diverge(func, args, kwargs)
+        fast = call.fast
+        if fast is not None:
+            if len(args) != fast[0] or len(kwargs) != len(fast[2]):
+                return run.diverge(func, args, kwargs)
+            for k, t in fast[3]:  # (types first: a tensor compared with == is not a bool)
+                v = kwargs.get(k, _MISSING)
+                if type(v) is not t or v != fast[2][k]:
+                    return run.diverge(func, args, kwargs)
+            for a, spec in zip(args, fast[1]):
+                if spec is None:
+                    if type(a) is not _Tensor and type(a) is not _Parameter:
+                        return run.diverge(func, args, kwargs)
+                    leaves.append(a)
+                elif not _same_value(a, spec):
+                    return run.diverge(func, args, kwargs)
+        else:
+            try:
+                struct = _structure(args, kwargs, leaves)
+            except _Opaque:
+                return run.diverge(func, args, kwargs)
+            if struct != call.struct:
+                return run.diverge(func, args, kwargs)
         copies = []
         handed = run.handed
         for k, (leaf, ref) in enumerate(zip(leaves, call.refs)):
@@ -370,7 +430,7 @@ class _Replayer(TorchFunctionMode):
         run.cursor = i + 1
         if i == seg.last:
             run.flush()
-        return _build(call.out_struct, iter(outs))
+        return outs[0] if call.single else _build(call.out_struct, iter(outs))
 
 
 class SegmentPlan:
@@ -443,6 +503,9 @@ class SegmentPlan:
         for call in self.calls:  # (the record's copies are not needed any more)
             call.eager_out = []
             call.refs = [ref[:2] if ref[0] == X else ref for ref in call.refs]
+            if call.seg is not None:
+                call.fast = _fast_spec(call.struct)
+                call.single = call.out_struct == 0 and type(call.out_struct) is int
         self._baselines = self._use_counts()
         self.ready = True
         return out
@@ -555,14 +618,15 @@ class SegmentPlan:
                 st = t.untyped_storage()
                 if st.data_ptr() in self.pool_ptrs:
                     storages[st.data_ptr()] = st
-        return [(st, _use_count(st._cdata)) for st in storages.values()]
+        return [(st, _use_count(st._cdata), st.data_ptr(), st.nbytes())
+                for st in storages.values()]
 
     def held(self) -> bool:
         """Whether a tensor on the graphs' memory outlived the call that handed it out (the
         forward kept it, or returned it inside an object the output copy does not look into):
         a replay would overwrite it."""
-        for st, n in self._baselines:
-            if _use_count(st._cdata) != n:
+        for st, n, ptr, nbytes in self._baselines:  # (resized or freed: the graph's is gone)
+            if _use_count(st._cdata) != n or st.data_ptr() != ptr or st.nbytes() != nbytes:
                 return True
         return False
 
@@ -637,12 +701,12 @@ class Segments:
         if item is None or item[0] is not entry:
             self._prune()
             item = self._plans[id(entry)] = [entry, None, 0]
-        plan = item[1]
-        if plan is not None and (not plan.valid() or plan.misses >= 3):
-            plan.release()  # global flags or parameters changed, or its calls went another way
-            plan = item[1] = None
         state = self.state
-        with state.lock:
+        with state.lock:  # (another thread's call holds graph memory until it returns)
+            plan = item[1]
+            if plan is not None and (not plan.valid() or plan.misses >= 3):
+                plan.release()  # flags or parameters changed, or its calls went another way
+                plan = item[1] = None
             if plan is None:
                 if item[2] >= MAX_PLANS:
                     return fn(*args, **kwargs)
