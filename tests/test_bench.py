@@ -307,7 +307,10 @@ def test_overhead_section_runs_every_row_on_a_cpu_with_a_stand_in_capture():
     row = overhead.bench_overhead(2, 1, decode_steps=2, decode_repeats=1, device="cpu",
                                   capture=capture)
     timed = [line.key for line in overhead.LINES if not line.key.startswith("hf_decode")]
-    assert all(row["us"][k] > 0 for k in timed)
+    # (the region's row is a difference shifted onto hand copy-in's: with 2 calls on a busy CPU
+    # it can come out at or below zero; it must still be a number)
+    assert all(row["us"][k] > 0 for k in timed if k != "region")
+    assert row["us"]["region"] == row["us"]["region"] and abs(row["us"]["region"]) < 1e9
     assert set(row["counters"]) >= {"graphify", "graphify_nocopy", "region", "opaque_graphify",
                                     "ineligible_graphify"}
     assert "of type Scale" in next(iter(row["counters"]["opaque_graphify"]["eager_calls"]))
