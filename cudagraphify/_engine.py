@@ -673,6 +673,7 @@ class GraphedState:
 
     def stats(self) -> Stats:
         graphs = self.all_graphs()
+        segments, segment_replays = self.segments.counts()
         return Stats(
             captures=self.captures,
             replays=self.replays,
@@ -687,8 +688,8 @@ class GraphedState:
             retargets=self.retargets,
             set_ups=self.set_ups,
             timed_calls=self.timed_calls,
-            segments=self.segments.counts()[0],
-            segment_replays=self.segments.counts()[1],
+            segments=segments,
+            segment_replays=segment_replays,
             reasons=self.families.reasons(),
             template_pool_bytes=self.families.pool_bytes(),
         )

@@ -34,6 +34,7 @@ import sys
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from ._guards import FlagsGuard
@@ -201,8 +202,8 @@ def _same_value(a: Any, spec: tuple) -> bool:
 class _Call:
     """One recorded top-level call."""
 
-    __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "n_out", "eager_out",
-                 "fast", "single")
+    __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "eager_out", "fast",
+                 "single")
 
     def __init__(self, func, name: str):
         self.func, self.name = func, name
@@ -211,7 +212,6 @@ class _Call:
         self.refs: list = []
         self.seg: int | None = None  # its segment's index (None: a boundary)
         self.out_struct = None
-        self.n_out = 0
         self.eager_out: list[torch.Tensor] = []  # record: copies of its outputs (verification)
         self.fast: tuple | None = None  # see _fast_spec
         self.single = False  # returns one tensor
@@ -279,7 +279,6 @@ class _Recorder(TorchFunctionMode):
             if why is None and (_grad_enabled() or any(t.requires_grad for t in outs)):
                 why = "records autograd history"
             if why is None:
-                call.n_out = len(outs)
                 call.eager_out = [t.clone() for t in outs]
                 call.refs = [(X, ref[1], leaf.clone()) if ref[0] == X else ref
                              for leaf, ref in zip(leaves, call.refs)]
@@ -658,7 +657,6 @@ class SegmentPlan:
         try:
             s = _flat(out, leaves)
         except _Opaque:
-            import torch.utils._pytree as pytree
             return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor)
                                    and t.untyped_storage().data_ptr() in ptrs else t, out)
         return _build(s, iter([t.clone() if t.untyped_storage().data_ptr() in ptrs else t

@@ -26,6 +26,18 @@ def chaining(on: bool):
         _engine.CHAIN_PIECES = True
 
 
+@contextlib.contextmanager
+def segmenting():
+    """Segments (experimental, off by default: cudagraphify._segrun) on inside the block."""
+    from cudagraphify import _segrun
+
+    old, _segrun.ENABLED = _segrun.ENABLED, True
+    try:
+        yield
+    finally:
+        _segrun.ENABLED = old
+
+
 def time_per_call(fn, x, calls: int, repeats: int, sync=None) -> float:
     """Median µs per call of ``fn(x)`` over ``repeats`` loops of ``calls`` calls."""
     sync = sync or torch.cuda.synchronize

@@ -10,8 +10,7 @@ import time
 
 import torch
 
-from .. import _segrun
-from ._common import chaining, progress, time_per_call
+from ._common import chaining, progress, segmenting, time_per_call
 from .models import GPT, GPTConfig, model_and_input
 
 __all__ = ["bench_training", "bench_share", "bench_share_hf", "bench_sync", "format_training",
@@ -245,22 +244,16 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
             return unchained(inp)
 
     def segments_call(inp):  # (segments are experimental: on only for this copy's calls)
-        old, _segrun.ENABLED = _segrun.ENABLED, True
-        try:
+        with segmenting():
             return segmented(inp)
-        finally:
-            _segrun.ENABLED = old
 
     with torch.no_grad():
         ref = model(x)
         graphed = graphify_copy()
         with chaining(False):
             unchained = graphify_copy()
-        old, _segrun.ENABLED = _segrun.ENABLED, True
-        try:
+        with segmenting():
             segmented = graphify_copy()
-        finally:
-            _segrun.ENABLED = old
         timed = {"eager_us": model, "graphify_us": graphed,
                  "graphify_unchained_us": unchained_call, "segments_us": segments_call}
         for key in timed:
