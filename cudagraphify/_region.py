@@ -256,16 +256,29 @@ class GraphRegion:
         """``out`` with every tensor on a slot's memory (an alias handed out, or a view of one)
         replaced by a copy: what a callable running its pieces in this region returns to its
         caller, who may share it where use counts do not see (DLPack, CuPy) or resize it."""
-        if not self._live:
+        live = self._live
+        if not live:
             return out
-        ptrs = {slot.storage.data_ptr() for slot in self._live}
+        for slot in tuple(live):
+            if _use_count(slot.cdata) == slot.baseline:
+                del live[slot]  # no alias left (the forward consumed it): nothing to copy
+        if not live:
+            return out
+        if type(out) is torch.Tensor:  # (the common case, without a flatten)
+            ptr = out.untyped_storage().data_ptr()
+            return out.clone() if any(s.storage.data_ptr() == ptr for s in live) else out
+        ptrs = {slot.storage.data_ptr() for slot in live}
         leaves, spec = pytree.tree_flatten(out)
         if not any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs
                    for t in leaves):
             return out
-        return pytree.tree_unflatten(
-            [t.clone() if isinstance(t, torch.Tensor)
-             and t.untyped_storage().data_ptr() in ptrs else t for t in leaves], spec)
+        copies: dict[int, torch.Tensor] = {}  # (a tensor returned twice is one copy, twice)
+        for i, t in enumerate(leaves):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs:
+                if id(t) not in copies:
+                    copies[id(t)] = t.clone()
+                leaves[i] = copies[id(t)]
+        return pytree.tree_unflatten(leaves, spec)
 
     def cache_of(self, state: Any) -> list[GraphCache]:
         """``state``'s cache in this region, as a list (empty where it has none)."""

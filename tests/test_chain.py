@@ -98,6 +98,58 @@ def test_outputs_returned_are_copies_so_a_held_view_costs_nothing(sim):
     assert cg.stats(g.mlp).eager == before  # nothing of the pieces' memory was held
 
 
+class _Returning(_Synced):
+    """Returns a piece's output itself, twice, beside a tensor made from it."""
+
+    def forward(self, x):
+        h = self.norm(x)
+        if h.sum().item() > 1e9:  # a host sync
+            h = h * 0
+        y = self.mlp(h)
+        return y, y, y + 1
+
+
+class _Consuming(_Synced):
+    """Returns only a tensor computed from the pieces' outputs, none of theirs."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def _slot_ptrs(g) -> set[int]:
+    return {s.storage.data_ptr() for s in g._cudagraphify_state._chain._slots.values()}
+
+
+def test_a_returned_pieces_output_is_copied_once_however_often_it_is_returned(sim):
+    ref, g = _pair(_Returning)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 8)
+            got, want = g(x), ref(x)
+            assert all(torch.equal(a, b) for a, b in zip(got, want))
+            assert got[0] is got[1]  # as eager's: one tensor, returned twice
+            if g._cudagraphify_state._chain is not None:
+                assert all(t.untyped_storage().data_ptr() not in _slot_ptrs(g) for t in got)
+    assert cg.stats(g.mlp).replays >= 3
+
+
+def test_a_result_the_forward_made_itself_is_returned_as_it_is(sim, monkeypatch):
+    ref, g = _pair(_Consuming)
+    clones = []
+    clone = torch.Tensor.clone
+    with torch.no_grad():
+        for _ in range(3):
+            g(torch.randn(4, 8))
+        chain = g._cudagraphify_state._chain
+        monkeypatch.setattr(torch.Tensor, "clone", lambda t, *a, **k: clones.append(t) or clone(
+            t, *a, **k))
+        x = torch.randn(4, 8)
+        out = g(x)
+        monkeypatch.undo()
+        assert torch.equal(out, ref(x))
+    assert clones == [] and not chain._live  # the pieces' aliases died in the forward
+
+
 class _Store:
     def __init__(self):
         self.items = []
