@@ -29,7 +29,6 @@ or the parameters' addresses change (:class:`~._guards.FlagsGuard`, the statics'
 
 from __future__ import annotations
 
-import math
 import sys
 from typing import Any
 
@@ -61,6 +60,7 @@ _grad_enabled = torch.is_grad_enabled
 _use_count = torch._C._storage_Use_Count
 _MethodWrapper = type(torch.Tensor.shape.__get__)  # a property read: a new object each time
 _MISSING = object()
+_getframe = sys._getframe
 P, S, X = 0, 1, 2  # a tensor argument's source: a member's output, a static, a copy
 
 
@@ -160,50 +160,108 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 _own_codes: dict[Any, bool] = {}  # code object -> whether it is cudagraphify's own
 
 
-def _own_frame() -> bool:
-    code = sys._getframe(2).f_code
-    own = _own_codes.get(code)
-    if own is None:
-        caller = code.co_filename
-        own = _own_codes[code] = caller.startswith(_HERE) and caller != _OWN_MODELS
+def _own_code(code) -> bool:
+    """Whether ``code`` is cudagraphify's own (remembered per code object)."""
+    caller = code.co_filename
+    own = _own_codes[code] = caller.startswith(_HERE) and caller != _OWN_MODELS
     return own
 
 
-def _fast_spec(struct: tuple) -> tuple | None:
-    """For a call whose positional arguments are tensors and plain values (no container) and
-    whose keyword arguments are plain values: (number of positional arguments, per argument
-    None for a tensor or (type, value), the keyword values, their types). None otherwise."""
-    args, kw = struct
-    specs = []
-    for a in args[1]:
-        if a == 0 and type(a) is int:
-            specs.append(None)
-        elif a[0] in (tuple, list, torch.Size, slice):
-            return None
-        elif a[0] is float:
-            specs.append((float, float.fromhex(a[1])))
+def _own_frame() -> bool:
+    code = _getframe(2).f_code
+    own = _own_codes.get(code)
+    return _own_code(code) if own is None else own
+
+
+class _Matcher:
+    """Writes the check of one member call as a Python function (compiled once, after the
+    capture): the recorded structure of its arguments and where each tensor comes from become
+    straight-line code, so a replayed call pays no walk over the structure.
+
+    The function takes ``(args, kwargs, handed)`` and returns the ``(static buffer, tensor)``
+    pairs to copy in, or None when anything differs: the number of arguments, a keyword's
+    name, a value's type or value (a float by its bits), a tensor's type, the identity of an
+    earlier member's output (this run's), a static's identity or address and layout, a copied
+    tensor's layout."""
+
+    def __init__(self, call: "_Call", i: int, seg: "_Segment"):
+        self.lines: list[str] = []
+        self.env: dict[str, Any] = {"_Tensor": _Tensor, "_Parameter": _Parameter}
+        self.copies: list[str] = []
+        self.call, self.i, self.seg = call, i, seg
+        self.k = 0  # the next tensor leaf
+
+    def const(self, value: Any) -> str:
+        name = f"c{len(self.env)}"
+        self.env[name] = value
+        return name
+
+    def fail_if(self, cond: str, depth: int = 1) -> None:
+        self.lines.append("    " * depth + f"if {cond}: return None")
+
+    def value(self, expr: str, s: Any) -> None:
+        """Checks that ``expr`` has the recorded structure ``s`` (see :func:`_flat`)."""
+        if s == 0 and type(s) is int:
+            self.tensor(expr)
+            return
+        t = s[0]
+        if t is tuple or t is list or t is torch.Size:
+            self.fail_if(f"type({expr}) is not {self.const(t)} or len({expr}) != {len(s[1])}")
+            for j, child in enumerate(s[1]):
+                self.value(f"{expr}[{j}]", child)
+        elif t is float:
+            v = float.fromhex(s[1])
+            if v != 0.0 and v == v:  # (equal floats other than zeros and NaNs: equal bits)
+                self.fail_if(f"type({expr}) is not float or {expr} != {self.const(v)}")
+            else:
+                self.fail_if(f"type({expr}) is not float or {expr}.hex() != {s[1]!r}")
+        elif t is slice:
+            self.fail_if(f"type({expr}) is not slice")
+            for part, child in zip(("start", "stop", "step"), s[1:]):
+                self.value(f"{expr}.{part}", child)
+        elif s[1] is None or s[1] is Ellipsis:
+            self.fail_if(f"{expr} is not {self.const(s[1])}")
+        else:  # (types first: a tensor compared with == is not a bool)
+            self.fail_if(f"type({expr}) is not {self.const(t)} or {expr} != {self.const(s[1])}")
+
+    def tensor(self, expr: str) -> None:
+        k, ref = self.k, self.call.refs[self.k]
+        self.k += 1
+        x = f"x{k}"
+        self.lines.append(f"    {x} = {expr}")
+        if ref[0] == P:
+            self.lines.append(f"    h = handed.get({ref[1]})")
+            self.fail_if(f"h is None or h[{ref[2]}] is not {x}")
+            return
+        meta = self.const(ref[3] if ref[0] == S else ref[1])
+        layout = f"({x}.shape, {x}.stride(), {x}.dtype, {x}.device) != {meta}"
+        plain = f"(type({x}) is not _Tensor and type({x}) is not _Parameter)"
+        if ref[0] == S:
+            self.fail_if(f"{x} is not {self.const(ref[1])} and ({plain} or {x}.data_ptr() != "
+                         f"{ref[2]} or {layout})")
         else:
-            specs.append(a)
-    kwargs = {}
-    for k, v in kw:
-        if (v == 0 and type(v) is int) or v[0] in (tuple, list, torch.Size, slice, float):
-            return None
-        kwargs[k] = v[1]
-    return (len(specs), tuple(specs), kwargs, tuple((k, type(v)) for k, v in kwargs.items()))
+            self.fail_if(f"{plain} or {layout}")
+            self.copies.append(f"({self.const(self.seg.bufs[self.i, k])}, {x})")
 
-
-def _same_value(a: Any, spec: tuple) -> bool:
-    t, v = spec
-    if type(a) is not t or a != v:
-        return False
-    return t is not float or v != 0.0 or math.copysign(1.0, a) == math.copysign(1.0, v)
+    def build(self):
+        args, kwargs = self.call.struct
+        self.fail_if(f"len(args) != {len(args[1])} or len(kwargs) != {len(kwargs)}")
+        for j, child in enumerate(args[1]):
+            self.value(f"args[{j}]", child)
+        for key, child in kwargs:
+            self.lines.append(f"    k = kwargs.get({key!r}, {self.const(_MISSING)})")
+            self.value("k", child)
+        self.lines.append(f"    return ({', '.join(self.copies)}{',' if self.copies else ''})")
+        source = "def match(args, kwargs, handed):\n" + "\n".join(self.lines) + "\n"
+        exec(compile(source, f"<segment call {self.i}: {self.call.name}>", "exec"), self.env)
+        return self.env["match"]
 
 
 class _Call:
     """One recorded top-level call."""
 
-    __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "eager_out", "fast",
-                 "single")
+    __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "eager_out", "match",
+                 "single", "segment", "outs")
 
     def __init__(self, func, name: str):
         self.func, self.name = func, name
@@ -213,8 +271,12 @@ class _Call:
         self.seg: int | None = None  # its segment's index (None: a boundary)
         self.out_struct = None
         self.eager_out: list[torch.Tensor] = []  # record: copies of its outputs (verification)
-        self.fast: tuple | None = None  # see _fast_spec
-        self.single = False  # returns one tensor
+        # replay (a member of a graphed segment): its check (see _Matcher), its segment, the
+        # segment's static outputs of this call, and whether it returns one tensor
+        self.match = None
+        self.segment: _Segment | None = None
+        self.outs: list[torch.Tensor] = []
+        self.single = False
 
 
 class _Segment:
@@ -353,70 +415,38 @@ class _Replayer(TorchFunctionMode):
         self.run = run
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
         run = self.run
+        if kwargs is None:
+            kwargs = {}
         if run.diverged:
             return func(*args, **kwargs)
-        if _own_frame():  # (cudagraphify's own calls: not recorded, they see real values)
+        code = _getframe(1).f_code
+        own = _own_codes.get(code)
+        if own is None:
+            own = _own_code(code)
+        if own:  # (cudagraphify's own calls: not recorded, they see real values)
             run.flush()
-            return func(*args, **kwargs)
-        info = infos.get(id(func))
-        if info is None or info[0] is not func:
-            info = info_of(func)
-        name = info[1]
-        if name in _META:
             return func(*args, **kwargs)
         plan = run.plan
         i = run.cursor
-        if i >= len(plan.calls):
-            return run.diverge(func, args, kwargs)
-        call = plan.calls[i]
-        if call.func is not func and (type(func) is not _MethodWrapper or call.name != name):
-            return run.diverge(func, args, kwargs)
-        seg = plan.segments[call.seg] if call.seg is not None else None
-        if seg is None or seg.refused is not None:
+        calls = plan.calls
+        call = calls[i] if i < len(calls) else None
+        if call is None or call.func is not func:
+            info = infos.get(id(func))
+            if info is None or info[0] is not func:
+                info = info_of(func)
+            if info[1] in _META:
+                return func(*args, **kwargs)
+            if call is None or type(func) is not _MethodWrapper or call.name != info[1]:
+                return run.diverge(func, args, kwargs)
+        seg = call.segment
+        if seg is None:  # a boundary, or a member of a segment that runs eagerly
             run.flush()
             run.cursor = i + 1
             return func(*args, **kwargs)
-        leaves: list = []
-        fast = call.fast
-        if fast is not None:
-            if len(args) != fast[0] or len(kwargs) != len(fast[2]):
-                return run.diverge(func, args, kwargs)
-            for k, t in fast[3]:  # (types first: a tensor compared with == is not a bool)
-                v = kwargs.get(k, _MISSING)
-                if type(v) is not t or v != fast[2][k]:
-                    return run.diverge(func, args, kwargs)
-            for a, spec in zip(args, fast[1]):
-                if spec is None:
-                    if type(a) is not _Tensor and type(a) is not _Parameter:
-                        return run.diverge(func, args, kwargs)
-                    leaves.append(a)
-                elif not _same_value(a, spec):
-                    return run.diverge(func, args, kwargs)
-        else:
-            try:
-                struct = _structure(args, kwargs, leaves)
-            except _Opaque:
-                return run.diverge(func, args, kwargs)
-            if struct != call.struct:
-                return run.diverge(func, args, kwargs)
-        copies = []
         handed = run.handed
-        for k, (leaf, ref) in enumerate(zip(leaves, call.refs)):
-            kind = ref[0]
-            if kind == P:
-                got = handed.get(ref[1])
-                if got is None or got[ref[2]] is not leaf:
-                    return run.diverge(func, args, kwargs)
-            elif kind == S:
-                if leaf is not ref[1] and (leaf.data_ptr() != ref[2] or _meta(leaf) != ref[3]):
-                    return run.diverge(func, args, kwargs)
-            else:
-                if _meta(leaf) != ref[1]:
-                    return run.diverge(func, args, kwargs)
-                copies.append((seg.bufs[i, k], leaf))
-        if _grad_enabled():  # (the record's calls ran without autograd)
+        copies = call.match(args, kwargs, handed)
+        if copies is None or _grad_enabled():  # (the record's calls ran without autograd)
             return run.diverge(func, args, kwargs)
         if run.pending is not seg:
             if i != seg.first:  # (a segment is entered at its first call only)
@@ -424,12 +454,16 @@ class _Replayer(TorchFunctionMode):
             run.start(seg)
         for buf, leaf in copies:
             buf.copy_(leaf)
-        outs = [t.detach() for t in seg.outs[i]]
-        handed[i] = outs
         run.cursor = i + 1
+        if call.single:
+            out = call.outs[0].detach()
+            handed[i] = (out,)
+        else:
+            outs = handed[i] = [t.detach() for t in call.outs]
+            out = _build(call.out_struct, iter(outs))
         if i == seg.last:
             run.flush()
-        return outs[0] if call.single else _build(call.out_struct, iter(outs))
+        return out
 
 
 class SegmentPlan:
@@ -499,11 +533,13 @@ class SegmentPlan:
                 out = fn(*args, **kwargs)
         self._segment()
         self._capture()
-        for call in self.calls:  # (the record's copies are not needed any more)
+        for i, call in enumerate(self.calls):  # (the record's copies are not needed any more)
             call.eager_out = []
             call.refs = [ref[:2] if ref[0] == X else ref for ref in call.refs]
-            if call.seg is not None:
-                call.fast = _fast_spec(call.struct)
+            seg = self.segments[call.seg] if call.seg is not None else None
+            if seg is not None and seg.refused is None:
+                call.segment, call.outs = seg, seg.outs[i]
+                call.match = _Matcher(call, i, seg).build()
                 call.single = call.out_struct == 0 and type(call.out_struct) is int
         self._baselines = self._use_counts()
         self.ready = True

@@ -20,6 +20,7 @@ import wrapt
 from . import _watch
 from ._engine import GraphedState
 from ._fast import MISS
+from ._nested import in_graphed_call, nesting as _nesting
 from ._errors import CudagraphifyUsageError
 from ._options import Options
 
@@ -197,6 +198,11 @@ class DirectCall(_watch.CallImpl):
         state = self.state
         if state.given_back is not None:  # a piece whose graph did not pay (see _trial)
             return state._given_back(self.fn, args, kwargs)
+        if _nesting[0] and in_graphed_call():
+            # inside a warm-up, capture or segments' run on this thread: part of it, as the
+            # slow path would decide, without its checks (a segments' replay meets every
+            # piece of its forward here)
+            return self.fn(*args, **kwargs)
         fast = state._fast
         if fast is not None:  # (no global module hooks: checked above)
             out = fast.call(self.fn, args, kwargs)
