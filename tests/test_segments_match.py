@@ -1,0 +1,120 @@
+"""Segments: a replayed member call is matched against its record by a check compiled once per
+call (cudagraphify._segrun._Matcher). Every kind of argument it writes code for must see a
+change: a value the forward computes from the data (after a host sync, so no guard of the
+signature sees it) selects the arguments of the calls after it. CPU, simulated backend, bitwise
+against an eager twin, the divergences counted."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify import _segrun
+
+
+@pytest.fixture
+def segments(sim):
+    old = _segrun.ENABLED
+    _segrun.ENABLED = True
+    try:
+        yield sim
+    finally:
+        _segrun.ENABLED = old
+
+
+class _Args(nn.Module):
+    """After a host sync, mode ``v`` (read from the input) changes one argument of one call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        v = int(x[0, 0].item())  # a host sync: the calls below form one segment
+        h = self.lin(x)
+        h = F.layer_norm(h, (8,) if v != 1 else [8], eps=1e-3 if v == 2 else 1e-5)
+        h = torch.cat([h, h * 2.0], dim=0 if v == 3 else -1)
+        h = h * (-0.0 if v == 4 else 0.0) + h
+        h = h[:, 1:5] if v == 5 else h[:, 1:9]
+        h = h.sum(dim=1, keepdim=v == 6) if v in (6, 7) else h + 1
+        h = torch.clamp(h, -3.0, max=None if v == 8 else 3.0)
+        return h * (float("nan") if v == 9 else 1.0) if v != 10 else h.to(torch.float64)
+
+
+def _input(v: int) -> torch.Tensor:
+    x = torch.randn(4, 8)
+    x[0, 0] = v + 0.5
+    return x
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    view = {torch.float32: torch.int32, torch.float64: torch.int64}[a.dtype]
+    return torch.equal(a.view(view), b.view(view))  # (-0.0 against 0.0, NaNs: their bits)
+
+
+@pytest.mark.parametrize("v", range(1, 11))
+def test_every_kind_of_argument_a_member_gets_is_matched(segments, v):
+    torch.manual_seed(0)
+    m = _Args().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = cg.graphify(copy.deepcopy(m))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):  # probe, record, two replays
+            x = _input(0)
+            assert _same_bits(g(x), m(x))
+        (plan,) = g._cudagraphify_state.segments.plans()
+        assert plan.divergences == 0 and plan.replays == 2 and len(plan.segments) == 1
+        x = _input(v)
+        assert _same_bits(g(x), m(x))
+        assert plan.divergences == 1, v  # the changed argument was seen
+        x = _input(0)
+        assert _same_bits(g(x), m(x))
+        assert plan.divergences == 1 and plan.replays == 4  # and the record still applies
+
+
+class _Sources(nn.Module):
+    """Hands a member a parameter, another tensor, or an earlier member's output of this call,
+    as mode ``v`` says."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8))
+        self.other = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x, y):
+        v = int(x[0, 0].item())
+        h = x @ self.w
+        k = h.relu()
+        w = self.other if v == 1 else self.w
+        src = y if v == 2 else k
+        return (src @ w + 1).tanh()
+
+
+@pytest.mark.parametrize("v", [1, 2])
+def test_a_tensor_from_another_source_is_seen(segments, v):
+    torch.manual_seed(0)
+    m = _Sources().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = cg.graphify(copy.deepcopy(m))
+    y = torch.randn(4, 8)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            x = _input(0)
+            assert torch.equal(g(x, y), m(x, y))
+        (plan,) = g._cudagraphify_state.segments.plans()
+        assert plan.divergences == 0 and plan.replays == 2
+        x = _input(v)
+        assert torch.equal(g(x, y), m(x, y))
+        assert plan.divergences == 1
