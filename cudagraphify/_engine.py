@@ -478,11 +478,14 @@ class GraphedState:
 
         With segments on (``_segrun.ENABLED``), an inference call of a piecewise ``entry``
         outside any region runs its forward with the runs of safe calls graphed instead
-        (:class:`~._segrun.Segments`; its pieces then run as part of it)."""
+        (:class:`~._segrun.Segments`; its pieces then run as part of it), once timed against
+        the forward without them where the backend has a clock (see _trial)."""
         if entry is not None and _segrun.ENABLED and self._device is not None \
                 and self.share is None and not torch.is_grad_enabled() \
                 and not _region_stack.get():
-            return self.segments.call(entry, _capture.default_backend(), fn, args, kwargs)
+            # (without segments: this method without an entry)
+            return self.segments.call(entry, _capture.default_backend(), fn, args, kwargs,
+                                      self.chained)
         if not self.pieces or _region_stack.get() or torch.is_grad_enabled() \
                 or self.share is not None or not CHAIN_PIECES:
             # (share_graph layers share outside regions)

@@ -41,6 +41,7 @@ from ._nested import Nested
 from ._opinfo import infos, info_of, written_by
 from ._policy import default_policy
 from ._probe import _HERE, _OWN_MODELS
+from ._trial import MARGIN, Trial
 
 __all__ = ["ENABLED", "SegmentPlan", "Segments"]
 
@@ -491,6 +492,11 @@ class SegmentPlan:
         # (storage, use count with only the plan's own references) of the graphs' memory
         self._baselines: list[tuple[Any, int]] = []
         self.unseen: str | None = None  # why no segment can be graphed: work the mode misses
+        # the first calls after the record alternate between the segments and the forward run
+        # as it would without them, timed (see _trial); segments that do not pay are given
+        # back: the forward runs without them from then on, for this signature
+        self.trial: Trial | None = None
+        self.given_back: str | None = None
 
     # -- record and capture -------------------------------------------------------------------
 
@@ -543,6 +549,26 @@ class SegmentPlan:
                 call.single = call.out_struct == 0 and type(call.out_struct) is int
         self._baselines = self._use_counts()
         self.ready = True
+        clock = getattr(self.backend, "clock", None)
+        if clock is not None and any(seg.graph is not None for seg in self.segments):
+            self.trial = Trial(clock(self.device))
+        return out
+
+    def timed(self, fn, args: tuple, kwargs: dict, without) -> Any:
+        """A call while the trial runs: the segments' replay or ``without`` (the forward as it
+        runs without segments), timed, in turn; once both are timed enough, the verdict."""
+        trial = self.trial
+        plain = trial.eager_next()
+        out = trial.timed(lambda: without(fn, args, kwargs) if plain
+                          else self.replay(fn, args, kwargs), plain)
+        if trial.done:
+            self.trial = None
+            graph, eager = min(trial.graph), min(trial.eager)
+            if eager * MARGIN < graph:
+                self.given_back = (f"segments given back: they cost more than the forward "
+                                   f"without them ({graph * 1e6:.0f} vs {eager * 1e6:.0f} µs a "
+                                   "call, timed on its first calls)")
+                self.release()
         return out
 
     def _segment(self) -> None:
@@ -711,6 +737,8 @@ class SegmentPlan:
     def describe(self) -> list[str]:
         """One line per segment and boundary, for ``explain``."""
         lines = [f"no segments: {self.unseen}"] if self.unseen else []
+        if self.given_back:
+            lines.append(self.given_back)
         for s, seg in enumerate(self.segments):
             names = [self.calls[i].name for i in seg.calls]
             what = f"refused: {seg.refused}" if seg.refused else "graphed"
@@ -729,8 +757,10 @@ class Segments:
         self.state = state
         self._plans: dict[int, list] = {}  # id(entry) -> [entry, plan or None, plans recorded]
 
-    def call(self, entry, backend, fn, args: tuple, kwargs: dict) -> Any:
-        """``fn(*args, **kwargs)`` with its segments graphed (recorded on a first call)."""
+    def call(self, entry, backend, fn, args: tuple, kwargs: dict, without) -> Any:
+        """``fn(*args, **kwargs)`` with its segments graphed (recorded on a first call);
+        ``without(fn, args, kwargs)`` runs it as it would run without segments (their plan
+        given back, or timed against)."""
         item = self._plans.get(id(entry))
         if item is None or item[0] is not entry:
             self._prune()
@@ -738,6 +768,8 @@ class Segments:
         state = self.state
         with state.lock:  # (another thread's call holds graph memory until it returns)
             plan = item[1]
+            if plan is not None and plan.given_back is not None:
+                return without(fn, args, kwargs)
             if plan is not None and (not plan.valid() or plan.misses >= 3):
                 plan.release()  # flags or parameters changed, or its calls went another way
                 plan = item[1] = None
@@ -752,6 +784,8 @@ class Segments:
                     plan.release()
                     item[1] = None
                     raise
+            if plan.trial is not None:
+                return plan.timed(fn, args, kwargs, without)
             return plan.replay(fn, args, kwargs)
 
     def _prune(self) -> None:

@@ -118,3 +118,56 @@ def test_a_tensor_from_another_source_is_seen(segments, v):
         x = _input(v)
         assert torch.equal(g(x, y), m(x, y))
         assert plan.divergences == 1
+
+
+class _Timed(nn.Module):
+    """A host sync between two runs of calls; each forward advances the test's clock by what
+    it is told the segments' run, or the run without them, costs."""
+
+    cost = {True: 1.0, False: 1.0}  # under the segments' mode -> seconds
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        _NOW[0] += self.cost[torch._C._len_torch_function_stack() > 0]
+        h = self.a(x).relu()
+        if h.sum().item() > 1e9:
+            h = h * 0
+        return self.b(h).tanh()
+
+
+_NOW = [0.0]
+
+
+@pytest.mark.parametrize("segments_cost, kept", [(1.0, True), (2.0, False)])
+def test_segments_that_do_not_pay_are_given_back(segments, segments_cost, kept):
+    segments.clock = lambda device: lambda: _NOW[0]
+    torch.manual_seed(0)
+    m = _Timed().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = cg.graphify(copy.deepcopy(m))
+    g.cost = {True: segments_cost, False: 1.0}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):  # probe, record
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), m(x))
+        (plan,) = g._cudagraphify_state.segments.plans()
+        assert plan.trial is not None
+        for _ in range(6):  # the trial: segments and the forward without them, in turn
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), m(x))
+        assert plan.trial is None and plan.replays == 2 * 3  # (two segments a call)
+        assert (plan.given_back is None) == kept, plan.given_back
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), m(x))
+    assert plan.replays == 2 * (6 if kept else 3)
+    assert (cg.stats(g).segments > 0) == kept
+    if not kept:
+        assert "segments given back: they cost more" in plan.given_back
+        assert any("given back" in line for line in plan.describe())
