@@ -18,19 +18,13 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _segrun
 
 
 @pytest.fixture
-def segments(sim):
-    old = _segrun.ENABLED
-    _segrun.ENABLED = True
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield sim
-    finally:
-        _segrun.ENABLED = old
+def segments(sim, segments_enabled):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield sim
 
 
 def _graphed(m):
