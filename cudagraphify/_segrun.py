@@ -157,6 +157,14 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b)
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for a tensor without one (sparse)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
 _own_codes: dict[Any, bool] = {}  # code object -> whether it is cudagraphify's own
 
 
@@ -432,6 +440,35 @@ class _Replayer(TorchFunctionMode):
         return outs[0] if call.single else _build(call.out_struct, iter(outs))
 
 
+def _copies(leaves: list, ptrs: set[int]) -> list:
+    """``leaves`` with the tensors on memory at ``ptrs`` replaced by copies, as eager's are:
+    a tensor met twice is copied once; tensors that share memory share the copy's."""
+    on: dict[int, list[int]] = {}  # storage address -> the leaves on it
+    for k, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor):
+            ptr = _storage_ptr(t)
+            if ptr in ptrs:
+                on.setdefault(ptr, []).append(k)
+    out = list(leaves)
+    for ks in on.values():
+        made: dict[int, torch.Tensor] = {}  # id(leaf) -> its copy
+        storage = None
+        for k in ks:
+            t = leaves[k]
+            copy = made.get(id(t))
+            if copy is None:
+                if len(ks) == 1 or all(leaves[j] is t for j in ks):
+                    copy = t.clone()
+                else:  # views of one another: one copy of their memory, the same views of it
+                    if storage is None:
+                        storage = t.untyped_storage().clone()
+                    copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                        storage, t.storage_offset(), t.size(), t.stride())
+                made[id(t)] = copy
+            out[k] = copy
+    return out
+
+
 class SegmentPlan:
     """The record, segments and graphs of one signature's forward (see the module docs)."""
 
@@ -652,15 +689,14 @@ class SegmentPlan:
         if not ptrs:
             return out
         if type(out) is _Tensor:
-            return out.clone() if out.untyped_storage().data_ptr() in ptrs else out
+            return out.clone() if _storage_ptr(out) in ptrs else out
         leaves: list = []
         try:
             s = _flat(out, leaves)
         except _Opaque:
-            return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor)
-                                   and t.untyped_storage().data_ptr() in ptrs else t, out)
-        return _build(s, iter([t.clone() if t.untyped_storage().data_ptr() in ptrs else t
-                               for t in leaves]))
+            leaves, spec = pytree.tree_flatten(out)
+            return pytree.tree_unflatten(_copies(leaves, ptrs), spec)
+        return _build(s, iter(_copies(leaves, ptrs)))
 
     def release(self) -> None:
         for seg in self.segments:

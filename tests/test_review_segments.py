@@ -191,11 +191,8 @@ class _Twice(_Lin2):
         return y, y
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 4: owned() clones each output leaf "
-                   "separately (_segrun.py:645-663): a tensor returned twice comes back as two "
-                   "tensors (eager: one object; the main engine's output plan keeps it one), so "
-                   "a caller's in-place write to one is not seen in the other")
 def test_f4_a_tensor_returned_twice_stays_one_tensor(segments):
+    """owned() cloned each output leaf on its own: a tensor returned twice came back as two."""
     torch.manual_seed(0)
     m = _Twice().eval()
     g = _graphed(m)
@@ -207,6 +204,31 @@ def test_f4_a_tensor_returned_twice_stays_one_tensor(segments):
             b1.add_(1)
             assert (a1 is a2) == (b1 is b2)
             assert torch.equal(a2, b2)
+
+
+class _Views(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu() * 2
+        if h.sum().item() < -1e9:
+            h = -h
+        y = (h + 1) * 3
+        return y, y.view(-1), y[1], y.t(), (h * 2,)
+
+
+def test_f4b_outputs_that_are_views_of_one_another_stay_views(segments):
+    torch.manual_seed(0)
+    m = _Views().eval()
+    g = _graphed(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 8)
+            got, want = g(x), m(x)
+            assert _same(got, want)
+            assert [t.stride() for t in got[:4]] == [t.stride() for t in want[:4]]
+            got[0].add_(1)
+            want[0].add_(1)
+            assert _same(got, want)  # (each view sees the write)
+    assert _replayed(g) > 0
 
 
 class _SparseAdj(nn.Module):
