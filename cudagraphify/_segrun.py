@@ -57,6 +57,7 @@ _META = frozenset("Tensor." + n for n in (
 _CONSTS = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
            torch.layout, type(Ellipsis))
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_strided = torch.strided
 _grad_enabled = torch.is_grad_enabled
 _use_count = torch._C._storage_Use_Count
 _MethodWrapper = type(torch.Tensor.shape.__get__)  # a property read: a new object each time
@@ -272,6 +273,12 @@ class _Recorder(TorchFunctionMode):
                 why = f"an argument of type {e}"
         if why is None:
             why = self._sources(call, leaves)
+        before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if why is None:
+            # what its arguments held: a call may write one without saying so (BatchNorm in
+            # training writes its running statistics; an embedding with max_norm, its weight)
+            for leaf in leaves:
+                before[id(leaf)] = (leaf, leaf.clone())
         out = func(*args, **kwargs)
         if why is None:
             outs: list = []
@@ -281,14 +288,18 @@ class _Recorder(TorchFunctionMode):
                 why = f"returns a {e}"
             if why is None and (not outs or any(t.device != plan.device for t in outs)):
                 why = "returns no tensor on the device"
+            if why is None and any(t.layout is not _strided for t in outs):
+                why = "returns a tensor that is not strided (sparse)"
             if why is None and any(
                     t.untyped_storage().data_ptr() in plan.copied_ptrs for t in outs):
                 why = "returns a view of memory it reads (copied into a graph)"
             if why is None and (_grad_enabled() or any(t.requires_grad for t in outs)):
                 why = "records autograd history"
+            if why is None and not all(_bitwise_equal(t, was) for t, was in before.values()):
+                why = "writes a tensor argument in place (its name does not say so)"
             if why is None:
                 call.eager_out = [t.clone() for t in outs]
-                call.refs = [(X, ref[1], leaf.clone()) if ref[0] == X else ref
+                call.refs = [(X, ref[1], before[id(leaf)][1]) if ref[0] == X else ref
                              for leaf, ref in zip(leaves, call.refs)]
                 for k, t in enumerate(outs):
                     old = self.made.get(id(t))
@@ -305,6 +316,8 @@ class _Recorder(TorchFunctionMode):
         for leaf in leaves:
             if leaf.device != plan.device:
                 return "a tensor argument on another device"
+            if leaf.layout is not _strided:
+                return "a tensor argument that is not strided (sparse)"
             hit = made.get(id(leaf))
             if hit is not None and hit[2] is leaf:
                 call.refs.append((P, hit[0], hit[1]))
@@ -418,7 +431,7 @@ class _Replayer(TorchFunctionMode):
                 if got is None or got[ref[2]] is not leaf:
                     return run.diverge(func, args, kwargs)
             elif kind == S:
-                if leaf is not ref[1] and (leaf.data_ptr() != ref[2] or _meta(leaf) != ref[3]):
+                if leaf is not ref[1] and (_meta(leaf) != ref[3] or leaf.data_ptr() != ref[2]):
                     return run.diverge(func, args, kwargs)
             else:
                 if _meta(leaf) != ref[1]:
@@ -689,7 +702,10 @@ class SegmentPlan:
         if not ptrs:
             return out
         if type(out) is _Tensor:
-            return out.clone() if _storage_ptr(out) in ptrs else out
+            try:
+                return out.clone() if out.untyped_storage().data_ptr() in ptrs else out
+            except NotImplementedError:  # (a sparse tensor: no member returns one)
+                return out
         leaves: list = []
         try:
             s = _flat(out, leaves)

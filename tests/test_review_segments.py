@@ -109,11 +109,10 @@ class _PreciseBN(nn.Module):
         return h.relu() + 1
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 2: F.batch_norm in training writes the "
-                   "running statistics without an in-place name, so it is a member; the "
-                   "capture's warm-up and verification replay update them twice more "
-                   "(_segrun.py _capture_one, no restore of statics)")
 def test_f2_batchnorm_running_stats_in_train_mode_under_no_grad(segments):
+    """F.batch_norm in training writes the running statistics without an in-place name: it was
+    a member, and the capture's warm-up and verification updated them twice more. The record
+    now compares each member's tensor arguments before and after the call."""
     torch.manual_seed(0)
     m = _PreciseBN().train()
     g = _graphed(m)
@@ -121,6 +120,18 @@ def test_f2_batchnorm_running_stats_in_train_mode_under_no_grad(segments):
     _calls(g, m, xs)  # (outputs use batch statistics: equal)
     assert torch.equal(g.bn.running_mean, m.bn.running_mean)
     assert torch.equal(g.bn.running_var, m.bn.running_var)
+    (plan,) = _plans(g)
+    assert "F.batch_norm: eager (writes a tensor argument in place" in "\n".join(plan.describe())
+
+
+def test_f2b_batchnorm_in_eval_mode_stays_a_member(segments):
+    torch.manual_seed(0)
+    m = _PreciseBN().eval()
+    g = _graphed(m)
+    _calls(g, m, [torch.randn(4, 8) for _ in range(4)])
+    (plan,) = _plans(g)
+    assert [c.name for c in plan.calls if c.seg is not None][:2] == ["F.linear", "F.batch_norm"]
+    assert plan.segments[0].graph is not None and plan.replays > 0
 
 
 _PAUSE: dict = {}  # thread id -> event to wait for (a global: not guarded as module state)
@@ -247,15 +258,37 @@ class _SparseAdj(nn.Module):
         return h + 1 if h.sum().item() > -1e9 else h
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 5: the recorder reads "
-                   "untyped_storage() of every output (and _sources of every tensor argument): "
-                   "a sparse (or other storage-less) tensor raises NotImplementedError inside "
-                   "the mode, so the recorded call crashes (_segrun.py:276, 302)")
 def test_f5_a_sparse_tensor_in_forward_does_not_crash_the_record(segments):
+    """The recorder read untyped_storage() of every argument and output: a sparse tensor
+    raised inside the mode. Calls that take or return one are now boundaries."""
     torch.manual_seed(0)
     m = _SparseAdj().eval()
     g = _graphed(m)
     _calls(g, m, [torch.randn(4, 8) for _ in range(4)])
+
+
+class _SparseOut(_SparseAdj):
+    def forward(self, x):
+        h = self.a(x).relu() * 2
+        if h.sum().item() < -1e9:
+            h = -h
+        vals = h[0, :4] + 1  # a member's output (graph memory), inside a returned sparse tensor
+        return torch.sparse_coo_tensor(self.idx, vals, (4, 4)), h * 3
+
+
+def test_f5b_a_sparse_tensor_returned(segments):
+    torch.manual_seed(0)
+    m = _SparseOut().eval()
+    g = _graphed(m)
+    with torch.no_grad():
+        outs = []
+        for _ in range(5):
+            x = torch.randn(4, 8)
+            (a, h), (b, k) = g(x), m(x)
+            assert torch.equal(a.to_dense(), b.to_dense()) and torch.equal(h, k)
+            outs.append((a, b))
+        for a, b in outs:  # (what was handed out is not overwritten by a later replay)
+            assert torch.equal(a.to_dense(), b.to_dense())
 
 
 _AMP = [False]
