@@ -29,6 +29,7 @@ or the parameters' addresses change (:class:`~._guards.FlagsGuard`, the statics'
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from typing import Any
@@ -37,6 +38,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from . import _guards
 from ._guards import FlagsGuard
 from ._nested import Nested
 from ._opinfo import infos, info_of, written_by
@@ -59,6 +61,7 @@ _CONSTS = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_f
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _strided = torch.strided
 _grad_enabled = torch.is_grad_enabled
+_inference = torch.is_inference_mode_enabled
 _use_count = torch._C._storage_Use_Count
 _MethodWrapper = type(torch.Tensor.shape.__get__)  # a property read: a new object each time
 _MISSING = object()
@@ -166,6 +169,48 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
+class _State:
+    """The global state a segment's calls ran under: :class:`~._guards.FlagsGuard`'s flags
+    (grad mode, autocast, default dtype, TF32, the backend flags), inference mode, and the
+    autocast settings entered again for its capture. A forward may change them between two
+    calls (``with torch.autocast(...)``, ``torch.inference_mode(False)``) without a call the
+    mode sees: each member is matched only under the state it was recorded under."""
+
+    __slots__ = ("flags", "check", "epoch", "inference", "autocast", "cache")
+
+    def __init__(self, device: torch.device):
+        self.flags = FlagsGuard()
+        self.check = self.flags.global_state.check  # (bound once: the replay calls it per member)
+        self.epoch = self.flags.epoch
+        self.inference = _inference()
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in dict.fromkeys((device.type, "cpu"))]
+        self.cache = torch.is_autocast_cache_enabled()
+
+    def same(self) -> bool:
+        """Whether the calling thread's state is this one."""
+        return self.check() and _inference() is self.inference and self.same_flags()
+
+    def same_flags(self) -> bool:
+        now = _guards.flags_epoch  # (read first: a setter running meanwhile moves it again)
+        if now != self.epoch:
+            if FlagsGuard.read() != self.flags.flags:
+                return False
+            self.epoch = now
+        return True
+
+    def entered(self) -> contextlib.ExitStack:
+        """This state's inference mode and autocast entered (for the capture; what else
+        differs is found by :meth:`same`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode(self.inference))
+        stack.enter_context(torch.no_grad())
+        for device_type, enabled, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
+                                               cache_enabled=self.cache))
+        return stack
+
+
 _own_codes: dict[Any, bool] = {}  # code object -> whether it is cudagraphify's own
 
 
@@ -212,7 +257,7 @@ class _Call:
     """One recorded top-level call."""
 
     __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "eager_out", "fast",
-                 "single")
+                 "single", "state")
 
     def __init__(self, func, name: str):
         self.func, self.name = func, name
@@ -224,12 +269,14 @@ class _Call:
         self.eager_out: list[torch.Tensor] = []  # record: copies of its outputs (verification)
         self.fast: tuple | None = None  # see _fast_spec
         self.single = False  # returns one tensor
+        self.state: _State | None = None  # the global state it ran under (a member)
 
 
 class _Segment:
-    __slots__ = ("calls", "first", "last", "graph", "bufs", "outs", "refused")
+    __slots__ = ("calls", "first", "last", "graph", "bufs", "outs", "refused", "state")
 
-    def __init__(self, first: int):
+    def __init__(self, first: int, state: _State):
+        self.state = state  # its members' (see _State)
         self.calls: list[int] = []
         self.first = first
         self.last = first
@@ -244,6 +291,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.plan = plan
         self.made: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(tensor) -> (call, k, it)
+        self.state: _State | None = None  # the last member's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -275,6 +323,10 @@ class _Recorder(TorchFunctionMode):
             why = self._sources(call, leaves)
         before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if why is None:
+            state = self.state
+            if state is None or not state.same():
+                state = self.state = _State(plan.device)
+            call.state = state
             # what its arguments held: a call may write one without saying so (BatchNorm in
             # training writes its running statistics; an embedding with max_norm, its weight)
             for leaf in leaves:
@@ -437,14 +489,21 @@ class _Replayer(TorchFunctionMode):
                 if _meta(leaf) != ref[1]:
                     return run.diverge(func, args, kwargs)
                 copies.append((seg.bufs[i, k], leaf))
-        if _grad_enabled():  # (the record's calls ran without autograd)
+        # grad mode, autocast, inference mode, the flags: as recorded (the forward may set them
+        # between two calls, seen by no mode)
+        state = seg.state
+        if not state.check() or _inference() is not state.inference or \
+                (_guards.flags_epoch != state.epoch and not state.same_flags()):
             return run.diverge(func, args, kwargs)
         if run.pending is not seg:
             if i != seg.first:  # (a segment is entered at its first call only)
                 return run.diverge(func, args, kwargs)
             run.start(seg)
-        for buf, leaf in copies:
-            buf.copy_(leaf)
+        try:
+            for buf, leaf in copies:
+                buf.copy_(leaf)
+        except RuntimeError:  # (a sparse tensor where a dense one was recorded)
+            return run.diverge(func, args, kwargs)
         outs = [t.detach() for t in seg.outs[i]]
         handed[i] = outs
         run.cursor = i + 1
@@ -565,8 +624,8 @@ class SegmentPlan:
             if call.seg is None:
                 seg = None
                 continue
-            if seg is None:
-                seg = _Segment(i)
+            if seg is None or call.state is not seg.state:  # (the forward changed a flag)
+                seg = _Segment(i, call.state)
                 self.segments.append(seg)
             seg.calls.append(i)
             seg.last = i
@@ -615,7 +674,7 @@ class SegmentPlan:
 
     def _capture_one(self, seg: _Segment) -> None:
         calls = self.calls
-        inputs = self._inputs(seg)
+        inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def load():
             for buf, value in inputs:
@@ -641,7 +700,13 @@ class SegmentPlan:
                 outs[i] = flat
             return outs
 
-        with torch.no_grad():
+        # under the state its calls ran under (the buffers too: a segment inside
+        # inference_mode(False) must not make inference tensors)
+        with seg.state.entered():
+            if not seg.state.same():
+                raise RuntimeError("its calls ran under global flags set inside the forward "
+                                   "that cannot be set again for the capture")
+            inputs = self._inputs(seg)
             load()
             self.backend.warmup(run, self.device)
             load()

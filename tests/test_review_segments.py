@@ -304,13 +304,10 @@ class _GlobalAmp(_Lin2):
         return y.float() + 1
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 6: a member is matched by function, "
-                   "arguments and sources only; autocast (or another global flag) entered "
-                   "inside the forward is not part of the match, so a call recorded with "
-                   "autocast off replays its fp32 graph under autocast (_segrun.py:350-428; "
-                   "FlagsGuard is checked at the call's start only). Without segments the "
-                   "piece for self.b sees the flag and the result is eager's")
 def test_f6_autocast_entered_inside_the_forward_is_seen(segments):
+    """A member was matched by function, arguments and sources only; a call recorded with
+    autocast off replayed its fp32 graph under autocast. Each segment now keeps the global
+    state its calls ran under; a member is matched only under it."""
     torch.manual_seed(0)
     m = _GlobalAmp().eval()
     g = _graphed(m)
@@ -321,6 +318,90 @@ def test_f6_autocast_entered_inside_the_forward_is_seen(segments):
         _calls(g, m, xs[3:])
     finally:
         _AMP[0] = False
+
+
+class _AmpMidSegment(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=_AMP[0]):  # no call between
+            y = self.b(h) * 2
+        y = y.float() + 1
+        return y if y.sum().item() > -1e9 else y
+
+
+def test_f6b_autocast_switched_between_two_calls_of_one_segment(segments):
+    torch.manual_seed(0)
+    m = _AmpMidSegment().eval()
+    g = _graphed(m)
+    xs = [torch.randn(4, 8) for _ in range(7)]
+    try:
+        _calls(g, m, xs[:3])
+        assert _replayed(g) > 0
+        _AMP[0] = True
+        _calls(g, m, xs[3:5])
+        _AMP[0] = False
+        _calls(g, m, xs[5:])
+    finally:
+        _AMP[0] = False
+
+
+class _AmpInside(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # always: graphed under autocast
+            y = self.b(h) * 2
+            y = y.relu() - h
+        if y.sum().item() < -1e9:
+            y = -y
+        return y * 2 + 1, y
+
+
+def test_f6c_autocast_entered_inside_the_forward_is_entered_for_the_capture(segments):
+    torch.manual_seed(0)
+    m = _AmpInside().eval()
+    g = _graphed(m)
+    _calls(g, m, [torch.randn(4, 8) for _ in range(5)])
+    (plan,) = _plans(g)
+    amp = [s for s in plan.segments if plan.calls[s.first].name == "F.linear"
+           and s.state.autocast[0][1]]
+    assert amp and amp[0].graph is not None and plan.divergences == 0
+    with torch.no_grad():  # (then called under autocast: the same calls match)
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got, want = g(x), m(x)
+            assert _same(got, want)
+
+
+_DTYPE = [torch.float32]
+
+
+class _DefaultDtype(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu() * 2
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(_DTYPE[0])  # (no call the mode sees)
+        try:
+            o = torch.ones(2, 8) * 3  # a factory: its dtype is the default one
+        finally:
+            torch.set_default_dtype(old)
+        return (h + 1, o) if h.sum().item() > -1e9 else (h, o)
+
+
+def test_f6d_the_default_dtype_set_inside_the_forward(segments):
+    torch.manual_seed(0)
+    m = _DefaultDtype().eval()
+    g = _graphed(m)
+    xs = [torch.randn(2, 8) for _ in range(12)]
+    try:
+        _calls(g, m, xs[:3])
+        assert _replayed(g) > 0
+        _DTYPE[0] = torch.float64  # later calls: the factory's segment must not be matched
+        _calls(g, m, xs[3:])
+        (plan,) = _plans(g)  # (recorded again: it cannot be set again for a capture)
+        assert "cannot be set again" in "\n".join(plan.describe())
+    finally:
+        _DTYPE[0] = torch.float32
 
 
 class _InferenceOff(_Lin2):
@@ -335,12 +416,10 @@ class _InferenceOff(_Lin2):
         return y if y.sum().item() > -1e9 else y
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 7: the static buffers and outputs are "
-                   "made after the forward, under the call's inference mode (inference "
-                   "tensors); a member met inside inference_mode(False) copies into them: "
-                   "'Inplace update to inference tensor outside InferenceMode' "
-                   "(_segrun.py:423, _inputs/_capture_one)")
 def test_f7_inference_mode_off_inside_an_inference_call(segments):
+    """The static buffers and outputs were made after the forward, under the call's inference
+    mode: a member met inside inference_mode(False) could not copy into them. Segments now
+    capture under their calls' inference mode, and match a call only under it."""
     torch.manual_seed(0)
     m = _InferenceOff().eval()
     g = _graphed(m)
@@ -348,6 +427,39 @@ def test_f7_inference_mode_off_inside_an_inference_call(segments):
         for _ in range(4):
             x = torch.randn(4, 8)
             assert torch.equal(g(x), m(x))
+    (plan,) = _plans(g)
+    assert plan.segments[0].graph is not None and not plan.segments[0].state.inference
+    assert plan.replays > 0 and plan.divergences == 0
+
+
+_INFERENCE = [True]
+
+
+class _InferenceSwitch(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu()
+        with torch.inference_mode(_INFERENCE[0]), torch.no_grad():
+            y = self.b(h) * 3  # (nothing copied in: arguments from the segment's own calls)
+            y.add_(1)  # an inference tensor may be written only in inference mode
+        return y if y.sum().item() > -1e9 else y
+
+
+def test_f7b_inference_mode_switched_off_after_the_record(segments):
+    torch.manual_seed(0)
+    m = _InferenceSwitch().eval()
+    g = _graphed(m)
+    try:
+        with torch.inference_mode():
+            for k in range(7):
+                _INFERENCE[0] = k < 3 or k > 4
+                x = torch.randn(4, 8)
+                assert torch.equal(g(x), m(x))
+                if k == 2:
+                    assert _replayed(g) > 0
+    finally:
+        _INFERENCE[0] = True
+    (plan,) = _plans(g)
+    assert plan.divergences == 2
 
 
 class _FreesActivation(_Lin2):
