@@ -257,7 +257,7 @@ class _Call:
     """One recorded top-level call."""
 
     __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "eager_out", "fast",
-                 "single", "state")
+                 "single", "state", "views", "same")
 
     def __init__(self, func, name: str):
         self.func, self.name = func, name
@@ -270,6 +270,8 @@ class _Call:
         self.fast: tuple | None = None  # see _fast_spec
         self.single = False  # returns one tensor
         self.state: _State | None = None  # the global state it ran under (a member)
+        self.views: frozenset[int] = frozenset()  # tensor arguments whose memory it returns
+        self.same: tuple[tuple[int, int], ...] = ()  # (output, argument): returned as is
 
 
 class _Segment:
@@ -353,6 +355,11 @@ class _Recorder(TorchFunctionMode):
                 call.eager_out = [t.clone() for t in outs]
                 call.refs = [(X, ref[1], before[id(leaf)][1]) if ref[0] == X else ref
                              for leaf, ref in zip(leaves, call.refs)]
+                ptrs = {t.untyped_storage().data_ptr() for t in outs} - {0}
+                call.views = frozenset(k for k, leaf in enumerate(leaves)
+                                       if leaf.untyped_storage().data_ptr() in ptrs)
+                at = {id(leaf): j for j, leaf in reversed(list(enumerate(leaves)))}
+                call.same = tuple((k, at[id(t)]) for k, t in enumerate(outs) if id(t) in at)
                 for k, t in enumerate(outs):
                     old = self.made.get(id(t))
                     if old is None or old[2] is not t:  # (x.float() of a float x is x itself)
@@ -505,6 +512,9 @@ class _Replayer(TorchFunctionMode):
         except RuntimeError:  # (a sparse tensor where a dense one was recorded)
             return run.diverge(func, args, kwargs)
         outs = [t.detach() for t in seg.outs[i]]
+        if call.same:  # (x.float() of a float x is x itself)
+            for k, j in call.same:
+                outs[k] = leaves[j]
         handed[i] = outs
         run.cursor = i + 1
         if i == seg.last:
@@ -641,14 +651,20 @@ class SegmentPlan:
         for s, seg in enumerate(self.segments):
             if seg.refused is not None:
                 continue
-            # sources in a segment that runs eagerly are copied in
+            # sources in a segment that runs eagerly are copied in; a member that returns a
+            # view of one would hand out a view of the copy (eager's is one of the source)
             for i in seg.calls:
                 call = self.calls[i]
                 for k, ref in enumerate(call.refs):
                     if ref[0] == P and ref[1] not in seg.calls and \
                             self.segments[self.calls[ref[1]].seg].refused is not None:
+                        if k in call.views:
+                            seg.refused = (f"{call.name} returns a view of a tensor from calls "
+                                           "that run eagerly")
                         value = self.calls[ref[1]].eager_out[ref[2]]
                         call.refs[k] = (X, _meta(value), value)
+            if seg.refused is not None:
+                continue
             try:
                 self._capture_one(seg)
             except Exception as e:  # noqa: BLE001 - a segment that cannot be graphed runs eagerly

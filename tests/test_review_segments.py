@@ -1,6 +1,6 @@
 """Review of segments (cudagraphify._segrun, experimental): adversarial CPU tests on the simulated
-backend. Tests marked xfail(strict=True) are findings (they fail today); the others document
-attacks that came out right.
+backend. The findings' tests (test_f*) failed before their fix; the others document attacks that
+came out right.
 
 Call counting (see _segrun): call 1 of a signature is probed, call 2 recorded, calls 3+ replay,
 so every test makes at least 4 calls and compares each output with an eager deepcopy bitwise.
@@ -69,7 +69,7 @@ class _Lin2(nn.Module):
 
 
 # =============================================================================================
-# Findings (xfail strict: each fails today)
+# Findings (each failed before its fix)
 # =============================================================================================
 
 
@@ -507,12 +507,9 @@ class _ViewOfEager(nn.Module):
         return q.sum(-1) + k.sum(-1) if k.sum().item() > -1e9 else k
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 9: _capture turns a member's argument "
-                   "from a segment that runs eagerly into a copied input (_segrun.py:533-539) "
-                   "after _record's 'returns a view of memory it reads' rule ran (:275-277): "
-                   "h.view(...) is then handed out as a view of the static buffer, not of h, "
-                   "and a later in-place write to h is lost (silent wrong result)")
 def test_f9_a_view_of_a_tensor_from_an_eager_segment_stays_a_view(segments):
+    """A member's argument from a segment that runs eagerly is copied into the graph: a member
+    returning a view of it handed out a view of the copy. Such a segment now runs eagerly."""
     torch.manual_seed(0)
     m = _ViewOfEager().eval()
     g = _graphed(m)
@@ -528,10 +525,10 @@ class _NoOpFloat(_Lin2):
         return h + 1 if h.sum().item() > -1e9 else h
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "review finding 10 (performance, results are right): a no-op cast (.float() of a float "
-    "tensor) returns its argument; later uses of it still diverge on every replay"))
 def test_f10_a_no_op_cast_does_not_make_every_replay_diverge(segments):
+    """Performance: a no-op cast (.float() of a float tensor) returns its argument; the replay
+    handed out a new alias, so later uses of the argument diverged. It now returns what it is
+    given, as eager does."""
     torch.manual_seed(0)
     m = _NoOpFloat().eval()
     g = _graphed(m)
