@@ -8,20 +8,29 @@ CPU copy) still makes most of its torch calls between those. With segments on
   function, the structure of its arguments with their non-tensor values, and where each tensor
   argument comes from (an earlier recorded call's output; a parameter or buffer, read in place;
   anything else, copied). A call is a *member* when the policy allows it, it writes nothing in
-  place, its arguments are plain values and tensors on the device and its outputs are tensors;
-  every other call is a *boundary* and runs eagerly. Members between two boundaries form a
-  segment. Metadata reads (``x.shape``, ``x.size()``) run as they are and are not recorded.
+  place (by its name, ``out=``, or its arguments' values before and after it: BatchNorm in
+  training writes its running statistics without saying so), its arguments are plain values
+  and strided tensors on the device and its outputs are such tensors; every other call is a
+  *boundary* and runs eagerly. Members between two boundaries form a segment; a segment also
+  ends where the global state changes (grad mode, autocast, inference mode, default dtype, the
+  backend flags: a forward may set them between two calls, seen by no mode; see
+  :class:`_State`). Metadata reads (``x.shape``, ``x.size()``) run as they are, unrecorded.
 - **capture**: each segment's recorded calls are run again inside one capture (one pool for
-  the plan), then the graph is replayed once on the recorded inputs and every output compared
-  bitwise with what the eager calls gave. A segment whose graph differs (random ops, work the
-  mode does not see that changed a member's output) or fails to capture runs eagerly.
+  the plan), under the segment's inference mode and autocast (a segment whose other state
+  differs from the call's runs eagerly), then the graph is replayed once on the recorded
+  inputs and every output compared bitwise with what the eager calls gave. A segment whose
+  graph differs (random ops, work the mode does not see that changed a member's output) or
+  fails to capture runs eagerly, and so does one that would return a view of a tensor copied
+  in from calls that run eagerly (eager's view is one of that tensor).
 - **replay**: the forward's Python runs; a member call whose function, argument structure,
-  values and tensor sources match the record is not run: its copied inputs are copied into the
-  graph's buffers and it returns aliases of the graph's outputs. The graph replays when its
-  segment ends (its last member, or any other call). A call that does not match replays the
-  pending segment (its graph writes only memory of its own, so values already handed out come
-  out right) and runs, with the rest of the forward, eagerly. Outputs on the graph's memory are
-  copied before the forward returns them.
+  values and tensor sources match the record, made under its segment's global state, is not
+  run: its copied inputs are copied into the graph's buffers and it returns aliases of the
+  graph's outputs (an argument it returned as is at record, as is). The graph replays when
+  its segment ends (its last member, or any other call). A call that does not match replays
+  the pending segment (its graph writes only memory of its own, so values already handed out
+  come out right) and runs, with the rest of the forward, eagerly. Outputs on the graph's
+  memory are copied before the forward returns them (a tensor returned twice, once; views of
+  one another stay views of one copy).
 
 Only inference calls outside any region use segments; the plan is dropped when the global flags
 or the parameters' addresses change (:class:`~._guards.FlagsGuard`, the statics' check).
