@@ -8,20 +8,29 @@ CPU copy) still makes most of its torch calls between those. With segments on
   function, the structure of its arguments with their non-tensor values, and where each tensor
   argument comes from (an earlier recorded call's output; a parameter or buffer, read in place;
   anything else, copied). A call is a *member* when the policy allows it, it writes nothing in
-  place, its arguments are plain values and tensors on the device and its outputs are tensors;
-  every other call is a *boundary* and runs eagerly. Members between two boundaries form a
-  segment. Metadata reads (``x.shape``, ``x.size()``) run as they are and are not recorded.
+  place (by its name, ``out=``, or its arguments' values before and after it: BatchNorm in
+  training writes its running statistics without saying so), its arguments are plain values
+  and strided tensors on the device and its outputs are such tensors; every other call is a
+  *boundary* and runs eagerly. Members between two boundaries form a segment; a segment also
+  ends where the global state changes (grad mode, autocast, inference mode, default dtype, the
+  backend flags: a forward may set them between two calls, seen by no mode; see
+  :class:`_State`). Metadata reads (``x.shape``, ``x.size()``) run as they are, unrecorded.
 - **capture**: each segment's recorded calls are run again inside one capture (one pool for
-  the plan), then the graph is replayed once on the recorded inputs and every output compared
-  bitwise with what the eager calls gave. A segment whose graph differs (random ops, work the
-  mode does not see that changed a member's output) or fails to capture runs eagerly.
+  the plan), under the segment's inference mode and autocast (a segment whose other state
+  differs from the call's runs eagerly), then the graph is replayed once on the recorded
+  inputs and every output compared bitwise with what the eager calls gave. A segment whose
+  graph differs (random ops, work the mode does not see that changed a member's output) or
+  fails to capture runs eagerly, and so does one that would return a view of a tensor copied
+  in from calls that run eagerly (eager's view is one of that tensor).
 - **replay**: the forward's Python runs; a member call whose function, argument structure,
-  values and tensor sources match the record is not run: its copied inputs are copied into the
-  graph's buffers and it returns aliases of the graph's outputs. The graph replays when its
-  segment ends (its last member, or any other call). A call that does not match replays the
-  pending segment (its graph writes only memory of its own, so values already handed out come
-  out right) and runs, with the rest of the forward, eagerly. Outputs on the graph's memory are
-  copied before the forward returns them.
+  values and tensor sources match the record, made under its segment's global state, is not
+  run: its copied inputs are copied into the graph's buffers and it returns aliases of the
+  graph's outputs (an argument it returned as is at record, as is). The graph replays when
+  its segment ends (its last member, or any other call). A call that does not match replays
+  the pending segment (its graph writes only memory of its own, so values already handed out
+  come out right) and runs, with the rest of the forward, eagerly. Outputs on the graph's
+  memory are copied before the forward returns them (a tensor returned twice, once; views of
+  one another stay views of one copy).
 
 Only inference calls outside any region use segments; the plan is dropped when the global flags
 or the parameters' addresses change (:class:`~._guards.FlagsGuard`, the statics' check).
@@ -29,6 +38,7 @@ or the parameters' addresses change (:class:`~._guards.FlagsGuard`, the statics'
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -36,6 +46,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
+from . import _guards
 from ._guards import FlagsGuard
 from ._nested import Nested
 from ._opinfo import infos, info_of, written_by
@@ -57,7 +68,9 @@ _META = frozenset("Tensor." + n for n in (
 _CONSTS = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
            torch.layout, type(Ellipsis))
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
+_strided = torch.strided
 _grad_enabled = torch.is_grad_enabled
+_inference = torch.is_inference_mode_enabled
 _use_count = torch._C._storage_Use_Count
 _MethodWrapper = type(torch.Tensor.shape.__get__)  # a property read: a new object each time
 _MISSING = object()
@@ -156,6 +169,56 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
     return torch.equal(a, b)
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for a tensor without one (sparse)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+class _State:
+    """The global state a segment's calls ran under: :class:`~._guards.FlagsGuard`'s flags
+    (grad mode, autocast, default dtype, TF32, the backend flags), inference mode, and the
+    autocast settings entered again for its capture. A forward may change them between two
+    calls (``with torch.autocast(...)``, ``torch.inference_mode(False)``) without a call the
+    mode sees: each member is matched only under the state it was recorded under."""
+
+    __slots__ = ("flags", "check", "epoch", "inference", "autocast", "cache")
+
+    def __init__(self, device: torch.device):
+        self.flags = FlagsGuard()
+        self.check = self.flags.global_state.check  # (bound once: the replay calls it per member)
+        self.epoch = self.flags.epoch
+        self.inference = _inference()
+        self.autocast = [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d))
+                         for d in dict.fromkeys((device.type, "cpu"))]
+        self.cache = torch.is_autocast_cache_enabled()
+
+    def same(self) -> bool:
+        """Whether the calling thread's state is this one."""
+        return self.check() and _inference() is self.inference and self.same_flags()
+
+    def same_flags(self) -> bool:
+        now = _guards.flags_epoch  # (read first: a setter running meanwhile moves it again)
+        if now != self.epoch:
+            if FlagsGuard.read() != self.flags.flags:
+                return False
+            self.epoch = now
+        return True
+
+    def entered(self) -> contextlib.ExitStack:
+        """This state's inference mode and autocast entered (for the capture; what else
+        differs is found by :meth:`same`)."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch.inference_mode(self.inference))
+        stack.enter_context(torch.no_grad())
+        for device_type, enabled, dtype in self.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled,
+                                               cache_enabled=self.cache))
+        return stack
 
 
 _own_codes: dict[Any, bool] = {}  # code object -> whether it is cudagraphify's own
@@ -262,7 +325,7 @@ class _Call:
     """One recorded top-level call."""
 
     __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "eager_out", "match",
-                 "single", "segment", "outs")
+                 "single", "segment", "outs", "state", "views", "same")
 
     def __init__(self, func, name: str):
         self.func, self.name = func, name
@@ -278,12 +341,16 @@ class _Call:
         self.segment: _Segment | None = None
         self.outs: list[torch.Tensor] = []
         self.single = False
+        self.state: _State | None = None  # the global state it ran under (a member)
+        self.views: frozenset[int] = frozenset()  # tensor arguments whose memory it returns
+        self.same: tuple[tuple[int, int], ...] = ()  # (output, argument): returned as is
 
 
 class _Segment:
-    __slots__ = ("calls", "first", "last", "graph", "bufs", "outs", "refused")
+    __slots__ = ("calls", "first", "last", "graph", "bufs", "outs", "refused", "state")
 
-    def __init__(self, first: int):
+    def __init__(self, first: int, state: _State):
+        self.state = state  # its members' (see _State)
         self.calls: list[int] = []
         self.first = first
         self.last = first
@@ -298,6 +365,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.plan = plan
         self.made: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(tensor) -> (call, k, it)
+        self.state: _State | None = None  # the last member's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -327,6 +395,16 @@ class _Recorder(TorchFunctionMode):
                 why = f"an argument of type {e}"
         if why is None:
             why = self._sources(call, leaves)
+        before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        if why is None:
+            state = self.state
+            if state is None or not state.same():
+                state = self.state = _State(plan.device)
+            call.state = state
+            # what its arguments held: a call may write one without saying so (BatchNorm in
+            # training writes its running statistics; an embedding with max_norm, its weight)
+            for leaf in leaves:
+                before[id(leaf)] = (leaf, leaf.clone())
         out = func(*args, **kwargs)
         if why is None:
             outs: list = []
@@ -336,15 +414,24 @@ class _Recorder(TorchFunctionMode):
                 why = f"returns a {e}"
             if why is None and (not outs or any(t.device != plan.device for t in outs)):
                 why = "returns no tensor on the device"
+            if why is None and any(t.layout is not _strided for t in outs):
+                why = "returns a tensor that is not strided (sparse)"
             if why is None and any(
                     t.untyped_storage().data_ptr() in plan.copied_ptrs for t in outs):
                 why = "returns a view of memory it reads (copied into a graph)"
             if why is None and (_grad_enabled() or any(t.requires_grad for t in outs)):
                 why = "records autograd history"
+            if why is None and not all(_bitwise_equal(t, was) for t, was in before.values()):
+                why = "writes a tensor argument in place (its name does not say so)"
             if why is None:
                 call.eager_out = [t.clone() for t in outs]
-                call.refs = [(X, ref[1], leaf.clone()) if ref[0] == X else ref
+                call.refs = [(X, ref[1], before[id(leaf)][1]) if ref[0] == X else ref
                              for leaf, ref in zip(leaves, call.refs)]
+                ptrs = {t.untyped_storage().data_ptr() for t in outs} - {0}
+                call.views = frozenset(k for k, leaf in enumerate(leaves)
+                                       if leaf.untyped_storage().data_ptr() in ptrs)
+                at = {id(leaf): j for j, leaf in reversed(list(enumerate(leaves)))}
+                call.same = tuple((k, at[id(t)]) for k, t in enumerate(outs) if id(t) in at)
                 for k, t in enumerate(outs):
                     old = self.made.get(id(t))
                     if old is None or old[2] is not t:  # (x.float() of a float x is x itself)
@@ -360,6 +447,8 @@ class _Recorder(TorchFunctionMode):
         for leaf in leaves:
             if leaf.device != plan.device:
                 return "a tensor argument on another device"
+            if leaf.layout is not _strided:
+                return "a tensor argument that is not strided (sparse)"
             hit = made.get(id(leaf))
             if hit is not None and hit[2] is leaf:
                 call.refs.append((P, hit[0], hit[1]))
@@ -446,17 +535,37 @@ class _Replayer(TorchFunctionMode):
             run.cursor = i + 1
             return func(*args, **kwargs)
         handed = run.handed
-        copies = call.match(args, kwargs, handed)
-        if copies is None or _grad_enabled():  # (the record's calls ran without autograd)
+        try:
+            copies = call.match(args, kwargs, handed)
+        except RuntimeError:  # (a layout read that a tensor refuses: sparse strides)
+            copies = None
+        if copies is None:
+            return run.diverge(func, args, kwargs)
+        # grad mode, autocast, inference mode, the flags: as recorded (the forward may set them
+        # between two calls, seen by no mode)
+        state = seg.state
+        if not state.check() or _inference() is not state.inference or \
+                (_guards.flags_epoch != state.epoch and not state.same_flags()):
             return run.diverge(func, args, kwargs)
         if run.pending is not seg:
             if i != seg.first:  # (a segment is entered at its first call only)
                 return run.diverge(func, args, kwargs)
             run.start(seg)
-        for buf, leaf in copies:
-            buf.copy_(leaf)
+        try:
+            for buf, leaf in copies:
+                buf.copy_(leaf)
+        except RuntimeError:  # (a sparse tensor where a dense one was recorded)
+            return run.diverge(func, args, kwargs)
         run.cursor = i + 1
-        if call.single:
+        if call.same:  # (x.float() of a float x is x itself)
+            leaves: list = []
+            _structure(args, kwargs, leaves)
+            outs = [t.detach() for t in call.outs]
+            for k, j in call.same:
+                outs[k] = leaves[j]
+            handed[i] = outs
+            out = outs[0] if call.single else _build(call.out_struct, iter(outs))
+        elif call.single:
             out = call.outs[0].detach()
             handed[i] = (out,)
         else:
@@ -465,6 +574,35 @@ class _Replayer(TorchFunctionMode):
         if i == seg.last:
             run.flush()
         return out
+
+
+def _copies(leaves: list, ptrs: set[int]) -> list:
+    """``leaves`` with the tensors on memory at ``ptrs`` replaced by copies, as eager's are:
+    a tensor met twice is copied once; tensors that share memory share the copy's."""
+    on: dict[int, list[int]] = {}  # storage address -> the leaves on it
+    for k, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor):
+            ptr = _storage_ptr(t)
+            if ptr in ptrs:
+                on.setdefault(ptr, []).append(k)
+    out = list(leaves)
+    for ks in on.values():
+        made: dict[int, torch.Tensor] = {}  # id(leaf) -> its copy
+        storage = None
+        for k in ks:
+            t = leaves[k]
+            copy = made.get(id(t))
+            if copy is None:
+                if len(ks) == 1 or all(leaves[j] is t for j in ks):
+                    copy = t.clone()
+                else:  # views of one another: one copy of their memory, the same views of it
+                    if storage is None:
+                        storage = t.untyped_storage().clone()
+                    copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                        storage, t.storage_offset(), t.size(), t.stride())
+                made[id(t)] = copy
+            out[k] = copy
+    return out
 
 
 class SegmentPlan:
@@ -577,8 +715,8 @@ class SegmentPlan:
             if call.seg is None:
                 seg = None
                 continue
-            if seg is None:
-                seg = _Segment(i)
+            if seg is None or call.state is not seg.state:  # (the forward changed a flag)
+                seg = _Segment(i, call.state)
                 self.segments.append(seg)
             seg.calls.append(i)
             seg.last = i
@@ -594,14 +732,20 @@ class SegmentPlan:
         for s, seg in enumerate(self.segments):
             if seg.refused is not None:
                 continue
-            # sources in a segment that runs eagerly are copied in
+            # sources in a segment that runs eagerly are copied in; a member that returns a
+            # view of one would hand out a view of the copy (eager's is one of the source)
             for i in seg.calls:
                 call = self.calls[i]
                 for k, ref in enumerate(call.refs):
                     if ref[0] == P and ref[1] not in seg.calls and \
                             self.segments[self.calls[ref[1]].seg].refused is not None:
+                        if k in call.views:
+                            seg.refused = (f"{call.name} returns a view of a tensor from calls "
+                                           "that run eagerly")
                         value = self.calls[ref[1]].eager_out[ref[2]]
                         call.refs[k] = (X, _meta(value), value)
+            if seg.refused is not None:
+                continue
             try:
                 self._capture_one(seg)
             except Exception as e:  # noqa: BLE001 - a segment that cannot be graphed runs eagerly
@@ -627,7 +771,7 @@ class SegmentPlan:
 
     def _capture_one(self, seg: _Segment) -> None:
         calls = self.calls
-        inputs = self._inputs(seg)
+        inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
         def load():
             for buf, value in inputs:
@@ -653,7 +797,13 @@ class SegmentPlan:
                 outs[i] = flat
             return outs
 
-        with torch.no_grad():
+        # under the state its calls ran under (the buffers too: a segment inside
+        # inference_mode(False) must not make inference tensors)
+        with seg.state.entered():
+            if not seg.state.same():
+                raise RuntimeError("its calls ran under global flags set inside the forward "
+                                   "that cannot be set again for the capture")
+            inputs = self._inputs(seg)
             load()
             self.backend.warmup(run, self.device)
             load()
@@ -714,15 +864,17 @@ class SegmentPlan:
         if not ptrs:
             return out
         if type(out) is _Tensor:
-            return out.clone() if out.untyped_storage().data_ptr() in ptrs else out
+            try:
+                return out.clone() if out.untyped_storage().data_ptr() in ptrs else out
+            except NotImplementedError:  # (a sparse tensor: no member returns one)
+                return out
         leaves: list = []
         try:
             s = _flat(out, leaves)
         except _Opaque:
-            return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor)
-                                   and t.untyped_storage().data_ptr() in ptrs else t, out)
-        return _build(s, iter([t.clone() if t.untyped_storage().data_ptr() in ptrs else t
-                               for t in leaves]))
+            leaves, spec = pytree.tree_flatten(out)
+            return pytree.tree_unflatten(_copies(leaves, ptrs), spec)
+        return _build(s, iter(_copies(leaves, ptrs)))
 
     def release(self) -> None:
         for seg in self.segments:

@@ -57,7 +57,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cudagraphify as cg
-from cudagraphify import _capture
+from cudagraphify import _capture, _segrun
 from cudagraphify._errors import CaptureFailed
 
 
@@ -326,3 +326,14 @@ def sim():
         yield backend
     finally:
         _capture.set_backend(old)
+
+
+@pytest.fixture
+def segments_enabled():
+    """Segments (``cudagraphify._segrun``, experimental: off by default) on for one test."""
+    old = _segrun.ENABLED
+    _segrun.ENABLED = True
+    try:
+        yield
+    finally:
+        _segrun.ENABLED = old

@@ -11,20 +11,9 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _segrun
 from cudagraphify.bench.models import GPT
 
-pytestmark = pytest.mark.cuda
-
-
-@pytest.fixture(autouse=True)
-def segments():
-    old = _segrun.ENABLED
-    _segrun.ENABLED = True
-    try:
-        yield
-    finally:
-        _segrun.ENABLED = old
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("segments_enabled")]
 
 
 def _graphed(m):

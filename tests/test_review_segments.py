@@ -1,6 +1,6 @@
 """Review of segments (cudagraphify._segrun, experimental): adversarial CPU tests on the simulated
-backend. Tests marked xfail(strict=True) are findings (they fail today); the others document
-attacks that came out right.
+backend. The findings' tests (test_f*) failed before their fix; the others document attacks that
+came out right.
 
 Call counting (see _segrun): call 1 of a signature is probed, call 2 recorded, calls 3+ replay,
 so every test makes at least 4 calls and compares each output with an eager deepcopy bitwise.
@@ -18,19 +18,13 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _segrun
 
 
 @pytest.fixture
-def segments(sim):
-    old = _segrun.ENABLED
-    _segrun.ENABLED = True
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield sim
-    finally:
-        _segrun.ENABLED = old
+def segments(sim, segments_enabled):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield sim
 
 
 def _graphed(m):
@@ -75,7 +69,7 @@ class _Lin2(nn.Module):
 
 
 # =============================================================================================
-# Findings (xfail strict: each fails today)
+# Findings (each failed before its fix)
 # =============================================================================================
 
 
@@ -115,11 +109,10 @@ class _PreciseBN(nn.Module):
         return h.relu() + 1
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 2: F.batch_norm in training writes the "
-                   "running statistics without an in-place name, so it is a member; the "
-                   "capture's warm-up and verification replay update them twice more "
-                   "(_segrun.py _capture_one, no restore of statics)")
 def test_f2_batchnorm_running_stats_in_train_mode_under_no_grad(segments):
+    """F.batch_norm in training writes the running statistics without an in-place name: it was
+    a member, and the capture's warm-up and verification updated them twice more. The record
+    now compares each member's tensor arguments before and after the call."""
     torch.manual_seed(0)
     m = _PreciseBN().train()
     g = _graphed(m)
@@ -127,6 +120,18 @@ def test_f2_batchnorm_running_stats_in_train_mode_under_no_grad(segments):
     _calls(g, m, xs)  # (outputs use batch statistics: equal)
     assert torch.equal(g.bn.running_mean, m.bn.running_mean)
     assert torch.equal(g.bn.running_var, m.bn.running_var)
+    (plan,) = _plans(g)
+    assert "F.batch_norm: eager (writes a tensor argument in place" in "\n".join(plan.describe())
+
+
+def test_f2b_batchnorm_in_eval_mode_stays_a_member(segments):
+    torch.manual_seed(0)
+    m = _PreciseBN().eval()
+    g = _graphed(m)
+    _calls(g, m, [torch.randn(4, 8) for _ in range(4)])
+    (plan,) = _plans(g)
+    assert [c.name for c in plan.calls if c.seg is not None][:2] == ["F.linear", "F.batch_norm"]
+    assert plan.segments[0].graph is not None and plan.replays > 0
 
 
 _PAUSE: dict = {}  # thread id -> event to wait for (a global: not guarded as module state)
@@ -197,11 +202,8 @@ class _Twice(_Lin2):
         return y, y
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 4: owned() clones each output leaf "
-                   "separately (_segrun.py:645-663): a tensor returned twice comes back as two "
-                   "tensors (eager: one object; the main engine's output plan keeps it one), so "
-                   "a caller's in-place write to one is not seen in the other")
 def test_f4_a_tensor_returned_twice_stays_one_tensor(segments):
+    """owned() cloned each output leaf on its own: a tensor returned twice came back as two."""
     torch.manual_seed(0)
     m = _Twice().eval()
     g = _graphed(m)
@@ -213,6 +215,31 @@ def test_f4_a_tensor_returned_twice_stays_one_tensor(segments):
             b1.add_(1)
             assert (a1 is a2) == (b1 is b2)
             assert torch.equal(a2, b2)
+
+
+class _Views(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu() * 2
+        if h.sum().item() < -1e9:
+            h = -h
+        y = (h + 1) * 3
+        return y, y.view(-1), y[1], y.t(), (h * 2,)
+
+
+def test_f4b_outputs_that_are_views_of_one_another_stay_views(segments):
+    torch.manual_seed(0)
+    m = _Views().eval()
+    g = _graphed(m)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 8)
+            got, want = g(x), m(x)
+            assert _same(got, want)
+            assert [t.stride() for t in got[:4]] == [t.stride() for t in want[:4]]
+            got[0].add_(1)
+            want[0].add_(1)
+            assert _same(got, want)  # (each view sees the write)
+    assert _replayed(g) > 0
 
 
 class _SparseAdj(nn.Module):
@@ -231,15 +258,37 @@ class _SparseAdj(nn.Module):
         return h + 1 if h.sum().item() > -1e9 else h
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 5: the recorder reads "
-                   "untyped_storage() of every output (and _sources of every tensor argument): "
-                   "a sparse (or other storage-less) tensor raises NotImplementedError inside "
-                   "the mode, so the recorded call crashes (_segrun.py:276, 302)")
 def test_f5_a_sparse_tensor_in_forward_does_not_crash_the_record(segments):
+    """The recorder read untyped_storage() of every argument and output: a sparse tensor
+    raised inside the mode. Calls that take or return one are now boundaries."""
     torch.manual_seed(0)
     m = _SparseAdj().eval()
     g = _graphed(m)
     _calls(g, m, [torch.randn(4, 8) for _ in range(4)])
+
+
+class _SparseOut(_SparseAdj):
+    def forward(self, x):
+        h = self.a(x).relu() * 2
+        if h.sum().item() < -1e9:
+            h = -h
+        vals = h[0, :4] + 1  # a member's output (graph memory), inside a returned sparse tensor
+        return torch.sparse_coo_tensor(self.idx, vals, (4, 4)), h * 3
+
+
+def test_f5b_a_sparse_tensor_returned(segments):
+    torch.manual_seed(0)
+    m = _SparseOut().eval()
+    g = _graphed(m)
+    with torch.no_grad():
+        outs = []
+        for _ in range(5):
+            x = torch.randn(4, 8)
+            (a, h), (b, k) = g(x), m(x)
+            assert torch.equal(a.to_dense(), b.to_dense()) and torch.equal(h, k)
+            outs.append((a, b))
+        for a, b in outs:  # (what was handed out is not overwritten by a later replay)
+            assert torch.equal(a.to_dense(), b.to_dense())
 
 
 _AMP = [False]
@@ -255,13 +304,10 @@ class _GlobalAmp(_Lin2):
         return y.float() + 1
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 6: a member is matched by function, "
-                   "arguments and sources only; autocast (or another global flag) entered "
-                   "inside the forward is not part of the match, so a call recorded with "
-                   "autocast off replays its fp32 graph under autocast (_segrun.py:350-428; "
-                   "FlagsGuard is checked at the call's start only). Without segments the "
-                   "piece for self.b sees the flag and the result is eager's")
 def test_f6_autocast_entered_inside_the_forward_is_seen(segments):
+    """A member was matched by function, arguments and sources only; a call recorded with
+    autocast off replayed its fp32 graph under autocast. Each segment now keeps the global
+    state its calls ran under; a member is matched only under it."""
     torch.manual_seed(0)
     m = _GlobalAmp().eval()
     g = _graphed(m)
@@ -272,6 +318,90 @@ def test_f6_autocast_entered_inside_the_forward_is_seen(segments):
         _calls(g, m, xs[3:])
     finally:
         _AMP[0] = False
+
+
+class _AmpMidSegment(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=_AMP[0]):  # no call between
+            y = self.b(h) * 2
+        y = y.float() + 1
+        return y if y.sum().item() > -1e9 else y
+
+
+def test_f6b_autocast_switched_between_two_calls_of_one_segment(segments):
+    torch.manual_seed(0)
+    m = _AmpMidSegment().eval()
+    g = _graphed(m)
+    xs = [torch.randn(4, 8) for _ in range(7)]
+    try:
+        _calls(g, m, xs[:3])
+        assert _replayed(g) > 0
+        _AMP[0] = True
+        _calls(g, m, xs[3:5])
+        _AMP[0] = False
+        _calls(g, m, xs[5:])
+    finally:
+        _AMP[0] = False
+
+
+class _AmpInside(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu()
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # always: graphed under autocast
+            y = self.b(h) * 2
+            y = y.relu() - h
+        if y.sum().item() < -1e9:
+            y = -y
+        return y * 2 + 1, y
+
+
+def test_f6c_autocast_entered_inside_the_forward_is_entered_for_the_capture(segments):
+    torch.manual_seed(0)
+    m = _AmpInside().eval()
+    g = _graphed(m)
+    _calls(g, m, [torch.randn(4, 8) for _ in range(5)])
+    (plan,) = _plans(g)
+    amp = [s for s in plan.segments if plan.calls[s.first].name == "F.linear"
+           and s.state.autocast[0][1]]
+    assert amp and amp[0].graph is not None and plan.divergences == 0
+    with torch.no_grad():  # (then called under autocast: the same calls match)
+        for _ in range(3):
+            x = torch.randn(4, 8)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                got, want = g(x), m(x)
+            assert _same(got, want)
+
+
+_DTYPE = [torch.float32]
+
+
+class _DefaultDtype(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu() * 2
+        old = torch.get_default_dtype()
+        torch.set_default_dtype(_DTYPE[0])  # (no call the mode sees)
+        try:
+            o = torch.ones(2, 8) * 3  # a factory: its dtype is the default one
+        finally:
+            torch.set_default_dtype(old)
+        return (h + 1, o) if h.sum().item() > -1e9 else (h, o)
+
+
+def test_f6d_the_default_dtype_set_inside_the_forward(segments):
+    torch.manual_seed(0)
+    m = _DefaultDtype().eval()
+    g = _graphed(m)
+    xs = [torch.randn(2, 8) for _ in range(12)]
+    try:
+        _calls(g, m, xs[:3])
+        assert _replayed(g) > 0
+        _DTYPE[0] = torch.float64  # later calls: the factory's segment must not be matched
+        _calls(g, m, xs[3:])
+        (plan,) = _plans(g)  # (recorded again: it cannot be set again for a capture)
+        assert "cannot be set again" in "\n".join(plan.describe())
+    finally:
+        _DTYPE[0] = torch.float32
 
 
 class _InferenceOff(_Lin2):
@@ -286,12 +416,10 @@ class _InferenceOff(_Lin2):
         return y if y.sum().item() > -1e9 else y
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 7: the static buffers and outputs are "
-                   "made after the forward, under the call's inference mode (inference "
-                   "tensors); a member met inside inference_mode(False) copies into them: "
-                   "'Inplace update to inference tensor outside InferenceMode' "
-                   "(_segrun.py:423, _inputs/_capture_one)")
 def test_f7_inference_mode_off_inside_an_inference_call(segments):
+    """The static buffers and outputs were made after the forward, under the call's inference
+    mode: a member met inside inference_mode(False) could not copy into them. Segments now
+    capture under their calls' inference mode, and match a call only under it."""
     torch.manual_seed(0)
     m = _InferenceOff().eval()
     g = _graphed(m)
@@ -299,6 +427,39 @@ def test_f7_inference_mode_off_inside_an_inference_call(segments):
         for _ in range(4):
             x = torch.randn(4, 8)
             assert torch.equal(g(x), m(x))
+    (plan,) = _plans(g)
+    assert plan.segments[0].graph is not None and not plan.segments[0].state.inference
+    assert plan.replays > 0 and plan.divergences == 0
+
+
+_INFERENCE = [True]
+
+
+class _InferenceSwitch(_Lin2):
+    def forward(self, x):
+        h = self.a(x).relu()
+        with torch.inference_mode(_INFERENCE[0]), torch.no_grad():
+            y = self.b(h) * 3  # (nothing copied in: arguments from the segment's own calls)
+            y.add_(1)  # an inference tensor may be written only in inference mode
+        return y if y.sum().item() > -1e9 else y
+
+
+def test_f7b_inference_mode_switched_off_after_the_record(segments):
+    torch.manual_seed(0)
+    m = _InferenceSwitch().eval()
+    g = _graphed(m)
+    try:
+        with torch.inference_mode():
+            for k in range(7):
+                _INFERENCE[0] = k < 3 or k > 4
+                x = torch.randn(4, 8)
+                assert torch.equal(g(x), m(x))
+                if k == 2:
+                    assert _replayed(g) > 0
+    finally:
+        _INFERENCE[0] = True
+    (plan,) = _plans(g)
+    assert plan.divergences == 2
 
 
 class _FreesActivation(_Lin2):
@@ -346,12 +507,9 @@ class _ViewOfEager(nn.Module):
         return q.sum(-1) + k.sum(-1) if k.sum().item() > -1e9 else k
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 9: _capture turns a member's argument "
-                   "from a segment that runs eagerly into a copied input (_segrun.py:533-539) "
-                   "after _record's 'returns a view of memory it reads' rule ran (:275-277): "
-                   "h.view(...) is then handed out as a view of the static buffer, not of h, "
-                   "and a later in-place write to h is lost (silent wrong result)")
 def test_f9_a_view_of_a_tensor_from_an_eager_segment_stays_a_view(segments):
+    """A member's argument from a segment that runs eagerly is copied into the graph: a member
+    returning a view of it handed out a view of the copy. Such a segment now runs eagerly."""
     torch.manual_seed(0)
     m = _ViewOfEager().eval()
     g = _graphed(m)
@@ -367,10 +525,10 @@ class _NoOpFloat(_Lin2):
         return h + 1 if h.sum().item() > -1e9 else h
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "review finding 10 (performance, results are right): a no-op cast (.float() of a float "
-    "tensor) returns its argument; later uses of it still diverge on every replay"))
 def test_f10_a_no_op_cast_does_not_make_every_replay_diverge(segments):
+    """Performance: a no-op cast (.float() of a float tensor) returns its argument; the replay
+    handed out a new alias, so later uses of the argument diverged. It now returns what it is
+    given, as eager does."""
     torch.manual_seed(0)
     m = _NoOpFloat().eval()
     g = _graphed(m)

@@ -17,13 +17,8 @@ from cudagraphify.bench.models import GPT
 
 
 @pytest.fixture
-def segments(sim):
-    old = _segrun.ENABLED
-    _segrun.ENABLED = True
-    try:
-        yield sim
-    finally:
-        _segrun.ENABLED = old
+def segments(sim, segments_enabled):
+    return sim
 
 
 def _graphed(m):

@@ -15,17 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _segrun
 
 
 @pytest.fixture
-def segments(sim):
-    old = _segrun.ENABLED
-    _segrun.ENABLED = True
-    try:
-        yield sim
-    finally:
-        _segrun.ENABLED = old
+def segments(sim, segments_enabled):
+    return sim
 
 
 class _Args(nn.Module):
