@@ -47,6 +47,7 @@ import torch.utils._pytree as pytree
 from torch.overrides import TorchFunctionMode
 
 from . import _guards
+from ._capture import drain
 from ._guards import FlagsGuard
 from ._nested import Nested
 from ._opinfo import infos, info_of, written_by
@@ -75,6 +76,7 @@ _use_count = torch._C._storage_Use_Count
 _MethodWrapper = type(torch.Tensor.shape.__get__)  # a property read: a new object each time
 _MISSING = object()
 _getframe = sys._getframe
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 P, S, X = 0, 1, 2  # a tensor argument's source: a member's output, a static, a copy
 
 
@@ -465,7 +467,7 @@ class _Recorder(TorchFunctionMode):
 class _Run:
     """One replayed call of the forward: where it is in the plan, what it handed out."""
 
-    __slots__ = ("plan", "cursor", "pending", "handed", "diverged", "stream")
+    __slots__ = ("plan", "cursor", "pending", "handed", "diverged", "stream", "token")
 
     def __init__(self, plan: "SegmentPlan"):
         self.plan = plan
@@ -473,24 +475,33 @@ class _Run:
         self.pending: _Segment | None = None
         self.handed: dict[int, list[torch.Tensor]] = {}
         self.diverged = False
-        self.stream = None  # the stream the pending segment's inputs were copied on (CUDA)
+        # (CUDA) the stream the call started on: members are met on it (their inputs are
+        # copied on it) and every segment replays on it
+        self.stream = torch.cuda.current_stream(plan.device) if plan.cuda else None
+        self.token = self.stream.cuda_stream if plan.cuda else None
+        if plan.cuda and plan.last is not None and plan.last != self.token:
+            # the graphs' memory was last used by a call on another stream: wait for it
+            plan.backend.order_after(plan.device, plan.last)
 
     def start(self, seg: _Segment) -> None:
         self.flush()
         self.pending = seg
-        if self.plan.cuda:
-            self.stream = torch.cuda.current_stream()
 
     def flush(self) -> None:
         seg = self.pending
         if seg is not None:
             self.pending = None
-            if self.plan.cuda:
-                now = torch.cuda.current_stream()
-                if now != self.stream:  # (the forward switched streams inside the segment)
-                    now.wait_stream(self.stream)
-            seg.graph.replay()
-            self.plan.replays += 1
+            plan = self.plan
+            if plan.cuda and _raw_stream(plan.index) != self.token:
+                # the forward switched streams with the segment pending: it replays on the
+                # call's stream, and the stream now current waits for it
+                with torch.cuda.stream(self.stream):
+                    seg.graph.replay()
+                torch.cuda.current_stream(plan.device).wait_stream(self.stream)
+            else:
+                seg.graph.replay()
+            plan.replays += 1
+            plan.last = self.token
 
     def diverge(self, func, args, kwargs) -> Any:
         self.flush()
@@ -545,8 +556,9 @@ class _Replayer(TorchFunctionMode):
         # between two calls, seen by no mode)
         state = seg.state
         if not state.check() or _inference() is not state.inference or \
-                (_guards.flags_epoch != state.epoch and not state.same_flags()):
-            return run.diverge(func, args, kwargs)
+                (_guards.flags_epoch != state.epoch and not state.same_flags()) or \
+                (run.token is not None and _raw_stream(plan.index) != run.token):
+            return run.diverge(func, args, kwargs)  # (a member met on a side stream, too)
         if run.pending is not seg:
             if i != seg.first:  # (a segment is entered at its first call only)
                 return run.diverge(func, args, kwargs)
@@ -627,6 +639,10 @@ class SegmentPlan:
         self.ready = False
         self.profiling = False  # the record runs under the profiler (CUDA)
         self.cuda = device.type == "cuda"
+        self.index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if self.cuda else None
+        self.token: int | None = None  # (CUDA) the stream the record's call ran on
+        self.last: int | None = None  # (CUDA) the stream that replayed the graphs last
         # (storage, use count with only the plan's own references) of the graphs' memory
         self._baselines: list[tuple[Any, int]] = []
         self.unseen: str | None = None  # why no segment can be graphed: work the mode misses
@@ -640,6 +656,8 @@ class SegmentPlan:
 
     def refusal(self, func, info, args: tuple, kwargs: dict) -> str | None:
         """Why a call cannot be a member, or None."""
+        if self.token is not None and _raw_stream(self.index) != self.token:
+            return "runs on another stream than the forward's call"
         policy = self.policy
         if not policy.untagged_call(func, kwargs):
             tags = policy.tags(func, args, kwargs, accel=self.state.accel)
@@ -652,6 +670,8 @@ class SegmentPlan:
 
     def record(self, fn, args: tuple, kwargs: dict) -> Any:
         """The first call: run eagerly, record, then capture and verify each segment."""
+        if self.cuda:
+            self.token = _raw_stream(self.index)
         prof = _profiler() if self.device.type == "cuda" else None
         if prof is not None:
             self.profiling = True
@@ -677,6 +697,7 @@ class SegmentPlan:
                 out = fn(*args, **kwargs)
         self._segment()
         self._capture()
+        self.last = self.token  # (the verifying replays ran on the call's stream)
         for i, call in enumerate(self.calls):  # (the record's copies are not needed any more)
             call.eager_out = []
             call.refs = [ref[:2] if ref[0] == X else ref for ref in call.refs]
@@ -877,6 +898,8 @@ class SegmentPlan:
         return _build(s, iter(_copies(leaves, ptrs)))
 
     def release(self) -> None:
+        if self.cuda:  # (a replay queued on a stream may still use the memory let go here)
+            drain(self.device, self.last)
         for seg in self.segments:
             if seg.graph is not None:
                 seg.graph.release()
