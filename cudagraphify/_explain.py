@@ -67,6 +67,8 @@ class Explanation:
                              f"layer{': ' + why if why else ''}")
             for reason in node.get("reasons", []):
                 lines.append(f"{'  ' * depth}  - {reason['text']}")
+            for line in node.get("segments", []):
+                lines.append(f"{'  ' * depth}  - segments: {line}")
         if self.runs:
             lines.append(f"runs of graphable calls between refused ones ({len(self.runs)}; "
                          "graphed today only where a safe submodule holds them):")
@@ -177,6 +179,10 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         live = _live(sub)
         if live and (live["captures"] or live["replays"] or live["retargets"]):
             node["stats"] = live
+        state = state_of_module(sub)
+        plans = state.segments.plans() if state is not None else []
+        if plans:  # its eager runs graph the runs of calls between refused ones
+            node["segments"] = [line for p in plans for line in p.describe()]
         share = share_of(sub)
         if share is not None:
             group, k = share.group, share.layer

@@ -52,7 +52,7 @@ from ._guards import FlagsGuard
 from ._nested import Nested
 from ._opinfo import infos, info_of, written_by
 from ._policy import default_policy
-from ._probe import _HERE, _OWN_MODELS
+from ._probe import _HERE, _OWN_MODELS, _user_frame
 from ._trial import MARGIN, Trial
 
 __all__ = ["ENABLED", "SegmentPlan", "Segments"]
@@ -388,6 +388,8 @@ class _Recorder(TorchFunctionMode):
         plan = self.plan
         call = _Call(func, info[1])
         plan.calls.append(call)
+        site = _user_frame()
+        plan.sites.append(f"{site[0]}:{site[1]}" if site else "?")
         why = plan.refusal(func, info, args, kwargs)
         leaves: list = []
         if why is None:
@@ -626,6 +628,8 @@ class SegmentPlan:
         self.device = device
         self.calls: list[_Call] = []
         self.boundaries: dict[int, str] = {}  # call index -> why it runs eagerly
+        self.sites: list[str] = []  # per call: the user's file:line
+        self.timing: tuple[float, float] | None = None  # the trial's (segments, without) s
         self.segments: list[_Segment] = []
         self.policy = state.options.op_policy or default_policy
         self.static_ptrs = state.statics.storage_ptrs()
@@ -723,6 +727,7 @@ class SegmentPlan:
         if trial.done:
             self.trial = None
             graph, eager = min(trial.graph), min(trial.eager)
+            self.timing = (graph, eager)
             if eager * MARGIN < graph:
                 self.given_back = (f"segments given back: they cost more than the forward "
                                    f"without them ({graph * 1e6:.0f} vs {eager * 1e6:.0f} µs a "
@@ -914,13 +919,17 @@ class SegmentPlan:
         lines = [f"no segments: {self.unseen}"] if self.unseen else []
         if self.given_back:
             lines.append(self.given_back)
+        elif self.timing is not None:
+            lines.append(f"timed on its first calls: {self.timing[0] * 1e6:.0f} µs a call with "
+                         f"segments, {self.timing[1] * 1e6:.0f} µs without: kept")
         for s, seg in enumerate(self.segments):
             names = [self.calls[i].name for i in seg.calls]
             what = f"refused: {seg.refused}" if seg.refused else "graphed"
             lines.append(f"segment {s}: calls {seg.first}-{seg.last} ({len(names)}: "
-                         f"{names[0]} .. {names[-1]}) {what}")
+                         f"{names[0]} at {self.sites[seg.first]} .. {names[-1]} at "
+                         f"{self.sites[seg.last]}) {what}")
         for i, why in sorted(self.boundaries.items()):
-            lines.append(f"call {i} {self.calls[i].name}: eager ({why})")
+            lines.append(f"call {i} {self.calls[i].name} at {self.sites[i]}: eager ({why})")
         return lines
 
 
