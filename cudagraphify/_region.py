@@ -63,6 +63,48 @@ _use_count = torch._C._storage_Use_Count
 _same_version = torch.autograd._unsafe_preserve_version_counter
 
 
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The address of ``t``'s storage; None for a tensor without one (sparse)."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (NotImplementedError, RuntimeError):
+        return None
+
+
+def copies_of(leaves: list, ptrs: set[int]) -> list:
+    """``leaves`` with the tensors on memory at ``ptrs`` (graph memory) replaced by copies, as
+    eager's would be: a tensor met twice is copied once; tensors that share memory (views of
+    one another) share one copy of it, as the same views (conj and neg bits kept)."""
+    on: dict[int, list[int]] = {}  # storage address -> the leaves on it
+    for k, t in enumerate(leaves):
+        if isinstance(t, torch.Tensor):
+            ptr = _storage_ptr(t)
+            if ptr in ptrs:
+                on.setdefault(ptr, []).append(k)
+    out = list(leaves)
+    for ks in on.values():
+        made: dict[int, torch.Tensor] = {}  # id(leaf) -> its copy
+        storage = None
+        for k in ks:
+            t = leaves[k]
+            copy = made.get(id(t))
+            if copy is None:
+                if len(ks) == 1 or all(leaves[j] is t for j in ks):
+                    copy = t.clone()
+                else:  # views of one another: one copy of their memory, the same views of it
+                    if storage is None:
+                        storage = t.untyped_storage().clone()
+                    copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
+                        storage, t.storage_offset(), t.size(), t.stride())
+                    if t.is_conj():
+                        torch._C._set_conj(copy, True)
+                    if t.is_neg():
+                        torch._C._set_neg(copy, True)
+                made[id(t)] = copy
+            out[k] = copy
+    return out
+
+
 class Slot:
     """A static output of a region graph, handed out as an alias instead of a copy."""
 
@@ -264,21 +306,14 @@ class GraphRegion:
                 del live[slot]  # no alias left (the forward consumed it): nothing to copy
         if not live:
             return out
-        if type(out) is torch.Tensor:  # (the common case, without a flatten)
+        if type(out) is torch.Tensor and out.layout is torch.strided:  # (without a flatten)
             ptr = out.untyped_storage().data_ptr()
             return out.clone() if any(s.storage.data_ptr() == ptr for s in live) else out
         ptrs = {slot.storage.data_ptr() for slot in live}
         leaves, spec = pytree.tree_flatten(out)
-        if not any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs
-                   for t in leaves):
+        if not any(isinstance(t, torch.Tensor) and _storage_ptr(t) in ptrs for t in leaves):
             return out
-        copies: dict[int, torch.Tensor] = {}  # (a tensor returned twice is one copy, twice)
-        for i, t in enumerate(leaves):
-            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ptrs:
-                if id(t) not in copies:
-                    copies[id(t)] = t.clone()
-                leaves[i] = copies[id(t)]
-        return pytree.tree_unflatten(leaves, spec)
+        return pytree.tree_unflatten(copies_of(leaves, ptrs), spec)
 
     def cache_of(self, state: Any) -> list[GraphCache]:
         """``state``'s cache in this region, as a list (empty where it has none)."""

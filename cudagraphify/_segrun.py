@@ -53,6 +53,7 @@ from ._nested import Nested
 from ._opinfo import infos, info_of, written_by
 from ._policy import default_policy
 from ._probe import _HERE, _OWN_MODELS, _user_frame
+from ._region import copies_of
 from ._trial import MARGIN, Trial
 
 __all__ = ["ENABLED", "SegmentPlan", "Segments"]
@@ -171,14 +172,6 @@ def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.is_floating_point() or a.is_complex():
         return bool(((a == b) | (a.isnan() & b.isnan())).all())
     return torch.equal(a, b)
-
-
-def _storage_ptr(t: torch.Tensor) -> int | None:
-    """The address of ``t``'s storage; None for a tensor without one (sparse)."""
-    try:
-        return t.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):
-        return None
 
 
 class _State:
@@ -367,6 +360,7 @@ class _Recorder(TorchFunctionMode):
         super().__init__()
         self.plan = plan
         self.made: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(tensor) -> (call, k, it)
+        self.made_ptrs: set[int] = set()  # the storages of the members' outputs
         self.state: _State | None = None  # the last member's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -440,6 +434,7 @@ class _Recorder(TorchFunctionMode):
                     old = self.made.get(id(t))
                     if old is None or old[2] is not t:  # (x.float() of a float x is x itself)
                         self.made[id(t)] = (len(plan.calls) - 1, k, t)
+                    self.made_ptrs.add(t.untyped_storage().data_ptr())
                 call.seg = 0  # a member (segments are numbered in plan.segment())
         if why is not None:
             call.refs = []
@@ -460,6 +455,10 @@ class _Recorder(TorchFunctionMode):
             ptr = leaf.untyped_storage().data_ptr()
             if ptr in plan.static_ptrs:
                 call.refs.append((S, leaf, leaf.data_ptr(), _meta(leaf)))
+            elif ptr in self.made_ptrs:
+                # on a member's output memory, made where the mode does not look (DLPack,
+                # nn.Parameter(h)): on replay it would be read before the graph wrote it
+                return "a tensor argument that aliases an earlier call's output unseen"
             else:
                 call.refs.append((X, _meta(leaf)))
                 plan.copied_ptrs.add(ptr)
@@ -469,7 +468,7 @@ class _Recorder(TorchFunctionMode):
 class _Run:
     """One replayed call of the forward: where it is in the plan, what it handed out."""
 
-    __slots__ = ("plan", "cursor", "pending", "handed", "diverged", "stream", "token")
+    __slots__ = ("plan", "cursor", "pending", "handed", "diverged", "stream", "token", "side")
 
     def __init__(self, plan: "SegmentPlan"):
         self.plan = plan
@@ -481,9 +480,20 @@ class _Run:
         # copied on it) and every segment replays on it
         self.stream = torch.cuda.current_stream(plan.device) if plan.cuda else None
         self.token = self.stream.cuda_stream if plan.cuda else None
-        if plan.cuda and plan.last is not None and plan.last != self.token:
-            # the graphs' memory was last used by a call on another stream: wait for it
-            plan.backend.order_after(plan.device, plan.last)
+        if plan.cuda:
+            # the graphs' memory was last used by a call on another stream, or read there by
+            # eager calls of the last call (their results may still be in use): wait for them
+            for token in {plan.last, *plan.side} - {None, self.token}:
+                plan.backend.order_after(plan.device, token)
+            plan.side = set()
+        self.side: set[int] = plan.side  # streams other than the call's that eager calls used
+
+    def note(self) -> None:
+        """(CUDA) An eager call: remember its stream when it is not the call's."""
+        if self.token is not None:
+            token = _raw_stream(self.plan.index)
+            if token != self.token:
+                self.side.add(token)
 
     def start(self, seg: _Segment) -> None:
         self.flush()
@@ -507,6 +517,7 @@ class _Run:
 
     def diverge(self, func, args, kwargs) -> Any:
         self.flush()
+        self.note()
         self.diverged = True
         self.plan.divergences += 1
         return func(*args, **kwargs)
@@ -522,6 +533,7 @@ class _Replayer(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         if run.diverged:
+            run.note()
             return func(*args, **kwargs)
         code = _getframe(1).f_code
         own = _own_codes.get(code)
@@ -545,6 +557,7 @@ class _Replayer(TorchFunctionMode):
         seg = call.segment
         if seg is None:  # a boundary, or a member of a segment that runs eagerly
             run.flush()
+            run.note()
             run.cursor = i + 1
             return func(*args, **kwargs)
         handed = run.handed
@@ -590,35 +603,6 @@ class _Replayer(TorchFunctionMode):
         return out
 
 
-def _copies(leaves: list, ptrs: set[int]) -> list:
-    """``leaves`` with the tensors on memory at ``ptrs`` replaced by copies, as eager's are:
-    a tensor met twice is copied once; tensors that share memory share the copy's."""
-    on: dict[int, list[int]] = {}  # storage address -> the leaves on it
-    for k, t in enumerate(leaves):
-        if isinstance(t, torch.Tensor):
-            ptr = _storage_ptr(t)
-            if ptr in ptrs:
-                on.setdefault(ptr, []).append(k)
-    out = list(leaves)
-    for ks in on.values():
-        made: dict[int, torch.Tensor] = {}  # id(leaf) -> its copy
-        storage = None
-        for k in ks:
-            t = leaves[k]
-            copy = made.get(id(t))
-            if copy is None:
-                if len(ks) == 1 or all(leaves[j] is t for j in ks):
-                    copy = t.clone()
-                else:  # views of one another: one copy of their memory, the same views of it
-                    if storage is None:
-                        storage = t.untyped_storage().clone()
-                    copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                        storage, t.storage_offset(), t.size(), t.stride())
-                made[id(t)] = copy
-            out[k] = copy
-    return out
-
-
 class SegmentPlan:
     """The record, segments and graphs of one signature's forward (see the module docs)."""
 
@@ -647,6 +631,7 @@ class SegmentPlan:
             if self.cuda else None
         self.token: int | None = None  # (CUDA) the stream the record's call ran on
         self.last: int | None = None  # (CUDA) the stream that replayed the graphs last
+        self.side: set[int] = set()  # (CUDA) other streams the last call's eager calls used
         # (storage, use count with only the plan's own references) of the graphs' memory
         self._baselines: list[tuple[Any, int]] = []
         self.unseen: str | None = None  # why no segment can be graphed: work the mode misses
@@ -661,6 +646,7 @@ class SegmentPlan:
     def refusal(self, func, info, args: tuple, kwargs: dict) -> str | None:
         """Why a call cannot be a member, or None."""
         if self.token is not None and _raw_stream(self.index) != self.token:
+            self.side.add(_raw_stream(self.index))  # (the next call waits for it)
             return "runs on another stream than the forward's call"
         policy = self.policy
         if not policy.untagged_call(func, kwargs):
@@ -899,17 +885,20 @@ class SegmentPlan:
             s = _flat(out, leaves)
         except _Opaque:
             leaves, spec = pytree.tree_flatten(out)
-            return pytree.tree_unflatten(_copies(leaves, ptrs), spec)
-        return _build(s, iter(_copies(leaves, ptrs)))
+            return pytree.tree_unflatten(copies_of(leaves, ptrs), spec)
+        return _build(s, iter(copies_of(leaves, ptrs)))
 
     def release(self) -> None:
         if self.cuda:  # (a replay queued on a stream may still use the memory let go here)
-            drain(self.device, self.last)
+            for token in {self.last, *self.side} - {None}:
+                drain(self.device, token)
         for seg in self.segments:
             if seg.graph is not None:
                 seg.graph.release()
                 seg.graph = None
             seg.outs, seg.bufs = {}, {}
+        for call in self.calls:  # (the member checks hold the static buffers too)
+            call.outs, call.match, call.segment = [], None, None
         self.pool = None
         self._baselines = []
         self.ready = False

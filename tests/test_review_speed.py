@@ -1,7 +1,7 @@
 """Review of the ``speed`` branch (64a3f1f..HEAD): segments' compiled member checks, their timing
 trial, DirectCall inside a graphed run, and ``GraphRegion.owned_outputs``. CPU, simulated
-backend (tests/conftest.py), bitwise against an eager twin. Tests marked xfail(strict) are the
-findings (they fail today for the reason given); the others document behaviour checked."""
+backend (tests/conftest.py), bitwise against an eager twin. The tests marked "review finding N"
+failed before their fix (strict xfails); the others document behaviour checked."""
 
 from __future__ import annotations
 
@@ -57,9 +57,7 @@ class _ConjPair(nn.Module):
         return h, h.conj()
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 1: SegmentPlan.owned -> _copies rebuilds "
-                   "views that share graph memory with set_(storage, ...), which drops the conj "
-                   "(and neg) bit: h.conj() comes back as h")
+# (review finding 1: fixed; was a strict xfail)
 def test_finding1_a_returned_conj_view_keeps_its_conj_bit(segments):
     torch.manual_seed(0)
     m = _ConjPair().eval()
@@ -91,10 +89,7 @@ class _DLPackRoundTrip(nn.Module):
         return (t * 2 + 1).relu()
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 2: an unseen alias (DLPack capsule, "
-                   "nn.Parameter(h)) of a member's output is recorded as a copied input (X); on "
-                   "replay it is copied in when the member is met, before the pending segment "
-                   "that writes it replays: the previous call's values")
+# (review finding 2: fixed; was a strict xfail)
 def test_finding2_an_unseen_alias_of_a_members_output_is_not_read_stale(segments):
     torch.manual_seed(0)
     m = _DLPackRoundTrip().eval()
@@ -114,7 +109,7 @@ class _ParameterAlias(_DLPackRoundTrip):
         return (t * 2 + 1).relu()
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 2 (nn.Parameter(h) variant)")
+# (review finding 2: fixed; was a strict xfail)
 def test_finding2b_a_parameter_made_of_a_members_output_is_not_read_stale(segments):
     torch.manual_seed(0)
     m = _ParameterAlias().eval()
@@ -127,10 +122,7 @@ def test_finding2b_a_parameter_made_of_a_members_output_is_not_read_stale(segmen
 
 # -- finding 3: a given-back plan keeps its graphs' outputs and buffers -----------------------
 
-@pytest.mark.xfail(strict=True, reason="review finding 3: SegmentPlan.release clears seg.outs "
-                   "and seg.bufs, but each _Call keeps .outs (the same lists) and its compiled "
-                   ".match (its globals hold the static buffers); a plan given back by the trial "
-                   "stays in Segments._plans for good, so the graphs' memory is never freed")
+# (review finding 3: fixed; was a strict xfail)
 def test_finding3_segments_given_back_let_go_of_their_memory(segments):
     segments.clock = lambda device: lambda: _NOW[0]
     torch.manual_seed(0)
@@ -189,10 +181,7 @@ class _ViewPair(nn.Module):
         return y, y[1:]
 
 
-@pytest.mark.xfail(strict=True, reason="review finding 4: GraphRegion.owned_outputs copies a "
-                   "tensor returned twice once, but two views of one slot's memory are cloned "
-                   "apart: eager's y[1:] is a view of y, the chained call's is not (the segments' "
-                   "_copies keeps them views of one copy)")
+# (review finding 4: fixed; was a strict xfail)
 def test_finding4_chained_outputs_that_are_views_of_one_another_stay_views(sim):
     torch.manual_seed(0)
     ref = _ViewPair()
