@@ -476,11 +476,13 @@ class GraphedState:
         outputs returned to the caller are copies where they lie on a piece's memory (the
         caller may share them where use counts do not see: DLPack, CuPy; or resize them).
 
-        With segments on (``_segrun.ENABLED``), an inference call of a piecewise ``entry``
-        outside any region runs its forward with the runs of safe calls graphed instead
+        With segments on (the ``segments`` option, or ``_segrun.ENABLED``), an inference call of
+        a piecewise ``entry`` outside any region runs its forward with the runs of safe calls
+        graphed instead
         (:class:`~._segrun.Segments`; its pieces then run as part of it), once timed against
         the forward without them where the backend has a clock (see _trial)."""
-        if entry is not None and _segrun.ENABLED and self._device is not None \
+        if entry is not None and (self.options.segments or _segrun.ENABLED) \
+                and self._device is not None \
                 and self.share is None and not torch.is_grad_enabled() \
                 and not _region_stack.get():
             # (without segments: this method without an entry)
@@ -530,7 +532,7 @@ class GraphedState:
                 guard=outcome.guard, flags=outcome.flags)
         if kind == PIECEWISE:
             reason, pieces = plan(self.statics.root, outcome.findings, outcome.ran)
-            if pieces or _segrun.ENABLED:
+            if pieces or self.options.segments or _segrun.ENABLED:
                 installed = self.install_pieces(pieces) if self.install_pieces and pieces else []
                 self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
                 self.last_plan = (outcome.findings, pieces)

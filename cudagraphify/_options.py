@@ -14,7 +14,7 @@ __all__ = ["Options", "Stats", "OPTION_NAMES"]
 
 # The options graphify takes (share_graph passes them on); key_fn becomes a cache_policy.
 OPTION_NAMES = ("num_warmup_iters", "static_argnames", "max_graphs", "enabled", "copy_outputs",
-                "cache_policy", "key_fn", "probe", "op_policy")
+                "cache_policy", "key_fn", "probe", "op_policy", "segments")
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,7 @@ class Options:
     cache_policy: CachePolicy | None = None
     probe: str | bool = "auto"
     op_policy: Any = None
+    segments: bool = False  # experimental: graph the runs of calls between refused ones
     piece: bool = False  # a submodule a piecewise plan graphified (not a user option)
 
     @classmethod
@@ -77,14 +78,19 @@ class Options:
         if op_policy is not None and not isinstance(op_policy, OpPolicy):
             raise CudagraphifyUsageError(
                 f"op_policy must be a cudagraphify.OpPolicy, got {type(op_policy).__name__}")
+        segments = opts["segments"]
+        if not isinstance(segments, bool):
+            raise CudagraphifyUsageError(f"segments must be True or False, got {segments!r}")
         return cls(num_warmup_iters=n, static_argnames=names, enabled=enabled,
                    copy_outputs=copy_outputs, probe=probe, op_policy=op_policy,
+                   segments=segments,
                    **_cache_options(opts["cache_policy"], opts["key_fn"], opts["max_graphs"]))
 
 
 _DEFAULTS: dict[str, Any] = {"num_warmup_iters": 1, "static_argnames": (), "max_graphs": None,
                              "enabled": True, "copy_outputs": True, "cache_policy": None,
-                             "key_fn": None, "probe": "auto", "op_policy": None}
+                             "key_fn": None, "probe": "auto", "op_policy": None,
+                             "segments": False}
 
 
 def _cache_options(cache_policy, key_fn, max_graphs) -> dict:

@@ -36,6 +36,7 @@ def graphify(
     key_fn: Callable[[Signature], Hashable] | None = None,
     probe: str | bool = "auto",
     op_policy: OpPolicy | None = None,
+    segments: bool = False,
 ):
     """Run a module's ``forward`` (or a function) through CUDA graphs, one per input signature.
 
@@ -75,6 +76,11 @@ def graphify(
             A module with unsafe ops runs eagerly while its largest safe submodules are graphed.
         op_policy: an :class:`OpPolicy` (subclass it to change decisions); default: the global
             one that ``tag_op``/``mark_safe`` update.
+        segments: experimental. ``True``: a signature that runs eagerly because of refused
+            calls (``.item()``, a host sync) graphs the runs of safe torch calls between them
+            ("segments"): its forward's Python runs on every inference call, and each matching
+            run of calls is answered by one replay. Timed against the forward without them on
+            its first calls; given back where they do not pay. See the README.
 
     .. warning::
         Graphs replay GPU work only. Python side effects inside ``forward`` (prints, counters,
@@ -87,7 +93,7 @@ def graphify(
                             static_argnames=static_argnames, max_graphs=max_graphs,
                             enabled=enabled, copy_outputs=copy_outputs,
                             cache_policy=cache_policy, key_fn=key_fn, probe=probe,
-                            op_policy=op_policy)
+                            op_policy=op_policy, segments=segments)
     if target is None:
         return lambda t: _graphify(t, options)
     return _graphify(target, options)

@@ -174,3 +174,21 @@ def test_segments_that_do_not_pay_are_given_back(segments, segments_cost, kept):
     line = _Timed.forward.__code__.co_firstlineno + 3
     assert f"Tensor.item at tests/test_segments_match.py:{line}: eager (refused by the " \
         "policy (HOST_SYNC))" in text, text
+
+
+def test_the_segments_option_turns_them_on_for_one_callable(sim):
+    torch.manual_seed(0)
+    m = _Args().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        on, off = cg.graphify(copy.deepcopy(m), segments=True), cg.graphify(copy.deepcopy(m))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            x = _input(0)
+            want = m(x)
+            assert _same_bits(on(x), want) and _same_bits(off(x), want)
+    assert cg.stats(on).segments == 1 and cg.stats(on).segment_replays == 2
+    assert cg.stats(off).segments == 0
+    with pytest.raises(cg.CudagraphifyUsageError, match="segments must be True or False"):
+        cg.graphify(copy.deepcopy(m), segments="yes")
