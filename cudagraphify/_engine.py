@@ -220,7 +220,8 @@ class GraphedState:
                 # (no fast path yet: a later inference call must reach the plan)
                 return self._eager(opaque, fn, args, kwargs)
             self._fast = EagerFast.opaque(self, region, opaque, args, kwargs)
-            return self._eager(opaque, fn, args, kwargs, chained=True)
+            return self._eager(opaque, fn, args, kwargs, chained=True,
+                               entry=self.segments.opaque)
         sig, leaves, static_flags = build_signature(args, kwargs, self.static_positions,
                                                     self.static_names)
         if isinstance(sig, Unkeyable):
@@ -377,6 +378,9 @@ class GraphedState:
             return self._eager(opaque, fn, args, kwargs)
         self.eager_calls[opaque] += 1  # (counted first, as _eager does: forward may raise)
         warn_once(self._warned, self.name, opaque)
+        if self._device is None:  # (the device its segments, if on, are graphed on)
+            self._device = params[0].device
+            self.accel = frozenset({self._device.type})
         probe = new_probe(self)
         with Nested():
             out = probed(probe, lambda: fn(*args, **kwargs))()

@@ -57,6 +57,7 @@ class EagerFast:
         # again: a cache with a growing layer and a static one can be of the same class)
         self.types = [(i, type(v), may_be_static_state(type(v))) for i, v in enumerate(values)
                       if is_opaque(type(v)) and not is_static_state(v)]
+        self.entry = state.segments.opaque  # (what its segments are kept under)
         return self
 
     @staticmethod

@@ -60,6 +60,7 @@ __all__ = ["ENABLED", "SegmentPlan", "Segments"]
 
 ENABLED = False  # experimental: off until it has been measured on a GPU (see issue 16)
 MIN_CALLS = 2  # a segment with fewer members runs eagerly (a replay would not pay)
+VARYING = "its arguments change between calls"
 MAX_PLANS = 4  # plans recorded per signature before it stays eager (control flow that varies)
 
 _META = frozenset("Tensor." + n for n in (
@@ -320,7 +321,7 @@ class _Call:
     """One recorded top-level call."""
 
     __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "eager_out", "match",
-                 "single", "segment", "outs", "state", "views", "same")
+                 "single", "segment", "outs", "state", "views", "same", "metas", "alone")
 
     def __init__(self, func, name: str):
         self.func, self.name = func, name
@@ -339,6 +340,8 @@ class _Call:
         self.state: _State | None = None  # the global state it ran under (a member)
         self.views: frozenset[int] = frozenset()  # tensor arguments whose memory it returns
         self.same: tuple[tuple[int, int], ...] = ()  # (output, argument): returned as is
+        self.metas: tuple = ()  # record: its tensor arguments' layouts
+        self.alone: str | None = None  # why this member runs eagerly, in a segment of its own
 
 
 class _Segment:
@@ -393,6 +396,8 @@ class _Recorder(TorchFunctionMode):
                 why = f"an argument of type {e}"
         if why is None:
             why = self._sources(call, leaves)
+        if why is None:
+            call.metas = tuple(_meta(leaf) for leaf in leaves)
         before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if why is None:
             state = self.state
@@ -462,6 +467,9 @@ class _Recorder(TorchFunctionMode):
             else:
                 call.refs.append((X, _meta(leaf)))
                 plan.copied_ptrs.add(ptr)
+                # (held while the record runs: its address is not given to a new tensor,
+                # which would then look like a view of it)
+                plan.copied_held.append(leaf.untyped_storage())
         return None
 
 
@@ -618,6 +626,7 @@ class SegmentPlan:
         self.policy = state.options.op_policy or default_policy
         self.static_ptrs = state.statics.storage_ptrs()
         self.copied_ptrs: set[int] = set()
+        self.copied_held: list = []  # (the record's copied inputs' storages, see _sources)
         self.pool_ptrs: set[int] = set()
         self.flags: FlagsGuard | None = None
         self.pool = None
@@ -658,8 +667,11 @@ class SegmentPlan:
             return "writes a tensor in place"
         return None
 
-    def record(self, fn, args: tuple, kwargs: dict) -> Any:
-        """The first call: run eagerly, record, then capture and verify each segment."""
+    def record(self, fn, args: tuple, kwargs: dict, earlier: "SegmentPlan | None" = None,
+               dry: bool = False) -> Any:
+        """The first call: run eagerly, record, then capture and verify each segment (the
+        calls whose arguments differ from ``earlier``'s record run eagerly). ``dry``: only
+        record (for a later record to compare with)."""
         if self.cuda:
             self.token = _raw_stream(self.index)
         prof = _profiler() if self.device.type == "cuda" else None
@@ -685,7 +697,16 @@ class SegmentPlan:
         else:
             with Nested(), _Recorder(self):
                 out = fn(*args, **kwargs)
-        self._segment()
+        if dry:  # (what the comparison reads, and nothing that holds memory)
+            self.copied_held = []
+            for call in self.calls:
+                call.eager_out = []
+                call.refs = [ref if ref[0] == P else (ref[0],) for ref in call.refs]
+            return out
+        self.copied_held = []
+        if earlier is not None:
+            self.vary_from(earlier)
+        self._views_alone()
         self._capture()
         self.last = self.token  # (the verifying replays ran on the call's stream)
         for i, call in enumerate(self.calls):  # (the record's copies are not needed any more)
@@ -727,15 +748,57 @@ class SegmentPlan:
             if call.seg is None:
                 seg = None
                 continue
-            if seg is None or call.state is not seg.state:  # (the forward changed a flag)
+            if seg is None or call.state is not seg.state or call.alone or \
+                    self.calls[seg.last].alone:  # (a flag changed; a call that runs alone)
                 seg = _Segment(i, call.state)
                 self.segments.append(seg)
             seg.calls.append(i)
             seg.last = i
             call.seg = len(self.segments) - 1
         for seg in self.segments:
-            if len(seg.calls) < MIN_CALLS:
+            if self.calls[seg.first].alone:
+                seg.refused = self.calls[seg.first].alone
+            elif len(seg.calls) < MIN_CALLS:
                 seg.refused = f"fewer than {MIN_CALLS} calls"
+
+    def _views_alone(self) -> None:
+        """Segment again until no member of a graphed segment returns a view of a tensor from
+        calls that run eagerly (it would hand out a view of the graph's copy; eager's is one of
+        the source): such a member runs alone, eagerly."""
+        while True:
+            self.segments = []
+            self._segment()
+            calls, segments = self.calls, self.segments
+            moved = False
+            for seg in segments:
+                if seg.refused is not None:
+                    continue
+                for i in seg.calls:
+                    call = calls[i]
+                    if any(ref[0] == P and calls[ref[1]].seg is not None and
+                           segments[calls[ref[1]].seg].refused is not None and k in call.views
+                           for k, ref in enumerate(call.refs)):
+                        call.alone = f"{call.name} returns a view of a tensor from calls " \
+                            "that run eagerly"
+                        moved = True
+            if not moved:
+                return
+
+    def vary_from(self, earlier: "SegmentPlan") -> None:
+        """Mark the calls whose arguments differ from ``earlier``'s record of the same forward
+        (a KV cache that grows every step: its ``cat`` and the attention over it): they run
+        eagerly, in segments of their own, and the runs of calls between them are graphed.
+        Nothing is marked where the two records made different calls."""
+        calls, then = self.calls, earlier.calls
+        if len(calls) != len(then) or any(
+                a.func is not b.func and a.name != b.name for a, b in zip(calls, then)):
+            return
+        for a, b in zip(calls, then):
+            if a.seg is not None and b.seg is not None and (
+                    a.struct != b.struct or a.metas != b.metas or
+                    [r if r[0] == P else r[0] for r in a.refs] !=
+                    [r if r[0] == P else r[0] for r in b.refs]):
+                a.alone = VARYING
 
     def _capture(self) -> None:
         backend = self.backend
@@ -922,6 +985,12 @@ class SegmentPlan:
         return lines
 
 
+class _OpaqueCalls:
+    """The key of the segments of a callable's calls with an opaque argument."""
+
+    __slots__ = ()
+
+
 class Segments:
     """A callable's segment plans: one per signature entry that runs eagerly for refused calls
     (a :class:`~._piecewise.PiecewiseEntry`), at most :data:`MAX_PLANS` recorded for each."""
@@ -929,6 +998,9 @@ class Segments:
     def __init__(self, state):
         self.state = state
         self._plans: dict[int, list] = {}  # id(entry) -> [entry, plan or None, plans recorded]
+        # what the calls with an argument no signature holds (an HF DynamicCache) are kept
+        # under, in place of an entry
+        self.opaque = _OpaqueCalls()
 
     def call(self, entry, backend, fn, args: tuple, kwargs: dict, without) -> Any:
         """``fn(*args, **kwargs)`` with its segments graphed (recorded on a first call);
@@ -937,22 +1009,33 @@ class Segments:
         item = self._plans.get(id(entry))
         if item is None or item[0] is not entry:
             self._prune()
-            item = self._plans[id(entry)] = [entry, None, 0]
+            # [entry, plan, plans recorded, compare two records next, the first of the two]
+            item = self._plans[id(entry)] = [entry, None, 0, False, None]
         state = self.state
         with state.lock:  # (another thread's call holds graph memory until it returns)
             plan = item[1]
             if plan is not None and plan.given_back is not None:
                 return without(fn, args, kwargs)
             if plan is not None and (not plan.valid() or plan.misses >= 3):
-                plan.release()  # flags or parameters changed, or its calls went another way
+                # flags or parameters changed, or its calls went another way: record again,
+                # the second time comparing two records (calls that vary run eagerly)
+                item[3] = item[3] or plan.misses >= 3
+                plan.release()
                 plan = item[1] = None
             if plan is None:
                 if item[2] >= MAX_PLANS:
-                    return fn(*args, **kwargs)
+                    return without(fn, args, kwargs)
+                compare = item[3]
+                if compare and item[4] is None:  # a first record, to compare the next with
+                    dry = SegmentPlan(state, backend, state._device)
+                    out = dry.record(fn, args, kwargs, dry=True)
+                    item[4] = dry
+                    return out
                 item[2] += 1
+                earlier, item[4] = item[4], None
                 plan = item[1] = SegmentPlan(state, backend, state._device)
                 try:
-                    return plan.record(fn, args, kwargs)
+                    return plan.record(fn, args, kwargs, earlier=earlier)
                 except BaseException:
                     plan.release()
                     item[1] = None
@@ -964,7 +1047,7 @@ class Segments:
     def _prune(self) -> None:
         """Release the plans of entries no longer in the callable's cache (a new decision
         replaced them: its module state changed)."""
-        live = {id(e) for _, e in self.state.cache.items(self.state)}
+        live = {id(e) for _, e in self.state.cache.items(self.state)} | {id(self.opaque)}
         for key in [k for k in self._plans if k not in live]:
             plan = self._plans.pop(key)[1]
             if plan is not None:

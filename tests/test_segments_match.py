@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudagraphify as cg
+from cudagraphify import _segrun
 
 
 @pytest.fixture
@@ -192,3 +193,32 @@ def test_the_segments_option_turns_them_on_for_one_callable(sim):
     assert cg.stats(off).segments == 0
     with pytest.raises(cg.CudagraphifyUsageError, match="segments must be True or False"):
         cg.graphify(copy.deepcopy(m), segments="yes")
+
+
+def test_a_kv_cache_that_grows_every_step_leaves_its_calls_eager_and_graphs_the_rest(sim):
+    # HF generate() with its DynamicCache: an argument no signature holds, a cat that grows
+    # every step. The calls whose arguments change between two records run eagerly, in
+    # segments of their own (the cache's cat, the attention over it); the runs between them
+    # are graphed
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=2, max_position_embeddings=128)
+    m = transformers.LlamaForCausalLM(config).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = cg.graphify(copy.deepcopy(m), segments=True)
+    ids = torch.randint(0, 64, (1, 5))
+    greedy = dict(max_new_tokens=16, do_sample=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = m.generate(ids, **greedy)
+        for _ in range(2):
+            assert torch.equal(g.generate(ids, **greedy), want)
+    (plan,) = g._cudagraphify_state.segments.plans()
+    refused = [seg.refused for seg in plan.segments]
+    assert refused.count(_segrun.VARYING) >= 2 * 3  # per layer: two cats and the attention
+    assert any(r is None for r in refused) and plan.replays > 20
+    grown = [plan.calls[seg.first].name for seg in plan.segments if seg.refused == _segrun.VARYING]
+    assert grown.count("torch.cat") == 4 and grown.count("F.scaled_dot_product_attention") == 2

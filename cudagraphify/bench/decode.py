@@ -199,6 +199,9 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
     # the dynamic form also runs a copy whose pieces are not chained (each copies in and
     # clones out), to show what chaining buys, in this process
     unchained = cg.graphify(copy.deepcopy(model))
+    # and a copy with segments on (experimental): the runs of calls between the attention over
+    # the growing cache graphed
+    segmented = cg.graphify(copy.deepcopy(model), segments=True)
     for key, _, form, _ in GENERATE_FORMS:
         progress(f"llama-generate ({key}): eager, then graphify(model)")
         results = {}
@@ -206,6 +209,7 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
         runs = [("eager", model, {"disable_compile": True}), ("graphify", graphed, {})]
         if form == "dynamic":
             runs.append(("unchained", unchained, {}))
+            runs.append(("segments", segmented, {}))
         for name, m, extra in runs:
             cache = static_cache(transformers, config, prompt.shape[0], max_len, prompt.device,
                                  next(model.parameters()).dtype) if form == "kept" else None
@@ -238,18 +242,30 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
         row[f"generate_{key}_build_s"] = after.capture_seconds - before.capture_seconds
         row[f"generate_{key}_tokens_identical"] = all(torch.equal(o, e_outs[0])
                                                       for o in e_outs + g_outs)
-        if "unchained" in results:
-            u_outs, u_s = results["unchained"]
-            row[f"generate_{key}_unchained_tokens_per_s"] = \
+        for other in ("unchained", "segments"):
+            if other not in results:
+                continue
+            u_outs, u_s = results[other]
+            row[f"generate_{key}_{other}_tokens_per_s"] = \
                 new_tokens * prompt.shape[0] / statistics.median(u_s[1:])
-            row[f"generate_{key}_unchained_tokens_identical"] = all(
+            row[f"generate_{key}_{other}_first_s"] = u_s[0]
+            row[f"generate_{key}_{other}_tokens_identical"] = all(
                 torch.equal(o, e_outs[0]) for o in u_outs)
+        if "segments" in results:
+            plans = segmented._cudagraphify_state.segments.plans()
+            seg = cg.stats(segmented)
+            row[f"generate_{key}_segments"] = seg.segments
+            row[f"generate_{key}_segment_replays"] = seg.segment_replays
+            row[f"generate_{key}_segments_plan"] = [
+                line for p in plans for line in p.describe()
+                if "graphed" in line or "timed" in line or "given back" in line]
     s = cg.stats(graphed)
     row["generate_captures"], row["generate_replays"] = s.captures, s.replays
     row["generate_evictions"] = s.evictions
     row["generate_not_rebased"] = list(s.reasons)
     cg.ungraphify(graphed)
     cg.ungraphify(unchained)
+    cg.ungraphify(segmented)
 
 
 def format_decode(row: dict) -> str:
@@ -287,6 +303,17 @@ def format_decode(row: dict) -> str:
             text += (f"; its pieces not chained (each copies in and clones out): "
                      f"{row[f'generate_{key}_unchained_tokens_per_s']:.0f} tokens/s, tokens "
                      f"identical: {row[f'generate_{key}_unchained_tokens_identical']}")
+        if f"generate_{key}_segments_tokens_per_s" in row:
+            e_tps = row[f"generate_{key}_eager_tokens_per_s"]
+            s_tps = row[f"generate_{key}_segments_tokens_per_s"]
+            text += (f"\n    with segments=True (experimental): {s_tps:.0f} tokens/s "
+                     f"({s_tps / e_tps:.2f}x eager), first generate "
+                     f"{row[f'generate_{key}_segments_first_s']:.3f} s, tokens identical: "
+                     f"{row[f'generate_{key}_segments_tokens_identical']}; "
+                     f"{row[f'generate_{key}_segments']} segments graphed, "
+                     f"{row[f'generate_{key}_segment_replays']} replays")
+            text += "".join(f"\n      {line}" for line in
+                            row[f"generate_{key}_segments_plan"][:4])
     if "generate_captures" in row:
         text += (f"\n  generate, all forms: captures {row['generate_captures']}, replays "
                  f"{row['generate_replays']}, evictions {row['generate_evictions']}")
