@@ -104,3 +104,30 @@ def test_a_triton_kernel_called_directly_keeps_every_call_eager():
     (plan,) = _plans(g)
     assert plan.unseen is not None and "outside every torch call" in plan.unseen
     assert cg.stats(g).segment_replays == 0
+
+
+def test_generate_with_a_dynamic_cache_graphs_the_runs_around_the_growing_attention():
+    # graphify(model, segments=True) and HF generate() with its DynamicCache: tokens as
+    # eager's; the cache's cat and the attention over it run eagerly, the runs between graphed
+    transformers = pytest.importorskip("transformers")
+    from cudagraphify import _segrun
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256)
+    m = transformers.LlamaForCausalLM(config).cuda().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = cg.graphify(copy.deepcopy(m), segments=True)
+    ids = torch.randint(0, 128, (1, 7), device="cuda")
+    greedy = dict(max_new_tokens=24, do_sample=False)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = m.generate(ids, **greedy)
+        for _ in range(2):
+            assert torch.equal(g.generate(ids, **greedy), want)
+    (plan,) = _plans(g)
+    assert plan.unseen is None, plan.unseen
+    refused = [seg.refused for seg in plan.segments]
+    assert refused.count(_segrun.VARYING) >= 6, plan.describe()
+    assert cg.stats(g).segments > 0 and plan.replays > 20, plan.describe()
