@@ -54,6 +54,7 @@ from ._opinfo import infos, info_of, written_by
 from ._policy import default_policy
 from ._probe import _HERE, _OWN_MODELS, _user_frame
 from ._region import copies_of
+from . import _trial
 from ._trial import MARGIN, Trial
 
 __all__ = ["ENABLED", "SegmentPlan", "Segments"]
@@ -61,6 +62,7 @@ __all__ = ["ENABLED", "SegmentPlan", "Segments"]
 ENABLED = False  # experimental: off until it has been measured on a GPU (see issue 16)
 MIN_CALLS = 2  # a segment with fewer members runs eagerly (a replay would not pay)
 VARYING = "its arguments change between calls"
+MAX_VOID = 16  # timings of the forward without segments voided before one is kept anyway
 MAX_PLANS = 4  # plans recorded per signature before it stays eager (control flow that varies)
 
 _META = frozenset("Tensor." + n for n in (
@@ -649,6 +651,7 @@ class SegmentPlan:
         # back: the forward runs without them from then on, for this signature
         self.trial: Trial | None = None
         self.given_back: str | None = None
+        self.voided = 0  # timings of the forward without segments voided (see timed)
 
     # -- record and capture -------------------------------------------------------------------
 
@@ -729,8 +732,14 @@ class SegmentPlan:
         runs without segments), timed, in turn; once both are timed enough, the verdict."""
         trial = self.trial
         plain = trial.eager_next()
+        before = _trial.activity[0]
         out = trial.timed(lambda: without(fn, args, kwargs) if plain
                           else self.replay(fn, args, kwargs), plain)
+        if plain and _trial.activity[0] != before + 1 and self.voided < MAX_VOID:
+            # pieces captured or timed themselves in that run (their first calls): not the
+            # forward's cost without segments; timed again
+            trial.eager.pop()
+            self.voided += 1
         if trial.done:
             self.trial = None
             graph, eager = min(trial.graph), min(trial.eager)

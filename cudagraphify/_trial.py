@@ -22,6 +22,9 @@ from typing import Callable
 __all__ = ["Trial", "SAMPLES", "MARGIN"]
 
 SAMPLES = 3  # timed calls of each kind per piece
+# timed calls and trials begun, any piece, any thread: a timing of a forward that runs pieces
+# (segments against the forward without them) is void when this moved while it ran
+activity = [0]
 MARGIN = 1.1  # eager must be this much faster for a piece to be given back (ties keep graphs)
 
 
@@ -31,6 +34,7 @@ class Trial:
     __slots__ = ("clock", "graph", "eager")
 
     def __init__(self, clock: Callable[[], float]):
+        activity[0] += 1
         self.clock = clock  # seconds, after the device is done with what was queued
         self.graph: list[float] = []
         self.eager: list[float] = []
@@ -40,6 +44,7 @@ class Trial:
         return len(self.eager) < len(self.graph)
 
     def timed(self, run: Callable[[], object], eager: bool) -> object:
+        activity[0] += 1
         start = self.clock()
         out = run()
         (self.eager if eager else self.graph).append(self.clock() - start)

@@ -153,10 +153,15 @@ def test_segments_that_do_not_pay_are_given_back(segments, segments_cost, kept):
             assert torch.equal(g(x), m(x))
         (plan,) = g._cudagraphify_state.segments.plans()
         assert plan.trial is not None
-        for _ in range(6):  # the trial: segments and the forward without them, in turn
+        calls = 0
+        while plan.trial is not None and calls < 40:  # segments and the forward without them
             x = torch.randn(4, 8)
             assert torch.equal(g(x), m(x))
-        assert plan.trial is None and plan.replays == 2 * 3  # (two segments a call)
+            calls += 1
+        # (the pieces' own first calls, their captures and timings, ran in the forward without
+        # segments: those timings were voided, and taken again once the pieces had settled)
+        assert plan.trial is None and plan.voided > 0, (calls, plan.voided)
+        assert plan.replays == 2 * 3  # (three timed calls with segments, two segments each)
         assert (plan.given_back is None) == kept, plan.given_back
         for _ in range(3):
             x = torch.randn(4, 8)
