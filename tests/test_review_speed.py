@@ -138,9 +138,11 @@ def test_finding3_segments_given_back_let_go_of_their_memory(segments):
                 for t in outs]
         refs += [weakref.ref(t) for seg in plan.segments for t in seg.bufs.values()]
         assert refs
-        for _ in range(6):  # the trial
+        for _ in range(40):  # the trial (pieces settling in the first calls void timings)
             x = torch.randn(4, 8)
             assert torch.equal(g(x), m(x))
+            if plan.trial is None:
+                break
         assert plan.given_back is not None
         assert g._cudagraphify_state.segments.plans() == [plan]  # (kept: it says given back)
     gc.collect()
@@ -155,7 +157,7 @@ def test_segments_given_back_give_eagers_bits_afterwards(segments):
     g = _graphed(m)
     g.cost = {True: 2.0, False: 1.0}
     with torch.no_grad():
-        for _ in range(12):
+        for _ in range(30):  # (the trial's timings while the pieces settle are voided)
             x = torch.randn(4, 8)
             assert torch.equal(g(x), m(x))
     plan = _plan(g)
