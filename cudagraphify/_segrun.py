@@ -63,7 +63,8 @@ ENABLED = False  # experimental: off until it has been measured on a GPU (see is
 MIN_CALLS = 2  # a segment with fewer members runs eagerly (a replay would not pay)
 VARYING = "its arguments change between calls"
 MAX_VOID = 16  # timings of the forward without segments voided before one is kept anyway
-MAX_PLANS = 4  # plans recorded per signature before it stays eager (control flow that varies)
+PAID = 8  # matched calls after which a plan gives its signature its budget of records back
+MAX_PLANS = 4  # plans recorded in a row, none of them PAID, before it stays eager
 
 _META = frozenset("Tensor." + n for n in (
     "shape", "size", "dim", "ndim", "dtype", "device", "numel", "__len__", "is_contiguous",
@@ -635,6 +636,7 @@ class SegmentPlan:
         self.replays = 0
         self.divergences = 0
         self.misses = 0  # calls in a row that diverged
+        self.matched = 0  # calls that matched the record throughout
         self.ready = False
         self.profiling = False  # the record runs under the profiler (CUDA)
         self.cuda = device.type == "cuda"
@@ -940,6 +942,7 @@ class SegmentPlan:
             run.diverged = True  # (fewer calls than recorded)
             self.divergences += 1
         self.misses = self.misses + 1 if run.diverged else 0
+        self.matched += not run.diverged
         return self.owned(out)
 
     def owned(self, out: Any) -> Any:
@@ -1029,6 +1032,8 @@ class Segments:
                 # flags or parameters changed, or its calls went another way: record again,
                 # the second time comparing two records (calls that vary run eagerly)
                 item[3] = item[3] or plan.misses >= 3
+                if plan.matched >= PAID:  # (it served: the next plans get a budget anew)
+                    item[2] = 0
                 plan.release()
                 plan = item[1] = None
             if plan is None:

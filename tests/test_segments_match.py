@@ -227,3 +227,40 @@ def test_a_kv_cache_that_grows_every_step_leaves_its_calls_eager_and_graphs_the_
     assert any(r is None for r in refused) and plan.replays > 20
     grown = [plan.calls[seg.first].name for seg in plan.segments if seg.refused == _segrun.VARYING]
     assert grown.count("torch.cat") == 4 and grown.count("F.scaled_dot_product_attention") == 2
+
+
+class _Phased(nn.Module):
+    """Takes one of two paths, as the sign of its input's sum says (read on the host)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.a(x).relu()
+        if x.sum().item() > 0:
+            return self.b(h).tanh() + 1
+        return self.b(h).sigmoid() * 2
+
+
+def test_a_plan_that_served_gives_the_budget_of_records_back(segments):
+    # a generate() whose prefill and decode steps, or phases of a workload, take turns: each
+    # switch drops the plan and records again; plans that served many calls do not use up the
+    # signature's budget (MAX_PLANS records in a row that never served)
+    torch.manual_seed(0)
+    m = _Phased().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = cg.graphify(copy.deepcopy(m), segments=True)
+    item = None
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for phase in range(2 * _segrun.MAX_PLANS + 2):
+            sign = 1.0 if phase % 2 == 0 else -1.0
+            for _ in range(_segrun.PAID + 6):
+                x = torch.rand(4, 8) * sign
+                assert torch.equal(g(x), m(x))
+            (item,) = g._cudagraphify_state.segments._plans.values()
+    plan = item[1]
+    assert plan is not None and plan.matched >= _segrun.PAID  # the last phase still replays
