@@ -397,10 +397,19 @@ class _Recorder(TorchFunctionMode):
                 call.struct = _structure(args, kwargs, leaves)
             except _Opaque as e:
                 why = f"an argument of type {e}"
+        held = len(plan.copied_held)
         if why is None:
             why = self._sources(call, leaves)
+        lean = False
         if why is None:
             call.metas = tuple(_meta(leaf) for leaf in leaves)
+            # a dry record, or a call whose arguments differ from the earlier record's (it
+            # will run alone, eagerly: a KV cache's cat): no copies of what it reads or makes
+            lean = plan.dry or plan.varies(len(plan.calls) - 1, call)
+            if lean:
+                del plan.copied_held[held:]
+                if not plan.dry:
+                    call.alone = VARYING  # (so: never in a graph, whatever the comparison)
         before: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         if why is None:
             state = self.state
@@ -409,7 +418,7 @@ class _Recorder(TorchFunctionMode):
             call.state = state
             # what its arguments held: a call may write one without saying so (BatchNorm in
             # training writes its running statistics; an embedding with max_norm, its weight)
-            for leaf in leaves:
+            for leaf in leaves if not lean else ():
                 before[id(leaf)] = (leaf, leaf.clone())
         out = func(*args, **kwargs)
         if why is None:
@@ -430,8 +439,13 @@ class _Recorder(TorchFunctionMode):
             if why is None and not all(_bitwise_equal(t, was) for t, was in before.values()):
                 why = "writes a tensor argument in place (its name does not say so)"
             if why is None:
-                call.eager_out = [t.clone() for t in outs]
-                call.refs = [(X, ref[1], before[id(leaf)][1]) if ref[0] == X else ref
+                # (a lean call's outputs as they are: a graphed call that reads one is verified
+                # against them, and its segment refused if they changed since)
+                call.eager_out = [] if plan.dry else list(outs) if lean else \
+                    [t.clone() for t in outs]
+                # (a lean call runs alone: its copied inputs are never loaded into a graph)
+                call.refs = [ref if ref[0] != X else (X, ref[1]) if lean else
+                             (X, ref[1], before[id(leaf)][1])
                              for leaf, ref in zip(leaves, call.refs)]
                 ptrs = {t.untyped_storage().data_ptr() for t in outs} - {0}
                 call.views = frozenset(k for k, leaf in enumerate(leaves)
@@ -630,6 +644,8 @@ class SegmentPlan:
         self.static_ptrs = state.statics.storage_ptrs()
         self.copied_ptrs: set[int] = set()
         self.copied_held: list = []  # (the record's copied inputs' storages, see _sources)
+        self.dry = False  # only recorded, to compare a later record with
+        self.earlier: SegmentPlan | None = None  # the record this one is compared with
         self.pool_ptrs: set[int] = set()
         self.flags: FlagsGuard | None = None
         self.pool = None
@@ -679,6 +695,7 @@ class SegmentPlan:
         record (for a later record to compare with)."""
         if self.cuda:
             self.token = _raw_stream(self.index)
+        self.dry, self.earlier = dry, earlier
         prof = _profiler() if self.device.type == "cuda" else None
         if prof is not None:
             self.profiling = True
@@ -711,6 +728,7 @@ class SegmentPlan:
         self.copied_held = []
         if earlier is not None:
             self.vary_from(earlier)
+            self.earlier = None
         self._views_alone()
         self._capture()
         self.last = self.token  # (the verifying replays ran on the call's stream)
@@ -794,6 +812,16 @@ class SegmentPlan:
                         moved = True
             if not moved:
                 return
+
+    def varies(self, i: int, call: "_Call") -> bool:
+        """While recording against an earlier record: whether call ``i`` reads tensors of
+        other layouts than the earlier record's call ``i`` of the same function."""
+        earlier = self.earlier
+        if earlier is None or i >= len(earlier.calls):
+            return False
+        then = earlier.calls[i]
+        return then.seg is not None and (then.func is call.func or then.name == call.name) \
+            and then.metas != call.metas
 
     def vary_from(self, earlier: "SegmentPlan") -> None:
         """Mark the calls whose arguments differ from ``earlier``'s record of the same forward
