@@ -367,6 +367,7 @@ class _Recorder(TorchFunctionMode):
         self.plan = plan
         self.made: dict[int, tuple[int, int, torch.Tensor]] = {}  # id(tensor) -> (call, k, it)
         self.made_ptrs: set[int] = set()  # the storages of the members' outputs
+        self.frozen: set[tuple[int, int]] = set()  # lean outputs copied once read (see _sources)
         self.state: _State | None = None  # the last member's
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -406,7 +407,9 @@ class _Recorder(TorchFunctionMode):
             # a dry record, or a call whose arguments differ from the earlier record's (it
             # will run alone, eagerly: a KV cache's cat): no copies of what it reads or makes
             lean = plan.dry or plan.varies(len(plan.calls) - 1, call)
-            if lean:
+            if lean:  # (never copied into a graph: its inputs' addresses are not kept)
+                kept = {st.data_ptr() for st in plan.copied_held[:held]}
+                plan.copied_ptrs -= {st.data_ptr() for st in plan.copied_held[held:]} - kept
                 del plan.copied_held[held:]
                 if not plan.dry:
                     call.alone = VARYING  # (so: never in a graph, whatever the comparison)
@@ -458,10 +461,24 @@ class _Recorder(TorchFunctionMode):
                         self.made[id(t)] = (len(plan.calls) - 1, k, t)
                     self.made_ptrs.add(t.untyped_storage().data_ptr())
                 call.seg = 0  # a member (segments are numbered in plan.segment())
+                if not lean:  # (a member may be graphed: what it read of a lean call, copied)
+                    self._freeze(call)
         if why is not None:
             call.refs = []
             plan.boundaries[len(plan.calls) - 1] = why
         return out
+
+    def _freeze(self, call: _Call) -> None:
+        """A lean call's outputs are kept as they are (no copy); where a call that may be
+        graphed reads one, copy it now: its value as read here is what a graph reading it is
+        loaded with and verified against (a later in-place write would refuse the segment)."""
+        calls = self.plan.calls
+        for ref in call.refs:
+            if ref[0] == P and calls[ref[1]].alone is not None \
+                    and (ref[1], ref[2]) not in self.frozen:
+                out = calls[ref[1]].eager_out
+                out[ref[2]] = out[ref[2]].clone()
+                self.frozen.add((ref[1], ref[2]))
 
     def _sources(self, call: _Call, leaves: list) -> str | None:
         plan, made = self.plan, self.made
@@ -708,6 +725,7 @@ class SegmentPlan:
             if why is not None:
                 self.unseen = why
                 self.ready = True  # (a plan with no segment: every call runs eagerly)
+                self.earlier = None
                 return out
         elif self.device.type == "cuda":
             with Nested():
@@ -715,6 +733,7 @@ class SegmentPlan:
             self.unseen = "the profiler could not be started (it finds kernels the mode " \
                 "does not see)"
             self.ready = True
+            self.earlier = None
             return out
         else:
             with Nested(), _Recorder(self):
@@ -963,6 +982,7 @@ class SegmentPlan:
         if not self.segments:
             return fn(*args, **kwargs)
         run = _Run(self)
+        replays = self.replays
         with Nested(), _Replayer(run):
             out = fn(*args, **kwargs)
             run.flush()
@@ -970,7 +990,7 @@ class SegmentPlan:
             run.diverged = True  # (fewer calls than recorded)
             self.divergences += 1
         self.misses = self.misses + 1 if run.diverged else 0
-        self.matched += not run.diverged
+        self.matched += not run.diverged and self.replays > replays  # (it replayed a graph)
         return self.owned(out)
 
     def owned(self, out: Any) -> Any:
