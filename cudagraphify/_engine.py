@@ -481,10 +481,10 @@ class GraphedState:
         caller may share them where use counts do not see: DLPack, CuPy; or resize them).
 
         With segments on (the ``segments`` option, or ``_segrun.ENABLED``), an inference call of
-        a piecewise ``entry`` outside any region runs its forward with the runs of safe calls
-        graphed instead
-        (:class:`~._segrun.Segments`; its pieces then run as part of it), once timed against
-        the forward without them where the backend has a clock (see _trial)."""
+        a piecewise ``entry`` (or one with an opaque argument) outside any region runs its
+        forward with the runs of safe calls graphed instead (:class:`~._segrun.Segments`; its
+        pieces then run as part of it), once timed against the forward without them where the
+        backend has a clock (see _trial)."""
         if entry is not None and (self.options.segments or _segrun.ENABLED) \
                 and self._device is not None \
                 and self.share is None and not torch.is_grad_enabled() \
