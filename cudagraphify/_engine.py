@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _capture, _region, _segrun, _watch
+from . import _capture, _region, _segrun, _trial, _watch
 from ._capture import drain
 from ._cache import CachePolicy, EagerEntry, GraphCache, SetUpEntry
 from ._errors import CudagraphifyUsageError, warn_once
@@ -93,6 +93,8 @@ class GraphedState:
             self.policy.shared_lock or threading.RLock())
         self.install_pieces = install_pieces  # graphifies submodules (a piecewise plan)
         self.pieces: list = []  # submodules a piecewise plan graphified
+        # whether one of them is not given back (see _trial), as of _trial.given_back's count
+        self._pieces_live: tuple[int, bool] = (-1, False)
         self.last_plan: tuple | None = None
         self.captures = 0
         self.retargets = 0  # graphs made from a share_graph template instead of a capture
@@ -389,10 +391,24 @@ class GraphedState:
             findings.setdefault(f.path, []).append(f)
         _, pieces = plan(root, findings, probe.ran())
         if pieces:
-            installed = self.install_pieces(pieces)
-            self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
+            self._add_pieces(self.install_pieces(pieces))
             self.last_plan = (findings, pieces)
         return out
+
+    def _add_pieces(self, installed: list) -> None:
+        self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
+        self._pieces_live = (-1, False)
+
+    def _any_piece_live(self) -> bool:
+        """Whether a piece of this callable's plans may still replay a graph: not all of them
+        were given back (looked at again only when a piece anywhere was)."""
+        seen, live = self._pieces_live
+        if seen != _trial.given_back[0]:
+            seen = _trial.given_back[0]
+            live = any(getattr(m.__dict__.get("_cudagraphify_state"), "given_back", None) is None
+                       for m in self.pieces)
+            self._pieces_live = (seen, live)
+        return live
 
     def _judge(self, entry, out: Any, region) -> Any:
         """After a timed call of a piece's graph (see _trial): once timed enough, keep the
@@ -424,6 +440,7 @@ class GraphedState:
         released, but for a training graph whose backward is still to run (kept until
         ``release``: autograd holds the call), and, with none left, what its statics hold."""
         self.given_back = why
+        _trial.given_back[0] += 1
         self._fast = None
         self._release_given_back()
         for region in _region.all_open():
@@ -493,8 +510,9 @@ class GraphedState:
             return self.segments.call(entry, _capture.default_backend(), fn, args, kwargs,
                                       self.chained)
         if not self.pieces or _region_stack.get() or torch.is_grad_enabled() \
-                or self.share is not None or not CHAIN_PIECES:
-            # (share_graph layers share outside regions)
+                or self.share is not None or not CHAIN_PIECES or not self._any_piece_live():
+            # (share_graph layers share outside regions; pieces all given back run as plain
+            # PyTorch: nothing to chain)
             return fn(*args, **kwargs)
         chain = self._chain
         if chain is None:
@@ -537,8 +555,8 @@ class GraphedState:
         if kind == PIECEWISE:
             reason, pieces = plan(self.statics.root, outcome.findings, outcome.ran)
             if pieces or self.options.segments or _segrun.ENABLED:
-                installed = self.install_pieces(pieces) if self.install_pieces and pieces else []
-                self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
+                if self.install_pieces and pieces:
+                    self._add_pieces(self.install_pieces(pieces))
                 self.last_plan = (outcome.findings, pieces)
                 entry = PiecewiseEntry(reason, self, outcome.findings, pieces, outcome.guard,
                                        outcome.flags)

@@ -5,8 +5,11 @@ one or two kernels costs more as a graphed call (copy-in, replay, clone, guards)
 eager run: 73 such pieces made a model 1.5x slower than eager on the H200. So a piece's first
 calls after its capture alternate between its graph and its forward run eagerly, each timed
 from a device synchronisation to the next (host and device work together, as the call costs in
-a forward that waits on the host anyway); after :data:`SAMPLES` of each, a piece whose graph
-is slower than its eager run by more than :data:`MARGIN` is given back: it runs as plain
+a forward that waits on the host anyway), and on the host alone (until the call returns: what
+it costs a forward whose kernels keep up with its Python). After :data:`SAMPLES` of each, a
+piece is given back when its graph is slower than its eager run by more than :data:`MARGIN`,
+or when it is not faster by that margin and costs more host time (a one-kernel piece: its
+copy-in, replay and clone cost more Python than launching its kernel). It then runs as plain
 PyTorch from then on, its graphs released, the reason in ``stats().eager_calls``; where the
 piece has graphs of other signatures (a prefill's beside a decode step's), only that
 signature runs eagerly from then on.
@@ -17,6 +20,7 @@ unless a test gives it one.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 __all__ = ["Trial", "SAMPLES", "MARGIN"]
@@ -25,19 +29,26 @@ SAMPLES = 3  # timed calls of each kind per piece
 # timed calls and trials begun, any piece, any thread: a timing of a forward that runs pieces
 # (segments against the forward without them) is void when this moved while it ran
 activity = [0]
-MARGIN = 1.1  # eager must be this much faster for a piece to be given back (ties keep graphs)
+MARGIN = 1.1  # a clear difference: one run this much faster than the other
+# pieces given back so far, any callable: a plan that chains pieces looks again whether any of
+# its pieces still has graphs when this moved (see GraphedState.chained)
+given_back = [0]
+host_clock = time.perf_counter  # seconds on the host (a test's fake clock replaces it)
 
 
 class Trial:
     """The timed first replays of one graph of a piece, and its eager runs between them."""
 
-    __slots__ = ("clock", "graph", "eager")
+    __slots__ = ("clock", "host", "graph", "eager", "graph_host", "eager_host")
 
     def __init__(self, clock: Callable[[], float]):
         activity[0] += 1
         self.clock = clock  # seconds, after the device is done with what was queued
-        self.graph: list[float] = []
+        self.host = host_clock
+        self.graph: list[float] = []  # seconds from a synchronisation to the next
         self.eager: list[float] = []
+        self.graph_host: list[float] = []  # seconds until the call returned
+        self.eager_host: list[float] = []
 
     def eager_next(self) -> bool:
         """Whether the next call runs eagerly (they alternate, the graph first)."""
@@ -46,8 +57,11 @@ class Trial:
     def timed(self, run: Callable[[], object], eager: bool) -> object:
         activity[0] += 1
         start = self.clock()
+        host = self.host()
         out = run()
+        host = self.host() - host
         (self.eager if eager else self.graph).append(self.clock() - start)
+        (self.eager_host if eager else self.graph_host).append(host)
         return out
 
     @property
@@ -57,7 +71,14 @@ class Trial:
     def verdict(self) -> str | None:
         """Why the piece is given back (its graph costs more), or None (it keeps its graph)."""
         graph, eager = min(self.graph), min(self.eager)
-        if eager * MARGIN >= graph:
-            return None
-        return (f"piece given back: its graph costs more than its eager run ({graph * 1e6:.0f} "
-                f"vs {eager * 1e6:.0f} µs a call, timed on its first calls)")
+        if eager * MARGIN < graph:
+            return (f"piece given back: its graph costs more than its eager run "
+                    f"({graph * 1e6:.0f} vs {eager * 1e6:.0f} µs a call, timed on its first "
+                    "calls)")
+        graph_host, eager_host = min(self.graph_host), min(self.eager_host)
+        if graph * MARGIN > eager and graph_host > eager_host:
+            return (f"piece given back: its graph is not faster than its eager run "
+                    f"({graph * 1e6:.0f} vs {eager * 1e6:.0f} µs a call) and costs more host "
+                    f"time ({graph_host * 1e6:.1f} vs {eager_host * 1e6:.1f} µs), timed on its "
+                    "first calls")
+        return None

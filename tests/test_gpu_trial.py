@@ -52,7 +52,7 @@ def test_a_piece_that_does_not_pay_is_given_back_and_one_that_does_keeps_its_gra
     small, deep = cg.stats(g.small), cg.stats(g.deep)
     assert small.timed_calls == 3 and small.graphs == 0, small
     (why,) = small.eager_calls
-    assert why.startswith("piece given back: its graph costs more than its eager run"), why
+    assert why.startswith("piece given back: its graph "), why  # (costs more, or no less)
     assert deep.timed_calls == 3 and deep.graphs == 1 and deep.eager == 0, deep
     # (call 1: the root's; 3 timed eager; its capture call replays too, chained)
     assert deep.replays == 12 - 1 - 3

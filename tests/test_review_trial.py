@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _capture
+from cudagraphify import _capture, _trial
 from conftest import SimBackend, SimGraph
 
 from test_trial import _COST, _NOW, _Piece, _Root  # (the same clock and model)
@@ -28,6 +28,7 @@ def timed(monkeypatch):
     piece is given back after its trial (unless a test sets other costs)."""
     backend = SimBackend()
     backend.clock = lambda device: lambda: _NOW[0]
+    monkeypatch.setattr(_trial, "host_clock", lambda: _NOW[0])
     old = _capture.set_backend(backend)
     replay = SimGraph.replay
 

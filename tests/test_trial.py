@@ -1,8 +1,9 @@
 """Pieces that pay (cudagraphify/_trial.py): a piecewise plan's piece is timed against its
 eager run on its first calls and given back when its graph costs more.
 
-On the CPU double, with a clock of the test's: the piece's eager forward advances it by
-``EAGER`` and a replay of its graph by ``GRAPH`` (what each costs on a device, here chosen)."""
+On the CPU double, with clocks of the test's: the piece's eager forward advances them by
+``eager`` and a replay of its graph by ``graph`` (what each costs on a device, here chosen);
+the host's clock by ``eager_host`` and ``graph_host`` where a test sets them apart."""
 
 from __future__ import annotations
 
@@ -18,12 +19,19 @@ from cudagraphify import _trial
 from conftest import SimGraph
 
 _NOW = [0.0]
-_COST = {"eager": 0.0, "graph": 0.0}
+_HOST = [0.0]  # the host's clock: until a call returns
+_COST = {"eager": 0.0, "graph": 0.0, "eager_host": None, "graph_host": None}
+
+
+def _spend(kind: str) -> None:
+    _NOW[0] += _COST[kind]
+    host = _COST[kind + "_host"]
+    _HOST[0] += _COST[kind] if host is None else host
 
 
 class _Piece(nn.Linear):
     def forward(self, x):
-        _NOW[0] += _COST["eager"]  # (runs only when the forward's Python runs: eagerly)
+        _spend("eager")  # (runs only when the forward's Python runs: eagerly)
         return super().forward(x)
 
 
@@ -44,10 +52,12 @@ class _Root(nn.Module):
 @pytest.fixture
 def timed(sim, monkeypatch):
     sim.clock = lambda device: lambda: _NOW[0]
+    monkeypatch.setattr(_trial, "host_clock", lambda: _HOST[0])
+    _COST.update(eager_host=None, graph_host=None)
     replay = SimGraph.replay
 
     def costly(self):
-        _NOW[0] += _COST["graph"]
+        _spend("graph")
         return replay(self)
 
     monkeypatch.setattr(SimGraph, "replay", costly)
@@ -57,8 +67,8 @@ def timed(sim, monkeypatch):
             yield sim
 
 
-def _run(graph_cost: float, eager_cost: float, calls: int = 10):
-    _COST.update(graph=graph_cost, eager=eager_cost)
+def _run(graph_cost: float, eager_cost: float, calls: int = 10, **host):
+    _COST.update(graph=graph_cost, eager=eager_cost, **host)
     torch.manual_seed(0)
     ref = _Root()
     g = cg.graphify(copy.deepcopy(ref))
@@ -91,8 +101,27 @@ def test_a_piece_whose_graph_pays_keeps_it_and_replays_fast(timed):
         assert piece._cudagraphify_state._fast is not None  # the fast path after the trial
 
 
-def test_a_tie_keeps_the_graph(timed):
-    g = _run(graph_cost=10.5e-6, eager_cost=10e-6)  # within the margin
+def test_a_tie_keeps_the_graph_when_it_costs_less_host_time(timed):
+    # within the margin end to end; its replay returns sooner than its forward's launches
+    g = _run(graph_cost=10.5e-6, eager_cost=10e-6, graph_host=4e-6, eager_host=9e-6)
+    assert cg.stats(g.a).graphs == 1 and cg.stats(g.a).eager == 0
+
+
+def test_a_tie_that_costs_more_host_time_is_given_back(timed):
+    # a one-kernel piece: as fast end to end (its kernel is short), but its copy-in, replay and
+    # clone cost more Python than launching the kernel
+    g = _run(graph_cost=9.8e-6, eager_cost=10e-6, graph_host=8e-6, eager_host=5e-6)
+    for piece in (g.a, g.b):
+        s = cg.stats(piece)
+        assert (s.captures, s.timed_calls, s.graphs) == (1, 3, 0), s
+        (why, n), = s.eager_calls.items()
+        assert why.startswith("piece given back: its graph is not faster than its eager run "
+                              "(10 vs 10 µs a call) and costs more host time (8.0 vs 5.0 µs)"), why
+    assert g._cudagraphify_state._any_piece_live() is False  # (nothing left to chain)
+
+
+def test_clearly_faster_end_to_end_keeps_the_graph_whatever_its_host_time(timed):
+    g = _run(graph_cost=5e-6, eager_cost=10e-6, graph_host=8e-6, eager_host=5e-6)
     assert cg.stats(g.a).graphs == 1 and cg.stats(g.a).eager == 0
 
 
@@ -100,8 +129,16 @@ def test_the_verdict_needs_the_margin_and_enough_samples():
     t = _trial.Trial(lambda: 0.0)
     assert not t.done and not t.eager_next()
     t.graph, t.eager = [3.0, 2.0, 2.5], [1.9, 5.0, 1.95]
-    assert t.done and t.verdict() is None  # 2.0 vs 1.9: within 10%
+    t.graph_host, t.eager_host = [1.0, 0.5, 0.7], [0.6, 0.6, 0.6]
+    assert t.done and t.verdict() is None  # 2.0 vs 1.9: within 10%; 0.5 vs 0.6 on the host
+    t.graph_host = [0.61] * 3
+    assert "costs more host time (610000.0 vs 600000.0 µs)" in t.verdict()
+    t.graph = [1.8] * 3  # 1.8 * 1.1 = 1.98 > 1.9: faster, but not clearly
+    assert t.verdict() is not None
+    t.graph = [1.7] * 3  # 1.7 * 1.1 = 1.87 <= 1.9: clearly faster
+    assert t.verdict() is None
     t.eager = [1.0, 5.0, 1.5]
+    t.graph = [3.0, 2.0, 2.5]
     assert "(2000000 vs 1000000 µs a call" in t.verdict()
 
 
