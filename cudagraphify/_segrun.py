@@ -681,6 +681,7 @@ class SegmentPlan:
         # (storage, use count with only the plan's own references) of the graphs' memory
         self._baselines: list[tuple[Any, int]] = []
         self.unseen: str | None = None  # why no segment can be graphed: work the mode misses
+        self.seen_unseen = False  # the profiler found that work (a later record would too)
         # the first calls after the record alternate between the segments and the forward run
         # as it would without them, timed (see _trial); segments that do not pay are given
         # back: the forward runs without them from then on, for this signature
@@ -723,7 +724,7 @@ class SegmentPlan:
                 self.profiling = False
             why = direct_launch(prof.events())
             if why is not None:
-                self.unseen = why
+                self.unseen, self.seen_unseen = why, True
                 self.ready = True  # (a plan with no segment: every call runs eagerly)
                 self.earlier = None
                 return out
@@ -1074,7 +1075,10 @@ class Segments:
         state = self.state
         with state.lock:  # (another thread's call holds graph memory until it returns)
             plan = item[1]
-            if plan is not None and plan.given_back is not None:
+            if plan is not None and (plan.given_back is not None or plan.seen_unseen):
+                # (work the mode does not see is in the forward's code: every record would
+                # find it again, under the profiler; a profiler that could not be started,
+                # the user's own running, is tried again on the next calls)
                 return without(fn, args, kwargs)
             if plan is not None and (not plan.valid() or plan.misses >= 3):
                 # flags or parameters changed, or its calls went another way: record again,

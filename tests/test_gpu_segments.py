@@ -104,6 +104,8 @@ def test_a_triton_kernel_called_directly_keeps_every_call_eager():
     (plan,) = _plans(g)
     assert plan.unseen is not None and "outside every torch call" in plan.unseen
     assert cg.stats(g).segment_replays == 0
+    # recorded once (under the profiler): the later calls run without segments at once
+    assert [item[2] for item in g._cudagraphify_state.segments._plans.values()] == [1]
 
 
 def test_generate_with_a_dynamic_cache_graphs_the_runs_around_the_growing_attention():
