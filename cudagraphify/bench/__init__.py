@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(r)
         print(format_decode(r), flush=True)
     if args.overhead:
-        r = bench_overhead(*((200, 5) if args.quick else (1000, 11)),
+        r = bench_overhead(*((200, 5) if args.quick else (1000, 31)),
                            decode_repeats=decode_repeats)
         rows.append(r)
         print(format_overhead(r), flush=True)
