@@ -429,3 +429,49 @@ def test_generate_forms_give_eager_tokens_through_the_cpu_double(sim):
              graphify_speedup=1.0, tokens_identical=True, graphify_first_call_s=0.1,
              graphify_peak_mb=0.0, graphify_captures=1, graphify_replays=1,
              graphify_eager_calls={}))
+
+
+def test_differential_section_times_every_step_and_says_what_the_calls_did(sim):
+    """On the CPU double (replays run the recorded ops): our GPT through every step of the
+    differential script; each step has both timings, their ratio and the graphified path."""
+    from cudagraphify.bench import differential
+
+    (row,) = differential.bench_differential(calls=2, rounds=1, warm=3, device="cpu",
+                                             models=["ours"])
+    names = [s["step"] for s in row["steps"]]
+    assert names == [step[0] for step in differential.steps("cpu")]
+    for s in row["steps"]:
+        assert s["eager_us"] > 0 and s["graphify_us"] > 0
+        assert s["ratio"] == pytest.approx(s["graphify_us"] / s["eager_us"])
+        assert s["max_abs_err"] < 1e-4, s
+    by = {s["step"]: s["path"] for s in row["steps"]}
+    assert by["first call"].startswith("1 capture(s)"), by
+    assert "replay(s)" in by["same signature"] and "capture" not in by["same signature"], by
+    assert "invalidation(s)" in by["parameter reassigned"], by
+    assert row["worst_ratio"] == max(s["ratio"] for s in row["steps"])
+    assert row["over_target"] == [s["step"] for s in row["steps"] if s["ratio"] > 1.02]
+    text = differential.format_differential(row)
+    assert text.startswith("differential-ours: worst step ") and "p.data = ..." in text
+    json.dumps(row)
+
+
+def test_differential_section_says_why_a_model_did_not_run(monkeypatch):
+    from cudagraphify.bench import differential
+
+    def missing(device):
+        raise ImportError("No module named 'torchvision'")
+
+    monkeypatch.setitem(differential.MODELS, "resnet18", missing)
+    (row,) = differential.bench_differential(device="cpu", models=["resnet18"])
+    assert row["skipped"] == "ImportError: No module named 'torchvision'"
+    assert differential.format_differential(row) == (
+        "differential-resnet18: skipped: ImportError: No module named 'torchvision'")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU-only mode")
+def test_cpu_mode_says_the_differential_section_needs_a_gpu(tmp_path, capsys):
+    out = tmp_path / "d.json"
+    assert bench.main(["--differential", "--json", str(out)]) == 0
+    assert "differential: not run: needs a CUDA GPU (graphify against eager" in \
+        capsys.readouterr().out
+    assert [r["workload"] for r in json.loads(out.read_text())["rows"]] == ["differential"]

@@ -21,74 +21,12 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from conftest import contexts
-from cudagraphify.bench.models import GPT
+from cudagraphify.bench.differential import MODELS, no_dropout, path_taken, steps
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 
 DEV = "cuda"
 
-
-def _first_linear(model: nn.Module) -> nn.Module:
-    return next(m for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)))
-
-
-def _some_param(model: nn.Module) -> nn.Parameter:
-    return list(model.parameters())[len(list(model.parameters())) // 2]
-
-
-def _ids(vocab: int) -> Callable:
-    def make(batch=2, seq=12, contiguous=True, wide=False):
-        dtype = torch.int32 if wide else torch.int64  # "wide": the other dtype of each model
-        if contiguous:
-            return torch.randint(0, vocab, (batch, seq), device=DEV, dtype=dtype)
-        return torch.randint(0, vocab, (seq, batch), device=DEV, dtype=dtype).t()
-    return make
-
-
-def _gpt2():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GPT2Config(n_embd=128, n_layer=2, n_head=4, vocab_size=500, n_positions=64)
-    return transformers.GPT2LMHeadModel(cfg), _ids(500), lambda out: out.logits
-
-
-def _llama():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2,
-                                   vocab_size=500, max_position_embeddings=64)
-    return (transformers.LlamaForCausalLM(cfg), _ids(500),
-            lambda out: out.logits)
-
-
-def _bert():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                  intermediate_size=256, vocab_size=500,
-                                  max_position_embeddings=64)
-    return transformers.BertModel(cfg), _ids(500), lambda out: out.last_hidden_state
-
-
-def _resnet():
-    torchvision = pytest.importorskip("torchvision")
-
-    def make(batch=2, seq=32, contiguous=True, wide=False):  # batch 2: BatchNorm in train mode
-        x = torch.randn(batch, 3, seq, seq, device=DEV,
-                        dtype=torch.float64 if wide else torch.float32)
-        return x if contiguous else x.to(memory_format=torch.channels_last)
-    return torchvision.models.resnet18(num_classes=10), make, lambda out: out
-
-
-def _ours():
-    def make(batch=2, seq=12, contiguous=True, wide=False):
-        dtype = torch.float64 if wide else torch.float32
-        if contiguous:
-            return torch.randn(batch, seq, 64, device=DEV, dtype=dtype)
-        return torch.randn(seq, batch, 64, device=DEV, dtype=dtype).transpose(0, 1)
-    return GPT(64, 2, 2), make, lambda out: out
-
-
-MODELS = {"gpt2": _gpt2, "llama": _llama, "bert": _bert, "resnet18": _resnet, "ours": _ours}
 
 # model -> (its repeated layers, share_graph options). The HF layers differ only in
 # ``layer_idx``, which indexes a KV cache that these calls do not use (use_cache off).
@@ -113,61 +51,15 @@ def _write_outcomes():
                 f.write(json.dumps(row) + "\n")
 
 
-def _path_taken(before: cg.Stats, after: cg.Stats) -> str:
-    """What the calls between two snapshots of counters did, in words."""
-    parts = [f"{n} {what}" for what, n in (
-        ("capture(s)", after.captures - before.captures),
-        ("retarget(s)", after.retargets - before.retargets),
-        ("replay(s)", after.replays - before.replays),
-        ("invalidation(s)", after.invalidations - before.invalidations)) if n]
-    for reason, n in after.eager_calls.items():
-        if n > before.eager_calls.get(reason, 0):
-            parts.append(f"{n - before.eager_calls.get(reason, 0)} eager ({reason})")
-    return "; ".join(parts) or "nothing counted"
-
-
-def _reassign(m):
-    lin = _first_linear(m)
-    lin.weight = nn.Parameter(lin.weight.detach() * 0.5)
-
-
-def _assign_state(m):
-    m.load_state_dict({k: v.detach().clone() for k, v in m.state_dict().items()}, assign=True)
-
-
-def _data(m):
-    p = _some_param(m)
-    p.data = p.data.clone() * 1.01
-
-
-STEPS = [
-    # (name, change on both models, input kwargs, context)
-    ("first call", None, {}, torch.no_grad),
-    ("same signature", None, {}, torch.no_grad),
-    ("batch size 3", None, {"batch": 3}, torch.no_grad),
-    ("longer input", None, {"seq": 20}, torch.no_grad),
-    ("non-contiguous input", None, {"contiguous": False}, torch.no_grad),
-    ("first signature again", None, {}, torch.no_grad),
-    ("parameter reassigned", _reassign, {}, torch.no_grad),
-    ("load_state_dict(assign=True)", _assign_state, {}, torch.no_grad),
-    ("p.data = ...", _data, {}, torch.no_grad),
-    ("train mode", lambda m: m.train(), {}, torch.no_grad),
-    ("eval mode", lambda m: m.eval(), {}, torch.no_grad),
-    ("grad mode", None, {}, torch.enable_grad),
-    ("inference_mode", None, {}, torch.inference_mode),
-    ("autocast bf16", None, {},
-     lambda: contexts(torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16))),
-    ("autocast off", None, {}, torch.no_grad),
-    # token models take int32 ids; the others run in float64 (every parameter moves)
-    ("other dtype", lambda m: m.double(), {"wide": True}, torch.no_grad),
-    ("back to float32", lambda m: m.float(), {}, torch.no_grad),
-]
-
+STEPS = steps("cuda")
 
 
 def _built(name: str) -> tuple[nn.Module, Callable, Callable]:
     """Model ``name`` on the GPU in eval mode (seeded), its input maker and output picker."""
-    model, make, pick = MODELS[name]()
+    try:
+        model, make, pick = MODELS[name](DEV)
+    except ImportError as e:  # (transformers, torchvision)
+        pytest.skip(f"{name}: {e}")
     torch.manual_seed(0)
     return model.to(DEV).eval(), make, pick
 
@@ -183,17 +75,15 @@ def _run_script(name: str, ref: nn.Module, graphed: nn.Module, make: Callable, p
             change(graphed)
         if step == "train mode":
             # dropout draws differently in two models: compare in train mode without dropout
-            for m in (ref, graphed):
-                for mod in m.modules():
-                    if isinstance(mod, nn.Dropout):
-                        mod.p = 0.0
+            no_dropout(ref)
+            no_dropout(graphed)
         torch.manual_seed(1)
         x = make(**kwargs)
         before = counters()
         with ctx():
             got, want = pick(graphed(x)), pick(ref(x))
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=f"{name}: {step}")
-        paths[step] = _path_taken(before, counters())
+        paths[step] = path_taken(before, counters())
         OUTCOMES.append({"model": name, "variant": variant, "step": step, "path": paths[step],
                          "max_abs_err": (got.double() - want.double()).abs().max().item()})
     return paths

@@ -2,7 +2,8 @@
 
     python -m cudagraphify.bench [--workloads A B C] [--columns ...] [--decode] [--quick]
                                  [--train A] [--share 12 24 48] [--share-hf] [--sync item]
-                                 [--overhead] [--serve] [--json out.json] [--chart out.png]
+                                 [--overhead] [--serve] [--differential] [--json out.json]
+                                 [--chart out.png]
     python -m cudagraphify.bench.compose [--quick] [--json compose.json]
 
 The sections, one module each:
@@ -14,6 +15,8 @@ The sections, one module each:
 - :mod:`.sections`: ``--train``, ``--share``, ``--share-hf``, ``--sync``.
 - :mod:`.overhead`: ``--overhead``, the call path's cost in µs per call against the targets.
 - :mod:`.serve`: ``--serve``, many input sizes of one model (graph memory, capture time).
+- :mod:`.differential`: ``--differential``, the differential suite's models, every step of its
+  script timed against eager.
 - :mod:`.compose`: FSDP2, DDP, torch.compile, checkpointing and Thunder with and without
   cudagraphify (its own command).
 - :mod:`.models`: the reference GPT the benchmark and the tests use; :mod:`._common`: timing.
@@ -33,6 +36,7 @@ import torch
 
 from .decode import DECODE_CPU_SIZES, bench_decode, format_decode
 from .models import WORKLOADS
+from .differential import bench_differential, format_differential
 from .overhead import bench_overhead, format_overhead
 from .serve import bench_serve, format_serve
 from .sections import (SHARE_HEADING, bench_share, bench_share_hf, bench_sync, bench_training,
@@ -83,12 +87,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time the call path's overhead in µs per call (a Linear(64, 64); "
                         "hand-made graph, graphify, eager-decided calls, an HF Llama decode "
                         "step) against the targets; alone (no --workloads), only this section")
+    p.add_argument("--differential", action="store_true",
+                   help="also time the differential suite's models step by step (HF GPT-2, "
+                        "Llama, BERT, ResNet-18, our GPT): graphify against eager in every step "
+                        "of its script; alone (no --workloads), only this section")
     p.add_argument("--chart", metavar="PNG",
                    help="also draw µs per call of each workload and column (needs matplotlib)")
     args = p.parse_args(argv)
     if args.chart and importlib.util.find_spec("matplotlib") is None:
         p.error("--chart needs matplotlib: pip install matplotlib (or leave --chart out)")
-    if (args.overhead or args.serve or args.share_hf) and args.workloads is None:
+    if (args.overhead or args.serve or args.share_hf or args.differential) \
+            and args.workloads is None:
         args.workloads = []
     if args.decode_tokens < 2:
         p.error("--decode-tokens must be at least 2 (the first token comes from the prefill)")
@@ -123,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
                            decode_repeats=decode_repeats)
         rows.append(r)
         print(format_overhead(r), flush=True)
+    for r in bench_differential() if args.differential else []:
+        rows.append(r)
+        print(format_differential(r), flush=True)
     for r in bench_serve() if args.serve else []:
         rows.append(r)
         print(format_serve(r), flush=True)
@@ -153,6 +165,7 @@ _GPU_ONLY = {
     "share-hf": "share_graph on HF layers, against per-layer graphs",
     "sync": "graphify's piecewise plan around a host sync, against eager",
     "serve": "graph memory and capture time of many input sizes",
+    "differential": "graphify against eager in every step of the differential script",
 }
 
 
@@ -169,6 +182,7 @@ def _on_cpu(args, calls: int, repeats: int, decode_repeats: int) -> list[dict]:
         print(format_decode(rows[-1]), flush=True)
     skipped = ([("overhead", "overhead")] * args.overhead
                + [("serve", "serve")] * args.serve
+               + [("differential", "differential")] * args.differential
                + [(f"{name}-train", "train") for name in args.train]
                + [(f"A-share-L{depth}", "share") for depth in args.share]
                + [("hf-share", "share-hf")] * args.share_hf
