@@ -1070,8 +1070,10 @@ class Segments:
         item = self._plans.get(id(entry))
         if item is None or item[0] is not entry:
             self._prune()
-            # [entry, plan, plans recorded, compare two records next, the first of the two]
-            item = self._plans[id(entry)] = [entry, None, 0, False, None]
+            # [entry, plan, plans recorded, compare two records next, the first of the two];
+            # calls with an argument no signature holds (a growing KV cache) compare from their
+            # first record on: a first full record would copy the whole cache, several times
+            item = self._plans[id(entry)] = [entry, None, 0, entry is self.opaque, None]
         state = self.state
         with state.lock:  # (another thread's call holds graph memory until it returns)
             plan = item[1]
