@@ -714,7 +714,8 @@ class SegmentPlan:
         if self.cuda:
             self.token = _raw_stream(self.index)
         self.dry, self.earlier = dry, earlier
-        prof = _profiler() if self.device.type == "cuda" else None
+        # (a dry record graphs nothing: the profiler, slow to run, is for the record that does)
+        prof = _profiler() if self.device.type == "cuda" and not dry else None
         if prof is not None:
             self.profiling = True
             try:
@@ -728,7 +729,7 @@ class SegmentPlan:
                 self.ready = True  # (a plan with no segment: every call runs eagerly)
                 self.earlier = None
                 return out
-        elif self.device.type == "cuda":
+        elif self.device.type == "cuda" and not dry:
             with Nested():
                 out = fn(*args, **kwargs)
             self.unseen = "the profiler could not be started (it finds kernels the mode " \
