@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify.bench.differential import MODELS, no_dropout, path_taken, steps
+from cudagraphify.bench.differential import MODELS, apply_step, path_taken, steps
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
 
@@ -70,15 +70,7 @@ def _run_script(name: str, ref: nn.Module, graphed: nn.Module, make: Callable, p
     (and returned: step -> path)."""
     paths = {}
     for step, change, kwargs, ctx in STEPS:
-        if change is not None:
-            change(ref)
-            change(graphed)
-        if step == "train mode":
-            # dropout draws differently in two models: compare in train mode without dropout
-            no_dropout(ref)
-            no_dropout(graphed)
-        torch.manual_seed(1)
-        x = make(**kwargs)
+        x = apply_step(step, change, make, kwargs, ref, graphed)
         before = counters()
         with ctx():
             got, want = pick(graphed(x)), pick(ref(x))

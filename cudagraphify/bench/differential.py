@@ -20,7 +20,7 @@ from torch import nn
 from ._common import error_text, progress, time_per_call
 from .models import GPT
 
-__all__ = ["MODELS", "TARGET", "bench_differential", "format_differential", "no_dropout",
+__all__ = ["MODELS", "TARGET", "apply_step", "bench_differential", "format_differential",
            "path_taken", "steps"]
 
 TARGET = 1.02  # graphify / eager, in every step
@@ -137,11 +137,19 @@ def steps(device_type: str = "cuda") -> list[tuple]:
     ]
 
 
-def no_dropout(m: nn.Module) -> None:
-    """Dropout draws differently in two models: the train-mode steps run without it."""
-    for mod in m.modules():
-        if isinstance(mod, nn.Dropout):
-            mod.p = 0.0
+def apply_step(step: str, change: Callable | None, make: Callable, kwargs: dict,
+               *models: nn.Module) -> torch.Tensor:
+    """Make a step's change to each model (dropout off from train mode on: it draws
+    differently in two models) and its input (seeded)."""
+    for m in models:
+        if change is not None:
+            change(m)
+        if step == "train mode":
+            for mod in m.modules():
+                if isinstance(mod, nn.Dropout):
+                    mod.p = 0.0
+    torch.manual_seed(1)
+    return make(**kwargs)
 
 
 def bench_differential(calls: int = 20, rounds: int = 3, warm: int = 6, device: str = "cuda",
@@ -165,14 +173,7 @@ def bench_differential(calls: int = 20, rounds: int = 3, warm: int = 6, device: 
         ref = ref.to(device).eval()
         graphed = cg.graphify(copy.deepcopy(ref))
         for step, change, kwargs, ctx in steps(torch.device(device).type):
-            if change is not None:
-                change(ref)
-                change(graphed)
-            if step == "train mode":
-                no_dropout(ref)
-                no_dropout(graphed)
-            torch.manual_seed(1)
-            x = make(**kwargs)
+            x = apply_step(step, change, make, kwargs, ref, graphed)
             before = cg.stats(graphed)
             with ctx():
                 for _ in range(warm):  # its capture, its pieces' trials, its decision
