@@ -92,8 +92,9 @@ class GraphedState:
         self.lock = share.group.lock if share is not None else (
             self.policy.shared_lock or threading.RLock())
         self.install_pieces = install_pieces  # graphifies submodules (a piecewise plan)
+        _trial.pieces_epoch[0] += 1  # (a module graphified anew may be another's piece)
         self.pieces: list = []  # submodules a piecewise plan graphified
-        # whether one of them is not given back (see _trial), as of _trial.given_back's count
+        # whether one of them is not given back (see _trial), as of _trial.pieces_epoch
         self._pieces_live: tuple[int, bool] = (-1, False)
         self.last_plan: tuple | None = None
         self.captures = 0
@@ -401,10 +402,11 @@ class GraphedState:
 
     def _any_piece_live(self) -> bool:
         """Whether a piece of this callable's plans may still replay a graph: not all of them
-        were given back (looked at again only when a piece anywhere was)."""
+        were given back (looked at again only when a piece anywhere was, or a state was made:
+        a piece ungraphified and graphified again is live)."""
         seen, live = self._pieces_live
-        if seen != _trial.given_back[0]:
-            seen = _trial.given_back[0]
+        if seen != _trial.pieces_epoch[0]:
+            seen = _trial.pieces_epoch[0]
             live = any(getattr(m.__dict__.get("_cudagraphify_state"), "given_back", None) is None
                        for m in self.pieces)
             self._pieces_live = (seen, live)
@@ -440,7 +442,7 @@ class GraphedState:
         released, but for a training graph whose backward is still to run (kept until
         ``release``: autograd holds the call), and, with none left, what its statics hold."""
         self.given_back = why
-        _trial.given_back[0] += 1
+        _trial.pieces_epoch[0] += 1
         self._fast = None
         self._release_given_back()
         for region in _region.all_open():

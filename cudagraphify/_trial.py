@@ -30,9 +30,10 @@ SAMPLES = 3  # timed calls of each kind per piece
 # (segments against the forward without them) is void when this moved while it ran
 activity = [0]
 MARGIN = 1.1  # a clear difference: one run this much faster than the other
-# pieces given back so far, any callable: a plan that chains pieces looks again whether any of
-# its pieces still has graphs when this moved (see GraphedState.chained)
-given_back = [0]
+# moves when a piece is given back or a callable's state is made (a module graphified anew),
+# any callable: a plan that chains pieces looks again whether any of its pieces may still
+# replay a graph when this moved (see GraphedState.chained)
+pieces_epoch = [0]
 host_clock = time.perf_counter  # seconds on the host (a test's fake clock replaces it)
 
 
