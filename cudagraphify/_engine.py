@@ -400,15 +400,18 @@ class GraphedState:
         self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
         self._pieces_live = (-1, False)
 
-    def _any_piece_live(self) -> bool:
-        """Whether a piece of this callable's plans may still replay a graph: not all of them
-        were given back (looked at again only when a piece anywhere was, or a state was made:
-        a piece ungraphified and graphified again is live)."""
+    def _chain_needed(self) -> bool:
+        """Whether this callable's eager runs still need their implicit region (see
+        ``chained``): a piece of its plans may still replay a graph (not all of them were given
+        back), or another graphed callable (one the user graphified, not a piece) has graphs
+        in the region, whose outputs the region copies on the way out. Looked at again only
+        when a piece anywhere was given back or a state was made (a piece ungraphified and
+        graphified again is live)."""
         seen, live = self._pieces_live
         if seen != _trial.pieces_epoch[0]:
             seen = _trial.pieces_epoch[0]
             live = any(getattr(m.__dict__.get("_cudagraphify_state"), "given_back", None) is None
-                       for m in self.pieces)
+                       for m in self.pieces) or (self._chain is not None and self._chain.in_use())
             self._pieces_live = (seen, live)
         return live
 
@@ -512,9 +515,9 @@ class GraphedState:
             return self.segments.call(entry, _capture.default_backend(), fn, args, kwargs,
                                       self.chained)
         if not self.pieces or _region_stack.get() or torch.is_grad_enabled() \
-                or self.share is not None or not CHAIN_PIECES or not self._any_piece_live():
+                or self.share is not None or not CHAIN_PIECES or not self._chain_needed():
             # (share_graph layers share outside regions; pieces all given back run as plain
-            # PyTorch: nothing to chain)
+            # PyTorch: nothing to chain, unless other graphed callables have graphs in it)
             return fn(*args, **kwargs)
         chain = self._chain
         if chain is None:

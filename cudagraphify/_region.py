@@ -315,6 +315,12 @@ class GraphRegion:
             return out
         return pytree.tree_unflatten(copies_of(leaves, ptrs), spec)
 
+    def in_use(self) -> bool:
+        """Whether a callable still alive has a cache here (releases queued left out)."""
+        dead = {key for key, _ in self._dead}
+        return any(key not in dead and ref() is not None
+                   for key, (ref, _) in list(self._caches.items()))
+
     def cache_of(self, state: Any) -> list[GraphCache]:
         """``state``'s cache in this region, as a list (empty where it has none)."""
         item = self._caches.get(id(state))

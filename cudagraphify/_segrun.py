@@ -691,6 +691,16 @@ class SegmentPlan:
 
     # -- record and capture -------------------------------------------------------------------
 
+    def no_segments(self, why: str, seen: bool) -> None:
+        """A plan with no segment, every call run eagerly (``why``; ``seen``: the profiler found
+        work the mode does not see, which a later record would find again): nothing of its
+        record is kept (the calls' output clones and copied inputs, their storages)."""
+        self.unseen, self.seen_unseen = why, seen
+        self.ready = True
+        self.earlier = None
+        self.calls, self.sites, self.boundaries = [], [], {}
+        self.copied_held, self.copied_ptrs = [], set()
+
     def refusal(self, func, info, args: tuple, kwargs: dict) -> str | None:
         """Why a call cannot be a member, or None."""
         if self.token is not None and _raw_stream(self.index) != self.token:
@@ -725,17 +735,13 @@ class SegmentPlan:
                 self.profiling = False
             why = direct_launch(prof.events())
             if why is not None:
-                self.unseen, self.seen_unseen = why, True
-                self.ready = True  # (a plan with no segment: every call runs eagerly)
-                self.earlier = None
+                self.no_segments(why, seen=True)
                 return out
         elif self.device.type == "cuda" and not dry:
             with Nested():
                 out = fn(*args, **kwargs)
-            self.unseen = "the profiler could not be started (it finds kernels the mode " \
-                "does not see)"
-            self.ready = True
-            self.earlier = None
+            self.no_segments("the profiler could not be started (it finds kernels the mode "
+                             "does not see)", seen=False)
             return out
         else:
             with Nested(), _Recorder(self):

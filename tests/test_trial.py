@@ -117,7 +117,7 @@ def test_a_tie_that_costs_more_host_time_is_given_back(timed):
         (why, n), = s.eager_calls.items()
         assert why.startswith("piece given back: its graph is not faster than its eager run "
                               "(10 vs 10 µs a call) and costs more host time (8.0 vs 5.0 µs)"), why
-    assert g._cudagraphify_state._any_piece_live() is False  # (nothing left to chain)
+    assert g._cudagraphify_state._chain_needed() is False  # (nothing left to chain)
 
 
 def test_clearly_faster_end_to_end_keeps_the_graph_whatever_its_host_time(timed):
