@@ -68,6 +68,9 @@ _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
 _Tensor = torch.Tensor
+PENDING = ("the backward of an earlier call with this signature has not run yet (its "
+           "activations would be overwritten); call under torch.no_grad() when no backward "
+           "follows")
 STATE_ALIAS = ("an argument shares memory with a static state (a cache) the graph reads and "
                "writes in place: a graph would read a copy made before the forward's write")
 
@@ -331,9 +334,9 @@ class GraphedState:
                                    "overwrite the new output", fn, args, kwargs)
         training = type(entry) is TrainingGraph
         if training and entry.pending():
-            return self._eager("the backward of an earlier call with this signature has not run "
-                               "yet (its activations would be overwritten); call under "
-                               "torch.no_grad() when no backward follows", fn, args, kwargs)
+            # (the next calls like this one run eagerly at a fast path's cost while it stays so)
+            self._fast = EagerFast.pending(self, region, entry, PENDING, args, kwargs)
+            return self._eager(PENDING, fn, args, kwargs)
         if training and entry.grads_held(self.statics.grad_params()):
             return self._eager("a gradient this graph handed out as .grad is still referenced "
                                "through another tensor (a view of .grad kept from an earlier "

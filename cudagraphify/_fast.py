@@ -27,6 +27,7 @@ _MISS = MISS
 _stack_get = _region.stack_var().get
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
+_grad_enabled = torch.is_grad_enabled
 
 
 class EagerFast:
@@ -37,13 +38,16 @@ class EagerFast:
     - ``decided``: a remembered decision (an eager or piecewise entry) for calls whose tensor
       arguments have the same layouts (checked in C), whose other top-level arguments are the
       same objects, while the entry's module state and the statics hold.
+    - ``pending``: as ``decided``, for grad-mode calls of a training graph whose earlier
+      call's backward has not run (its activations would be overwritten: a forward under grad
+      mode whose output is kept, with no backward), while that stays so and grad mode is on.
 
     Running eagerly is always correct; these checks only make sure that a call that could be
     graphed is not kept from its graph (a change of global flags alone is not looked for: it
     turns no eager decision into a graph)."""
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
-                 "others", "entry", "statics_same", "chained")
+                 "others", "entry", "statics_same", "chained", "still")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -60,11 +64,21 @@ class EagerFast:
         return self
 
     @staticmethod
-    def decided(state, region, entry, args: tuple,
+    def pending(state, region, entry, reason: str, args: tuple,
                 kwargs: dict) -> "EagerFast | None":
+        self = EagerFast.decided(state, region, entry, args, kwargs, reason)
+        if self is not None:
+            self.still = entry.pending  # (checked with grad mode on every call)
+            self.chained = False
+        return self
+
+    @staticmethod
+    def decided(state, region, entry, args: tuple, kwargs: dict,
+                reason: str | None = None) -> "EagerFast | None":
         if state.options.enabled is not True:
             return None
-        self = EagerFast._new(state, region, entry.reason, args, kwargs)
+        self = EagerFast._new(state, region, entry.reason if reason is None else reason, args,
+                              kwargs)
         values = (*args, *kwargs.values())
         self.tensors = [i for i, v in enumerate(values) if type(v) is _Tensor
                         or type(v) is _Parameter]
@@ -88,6 +102,7 @@ class EagerFast:
         self.n, self.names = len(args), tuple(kwargs)
         self.types, self.tensors, self.tguard, self.others, self.entry = (), (), None, (), None
         self.chained = True  # (an opaque call's: see GraphedState.chained)
+        self.still = None
         return self
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
@@ -112,9 +127,13 @@ class EagerFast:
                     return _MISS
             if not self.tguard.check(*[values[i] for i in self.tensors]):
                 return _MISS
-            # (global flags are not checked: they change no eager decision)
+            # (global flags are not checked: they change no eager decision, but grad mode
+            # where the decision is a pending backward's)
             state = self.entry.state
             if (state is not None and not state.valid()) or not self.statics_same():
+                return _MISS
+            still = self.still
+            if still is not None and not (_grad_enabled() and still()):
                 return _MISS
         self.state.eager_calls[self.reason] += 1
         if self.chained:

@@ -1424,3 +1424,50 @@ def test_an_eviction_starts_a_new_pool_and_a_failed_capture_drops_its_own(sim, m
     with torch.no_grad():
         f(torch.ones(2, 8))
     assert cg.stats(f).captures == 0 and f._cudagraphify_state._pools == {}
+
+
+def test_grad_mode_calls_while_a_backward_is_pending_run_eagerly_on_the_fast_path(sim):
+    """A forward under grad mode whose output is kept and never backpropagated: the next calls
+    of that signature run eagerly (their activations would be overwritten), decided by the
+    fast path while the backward stays pending; once it ran, they replay again; a no_grad call
+    of the same tensors is not kept eager by that decision."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    m = cg.graphify(copy.deepcopy(ref))
+    x = torch.randn(3, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m(x)  # warm-up + capture of the training graph
+        kept = m(x)  # a replay: its backward is pending while ``kept`` lives
+        state = m._cudagraphify_state
+        slow = state.slow
+        calls = []
+        state.slow = lambda *a: calls.append(1) or slow(*a)
+        try:
+            outs = [m(x) for _ in range(5)]
+        finally:
+            del state.slow
+    assert len(calls) == 1, calls  # (the first decides; the next four take the fast path)
+    assert all(torch.equal(o, ref(x)) for o in outs)
+    s = cg.stats(m)
+    assert sum(n for r, n in s.eager_calls.items() if "has not run yet" in r) == 5, s
+    kept.sum().backward()  # its backward runs: nothing pending
+    replays = s.replays
+    y = m(x)
+    assert torch.equal(y, ref(x)) and cg.stats(m).replays == replays + 1
+    y.sum().backward()
+    with torch.no_grad():  # (a pending backward of grad mode keeps nothing of no_grad eager)
+        keep = m(x)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m(x), m(x)
+        assert torch.equal(m(x), ref(x))
+    assert cg.stats(m).captures == 2 and keep is not None  # (the inference graph's)
+    with torch.enable_grad():
+        held = m(x)
+        before = cg.stats(m).eager_calls.copy()
+        with torch.no_grad():
+            r = cg.stats(m).replays
+            assert torch.equal(m(x), ref(x))
+            assert cg.stats(m).replays == r + 1  # no_grad: its graph, not the pending eager path
+        assert cg.stats(m).eager_calls == before and held is not None
