@@ -27,7 +27,6 @@ _MISS = MISS
 _stack_get = _region.stack_var().get
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
-_grad_enabled = torch.is_grad_enabled
 
 
 class EagerFast:
@@ -47,7 +46,8 @@ class EagerFast:
     turns no eager decision into a graph)."""
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
-                 "others", "entry", "statics_same", "chained", "still")
+                 "others", "entry", "statics_same", "chained", "still", "flags", "flags_epoch",
+                 "grads")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -66,10 +66,17 @@ class EagerFast:
     @staticmethod
     def pending(state, region, entry, reason: str, args: tuple,
                 kwargs: dict) -> "EagerFast | None":
+        if entry.flags is None or state.static_positions or state.static_names:
+            return None  # (static arguments are keyed by address: decide each call)
         self = EagerFast.decided(state, region, entry, args, kwargs, reason)
-        if self is not None:
-            self.still = entry.pending  # (checked with grad mode on every call)
-            self.chained = False
+        if self is None or not all(is_constant(v) for _, v in self.others):
+            return None  # (objects held by identity would be kept alive: decide each call)
+        # another signature of these tensors (other flags, another set of parameters that
+        # require grad) may have a graph that is not pending: checked on every call too
+        self.still = entry.pending
+        self.flags, self.flags_epoch = entry.flags, entry.flags.epoch
+        self.grads = state.statics.grad_pattern()
+        self.chained = False
         return self
 
     @staticmethod
@@ -102,13 +109,29 @@ class EagerFast:
         self.n, self.names = len(args), tuple(kwargs)
         self.types, self.tensors, self.tguard, self.others, self.entry = (), (), None, (), None
         self.chained = True  # (an opaque call's: see GraphedState.chained)
-        self.still = None
+        self.still = self.flags = self.grads = None
+        self.flags_epoch = -1
         return self
+
+    def _still_pending(self) -> bool:
+        """A pending decision's call: the same global state (grad mode on among it), the same
+        flags, the same parameters requiring grad, and the backward still pending."""
+        flags = self.flags
+        if not flags.global_state.check():
+            return False
+        if _guards.flags_epoch != self.flags_epoch:
+            now = _guards.flags_epoch
+            if flags.read() != flags.flags:
+                return False
+            self.flags_epoch = now
+        return self.state.statics.grad_pattern() == self.grads and self.still()
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         stack = _stack_get()
-        if len(args) != self.n or (stack[-1] if stack else None) is not self.region:
-            return _MISS
+        region = self.region
+        if len(args) != self.n or (stack[-1] if stack else None) is not region or nesting[0] \
+                or (region is not None and region.closed):
+            return _MISS  # (inside another graph's warm-up or capture: part of it, uncounted)
         if kwargs:
             if tuple(kwargs) != self.names:
                 return _MISS
@@ -127,13 +150,13 @@ class EagerFast:
                     return _MISS
             if not self.tguard.check(*[values[i] for i in self.tensors]):
                 return _MISS
-            # (global flags are not checked: they change no eager decision, but grad mode
-            # where the decision is a pending backward's)
+            # (global flags are not checked: they change no eager decision, but where the
+            # decision is a pending backward's, another signature's graph may replay)
             state = self.entry.state
             if (state is not None and not state.valid()) or not self.statics_same():
                 return _MISS
             still = self.still
-            if still is not None and not (_grad_enabled() and still()):
+            if still is not None and not self._still_pending():
                 return _MISS
         self.state.eager_calls[self.reason] += 1
         if self.chained:
