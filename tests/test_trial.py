@@ -116,7 +116,8 @@ def test_a_tie_that_costs_more_host_time_is_given_back(timed):
         assert (s.captures, s.timed_calls, s.graphs) == (1, 3, 0), s
         (why, n), = s.eager_calls.items()
         assert why.startswith("piece given back: its graph saves under 10% of its eager run, "
-                              "end to end (10 vs 10 µs a call) and on the host (8.0 vs 5.0 µs)"), why
+                              "end to end (10 vs 10 µs a call) and on the host (8.0 vs 5.0 µs)"
+                              ), why
     assert g._cudagraphify_state._chain_needed() is False  # (nothing left to chain)
 
 
