@@ -58,7 +58,7 @@ def _make_pending(m, x):
 # -- findings ---------------------------------------------------------------------------------
 
 
-# (fixed) F1: the pending fast path checks no global flag but grad mode: a call under other flags (d...
+# (fixed) F1: the pending fast path checks no global flag but grad mode: a call under other ...
 def test_flags_call_while_another_flags_entry_is_pending_replays_its_own_graph(sim):
     ref = _net()
     m = cg.graphify(copy.deepcopy(ref))
@@ -138,7 +138,7 @@ def test_control_autocast_call_replays_its_own_graph_on_the_slow_path(sim):
     assert cg.stats(m).replays == r + 1
 
 
-# (fixed) F2: the pending fast path does not see which parameters require grad (part of the key): fr...
+# (fixed) F2: the pending fast path does not see which parameters require grad (part of the ...
 def test_frozen_layer_call_while_the_unfrozen_signature_is_pending_replays_its_graph(sim):
     ref = _net()
     m = cg.graphify(copy.deepcopy(ref))
@@ -178,7 +178,7 @@ def test_control_frozen_layer_call_replays_on_the_slow_path(sim):
     assert cg.stats(m).replays == r + 1
 
 
-# (fixed) F3: graph_region.close() inside its with-block: the slow path raises ('this graph_region i...
+# (fixed) F3: graph_region.close() inside its with-block: the slow path raises ('this ...
 def test_call_in_a_region_closed_by_hand_raises_as_the_slow_path_does(sim):
     m = cg.graphify(_net())
     x = torch.randn(3, 4)
@@ -202,7 +202,7 @@ def test_control_call_in_a_region_closed_by_hand_raises_on_the_slow_path(sim):
     assert kept is not None
 
 
-# (fixed) F4: the EagerFast holds the call's non-tensor top-level arguments (a list of tensors) unti...
+# (fixed) F4: the EagerFast holds the call's non-tensor top-level arguments (a list of ...
 def test_pending_fast_path_does_not_keep_a_list_argument_alive(sim):
     class M(nn.Module):
         def __init__(self):
@@ -224,7 +224,7 @@ def test_pending_fast_path_does_not_keep_a_list_argument_alive(sim):
     assert ref() is None
 
 
-# (fixed) F5: inside another graphed callable's warm-up or capture the slow path runs the call uncou...
+# (fixed) F5: inside another graphed callable's warm-up or capture the slow path runs the ...
 def test_calls_inside_an_outer_warmup_are_not_counted_as_eager(sim):
     @cg.graphify
     def inner(h):
@@ -276,7 +276,7 @@ def test_control_calls_inside_an_outer_warmup_uncounted_on_the_slow_path(sim):
     assert state.eager_calls[PENDING] == before and kept is not None
 
 
-# (fixed) F2b: a tensor named in static_argnames is keyed by its address; the pending fast path chec...
+# (fixed) F2b: a tensor named in static_argnames is keyed by its address; the pending fast ...
 def test_static_tensor_at_another_address_replays_its_own_graph(sim):
     class M(nn.Module):
         def __init__(self):
