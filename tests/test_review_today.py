@@ -17,40 +17,11 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _segrun, _trial
-from conftest import SimGraph
+from cudagraphify import _segrun
 
-# -- a fake device clock and host clock (as tests/test_trial.py) --------------------------------
-
-_NOW = [0.0]
-_HOST = [0.0]
-_COST = {"eager": 0.0, "graph": 0.0, "eager_host": None, "graph_host": None}
-
-
-def _spend(kind: str) -> None:
-    _NOW[0] += _COST[kind]
-    host = _COST[kind + "_host"]
-    _HOST[0] += _COST[kind] if host is None else host
-
-
-class _Piece(nn.Linear):
-    def forward(self, x):
-        _spend("eager")
-        return super().forward(x)
-
-
-class _Root(nn.Module):
-    """A host sync between two pieces: the root runs piecewise, ``a`` and ``b`` graphed."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = _Piece(8, 8), _Piece(8, 8)
-
-    def forward(self, x):
-        y = self.a(x)
-        if bool((y > -1e9).all()):  # a host sync
-            y = y + 1
-        return self.b(y)
+# the fake device and host clocks, the pieces, and the fixture ``timed`` of tests/test_trial.py
+from test_trial import _COST, _Piece, _Root
+from test_trial import timed  # noqa: F401 (a fixture)
 
 
 class _RootWithUserGraphed(nn.Module):
@@ -66,24 +37,6 @@ class _RootWithUserGraphed(nn.Module):
         if bool((y > -1e9).all()):  # a host sync
             y = y + 1
         return self.c(y)
-
-
-@pytest.fixture
-def timed(sim, monkeypatch):
-    sim.clock = lambda device: lambda: _NOW[0]
-    monkeypatch.setattr(_trial, "host_clock", lambda: _HOST[0])
-    _COST.update(eager=0.0, graph=0.0, eager_host=None, graph_host=None)
-    replay = SimGraph.replay
-
-    def costly(self):
-        _spend("graph")
-        return replay(self)
-
-    monkeypatch.setattr(SimGraph, "replay", costly)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with torch.no_grad():
-            yield sim
 
 
 def _calls(g, ref, n=10, rows=4):
@@ -108,7 +61,7 @@ def _given_back_pair(root_cls=_Root, before=None):
 
 # == item 1: pieces given back, the implicit region skipped =====================================
 
-def test_control_all_pieces_given_back_skip_the_region_and_equal_eager(timed):
+def test_control_all_pieces_given_back_skip_the_region_and_equal_eager(timed):  # noqa: F811
     ref, g = _given_back_pair()
     state = g._cudagraphify_state
     assert g.a._cudagraphify_state.given_back and g.b._cudagraphify_state.given_back
@@ -119,7 +72,7 @@ def test_control_all_pieces_given_back_skip_the_region_and_equal_eager(timed):
     assert (chain.replays if chain is not None else 0) == replays
 
 
-def test_control_a_piece_given_back_for_one_signature_only_stays_live(timed):
+def test_control_a_piece_given_back_for_one_signature_only_stays_live(timed):  # noqa: F811
     """A piece whose graph of one signature did not pay (an EagerEntry for that key) is not
     ``given_back``: the region stays."""
     _COST.update(graph=1e-6, eager=50e-6)  # the first signature pays
@@ -137,7 +90,7 @@ def test_control_a_piece_given_back_for_one_signature_only_stays_live(timed):
     _calls(g, ref, n=3, rows=3)
 
 
-def test_control_a_piece_added_later_resets_the_cache(timed):
+def test_control_a_piece_added_later_resets_the_cache(timed):  # noqa: F811
     ref, g = _given_back_pair()
     state = g._cudagraphify_state
     assert state._chain_needed() is False
@@ -146,7 +99,7 @@ def test_control_a_piece_added_later_resets_the_cache(timed):
     assert state._chain_needed() is True
 
 
-def test_F1a_a_piece_graphified_again_is_seen_live(timed):
+def test_F1a_a_piece_graphified_again_is_seen_live(timed):  # noqa: F811
     """Found on e2c995a (_chain_needed cached False until a piece anywhere was given back: a
     piece re-graphified by hand, a new state not given back, was not seen); fixed in 397e807
     (a state made moves _trial.pieces_epoch)."""
@@ -166,7 +119,7 @@ def _user_graphed_c(m):
     cg.graphify(m.c, copy_outputs=False)
 
 
-def test_F1b_root_output_stays_after_pieces_given_back(timed):
+def test_F1b_root_output_stays_after_pieces_given_back(timed):  # noqa: F811
     # (fixed: the implicit region stays while a graphed callable that is not a piece, ``c``,
     # has graphs in it; its outputs are copied on the way out as before)
     ref, g = _given_back_pair(_RootWithUserGraphed, before=_user_graphed_c)
@@ -180,7 +133,7 @@ def test_F1b_root_output_stays_after_pieces_given_back(timed):
     assert torch.equal(out1, want1), "the first call's result changed under the caller"
 
 
-def test_F1b_control_while_a_piece_is_live_the_region_copies(timed):
+def test_F1b_control_while_a_piece_is_live_the_region_copies(timed):  # noqa: F811
     """The same model while its piece keeps its graph: the implicit region hands back copies."""
     _COST.update(graph=1e-6, eager=50e-6)
     torch.manual_seed(0)

@@ -53,7 +53,7 @@ class _Root(nn.Module):
 def timed(sim, monkeypatch):
     sim.clock = lambda device: lambda: _NOW[0]
     monkeypatch.setattr(_trial, "host_clock", lambda: _HOST[0])
-    _COST.update(eager_host=None, graph_host=None)
+    _COST.update(eager=0.0, graph=0.0, eager_host=None, graph_host=None)
     replay = SimGraph.replay
 
     def costly(self):
