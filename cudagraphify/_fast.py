@@ -119,11 +119,10 @@ class EagerFast:
         flags = self.flags
         if not flags.global_state.check():
             return False
-        if _guards.flags_epoch != self.flags_epoch:
-            now = _guards.flags_epoch
-            if flags.read() != flags.flags:
-                return False
-            self.flags_epoch = now
+        now = flags.flags_since(self.flags_epoch)
+        if now is None:
+            return False
+        self.flags_epoch = now
         return self.state.statics.grad_pattern() == self.grads and self.still()
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -194,6 +194,16 @@ class FlagsGuard:
     def check(self) -> bool:
         return self.global_state.check() and _read_flags() == self.flags
 
+    def flags_since(self, epoch: int) -> int | None:
+        """The flags other than the global state's, checked by a holder that last found them
+        the same at :data:`flags_epoch` ``epoch``: read again only if a setter ran since. The
+        epoch to remember, or None where they differ. (The replay path, :class:`~._fast.Fast`,
+        has this inline.)"""
+        now = flags_epoch  # (read first: a setter running meanwhile moves it again)
+        if now != epoch and _read_flags() != self.flags:
+            return None
+        return now
+
 
 # -- guarding what was read ------------------------------------------------------------------
 

@@ -201,11 +201,10 @@ class _State:
         return self.check() and _inference() is self.inference and self.same_flags()
 
     def same_flags(self) -> bool:
-        now = _guards.flags_epoch  # (read first: a setter running meanwhile moves it again)
-        if now != self.epoch:
-            if FlagsGuard.read() != self.flags.flags:
-                return False
-            self.epoch = now
+        now = self.flags.flags_since(self.epoch)
+        if now is None:
+            return False
+        self.epoch = now
         return True
 
     def entered(self) -> contextlib.ExitStack:
