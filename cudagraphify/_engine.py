@@ -68,6 +68,7 @@ _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
 _Tensor = torch.Tensor
+STATE = "_cudagraphify_state"  # a module's GraphedState, in its __dict__ (see _wrap)
 PENDING = ("the backward of an earlier call with this signature has not run yet (its "
            "activations would be overwritten); call under torch.no_grad() when no backward "
            "follows")
@@ -413,7 +414,7 @@ class GraphedState:
         seen, live = self._pieces_live
         if seen != _trial.pieces_epoch[0]:
             seen = _trial.pieces_epoch[0]
-            live = any(getattr(m.__dict__.get("_cudagraphify_state"), "given_back", None) is None
+            live = any(getattr(m.__dict__.get(STATE), "given_back", None) is None
                        for m in self.pieces) or (self._chain is not None and self._chain.in_use())
             self._pieces_live = (seen, live)
         return live

@@ -18,7 +18,7 @@ import torch
 import wrapt
 
 from . import _watch
-from ._engine import GraphedState
+from ._engine import STATE, GraphedState
 from ._fast import MISS
 from ._nested import in_graphed_call, nesting as _nesting
 from ._errors import CudagraphifyUsageError
@@ -28,7 +28,6 @@ __all__ = ["STATE", "SHARE", "Share", "GraphedForward", "graphed_forward", "grap
            "wrap", "install_pieces", "uninstall_instance", "uninstall_class", "state_of_module",
            "share_of"]
 
-STATE = "_cudagraphify_state"  # a module's GraphedState, in its __dict__
 SHARE = "_cudagraphify_share"  # a share_graph layer's Share, in its __dict__
 
 
