@@ -355,19 +355,42 @@ class GraphedState:
                 backend.order_after(device, holder._stream_token)
             holder._stream_token = token
         trial = None if training else entry.trial
-        if trial is not None and trial.eager_next():
-            self.timed_calls += 1
-            return self._judge(entry, trial.timed(lambda: fn(*args, **kwargs), True), region)
+        if trial is not None:
+            if trial.eager_next():
+                self.timed_calls += 1
+                out = trial.timed(lambda: fn(*args, **kwargs), True)
+            else:
+                out = self._timed_replay(trial, backend, region, entry, leaves, fn, args,
+                                         kwargs, token)
+            return self._judge(entry, out, region)
         self.replays += 1
         if region is not None:
             region.replays += 1
         if training:
             return entry.run(leaves, self.statics.grad_params(), self)
-        if trial is not None:
-            return self._judge(entry, trial.timed(lambda: entry.run(leaves), False), region)
         out = entry.run(leaves)
         self._fast = Fast.make(self, entry, region, backend, args, kwargs, token)
         return out
+
+    def _timed_replay(self, trial, backend, region, entry, leaves: list, fn, args: tuple,
+                      kwargs: dict, token) -> Any:
+        """A timed replay of a piece's graph (see _trial) as the calls after the trial would
+        replay it: through the fast path, its checks included (they cost a one-kernel piece
+        what its graph saves), where this call can have one."""
+        fast = Fast.make(self, entry, region, backend, args, kwargs, token)
+        if fast is not None:
+            self._fast = fast  # (for this call only: the trial's next call decides afresh)
+            try:
+                out = trial.timed(lambda: fast.call(fn, args, kwargs), False)
+            finally:
+                self._fast = None
+            if out is not MISS:  # (counted by the fast path)
+                return out
+            trial.untime(False)
+        self.replays += 1
+        if region is not None:
+            region.replays += 1
+        return trial.timed(lambda: entry.run(leaves), False)
 
     def _plan_around(self, opaque: str, backend, fn: Callable, args: tuple,
                      kwargs: dict) -> Any:

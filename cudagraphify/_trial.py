@@ -9,8 +9,9 @@ a forward that waits on the host anyway), and on the host alone (until the call 
 it costs a forward whose kernels keep up with its Python). After :data:`SAMPLES` of each, a
 piece is given back when its graph is slower than its eager run by more than :data:`MARGIN`,
 or when it is faster by less than that margin both end to end and on the host (a one-kernel
-piece: its copy-in, replay and clone cost about what launching its kernel does; a replay also
-pays the per-call checks, which the samples do not time, so a tie goes to eager). It then runs
+piece: its copy-in, replay and clone cost about what launching its kernel does; a tie goes to
+eager). A graph's turn replays it as the calls after the trial would, through the fast path
+with its per-call checks, where the call can have one. A given-back piece then runs
 as plain PyTorch from then on, its graphs released, the reason in ``stats().eager_calls``;
 where the piece has graphs of other signatures (a prefill's beside a decode step's), only that
 signature runs eagerly from then on.
@@ -66,6 +67,11 @@ class Trial:
         (self.eager_host if eager else self.graph_host).append(host)
         return out
 
+    def untime(self, eager: bool) -> None:
+        """Forget the last sample of that kind (a call that did not run what it timed)."""
+        (self.eager if eager else self.graph).pop()
+        (self.eager_host if eager else self.graph_host).pop()
+
     @property
     def done(self) -> bool:
         return len(self.graph) >= SAMPLES and len(self.eager) >= SAMPLES
@@ -79,7 +85,7 @@ class Trial:
                     "calls)")
         graph_host, eager_host = min(self.graph_host), min(self.eager_host)
         if graph * MARGIN > eager and graph_host * MARGIN > eager_host:
-            # (a tie goes to eager: a replay also pays the per-call checks, not timed here)
+            # (a tie goes to eager)
             return (f"piece given back: its graph saves under {MARGIN - 1:.0%} of its eager "
                     f"run, end to end ({graph * 1e6:.0f} vs {eager * 1e6:.0f} µs a call) and "
                     f"on the host ({graph_host * 1e6:.1f} vs {eager_host * 1e6:.1f} µs), timed "

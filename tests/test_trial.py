@@ -121,6 +121,30 @@ def test_a_tie_that_costs_more_host_time_is_given_back(timed):
     assert g._cudagraphify_state._chain_needed() is False  # (nothing left to chain)
 
 
+def test_the_graph_turn_pays_the_fast_paths_checks(timed, monkeypatch):
+    # the same tie as test_a_tie_keeps_the_graph_when_it_costs_less_host_time, but the per-call
+    # checks of the fast path (here 6 µs of host time a call) eat what the replay saves: the
+    # trial times the graph's turn through them, as every later replay would pay them
+    from cudagraphify import _fast
+    call, turns = _fast.Fast.call, []
+
+    def checked(self, fn, args, kwargs):
+        turns.append(self.entry)
+        _HOST[0] += 6e-6
+        return call(self, fn, args, kwargs)
+
+    monkeypatch.setattr(_fast.Fast, "call", checked)
+    g = _run(graph_cost=10.5e-6, eager_cost=10e-6, graph_host=4e-6, eager_host=9e-6)
+    for piece in (g.a, g.b):
+        s = cg.stats(piece)
+        assert (s.captures, s.timed_calls, s.graphs) == (1, 3, 0), s
+        (why, n), = s.eager_calls.items()
+        assert "on the host (10.0 vs 9.0 µs)" in why, why
+        # three timed turns (the first right after the capture), each counted once
+        assert s.replays == 3, s
+    assert len(turns) == 2 * 3  # (every timed turn of both pieces went through it)
+
+
 def test_clearly_faster_end_to_end_keeps_the_graph_whatever_its_host_time(timed):
     g = _run(graph_cost=5e-6, eager_cost=10e-6, graph_host=8e-6, eager_host=5e-6)
     assert cg.stats(g.a).graphs == 1 and cg.stats(g.a).eager == 0
