@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _guards, _region, _watch
+from . import _guards, _region, _segrun, _watch
 from ._nested import nesting
 from ._signature import is_constant, is_opaque, is_static_state, storage_of
 from ._state import StateUnkeyable, may_be_static_state, state_key
@@ -157,9 +157,13 @@ class EagerFast:
             still = self.still
             if still is not None and not self._still_pending():
                 return _MISS
-        self.state.eager_calls[self.reason] += 1
-        if self.chained:
-            return self.state.chained(fn, args, kwargs, self.entry)
+        state = self.state
+        state.eager_calls[self.reason] += 1
+        # (``chained``'s answer where segments are off and no piece of its plans may replay:
+        # the plain forward, without its frames)
+        if self.chained and (state.options.segments or _segrun.ENABLED
+                             or (state.pieces and state._chain_needed())):
+            return state.chained(fn, args, kwargs, self.entry)
         return fn(*args, **kwargs)
 
 

@@ -195,8 +195,12 @@ class DirectCall(_watch.CallImpl):
                 d.pop("_compiled_call_impl", None)  # ungraphified: step aside for good
             return module._call_impl(*args, **kwargs)
         state = self.state
-        if state.given_back is not None:  # a piece whose graph did not pay (see _trial)
-            return state._given_back(self.fn, args, kwargs)
+        why = state.given_back
+        if why is not None:  # a piece whose graph did not pay (see _trial)
+            if state._backward_pending or _nesting[0]:
+                return state._given_back(self.fn, args, kwargs)
+            state.eager_calls[why] += 1  # (``_given_back``'s common case, one frame less)
+            return self.fn(*args, **kwargs)
         if _nesting[0] and in_graphed_call():
             # inside a warm-up, capture or segments' run on this thread: part of it, as the
             # slow path would decide, without its checks (a segments' replay meets every
