@@ -27,6 +27,7 @@ _MISS = MISS
 _stack_get = _region.stack_var().get
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
+_Slot, _use_count = _region.Slot, torch._C._storage_Use_Count
 
 
 class EagerFast:
@@ -202,7 +203,7 @@ class Fast:
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "same",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
-                 "state_copied")
+                 "state_copied", "slot")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -248,6 +249,12 @@ class Fast:
             backend.stream_token, entry.device)
         self.holder = state._stream_holder(region)
         self.inplace = entry.inplace
+        # a region graph's one output, handed out as an alias of its slot, where nothing is
+        # read in place from another graph's slot (see ``call``)
+        single = entry._actions[0] if entry._single and region is not None \
+            and entry.seq is not None and not entry.borrowed else None
+        self.slot = single.__self__ if type(getattr(single, "__self__", None)) is _Slot \
+            and single.__func__ is _Slot.hand_out else None
         # the region's lock (None outside a region), then the state's
         self.outer = region.lock if region is not None else None
         self.lock = state.lock
@@ -304,7 +311,17 @@ class Fast:
                 if not self.same():
                     return _MISS
                 if region is not None:
-                    if entry.seq is not None and not region.protect_before(entry, args):
+                    slot = self.slot
+                    if slot is not None:
+                        # (protect_before's common case inline: the slot of this graph's
+                        # output is the only live one, its last alias dropped; it is handed
+                        # out again below)
+                        live = region._live
+                        if live and not (len(live) == 1 and slot in live
+                                         and _use_count(slot.cdata) == slot.baseline) \
+                                and not region.protect_before(entry, args):
+                            return _MISS
+                    elif entry.seq is not None and not region.protect_before(entry, args):
                         return _MISS
                     region.replays += 1
                 state.replays += 1
