@@ -28,6 +28,7 @@ _stack_get = _region.stack_var().get
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
 _Slot, _use_count = _region.Slot, torch._C._storage_Use_Count
+_saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 class EagerFast:
@@ -195,15 +196,15 @@ class Fast:
     """Every check of the entry the previous call replayed, in a few C calls, then its replay.
 
     Made only for an inference graph of this callable's own, called with tensors (plain tensors
-    or parameters; positional, or by keyword in the same order) while grad mode is off, with
-    ``enabled=True`` and no moves pending. Any failed check (or anything unusual) hands the
+    or parameters; positional, or by keyword in the same order; under grad mode too, where no
+    tensor of the call needs grad), with ``enabled=True`` and no moves pending. Any failed check (or anything unusual) hands the
     call to the slow path, which decides it afresh. One frame: every µs here is paid by every
     replay."""
 
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "same",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
-                 "state_copied", "slot")
+                 "state_copied", "slot", "grads")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -211,9 +212,13 @@ class Fast:
         # (entries that write their inputs or the statics keep to the slow path: it checks
         # that no argument aliases what is written)
         if state.options.enabled is not True or state._moves or entry.owner is not state \
-                or entry.flags is None or torch.is_grad_enabled() or entry.hazard \
-                or entry.mutated or entry.written_statics:
+                or entry.flags is None or entry.hazard or entry.mutated or entry.written_statics:
             return None
+        grads = None
+        if torch.is_grad_enabled():  # (an inference graph: no tensor of the call needs grad)
+            if state._training_refused() is not None or _saved_hooks(False) is not None:
+                return None
+            grads = state.statics.grad_pattern()
         leaves = (*args, *kwargs.values())  # the order build_signature flattens them in
         if not leaves:
             return None
@@ -227,6 +232,10 @@ class Fast:
             return None
         self = Fast()
         self.state, self.entry, self.region, self.n = state, entry, region, len(args)
+        # under grad mode (its C guard checks that the call's is the same), what the slow path
+        # decides on every call too: training not refused, no saved-tensor hooks, and the same
+        # parameters requiring grad (one more makes it a training graph's call)
+        self.grads = grads
         self.names = tuple(kwargs)
         self.mixed = mixed
         # copied arguments checked not to share a static state's memory (see _engine)
@@ -309,6 +318,11 @@ class Fast:
                         if args[i].data_ptr() != ptr:
                             return _MISS
                 if not self.same():
+                    return _MISS
+                grads = self.grads
+                if grads is not None and (state._training_refused() is not None
+                                          or _saved_hooks(False) is not None
+                                          or state.statics.grad_pattern() != grads):
                     return _MISS
                 if region is not None:
                     slot = self.slot

@@ -1,0 +1,78 @@
+"""GPU: the replay fast path where this session changed it (cudagraphify/_fast.py): an
+inference graph called under grad mode replays through it, and misses it once a parameter
+requires grad; in a region, this graph's own dropped alias is not protected again, a held one
+is moved, a view of one runs eagerly; a piece timed through the fast path. Every output equals
+eager's bitwise; counters show the path taken."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._fast import Fast
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
+
+
+def _pair(frozen: bool = False):
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 64)).cuda()
+    if frozen:
+        ref.requires_grad_(False)
+    return ref, cg.graphify(copy.deepcopy(ref))
+
+
+def test_grad_mode_inference_graph_replays_fast_then_misses_once_a_parameter_needs_grad():
+    ref, g = _pair(frozen=True)
+    with torch.enable_grad():
+        for _ in range(5):
+            x = torch.randn(4, 64, device="cuda")
+            out = g(x)
+            assert torch.equal(out, ref(x)) and not out.requires_grad
+        assert type(g._cudagraphify_state._fast) is Fast
+        s = cg.stats(g)
+        assert s.captures == 1 and s.replays == 4 and s.eager == 0, s
+        ref[0].weight.requires_grad_(True)
+        g[0].weight.requires_grad_(True)
+        x = torch.randn(4, 64, device="cuda")
+        out, want = g(x), ref(x)
+        assert out.requires_grad and torch.equal(out, want)
+        out.sum().backward()
+        want.sum().backward()
+        assert torch.equal(g[0].weight.grad, ref[0].weight.grad)
+
+
+def test_region_fast_path_dropped_held_and_viewed_aliases():
+    ref, g = _pair()
+    with torch.no_grad(), cg.graph_region() as r:
+        for _ in range(4):  # dropped at once: the inline check
+            x = torch.randn(4, 64, device="cuda")
+            assert torch.equal(g(x), ref(x))
+        replays = cg.stats(g).replays
+        x1, x2, x3 = (torch.randn(4, 64, device="cuda") for _ in range(3))
+        y1 = g(x1)
+        y2 = g(x2)  # y1 held: moved to a copy
+        assert torch.equal(y1, ref(x1)) and torch.equal(y2, ref(x2))
+        assert r.stats().moved_outputs == 1
+        assert cg.stats(g).replays == replays + 2
+        v = y2[1:]  # a view of the alias held: eager
+        y3 = g(x3)
+        assert torch.equal(y3, ref(x3)) and torch.equal(v, ref(x2)[1:])
+
+
+def test_two_graphs_in_a_region_protect_each_other():
+    torch.manual_seed(0)
+    a_ref, b_ref = nn.Linear(64, 64).cuda(), nn.Linear(64, 64).cuda()
+    a, b = cg.graphify(copy.deepcopy(a_ref)), cg.graphify(copy.deepcopy(b_ref))
+    with torch.no_grad(), cg.graph_region():
+        for _ in range(3):
+            x = torch.randn(4, 64, device="cuda")
+            assert torch.equal(b(a(x)), b_ref(a_ref(x)))
+        x1, x2 = torch.randn(4, 64, device="cuda"), torch.randn(4, 64, device="cuda")
+        yb = b(a(x1))  # held while a and b replay again
+        ya = a(x2)
+        assert torch.equal(yb, b_ref(a_ref(x1))) and torch.equal(ya, a_ref(x2))
