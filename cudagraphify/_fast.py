@@ -219,6 +219,8 @@ class Fast:
             if state._training_refused() is not None or _saved_hooks(False) is not None:
                 return None
             grads = state.statics.grad_pattern()
+            if any(grads):  # (an inference graph reads no parameter that requires grad)
+                return None
         leaves = (*args, *kwargs.values())  # the order build_signature flattens them in
         if not leaves:
             return None
