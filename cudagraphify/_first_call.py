@@ -206,6 +206,12 @@ class FirstCall:
     def screen(self) -> Outcome | None:
         if self.warm_guard.unguardable:  # nothing could tell a replay that it changed
             return Outcome(EAGER, self.result, reason=self.warm_guard.unguardable)
+        if not self.training and torch.is_grad_enabled() and self.statics.grad_params():
+            # the warm-up ran modules outside the tree (now guarded) whose parameters require
+            # grad: an inference graph would give them none; the next call is keyed with them
+            return Outcome(EAGER, self.result, remember=False,
+                           reason="the forward ran a module outside its own whose parameters "
+                           "require grad: decided again on the next call, with them")
         if self.set_up is not None:
             where, state = self.set_up
             if state:  # keyed by what it held: calls with it in that state set it up again

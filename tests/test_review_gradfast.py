@@ -149,9 +149,7 @@ def test_f1_region_module_with_a_trainable_helper_outside_its_tree_keeps_autogra
             ref.helper.zero_grad(set_to_none=True)
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing (slow path): a region's first call replays "
-                   "the inference graph captured under a training decision made before the "
-                   "forward adopted a trainable module")
+# (fixed: the first call runs eagerly, not remembered, once it adopted trainable parameters)
 def test_pre_region_first_call_adopting_a_trainable_module_keeps_autograd(sim):
     lin, ref_lin, f = _adopting_function()
     with torch.enable_grad(), cg.graph_region():
