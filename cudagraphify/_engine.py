@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _capture, _region, _segrun, _trial, _watch
+from . import _capture, _guards, _region, _segrun, _trial, _watch
 from ._capture import drain
 from ._cache import CachePolicy, EagerEntry, GraphCache, SetUpEntry
 from ._errors import CudagraphifyUsageError, warn_once
@@ -72,6 +72,8 @@ STATE = "_cudagraphify_state"  # a module's GraphedState, in its __dict__ (see _
 PENDING = ("the backward of an earlier call with this signature has not run yet (its "
            "activations would be overwritten); call under torch.no_grad() when no backward "
            "follows")
+FORWARD_AD = ("inside a forward-mode AD level (torch.autograd.forward_ad.dual_level, "
+              "torch.func.jvp): a graph carries no tangents")
 STATE_ALIAS = ("an argument shares memory with a static state (a cache) the graph reads and "
                "writes in place: a graph would read a copy made before the forward's write")
 
@@ -194,6 +196,8 @@ class GraphedState:
         if self.given_back is not None:  # (given back while this call waited for the lock)
             return self._given_back(fn, args, kwargs)
         self._fast = None  # remade by a replay that qualifies
+        if _guards.dual_level() >= 0:
+            return self._eager(FORWARD_AD, fn, args, kwargs)
         while self._state_died:
             cache, ref = self._state_died.pop()
             entry = ref()

@@ -30,6 +30,7 @@ import types
 from typing import Any, Callable
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
 from . import _watch
@@ -102,7 +103,15 @@ def _compile_reader(getters) -> Callable[[], tuple]:
                 dict(zip(names, (read for _, read in getters))))
 
 
-_read_flags = _compile_reader([*_CUDNN, *_SDPA, *_OTHERS, ("current device", _current_device)])
+def dual_level() -> int:
+    """The forward-mode AD level open (-1: none). A graph carries no tangents: inside one, calls
+    run eagerly; entering and leaving it moves :data:`flags_epoch` (see
+    :func:`watch_flag_setters`)."""
+    return _forward_ad._current_level
+
+
+_read_flags = _compile_reader([*_CUDNN, *_SDPA, *_OTHERS, ("forward-mode AD level", dual_level),
+                               ("current device", _current_device)])
 
 
 def device_reader() -> Callable[[], Any]:
@@ -155,6 +164,10 @@ def watch_flag_setters() -> None:
             if setter is not None and not hasattr(setter, "__wrapped__"):
                 wrapped[setter] = _ticking(setter)
                 setattr(_C, name, wrapped[setter])
+        for name in ("enter_dual_level", "exit_dual_level"):  # (``dual_level`` calls them)
+            fn = getattr(_forward_ad, name, None)
+            if fn is not None and not hasattr(fn, "__wrapped__"):
+                setattr(_forward_ad, name, _ticking(fn))
         context_prop = getattr(torch.backends, "ContextProp", None)
         backends = [m for name, m in list(sys.modules.items())
                     if name.startswith("torch.backends")] if context_prop is not None else []
