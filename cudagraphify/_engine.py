@@ -74,6 +74,9 @@ PENDING = ("the backward of an earlier call with this signature has not run yet 
            "follows")
 FORWARD_AD = ("inside a forward-mode AD level (torch.autograd.forward_ad.dual_level, "
               "torch.func.jvp): a graph carries no tangents")
+FUNCTORCH = ("inside a torch.func transform (grad, vjp, jacrev, vmap): its tensors are "
+             "wrapped, a graph's copy-in and outputs are not")
+_functorch_stack = torch._C._functorch.peek_interpreter_stack
 STATE_ALIAS = ("an argument shares memory with a static state (a cache) the graph reads and "
                "writes in place: a graph would read a copy made before the forward's write")
 
@@ -198,6 +201,8 @@ class GraphedState:
         self._fast = None  # remade by a replay that qualifies
         if _guards.dual_level() >= 0:
             return self._eager(FORWARD_AD, fn, args, kwargs)
+        if _functorch_stack() is not None:
+            return self._eager(FUNCTORCH, fn, args, kwargs)
         while self._state_died:
             cache, ref = self._state_died.pop()
             entry = ref()

@@ -206,6 +206,12 @@ class FirstCall:
     def screen(self) -> Outcome | None:
         if self.warm_guard.unguardable:  # nothing could tell a replay that it changed
             return Outcome(EAGER, self.result, reason=self.warm_guard.unguardable)
+        if not torch.is_grad_enabled() and any(
+                isinstance(t, torch.Tensor) and t.grad_fn is not None
+                for t in pytree.tree_leaves(self.result)):
+            return self._eager("forward turns grad mode on itself (torch.enable_grad inside it) "
+                               "and returns tensors with an autograd graph: a graph keyed to "
+                               "the caller's no_grad would return them without one")
         if not self.training and torch.is_grad_enabled() and self.statics.grad_params():
             # the warm-up ran modules outside the tree (now guarded) whose parameters require
             # grad: an inference graph would give them none; the next call is keyed with them

@@ -517,14 +517,17 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def _tensor_check(t: torch.Tensor) -> Callable[[], bool]:
-    """A per-call check that ``t`` (held) still has the address and layout, and for a CPU
-    scalar the value, a graph read."""
-    meta = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device)
+    """A per-call check that ``t`` (held) still has the address, layout and requires_grad,
+    and for a CPU scalar the value, a graph read."""
+    # (requires_grad too, as TensorGuards checks it: one that starts requiring grad must make
+    # the call decide again, a graph would give it no gradient)
+    meta = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
     if t.device.type == "cpu" and t.numel() <= 64:
         value = t.tolist()
-        return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == meta \
-            and t.tolist() == value
-    return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device) == meta
+        return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device,
+                        t.requires_grad) == meta and t.tolist() == value
+    return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device,
+                    t.requires_grad) == meta
 
 
 _TensorGuards = torch._C._dynamo.guards.TensorGuards

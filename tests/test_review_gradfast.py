@@ -189,9 +189,7 @@ class _Scaled(nn.Module):
         return self.lin(x) * self.scale[:2]
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing: a plain tensor attribute (one, or a CPU "
-                   "scalar) that starts requiring grad after capture is checked by address and "
-                   "layout only; the replay has no grad_fn (first calls refuse such a read)")
+# (fixed: the held-tensor check of one tensor or a CPU scalar compares requires_grad too)
 @pytest.mark.parametrize("n", [2, 100])
 def test_pre_tensor_attribute_requiring_grad_later_keeps_autograd(sim, n):
     torch.manual_seed(0)
@@ -229,8 +227,7 @@ def test_two_tensor_attributes_requiring_grad_later_run_eagerly(sim):
         assert _same_autograd(g(x), ref(x))
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing: a closure tensor of a graphed function that "
-                   "starts requiring grad after capture; the replay has no grad_fn")
+# (fixed, as above)
 def test_pre_closure_tensor_requiring_grad_later_keeps_autograd(sim):
     w = torch.randn(8)
     f = cg.graphify(lambda x: x * w)
@@ -252,9 +249,7 @@ class _GradInside(nn.Module):
             return self.lin(x)
 
 
-@pytest.mark.xfail(strict=True, reason="pre-existing: a forward that enables grad itself, called "
-                   "under no_grad with trainable parameters, is captured as an inference graph "
-                   "(the key's grad mode is the caller's); replays have no grad_fn")
+# (fixed: such a first call's outputs carry an autograd graph: the signature runs eagerly)
 def test_pre_enable_grad_inside_forward_under_no_grad_keeps_autograd(sim):
     torch.manual_seed(0)
     ref = _GradInside()
@@ -265,9 +260,7 @@ def test_pre_enable_grad_inside_forward_under_no_grad_keeps_autograd(sim):
             assert _same_autograd(g(x), ref(x)), i
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError, reason="pre-existing (loud): torch.func.grad "
-                   "over a graphified module called with a plain tensor: the copy into the "
-                   "static buffer is an in-place write functorch refuses")
+# (fixed: calls inside a torch.func transform run eagerly)
 def test_pre_func_grad_over_a_plain_input_call(sim):
     ref, g = _frozen_pair()
     c = torch.randn(2, 8)
@@ -275,6 +268,7 @@ def test_pre_func_grad_over_a_plain_input_call(sim):
         _warm(g, ref)
         got = torch.func.grad(lambda s: (g(c) * s).sum())(torch.tensor(2.0))
     assert torch.equal(got, torch.func.grad(lambda s: (ref(c) * s).sum())(torch.tensor(2.0)))
+    assert any("torch.func transform" in why for why in cg.stats(g).eager_calls)
 
 
 # -- controls: what the fast path checks under grad mode ---------------------------------------
