@@ -14,62 +14,42 @@ count tests check that every call of a piece is counted exactly once
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import random
 import threading
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _fast, _nested, _segrun, _trial
-from conftest import SimGraph
+from cudagraphify import _fast, _nested, _segrun
 
-_NOW = [0.0]
-_HOST = [0.0]
-_COST = {"eager": 0.0, "graph": 0.0}
-
-
-def _spend(kind: str) -> None:
-    _NOW[0] += _COST[kind]
-    _HOST[0] += _COST[kind]
+# the fake device and host clocks, the piece and the fixture ``timed`` of tests/test_trial.py;
+# the set-up of tests/test_opaque_plan.py; the outer module of tests/test_review_trial.py
+from test_opaque_plan import _Cache, _Layer as _OpaqueLayer
+from test_review_trial import _Outer
+from test_trial import _COST, _Piece, _spend
+from test_trial import _Root as _TrialRoot
+from test_trial import timed as _trial_timed  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
-def timed(sim, monkeypatch):
-    """The simulated backend with a clock: a piece's eager forward costs ``_COST["eager"]``, a
-    replay of any graph ``_COST["graph"]`` (set per test)."""
-    sim.clock = lambda device: lambda: _NOW[0]
-    monkeypatch.setattr(_trial, "host_clock", lambda: _HOST[0])
+def timed(_trial_timed):  # noqa: F811 (test_trial's fixture, by another name)
+    """test_trial's clocks: a piece's eager forward costs ``_COST["eager"]``, a replay of any
+    graph ``_COST["graph"]`` (here 10 and 30 us unless a test sets them). Grad mode stays on as
+    for any test (test_trial's fixture turns it off): these tests turn it off where they call."""
     _COST.update(eager=10e-6, graph=30e-6)
-    replay = SimGraph.replay
-
-    def costly(self):
-        _spend("graph")
-        return replay(self)
-
-    monkeypatch.setattr(SimGraph, "replay", costly)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        yield sim
+    with torch.enable_grad():
+        yield _trial_timed
 
 
-class _Piece(nn.Linear):
-    def forward(self, x):
-        _spend("eager")
-        return super().forward(x)
-
-
-class _Root(nn.Module):
-    """A host sync between two pieces: piecewise, ``a`` and ``b`` graphed; returns both pieces'
-    outputs (so the root hands out what lay on the implicit region's slots, copied)."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = _Piece(8, 8), _Piece(8, 8)
+class _Root(_TrialRoot):
+    """test_trial's root (a host sync between two pieces: piecewise, ``a`` and ``b`` graphed)
+    returning both pieces' outputs (so the root hands out what lay on the implicit region's
+    slots, copied)."""
 
     def forward(self, x):
         y = self.a(x)
@@ -102,6 +82,61 @@ def _calls_counted(piece) -> tuple[int, dict]:
     return s.replays + s.timed_calls + sum(s.eager_calls.values()), s
 
 
+def _run(g, ref, calls: int) -> None:
+    """``calls`` calls of ``g`` and of ``ref`` under no_grad, each on a new random input: every
+    output eager's (none kept)."""
+    with torch.no_grad():
+        for _ in range(calls):
+            x = torch.randn(4, 8)
+            assert _eq(g(x), ref(x))
+
+
+def _run_held(g, ref, calls: int) -> list:
+    """As ``_run``, each output kept: the (got, want) pairs, for the caller to hold."""
+    held = []
+    with torch.no_grad():
+        for _ in range(calls):
+            x = torch.randn(4, 8)
+            got, want = g(x), ref(x)
+            assert _eq(got, want)
+            held.append((got, want))
+    return held
+
+
+def _held_through_the_trial(cls, graph_cost: float, calls: int):
+    """A root of ``cls`` graphed with a graph's replay costing ``graph_cost``: ``calls`` calls,
+    every output eager's and, all held, unchanged after the last; the graphified root."""
+    _COST.update(graph=graph_cost)
+    ref, g = _pair(cls)
+    held = _run_held(g, ref, calls)
+    assert all(_eq(got, want) for got, want in held)
+    return g
+
+
+@contextlib.contextmanager
+def _warming_elsewhere(on: bool = True):
+    """Where ``on``: another thread is inside a warm-up or capture (``nesting[0]`` > 0) while
+    the block runs."""
+    inside, done = threading.Event(), threading.Event()
+
+    def warming():
+        with _nested.Nested():
+            inside.set()
+            done.wait(30)
+
+    t = threading.Thread(target=warming)
+    if on:
+        t.start()
+    try:
+        if on:
+            assert inside.wait(10)
+        yield
+    finally:
+        done.set()
+        if on:
+            t.join(10)
+
+
 # -- 1. the timed graph turn through Fast.call ------------------------------------------------
 
 @pytest.mark.parametrize("graph_cost", [GIVE_BACK, KEEP], ids=["given_back", "kept"])
@@ -110,13 +145,7 @@ def test_trial_turns_results_held_outputs_and_counts(timed, graph_cost):
     is counted once; a kept piece replays through the fast path afterwards."""
     _COST.update(graph=graph_cost)
     ref, g = _pair()
-    held = []
-    with torch.no_grad():
-        for _ in range(14):
-            x = torch.randn(4, 8)
-            got, want = g(x), ref(x)
-            assert _eq(got, want)
-            held.append((got, want))
+    held = _run_held(g, ref, 14)
     for got, want in held:
         assert _eq(got, want)
     for piece in (g.a, g.b):
@@ -138,26 +167,8 @@ def test_trial_turn_miss_while_another_thread_warms_up(timed, graph_cost):
     def run(with_thread: bool):
         _COST.update(graph=graph_cost)
         ref, g = _pair()
-        inside, done = threading.Event(), threading.Event()
-
-        def warming():
-            with _nested.Nested():
-                inside.set()
-                done.wait(30)
-
-        t = threading.Thread(target=warming)
-        if with_thread:
-            t.start()
-            assert inside.wait(10)
-        try:
-            with torch.no_grad():
-                for _ in range(12):
-                    x = torch.randn(4, 8)
-                    assert _eq(g(x), ref(x))
-        finally:
-            done.set()
-            if with_thread:
-                t.join(10)
+        with _warming_elsewhere(with_thread):
+            _run(g, ref, 12)
         out = []
         for piece in (g.a, g.b):
             n, s = _calls_counted(piece)
@@ -196,16 +207,7 @@ class _ListRoot(nn.Module):
 
 @pytest.mark.parametrize("graph_cost", [GIVE_BACK, KEEP], ids=["given_back", "kept"])
 def test_trial_of_a_piece_without_a_fast_path(timed, graph_cost):
-    _COST.update(graph=graph_cost)
-    ref, g = _pair(_ListRoot)
-    held = []
-    with torch.no_grad():
-        for _ in range(12):
-            x = torch.randn(4, 8)
-            got, want = g(x), ref(x)
-            assert _eq(got, want)
-            held.append((got, want))
-    assert all(_eq(got, want) for got, want in held)
+    g = _held_through_the_trial(_ListRoot, graph_cost, 12)
     n, s = _calls_counted(g.a)
     assert n == 11 and s.timed_calls == 3, s
     assert g.a._cudagraphify_state._fast is None  # (never a Fast: a list argument)
@@ -276,10 +278,7 @@ def test_given_back_piece_counted_once_per_call_on_every_path(timed):
     """A given-back piece's calls: through DirectCall (inline), through ``_call_impl`` (a hook on
     it: the full path) and inside another graph's warm-up and capture (not counted)."""
     ref, g = _pair()
-    with torch.no_grad():
-        for _ in range(10):
-            x = torch.randn(4, 8)
-            assert _eq(g(x), ref(x))
+    _run(g, ref, 10)
     state = g.a._cudagraphify_state
     why = state.given_back
     assert why is not None
@@ -307,15 +306,6 @@ def test_given_back_piece_counted_once_per_call_on_every_path(timed):
         assert state.eager_calls[why] == before + 5
 
 
-class _Outer(nn.Module):
-    def __init__(self, shared):
-        super().__init__()
-        self.shared = shared
-
-    def forward(self, x):
-        return self.shared(x) * 3
-
-
 def test_given_back_piece_called_while_another_thread_warms_up(timed):
     """``_nesting[0]`` set by another thread: DirectCall hands the call to ``_given_back``, which
     counts it (it is not inside a warm-up on this thread)."""
@@ -326,23 +316,9 @@ def test_given_back_piece_called_while_another_thread_warms_up(timed):
     state = g.a._cudagraphify_state
     why = state.given_back
     before = state.eager_calls[why]
-    inside, done = threading.Event(), threading.Event()
-
-    def warming():
-        with _nested.Nested():
-            inside.set()
-            done.wait(30)
-
-    t = threading.Thread(target=warming)
-    t.start()
-    try:
-        assert inside.wait(10)
-        with torch.no_grad():
-            x = torch.randn(4, 8)
-            assert torch.equal(g.a(x), ref.a(x))
-    finally:
-        done.set()
-        t.join(10)
+    with _warming_elsewhere(), torch.no_grad():
+        x = torch.randn(4, 8)
+        assert torch.equal(g.a(x), ref.a(x))
     assert state.eager_calls[why] == before + 1
 
 
@@ -355,9 +331,7 @@ def test_segments_switched_on_at_runtime_after_pieces_are_given_back(timed, togg
     ref, g = _pair()
     state = g._cudagraphify_state if "_cudagraphify_state" in g.__dict__ else None
     with torch.no_grad():
-        for _ in range(10):
-            x = torch.randn(4, 8)
-            assert _eq(g(x), ref(x))
+        _run(g, ref, 10)
         state = g._cudagraphify_state
         assert g.a._cudagraphify_state.given_back and g.b._cudagraphify_state.given_back
         assert type(state._fast) is _fast.EagerFast and not state._chain_needed()
@@ -372,9 +346,7 @@ def test_segments_switched_on_at_runtime_after_pieces_are_given_back(timed, togg
         else:
             monkeypatch.setattr(state, "options",
                                 dataclasses.replace(state.options, segments=True))
-        for _ in range(8):
-            x = torch.randn(4, 8)
-            assert _eq(g(x), ref(x))
+        _run(g, ref, 8)
         assert len(calls) >= 8, calls  # (segments call it again for the forward without them)
         assert state.segments.plans(), "segments were never recorded"
         if toggle == "ENABLED":
@@ -383,9 +355,7 @@ def test_segments_switched_on_at_runtime_after_pieces_are_given_back(timed, togg
             monkeypatch.setattr(state, "options",
                                 dataclasses.replace(state.options, segments=False))
         calls.clear()
-        for _ in range(3):
-            x = torch.randn(4, 8)
-            assert _eq(g(x), ref(x))
+        _run(g, ref, 3)
         assert not calls
 
 
@@ -408,13 +378,7 @@ def test_user_graphed_submodule_keeps_the_chain_after_the_pieces_are_given_back(
     g = copy.deepcopy(ref)
     cg.graphify(g.c)
     cg.graphify(g)
-    held = []
-    with torch.no_grad():
-        for _ in range(14):
-            x = torch.randn(4, 8)
-            got, want = g(x), ref(x)
-            assert _eq(got, want)
-            held.append((got, want))
+    held = _run_held(g, ref, 14)
     assert g.a._cudagraphify_state.given_back and g.b._cudagraphify_state.given_back
     assert all(_eq(got, want) for got, want in held)
     state = g._cudagraphify_state
@@ -439,13 +403,7 @@ def test_regraphified_piece_after_give_back_rechains(timed):
     _COST.update(graph=KEEP)
     cg.ungraphify(g.a)
     cg.graphify(g.a)
-    held = []
-    with torch.no_grad():
-        for _ in range(12):
-            x = torch.randn(4, 8)
-            got, want = g(x), ref(x)
-            assert _eq(got, want)
-            held.append((got, want))
+    held = _run_held(g, ref, 12)
     assert all(_eq(got, want) for got, want in held)
     assert state._chain_needed()
     s = cg.stats(g.a)
@@ -647,10 +605,7 @@ def test_trial_graph_turns_go_through_fast_call(timed, monkeypatch):
 
     monkeypatch.setattr(_fast.Fast, "call", spy)
     ref, g = _pair()
-    with torch.no_grad():
-        for _ in range(10):
-            x = torch.randn(4, 8)
-            assert _eq(g(x), ref(x))
+    _run(g, ref, 10)
     assert turns.count(True) == 2 * 3, turns
 
 
@@ -677,16 +632,7 @@ class _ChainRoot(nn.Module):
 
 @pytest.mark.parametrize("graph_cost", [GIVE_BACK, KEEP], ids=["given_back", "kept"])
 def test_chained_tangle_through_the_trial(timed, graph_cost):
-    _COST.update(graph=graph_cost)
-    ref, g = _pair(_ChainRoot)
-    held = []
-    with torch.no_grad():
-        for _ in range(16):
-            x = torch.randn(4, 8)
-            got, want = g(x), ref(x)
-            assert _eq(got, want)
-            held.append((got, want))
-    assert all(_eq(got, want) for got, want in held)
+    g = _held_through_the_trial(_ChainRoot, graph_cost, 16)
     for piece in (g.a, g.b, g.c):
         _, s = _calls_counted(piece)
         assert s.timed_calls == 3, s
@@ -694,31 +640,8 @@ def test_chained_tangle_through_the_trial(timed, graph_cost):
 
 # -- pieces planned around an opaque argument (an HF DynamicCache's shape), timed ------------
 
-class _Growing:
-    def __init__(self):
-        self.keys = None
-
-    def update(self, k):
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
-        return self.keys
-
-
-class _Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x, cache):
-        keys = cache.update(self.k(x))
-        return torch.softmax(self.q(x) @ keys.transpose(1, 2), -1) @ keys
-
-
-class _Layer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(8)
-        self.attn = _Attention()
-        self.mlp = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+class _Layer(_OpaqueLayer):
+    """test_opaque_plan's layer, returning its norm's output too."""
 
     def forward(self, x, cache):
         x = x + self.attn(self.norm(x), cache)
@@ -736,13 +659,6 @@ class _Model(nn.Module):
             x, n = layer(x, c)
             normed.append(n)
         return x, normed
-
-
-class _Cache:
-    """Its layers' growing keys (as HF's DynamicCache holds them): an opaque argument."""
-
-    def __init__(self):
-        self.layers = [_Growing(), _Growing()]
 
 
 @pytest.mark.parametrize("graph_cost", [30e-6, 0.0], ids=["given_back", "kept"])

@@ -32,30 +32,38 @@ import cudagraphify as cg
 from cudagraphify import _engine
 from cudagraphify._fast import Fast
 
+# the frozen pair, its state and its warm-up calls of tests/test_fast_grad.py
+from test_fast_grad import _frozen_pair, _state, _warm
+
 pytestmark = pytest.mark.usefixtures("quiet")
 
 
-def _frozen_pair(seed: int = 0):
-    torch.manual_seed(seed)
-    ref = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
-    ref.requires_grad_(False)
+def _pair_of(make, frozen: bool = True):
+    """``make()`` (seeded with 0; frozen unless ``frozen`` is False) and a graphified copy."""
+    torch.manual_seed(0)
+    ref = make()
+    if frozen:
+        ref.requires_grad_(False)
     return ref, cg.graphify(copy.deepcopy(ref))
-
-
-def _state(g):
-    return g._cudagraphify_state
-
-
-def _warm(g, ref, calls: int = 4):
-    for _ in range(calls):
-        x = torch.randn(2, 8)
-        out = g(x)
-        assert torch.equal(out, ref(x)) and out.requires_grad == ref(x).requires_grad
 
 
 def _same_autograd(out, want) -> bool:
     return torch.equal(out, want) and out.requires_grad == want.requires_grad and \
         (out.grad_fn is None) == (want.grad_fn is None)
+
+
+def _backward_both(out, want, note=""):
+    """``out`` and eager's ``want`` alike (values, requires_grad, grad_fn), then the backward of
+    each one's sum."""
+    assert _same_autograd(out, want), note
+    out.sum().backward()
+    want.sum().backward()
+
+
+def _same_weight_grad_then_cleared(m, m_ref):
+    assert torch.equal(m.weight.grad, m_ref.weight.grad)
+    m.zero_grad(set_to_none=True)
+    m_ref.zero_grad(set_to_none=True)
 
 
 # -- F1: a region's first call adopts a module whose parameters require grad ------------------
@@ -107,12 +115,8 @@ def test_f1_control_outside_a_region_the_second_call_is_a_training_graph(sim):
         for i in range(4):
             x = torch.randn(2, 8)
             out, want = f(x), ref_lin(x)
-            assert _same_autograd(out, want), i
-            out.sum().backward()
-            want.sum().backward()
-            assert torch.equal(lin.weight.grad, ref_lin.weight.grad)
-            lin.zero_grad(set_to_none=True)
-            ref_lin.zero_grad(set_to_none=True)
+            _backward_both(out, want, i)
+            _same_weight_grad_then_cleared(lin, ref_lin)
 
 
 class _Outer(nn.Module):
@@ -141,12 +145,8 @@ def test_f1_region_module_with_a_trainable_helper_outside_its_tree_keeps_autogra
             x = torch.randn(2, 8)
             out, want = g(x), ref(x)
             assert type(_state(g)._fast) is not Fast or out.requires_grad
-            assert _same_autograd(out, want)
-            out.sum().backward()
-            want.sum().backward()
-            assert torch.equal(helper.weight.grad, ref.helper.weight.grad)
-            helper.zero_grad(set_to_none=True)
-            ref.helper.zero_grad(set_to_none=True)
+            _backward_both(out, want)
+            _same_weight_grad_then_cleared(helper, ref.helper)
 
 
 # (fixed: the first call runs eagerly, not remembered, once it adopted trainable parameters)
@@ -189,19 +189,20 @@ class _Scaled(nn.Module):
         return self.lin(x) * self.scale[:2]
 
 
-# (fixed: the held-tensor check of one tensor or a CPU scalar compares requires_grad too)
-@pytest.mark.parametrize("n", [2, 100])
-def test_pre_tensor_attribute_requiring_grad_later_keeps_autograd(sim, n):
-    torch.manual_seed(0)
-    ref = _Scaled(n)
-    ref.requires_grad_(False)
-    g = cg.graphify(copy.deepcopy(ref))
+def _scale_requiring_grad_after_warm_up(ref, g):
     with torch.enable_grad():
         _warm(g, ref)
         ref.scale.requires_grad_(True)
         g.scale.requires_grad_(True)
         x = torch.randn(2, 8)
         assert _same_autograd(g(x), ref(x))
+
+
+# (fixed: the held-tensor check of one tensor or a CPU scalar compares requires_grad too)
+@pytest.mark.parametrize("n", [2, 100])
+def test_pre_tensor_attribute_requiring_grad_later_keeps_autograd(sim, n):
+    ref, g = _pair_of(lambda: _Scaled(n))
+    _scale_requiring_grad_after_warm_up(ref, g)
 
 
 def test_two_tensor_attributes_requiring_grad_later_run_eagerly(sim):
@@ -215,16 +216,8 @@ def test_two_tensor_attributes_requiring_grad_later_run_eagerly(sim):
         def forward(self, x):
             return super().forward(x) + self.shift[:2]
 
-    torch.manual_seed(0)
-    ref = Two()
-    ref.requires_grad_(False)
-    g = cg.graphify(copy.deepcopy(ref))
-    with torch.enable_grad():
-        _warm(g, ref)
-        ref.scale.requires_grad_(True)
-        g.scale.requires_grad_(True)
-        x = torch.randn(2, 8)
-        assert _same_autograd(g(x), ref(x))
+    ref, g = _pair_of(Two)
+    _scale_requiring_grad_after_warm_up(ref, g)
 
 
 # (fixed, as above)
@@ -251,9 +244,7 @@ class _GradInside(nn.Module):
 
 # (fixed: such a first call's outputs carry an autograd graph: the signature runs eagerly)
 def test_pre_enable_grad_inside_forward_under_no_grad_keeps_autograd(sim):
-    torch.manual_seed(0)
-    ref = _GradInside()
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair_of(_GradInside, frozen=False)
     with torch.no_grad():
         for i in range(3):
             x = torch.randn(2, 8)
@@ -274,18 +265,15 @@ def test_pre_func_grad_over_a_plain_input_call(sim):
 # -- controls: what the fast path checks under grad mode ---------------------------------------
 
 def test_trainable_module_fast_under_no_grad_then_grad_mode_is_a_training_graph(sim):
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair_of(lambda: nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)),
+                      frozen=False)
     with torch.no_grad():
         _warm(g, ref)
         assert type(_state(g)._fast) is Fast
     for _ in range(3):
         x = torch.randn(2, 8)
         out, want = g(x), ref(x)
-        assert _same_autograd(out, want)
-        out.sum().backward()
-        want.sum().backward()
+        _backward_both(out, want)
         for p, q in zip(g.parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad)
         g.zero_grad()
@@ -302,10 +290,7 @@ def test_buffer_that_now_requires_grad_misses_the_inference_graph(sim):
         def forward(self, x):
             return self.lin(x) + self.shift
 
-    torch.manual_seed(0)
-    ref = Buf()
-    ref.requires_grad_(False)
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair_of(Buf)
     with torch.enable_grad():
         _warm(g, ref)
         assert type(_state(g)._fast) is Fast
@@ -313,9 +298,7 @@ def test_buffer_that_now_requires_grad_misses_the_inference_graph(sim):
         g.shift.requires_grad_(True)
         x = torch.randn(2, 8)
         out, want = g(x), ref(x)
-        assert _same_autograd(out, want)
-        out.sum().backward()
-        want.sum().backward()
+        _backward_both(out, want)
         assert torch.equal(g.shift.grad, ref.shift.grad)
 
 
@@ -331,9 +314,7 @@ def test_parameter_replaced_by_a_non_leaf_that_requires_grad(sim):
         for _ in range(3):
             x = torch.randn(2, 8)
             out, want = g(x), ref(x)
-            assert _same_autograd(out, want)
-            out.sum().backward()
-            want.sum().backward()
+            _backward_both(out, want)
             assert torch.equal(leaves[0].grad, leaves[1].grad)
             leaves[0].grad = leaves[1].grad = None
 
@@ -348,9 +329,7 @@ def test_no_grad_inside_forward_of_a_frozen_module_under_grad_mode(sim):
             with torch.no_grad():
                 return self.lin(x)
 
-    torch.manual_seed(0)
-    ref = NoGrad()
-    g = cg.graphify(copy.deepcopy(ref))
+    ref, g = _pair_of(NoGrad, frozen=False)
     with torch.enable_grad():
         for _ in range(4):
             x = torch.randn(2, 8)
@@ -438,9 +417,7 @@ def test_checkpointed_frozen_block_with_a_trainable_head_runs_eagerly_inside(sim
             x = torch.randn(2, 8)
             out = checkpoint(lambda t: head(g(t)), x, use_reentrant=False)
             want = checkpoint(lambda t: head_ref(ref(t)), x, use_reentrant=False)
-            assert _same_autograd(out, want)
-            out.sum().backward()
-            want.sum().backward()
+            _backward_both(out, want)
             assert torch.equal(head.weight.grad, head_ref.weight.grad)
         assert any("saved-tensor hooks" in r for r in cg.stats(g).eager_calls)
 
@@ -516,9 +493,7 @@ def test_piece_of_a_piecewise_plan_frozen_then_unfrozen_under_grad_mode(sim):
                     m.enc[0].weight.requires_grad_(True)
             x = torch.randn(2, 8)
             out, want = g(x), ref(x)
-            assert _same_autograd(out, want)
-            out.sum().backward()
-            want.sum().backward()
+            _backward_both(out, want)
             for p, q in zip(g.parameters(), ref.parameters()):
                 assert (p.grad is None) == (q.grad is None)
                 assert p.grad is None or torch.equal(p.grad, q.grad)
@@ -556,9 +531,7 @@ def test_region_parameter_unfrozen_between_fast_calls(sim):
             m[2].weight.requires_grad_(True)
         x = torch.randn(2, 8)
         out, want = g(x), ref(x)
-        assert _same_autograd(out, want)
-        out.sum().backward()
-        want.sum().backward()
+        _backward_both(out, want)
         assert torch.equal(g[2].weight.grad, ref[2].weight.grad)
 
 
