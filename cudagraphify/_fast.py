@@ -262,10 +262,12 @@ class Fast:
         self.inplace = entry.inplace
         # a region graph's one output, handed out as an alias of its slot, where nothing is
         # read in place from another graph's slot (see ``call``)
+        # (a flag: the slot itself is read through the entry on each call, so that a released
+        # entry's static output is not kept alive here)
         single = entry._actions[0] if entry._single and region is not None \
             and entry.seq is not None and not entry.borrowed else None
-        self.slot = single.__self__ if type(getattr(single, "__self__", None)) is _Slot \
-            and single.__func__ is _Slot.hand_out else None
+        self.slot = type(getattr(single, "__self__", None)) is _Slot \
+            and single.__func__ is _Slot.hand_out
         # the region's lock (None outside a region), then the state's
         self.outer = region.lock if region is not None else None
         self.lock = state.lock
@@ -327,8 +329,8 @@ class Fast:
                                           or state.statics.grad_pattern() != grads):
                     return _MISS
                 if region is not None:
-                    slot = self.slot
-                    if slot is not None:
+                    if self.slot:
+                        slot = entry._actions[0].__self__
                         # (protect_before's common case inline: the slot of this graph's
                         # output is the only live one, its last alias dropped; it is handed
                         # out again below)
