@@ -125,7 +125,7 @@ class Dispatch:
 
 
 _is_compiling = torch.compiler.is_compiling
-_tracing = torch._C._get_tracing_state
+_tracing = torch._C._is_tracing  # (a bool: cheaper than _get_tracing_state's object)
 _call_impl = torch.nn.Module._call_impl
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
 # (global_hooks_present(), inlined on DirectCall's path: one frame less on every call)
@@ -181,7 +181,7 @@ class DirectCall(_watch.CallImpl):
         d = self.d
         if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] \
                 or d["_backward_pre_hooks"] or _global_a or _global_b or _global_c \
-                or _global_d or _tracing() is not None or _is_compiling():
+                or _global_d or _tracing() or _is_compiling():
             # (torch.compile of ``module.__call__``, as HF generate does for a static cache,
             # traces ``_compiled_call_impl``: ``_call_impl`` reaches the proxy, which calls
             # the graphs outside the compiled code)
