@@ -386,7 +386,9 @@ class GraphedState:
         """A timed replay of a piece's graph (see _trial) as the calls after the trial would
         replay it: through the fast path, its checks included (they cost a one-kernel piece
         what its graph saves), where this call can have one."""
-        fast = Fast.make(self, entry, region, backend, args, kwargs, token)
+        fast = trial.fast  # (one for all its turns: what a first fast call pays once, too)
+        if fast is None or fast.region is not region or fast.entry is not entry:
+            fast = trial.fast = Fast.make(self, entry, region, backend, args, kwargs, token)
         if fast is not None:
             self._fast = fast  # (for this call only: the trial's next call decides afresh)
             try:
@@ -396,6 +398,7 @@ class GraphedState:
             if out is not MISS:  # (counted by the fast path)
                 return out
             trial.untime(False)
+            trial.fast = None
         self.replays += 1
         if region is not None:
             region.replays += 1

@@ -308,7 +308,8 @@ class Fast:
                     now = _guards.flags_epoch
                     if self.read_flags() != self.flags:
                         return _MISS
-                    self.flags_epoch = now
+                    # (the entry's too: the next fast path made for it starts from here)
+                    self.flags_epoch = entry.flags.epoch = now
                 # (no stream capture can be under way on the legacy default stream, token 0)
                 token = self.stream()
                 if token != self.holder._stream_token or (token and self.in_capture()):

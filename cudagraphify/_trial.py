@@ -42,7 +42,7 @@ host_clock = time.perf_counter  # seconds on the host (a test's fake clock repla
 class Trial:
     """The timed first replays of one graph of a piece, and its eager runs between them."""
 
-    __slots__ = ("clock", "host", "graph", "eager", "graph_host", "eager_host")
+    __slots__ = ("clock", "host", "graph", "eager", "graph_host", "eager_host", "fast")
 
     def __init__(self, clock: Callable[[], float]):
         activity[0] += 1
@@ -52,6 +52,7 @@ class Trial:
         self.eager: list[float] = []
         self.graph_host: list[float] = []  # seconds until the call returned
         self.eager_host: list[float] = []
+        self.fast = None  # the fast path its graph's turns replay through (see _engine)
 
     def eager_next(self) -> bool:
         """Whether the next call runs eagerly (they alternate, the graph first)."""

@@ -129,7 +129,7 @@ def test_the_graph_turn_pays_the_fast_paths_checks(timed, monkeypatch):
     call, turns = _fast.Fast.call, []
 
     def checked(self, fn, args, kwargs):
-        turns.append(self.entry)
+        turns.append(self)
         _HOST[0] += 6e-6
         return call(self, fn, args, kwargs)
 
@@ -143,6 +143,7 @@ def test_the_graph_turn_pays_the_fast_paths_checks(timed, monkeypatch):
         # three timed turns (the first right after the capture), each counted once
         assert s.replays == 3, s
     assert len(turns) == 2 * 3  # (every timed turn of both pieces went through it)
+    assert len({id(f) for f in turns}) == 2  # (one fast path for all turns of a piece)
 
 
 def test_clearly_faster_end_to_end_keeps_the_graph_whatever_its_host_time(timed):
