@@ -197,9 +197,9 @@ class Fast:
 
     Made only for an inference graph of this callable's own, called with tensors (plain tensors
     or parameters; positional, or by keyword in the same order; under grad mode too, where no
-    tensor of the call needs grad), with ``enabled=True`` and no moves pending. Any failed check (or anything unusual) hands the
-    call to the slow path, which decides it afresh. One frame: every µs here is paid by every
-    replay."""
+    tensor of the call needs grad), with ``enabled=True`` and no moves pending. Any failed
+    check (or anything unusual) hands the call to the slow path, which decides it afresh. One
+    frame: every µs here is paid by every replay."""
 
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "same",
