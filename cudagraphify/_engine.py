@@ -547,7 +547,7 @@ class GraphedState:
         pieces then run as part of it), once timed against the forward without them where the
         backend has a clock (see _trial)."""
         if entry is not None and (self.options.segments or _segrun.ENABLED) \
-                and self._device is not None \
+                and self._device is not None and _guards.dual_level() < 0 \
                 and self.share is None and not torch.is_grad_enabled() \
                 and not _region_stack.get():
             # (without segments: this method without an entry)

@@ -14,6 +14,7 @@ import functools
 from typing import Any, Callable
 
 import torch
+import torch.autograd.forward_ad as _forward_ad
 
 from . import _guards, _region, _segrun, _watch
 from ._nested import nesting
@@ -303,6 +304,8 @@ class Fast:
                         self.tguard.check(*args) if self.mixed is None
                         else self._mixed_ok(args)) or not self.global_state.check() \
                         or self.get_device() != self.device:
+                    return _MISS
+                if _forward_ad._current_level >= 0:  # (see _guards.dual_level)
                     return _MISS
                 if _guards.flags_epoch != self.flags_epoch:
                     now = _guards.flags_epoch

@@ -206,12 +206,15 @@ class FirstCall:
     def screen(self) -> Outcome | None:
         if self.warm_guard.unguardable:  # nothing could tell a replay that it changed
             return Outcome(EAGER, self.result, reason=self.warm_guard.unguardable)
-        if not torch.is_grad_enabled() and any(
-                isinstance(t, torch.Tensor) and t.grad_fn is not None
-                for t in pytree.tree_leaves(self.result)):
+        if not torch.is_grad_enabled() and (
+                (self.warm_probe is not None and self.warm_probe.grad_on)
+                or any(isinstance(t, torch.Tensor) and t.grad_fn is not None
+                       for t in pytree.tree_leaves(self.result))):
+            # (frozen parameters now, outputs with no history: a parameter unfrozen later
+            # would give them one, and a no_grad key does not hold which require grad)
             return self._eager("forward turns grad mode on itself (torch.enable_grad inside it) "
-                               "and returns tensors with an autograd graph: a graph keyed to "
-                               "the caller's no_grad would return them without one")
+                               "under the caller's no_grad: a graph keyed to that no_grad "
+                               "would return its outputs without their autograd graph")
         if not self.training and torch.is_grad_enabled() and self.statics.grad_params():
             # the warm-up ran modules outside the tree (now guarded) whose parameters require
             # grad: an inference graph would give them none; the next call is keyed with them

@@ -31,6 +31,7 @@ from ._signature import storage_of
 __all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
+_grad_enabled = torch.is_grad_enabled
 # cudagraphify's own machinery; its reference models (bench/models.py) count as user code
 _OWN_MODELS = os.path.join(_HERE, "bench", "models.py")
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
@@ -120,6 +121,10 @@ class _Mode(TorchFunctionMode):
         if info is None or info[0] is not func:
             info = info_of(func)
         probe.record(func, args, kwargs, info[1])
+        if not probe.grad_on and _grad_enabled() and any(  # (an op, not a setter)
+                isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and any(
+                    isinstance(b, torch.Tensor) for b in a)) for a in args):
+            probe.grad_on = True
         written = probe.written
         if written is not None and (info[2] or kwargs):
             probe.note_writes(func, args, kwargs, info[2])
@@ -248,6 +253,9 @@ class Probe:
         self.written: set[int] | None = None
         # those of them that no earlier op of the run produced (memory from before the call)
         self.written_before_made: set[int] = set()
+        # an op on tensors ran with grad mode on (a forward that turns it on itself, called under no_grad:
+        # its signature's key holds no parameters' requires_grad, see _first_call)
+        self.grad_on = False
         self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
 
     def ran(self) -> set[str]:
