@@ -20,7 +20,7 @@ from cudagraphify import _guards
 from cudagraphify._fast import Fast
 
 from test_fast_grad import _frozen_pair, _state, _warm
-from test_review_gradfast import _pair_of, _same_autograd
+from test_review_gradfast import _GradInside, _pair_of, _same_autograd
 
 # A user's module that imported the level functions by name before cudagraphify's first capture
 # wrapped them (the unwrapped originals, whatever ran before in this process).
@@ -35,30 +35,9 @@ pytestmark = pytest.mark.usefixtures("quiet")
 
 # -- enable_grad inside forward under a no_grad caller ----------------------------------------
 
-class _GradInside(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x):
-        with torch.enable_grad():
-            return self.lin(x)
-
-
 # (fixed: was a strict xfail of helper-35's review)
 def test_f1_enable_grad_inside_frozen_then_unfrozen_under_no_grad(sim):
-    ref, g = _pair_of(_GradInside, frozen=True)
-    with torch.no_grad():
-        for _ in range(3):
-            x = torch.randn(2, 8)
-            assert _same_autograd(g(x), ref(x))
-        ref.lin.requires_grad_(True)
-        g.lin.requires_grad_(True)
-        for i in range(2):
-            x = torch.randn(2, 8)
-            out, want = g(x), ref(x)
-            assert want.grad_fn is not None
-            assert _same_autograd(out, want), i
+    _f1_body(calls_after=2)
 
 
 # (fixed: was a strict xfail of helper-35's review)
@@ -67,7 +46,7 @@ def test_f1_slow_path_too(sim, monkeypatch):
     _f1_body()
 
 
-def _f1_body():
+def _f1_body(calls_after: int = 1):
     ref, g = _pair_of(_GradInside, frozen=True)
     with torch.no_grad():
         for _ in range(3):
@@ -75,8 +54,11 @@ def _f1_body():
             assert _same_autograd(g(x), ref(x))
         ref.lin.requires_grad_(True)
         g.lin.requires_grad_(True)
-        x = torch.randn(2, 8)
-        assert _same_autograd(g(x), ref(x))
+        for i in range(calls_after):
+            x = torch.randn(2, 8)
+            out, want = g(x), ref(x)
+            assert want.grad_fn is not None
+            assert _same_autograd(out, want), i
 
 
 def test_enable_grad_inside_trainable_under_no_grad_runs_eagerly(sim):
