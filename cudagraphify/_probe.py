@@ -253,8 +253,9 @@ class Probe:
         self.written: set[int] | None = None
         # those of them that no earlier op of the run produced (memory from before the call)
         self.written_before_made: set[int] = set()
-        # an op on tensors ran with grad mode on (a forward that turns it on itself, called under no_grad:
-        # its signature's key holds no parameters' requires_grad, see _first_call)
+        # an op on tensors ran with grad mode on (a forward that turns it on itself, called
+        # under no_grad: its signature's key holds no parameters' requires_grad, see
+        # _first_call)
         self.grad_on = False
         self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
 
