@@ -225,7 +225,9 @@ def test_pending_fast_path_does_not_keep_a_list_argument_alive(sim):
 
 
 # (fixed) F5: inside another graphed callable's warm-up or capture the slow path runs the ...
-def test_calls_inside_an_outer_warmup_are_not_counted_as_eager(sim):
+def _pending_inner(fast: bool):
+    """A graphified function whose training graph's backward is pending (its output kept),
+    with the pending fast path installed or not: (inner, its state, the output kept)."""
     @cg.graphify
     def inner(h):
         return h * 2 + 1
@@ -233,11 +235,12 @@ def test_calls_inside_an_outer_warmup_are_not_counted_as_eager(sim):
     x = torch.randn(3, 4, requires_grad=True)
     inner(x).sum().backward()
     kept = inner(x)  # replay: pending
-    inner(x)  # installs EagerFast.pending
-    state = inner._self_dispatch.state
-    assert type(state._fast) is EagerFast
-    before = state.eager_calls[PENDING]
+    if fast:
+        inner(x)  # installs EagerFast.pending
+    return inner, inner._self_dispatch.state, kept
 
+
+def _run_outer_warmups(inner) -> None:
     class Outer(nn.Module):
         def __init__(self):
             super().__init__()
@@ -248,31 +251,22 @@ def test_calls_inside_an_outer_warmup_are_not_counted_as_eager(sim):
 
     outer = cg.graphify(Outer(), num_warmup_iters=3)
     outer(torch.randn(3, 4))  # its warm-ups run inner (h: (3, 4), requires grad)
-    assert cg.stats(outer).captures == 1 and kept is not None
+    assert cg.stats(outer).captures == 1
+
+
+def test_calls_inside_an_outer_warmup_are_not_counted_as_eager(sim):
+    inner, state, kept = _pending_inner(fast=True)
+    assert type(state._fast) is EagerFast
+    before = state.eager_calls[PENDING]
+    _run_outer_warmups(inner)
+    assert kept is not None
     assert state.eager_calls[PENDING] == before, dict(state.eager_calls)
 
 
 def test_control_calls_inside_an_outer_warmup_uncounted_on_the_slow_path(sim):
-    @cg.graphify
-    def inner(h):
-        return h * 2 + 1
-
-    x = torch.randn(3, 4, requires_grad=True)
-    inner(x).sum().backward()
-    kept = inner(x)  # pending, no EagerFast
-    state = inner._self_dispatch.state
+    inner, state, kept = _pending_inner(fast=False)  # pending, no EagerFast
     before = state.eager_calls[PENDING]
-
-    class Outer(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(4, 4)
-
-        def forward(self, x):
-            return inner(self.lin(x))
-
-    outer = cg.graphify(Outer(), num_warmup_iters=3)
-    outer(torch.randn(3, 4))
+    _run_outer_warmups(inner)
     assert state.eager_calls[PENDING] == before and kept is not None
 
 
