@@ -11,6 +11,8 @@ signature with the same tensor layouts and the same other arguments). Anything e
 from __future__ import annotations
 
 import functools
+import operator
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -30,6 +32,11 @@ _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
 _Slot, _use_count = _region.Slot, torch._C._storage_Use_Count
 _saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_weakref = weakref.ref
+
+
+def _none(values: tuple) -> tuple:
+    return ()
 
 
 class EagerFast:
@@ -50,7 +57,7 @@ class EagerFast:
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
                  "others", "entry", "statics_same", "chained", "still", "flags", "flags_epoch",
-                 "grads")
+                 "grads", "pick", "one")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -98,6 +105,10 @@ class EagerFast:
         self.tguard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
                                     dynamic_dims_strides=[list(t.stride()) for t in ts])
         self.others = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
+        # the call's tensors, as the guard takes them: a tuple (one frame less than a list
+        # comprehension), or the one tensor
+        self.pick = operator.itemgetter(*self.tensors) if self.tensors else _none
+        self.one = len(self.tensors) == 1
         if any(is_static_state(v) for _, v in self.others):
             return None  # keyed by what it holds, never held (see _state): decide again
         self.entry = entry
@@ -111,6 +122,7 @@ class EagerFast:
         self.state, self.region, self.reason = state, region, reason
         self.n, self.names = len(args), tuple(kwargs)
         self.types, self.tensors, self.tguard, self.others, self.entry = (), (), None, (), None
+        self.pick, self.one = _none, False
         self.chained = True  # (an opaque call's: see GraphedState.chained)
         self.still = self.flags = self.grads = None
         self.flags_epoch = -1
@@ -150,7 +162,8 @@ class EagerFast:
             for i, v in self.others:
                 if values[i] is not v:
                     return _MISS
-            if not self.tguard.check(*[values[i] for i in self.tensors]):
+            if not (self.tguard.check(self.pick(values)) if self.one
+                    else self.tguard.check(*self.pick(values))):
                 return _MISS
             # (global flags are not checked: they change no eager decision, but where the
             # decision is a pending backward's, another signature's graph may replay)
@@ -343,7 +356,23 @@ class Fast:
                                          and _use_count(slot.cdata) == slot.baseline) \
                                 and not region.protect_before(entry, args):
                             return _MISS
-                    elif entry.seq is not None and not region.protect_before(entry, args):
+                        region.replays += 1
+                        state.replays += 1
+                        # ``entry.run`` of a graph whose plan is copy-in, replay and this
+                        # slot's alias (no copy-back: see ``make``), inline: two frames less
+                        for i, buf, ptr in entry._copy_in:
+                            x = args[i]
+                            if x.data_ptr() != ptr:
+                                buf.copy_(x)
+                                entry.input_copies += 1
+                        entry._replay()
+                        if slot.baseline is None:
+                            return slot.hand_out(args, None)
+                        alias = slot.tensor.detach()
+                        slot.alias = _weakref(alias)
+                        live[slot] = None
+                        return alias
+                    if entry.seq is not None and not region.protect_before(entry, args):
                         return _MISS
                     region.replays += 1
                 state.replays += 1

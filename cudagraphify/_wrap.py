@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import types
 import weakref
 from typing import Any, Callable, NamedTuple
 
@@ -125,6 +126,13 @@ class Dispatch:
 
 
 _is_compiling = torch.compiler.is_compiling
+# DirectCall's ``is_compiling()``, one frame less: torch.compile's tracing folds
+# ``is_dynamo_compiling()`` to True, and export sets the flag
+if hasattr(torch.compiler, "is_dynamo_compiling") and hasattr(torch.compiler,
+                                                              "_is_compiling_flag"):
+    _dynamo_compiling, _compiler = torch.compiler.is_dynamo_compiling, torch.compiler
+else:  # (a torch without them: is_compiling() itself)
+    _dynamo_compiling, _compiler = _is_compiling, types.SimpleNamespace(_is_compiling_flag=False)
 _tracing = torch._C._is_tracing  # (a bool: cheaper than _get_tracing_state's object)
 _call_impl = torch.nn.Module._call_impl
 _HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
@@ -181,7 +189,8 @@ class DirectCall(_watch.CallImpl):
         d = self.d
         if d["_forward_hooks"] or d["_forward_pre_hooks"] or d["_backward_hooks"] \
                 or d["_backward_pre_hooks"] or _global_a or _global_b or _global_c \
-                or _global_d or _tracing() or _is_compiling():
+                or _global_d or _tracing() or _dynamo_compiling() \
+                or _compiler._is_compiling_flag:
             # (torch.compile of ``module.__call__``, as HF generate does for a static cache,
             # traces ``_compiled_call_impl``: ``_call_impl`` reaches the proxy, which calls
             # the graphs outside the compiled code)
