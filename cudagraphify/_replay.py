@@ -3,8 +3,8 @@
 Everything that can be decided at capture time is decided there (which leaves are copied, which
 are read in place, what each output leaf becomes); :meth:`CapturedGraph.run` only executes that
 plan. Outputs that live in the graph's pool are cloned by default, so a later replay never
-overwrites a tensor the caller holds; ``copy_outputs=False`` returns the static tensors
-themselves (zero copy, overwritten by the next call).
+overwrites a tensor the caller holds; ``copy_outputs=False`` returns the static tensors'
+memory (zero copy, overwritten by the next call), as a new tensor object each call.
 """
 
 from __future__ import annotations
@@ -106,7 +106,10 @@ def clone_output(t: torch.Tensor) -> Callable:
 
 
 def static_output(t: torch.Tensor) -> Callable:
-    return lambda leaves, outs: t
+    # (a new tensor object on the graph's memory each call, as eager returns a new tensor: what
+    # the caller does to the one it got, ``t_()``, ``requires_grad_()``, an attribute, must not
+    # reach the next call's output)
+    return lambda leaves, outs: t.detach()
 
 
 def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], Any]:

@@ -69,8 +69,34 @@ def test_outputs_are_copies_unless_zero_copy(sim):
             torch.testing.assert_close(o, lin(x), rtol=0, atol=0)
         fast(xs[0])  # capture (eager result)
         a, b = fast(xs[1]), fast(xs[2])
-        assert a is b  # the static output, overwritten by the second call
-        torch.testing.assert_close(a, lin(xs[2]))
+        # the static output's memory, overwritten by the second call (each call a new tensor
+        # object on it)
+        assert a is not b and a.data_ptr() == b.data_ptr()
+        torch.testing.assert_close(a, lin(xs[2]), rtol=0, atol=0)
+
+
+def test_zero_copy_outputs_keep_what_the_caller_did_to_the_last_one_to_it(sim):
+    # copy_outputs=False once returned the static tensor object itself: an in-place metadata
+    # change of one call's output (t_, unsqueeze_, requires_grad_, an attribute) was the next
+    # call's output too, transposed or marked as eager never returns it
+    lin = nn.Linear(3, 5)
+    fast = cg.graphify(copy.deepcopy(lin), copy_outputs=False)
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            fast(x)
+        y = fast(x)
+        y.t_()
+        y.unsqueeze_(0)
+        y.requires_grad_(True)
+        y.tag = "mine"
+        z = fast(x)
+        want = lin(x)
+    assert z.shape == want.shape and z.stride() == want.stride()
+    assert not z.requires_grad and not hasattr(z, "tag")
+    assert torch.equal(z, want)
+    assert y.shape == (1, 5, 2)  # the caller's own tensor kept what was done to it
+    assert cg.stats(fast).replays >= 2
 
 
 def test_inplace_mutation_is_copied_back_and_aliases_map_to_the_input(sim):
