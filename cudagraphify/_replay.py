@@ -101,7 +101,7 @@ def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[
 
 def clone_output(t: torch.Tensor) -> Callable:
     f = lambda leaves, outs: t.clone()  # noqa: E731
-    f.clone_of = t  # a graph with this one output calls ``t.clone`` itself (one frame less)
+    f.fresh = t.clone  # a graph with this one output calls it itself (one frame less)
     return f
 
 
@@ -109,7 +109,9 @@ def static_output(t: torch.Tensor) -> Callable:
     # (a new tensor object on the graph's memory each call, as eager returns a new tensor: what
     # the caller does to the one it got, ``t_()``, ``requires_grad_()``, an attribute, must not
     # reach the next call's output)
-    return lambda leaves, outs: t.detach()
+    f = lambda leaves, outs: t.detach()  # noqa: E731
+    f.fresh = t.detach  # (as ``clone_output``'s)
+    return f
 
 
 def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], Any]:
@@ -222,8 +224,8 @@ class CapturedGraph(Owned):
         self._actions = actions
         self._spec = spec
         self._single = spec.is_leaf() and len(actions) == 1
-        clone_of = getattr(actions[0], "clone_of", None) if self._single else None
-        self._clone = clone_of.clone if clone_of is not None else None
+        # the one output's own maker (a clone, or a new tensor on the static output)
+        self._fresh = getattr(actions[0], "fresh", None) if self._single else None
         self._inputs = inputs
         self._keep = keep  # static outputs: owned here so the pool outlives nothing it needs
 
@@ -258,8 +260,8 @@ class CapturedGraph(Owned):
         if self._copy_back:
             for i, buf in self._copy_back:
                 leaves[i].copy_(buf)
-        if self._clone is not None:
-            return self._clone()
+        if self._fresh is not None:
+            return self._fresh()
         if self._single:
             return self._actions[0](leaves, None)
         outs: list = []
@@ -279,7 +281,7 @@ class CapturedGraph(Owned):
         self._inputs = None
         self._copy_back = self._copy_in = []
         self._actions = []
-        self._clone = None
+        self._fresh = None
         if raw is not None:
             raw.release()
         for hook in after:  # (the graph's own references are gone now)
