@@ -90,13 +90,32 @@ def _overlaps(t: torch.Tensor) -> bool:
 
 
 def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[[list], Any]:
+    """How a replay returns ``out``, the graph's input ``i`` (``static``) or a view of it, on
+    the caller's tensor: the caller's object where forward returned its argument itself (as
+    eager does), else a new view of it with ``out``'s dtype, layout and conj/neg bits (a new
+    object: what the caller does to it must not reach their argument's metadata)."""
+    if out is static:
+        return lambda leaves: leaves[i]
+    if out.element_size() != static.element_size():
+        raise OutputPlanError(
+            f"forward returns a view of argument {i} as {out.dtype} (its elements "
+            f"{out.element_size()} bytes, the argument's {static.element_size()}): a replay "
+            "cannot rebuild it on the argument you pass")
     size, stride = out.size(), out.stride()
     delta = out.storage_offset() - static.storage_offset()
-    whole = size == static.size() and stride == static.stride() and delta == 0
+    dtype = out.dtype if out.dtype != static.dtype else None
+    conj, neg = out.is_conj() != static.is_conj(), out.is_neg() != static.is_neg()
 
-    if whole:
-        return lambda leaves: leaves[i]
-    return lambda leaves: leaves[i].as_strided(size, stride, leaves[i].storage_offset() + delta)
+    def view(leaves: list) -> torch.Tensor:
+        x = leaves[i]
+        v = (x if dtype is None else x.view(dtype)).as_strided(size, stride,
+                                                               x.storage_offset() + delta)
+        if conj:  # (each flips its bit: a view, as eager's)
+            v = v.conj()
+        if neg:
+            v = torch._neg_view(v)
+        return v
+    return view
 
 
 def clone_output(t: torch.Tensor) -> Callable:

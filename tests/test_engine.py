@@ -115,6 +115,60 @@ def test_inplace_mutation_is_copied_back_and_aliases_map_to_the_input(sim):
     assert counts(f)[:2] == (1, 2)
 
 
+def _views_of_the_argument(x):
+    return x.view(x.shape), x.view(torch.int32), x[1:].t(), x * 2
+
+
+def test_views_of_an_argument_come_back_as_new_views_with_their_dtype(sim):
+    # an output with the argument's layout was returned as the argument object itself (a
+    # caller's out.t_() transposed their input), and a view as another dtype of the same size
+    # came back as the argument's dtype
+    f = cg.graphify(_views_of_the_argument)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, 3)
+            outs, want = f(x), _views_of_the_argument(x.clone())
+            for o, w in zip(outs, want):
+                assert o.dtype == w.dtype and o.shape == w.shape and o.stride() == w.stride()
+                assert torch.equal(o, w)
+            same, ints, tail, _ = outs
+            assert same is not x and same.data_ptr() == x.data_ptr()
+            assert ints.data_ptr() == x.data_ptr() and tail.data_ptr() == x[1:].data_ptr()
+            same.t_()  # the caller's argument keeps its own shape
+            assert x.shape == (4, 3)
+            same.add_(1)  # a view: the argument sees the write, and its version moves
+            assert torch.equal(x, want[0] + 1) and x._version > 0
+    assert counts(f)[:2] == (1, 3)
+
+
+def test_a_conjugate_view_of_an_argument_keeps_its_bit(sim):
+    @cg.graphify
+    def f(z):
+        return z.conj(), z * 2
+
+    with torch.no_grad():
+        for _ in range(4):
+            z = torch.randn(3, dtype=torch.complex64)
+            c, _ = f(z)
+            assert c.is_conj() and torch.equal(c, z.conj())
+            assert c.data_ptr() == z.data_ptr()
+    assert counts(f)[:2] == (1, 3)
+
+
+def test_a_view_of_an_argument_as_a_dtype_of_another_size_runs_eagerly(sim, quiet):
+    @cg.graphify
+    def f(x):
+        return x.view(torch.uint8)[:, 4:8], x * 2
+
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(4, 3)
+            b, _ = f(x)
+            assert b.dtype == torch.uint8 and torch.equal(b, x.view(torch.uint8)[:, 4:8])
+    assert counts(f)[:2] == (0, 0)
+    assert "view of argument 0 as torch.uint8" in next(iter(cg.stats(f).eager_calls))
+
+
 def test_aliased_inputs_with_writes_run_eagerly(sim):
     @cg.graphify
     def f(a, b):
