@@ -345,6 +345,7 @@ class Fast:
                                           or _saved_hooks(False) is not None
                                           or state.statics.grad_pattern() != grads):
                     return _MISS
+                slot = None
                 if region is not None:
                     if self.slot:
                         slot = entry._actions[0].__self__
@@ -356,27 +357,27 @@ class Fast:
                                          and _use_count(slot.cdata) == slot.baseline) \
                                 and not region.protect_before(entry, args):
                             return _MISS
-                        region.replays += 1
-                        state.replays += 1
-                        # ``entry.run`` of a graph whose plan is copy-in, replay and this
-                        # slot's alias (no copy-back: see ``make``), inline: two frames less
-                        for i, buf, ptr in entry._copy_in:
-                            x = args[i]
-                            if x.data_ptr() != ptr:
-                                buf.copy_(x)
-                                entry.input_copies += 1
-                        entry._replay()
-                        if slot.baseline is None:
-                            return slot.hand_out(args, None)
-                        alias = slot.tensor.detach()
-                        slot.alias = _weakref(alias)
-                        live[slot] = None
-                        return alias
-                    if entry.seq is not None and not region.protect_before(entry, args):
+                    elif entry.seq is not None and not region.protect_before(entry, args):
                         return _MISS
                     region.replays += 1
                 state.replays += 1
-                return entry.run(args)
+                # ``entry.run``, inline (a frame less): copy-in, replay (no copy-back: ``make``
+                # takes no entry that writes its inputs), the outputs
+                for i, buf, ptr in entry._copy_in:
+                    x = args[i]
+                    if x.data_ptr() != ptr:
+                        buf.copy_(x)
+                        entry.input_copies += 1
+                entry._replay()
+                fresh = entry._fresh
+                if fresh is not None:
+                    return fresh()
+                if slot is None or slot.baseline is None:
+                    return entry.outputs(args)
+                alias = slot.tensor.detach()  # (``Slot.hand_out``, inline)
+                slot.alias = _weakref(alias)
+                region._live[slot] = None
+                return alias
             finally:
                 lock.release()
         finally:

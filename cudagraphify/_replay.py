@@ -279,6 +279,10 @@ class CapturedGraph(Owned):
         if self._copy_back:
             for i, buf in self._copy_back:
                 leaves[i].copy_(buf)
+        return self.outputs(leaves)
+
+    def outputs(self, leaves: list) -> Any:
+        """The call's outputs, after a replay (the plan made at capture)."""
         if self._fresh is not None:
             return self._fresh()
         if self._single:
