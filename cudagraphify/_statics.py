@@ -47,6 +47,9 @@ def generation() -> int:
 
 
 _ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+# up to this many statics, their addresses are read one by one: on the H200's host two
+# ``data_ptr()`` cost 150 ns, one call of the C check above 320 (its arguments' conversion)
+_FEW = 3
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
 
 
@@ -121,6 +124,7 @@ class StaticState:
         self.tensors: list[torch.Tensor] = []
         self.ptrs: list[int] = []
         self._indices: list[int] = []
+        self._pairs: tuple | None = ()  # (tensor, address) where they are few (see same)
         self._held: list = []
         self._is_buffer: list[bool] = []
         self._layout: list[tuple] = []
@@ -171,6 +175,8 @@ class StaticState:
         # makes an equal address mean the same memory.
         self._held = [t.untyped_storage() for t in self.tensors]
         self._indices = list(range(len(self.tensors)))
+        self._pairs = tuple(zip(self.tensors, self.ptrs)) if len(self.tensors) <= _FEW \
+            else None
         self._buffers = [t for t, b in zip(self.tensors, self._is_buffer) if b]
         self._buffer_layout = [_layout(t) for t in self._buffers]
         # Buffers can change shape or stride in place (resize_, set_): checked on every call,
@@ -231,6 +237,7 @@ class StaticState:
         the next check rescans."""
         self._held = []
         self.tensors = []  # (a Parameter replaced later, load_state_dict(assign=True))
+        self._pairs = ()
         self._generation = -1
 
     def same(self) -> bool:
@@ -239,14 +246,19 @@ class StaticState:
         (``resize_``, ``set_``). No side effects: the fast path's check."""
         if self._generation != _generation:
             return False
-        if _ptrs_equal is not None:
-            same = _ptrs_equal(self.tensors, self.ptrs, self._indices)
-        else:
-            same = [t.data_ptr() for t in self.tensors] == self.ptrs
-        if same and self._buffer_guard is not None and not self._buffer_guard.check(
-                *self._buffers):
-            same = [_layout(t) for t in self._buffers] == self._buffer_layout
-        return same
+        pairs = self._pairs
+        if pairs is not None:
+            for t, ptr in pairs:
+                if t.data_ptr() != ptr:
+                    return False
+        elif _ptrs_equal is not None:
+            if not _ptrs_equal(self.tensors, self.ptrs, self._indices):
+                return False
+        elif [t.data_ptr() for t in self.tensors] != self.ptrs:
+            return False
+        if self._buffer_guard is not None and not self._buffer_guard.check(*self._buffers):
+            return [_layout(t) for t in self._buffers] == self._buffer_layout
+        return True
 
     def changed(self) -> str | None:
         """Why the statics differ from the last scan, or None. Cheap: called on every call."""

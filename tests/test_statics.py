@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -44,6 +45,24 @@ def test_p_data_assignment_is_detected():
     m, s = make()
     m[0].weight.data = torch.randn(4, 4)
     assert "'weight'" in s.changed()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 7])
+def test_every_address_is_checked_few_statics_or_many(n):
+    # up to _FEW statics are checked one by one, more in one call: the last one's move is seen
+    # either way, by ``same`` (the fast path's check) as by ``changed``
+    from cudagraphify import _statics
+
+    m = nn.Module()
+    for k in range(n):
+        m.register_parameter(f"p{k}", nn.Parameter(torch.randn(3)))
+    s = StaticState(m)
+    assert (s._pairs is not None) == (n <= _statics._FEW)
+    assert s.same() and s.changed() is None
+    getattr(m, f"p{n - 1}").data = torch.randn(3)
+    assert not s.same()
+    assert f"'p{n - 1}'" in s.changed()
+    assert s.same()  # rescanned
 
 
 def test_load_state_dict_assign_is_detected():
