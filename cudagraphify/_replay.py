@@ -105,9 +105,11 @@ def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[
     delta = out.storage_offset() - static.storage_offset()
     dtype = out.dtype if out.dtype != static.dtype else None
     conj, neg = out.is_conj() != static.is_conj(), out.is_neg() != static.is_neg()
+    # (not a view for autograd, ``x.detach()``: eager's output has no base to answer to)
+    detached = not out._is_view()
 
     def view(leaves: list) -> torch.Tensor:
-        x = leaves[i]
+        x = leaves[i].detach() if detached else leaves[i]
         v = (x if dtype is None else x.view(dtype)).as_strided(size, stride,
                                                                x.storage_offset() + delta)
         if conj:  # (each flips its bit: a view, as eager's)

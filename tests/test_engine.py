@@ -141,6 +141,24 @@ def test_views_of_an_argument_come_back_as_new_views_with_their_dtype(sim):
     assert counts(f)[:2] == (1, 3)
 
 
+def test_a_detached_argument_comes_back_writable_outside_no_grad(sim):
+    # forward returns x.detach() of an argument that requires grad: eager's output may be
+    # written in place later under grad mode; an output made as a view of x (created under
+    # no_grad, of a leaf that requires grad) would raise there instead
+    def fe(x):
+        return x.detach(), x * 2
+
+    f = cg.graphify(fe)
+    for _ in range(4):
+        x = torch.randn(3, requires_grad=True)
+        with torch.no_grad():
+            out, _ = f(x)
+        assert not out.requires_grad and out.data_ptr() == x.data_ptr()
+        out.add_(1)  # under grad mode, as eager allows
+        assert torch.equal(out, x.detach())
+    assert counts(f)[:2] == (1, 3)
+
+
 def test_a_conjugate_view_of_an_argument_keeps_its_bit(sim):
     @cg.graphify
     def f(z):
