@@ -150,8 +150,10 @@ class Slot:
             try:
                 # (the same values: autograd may have saved the alias for a backward, which
                 # must still find it at the version it saved)
-                with _same_version(alias):
-                    alias.set_(self.tensor.clone())
+                with _same_version(alias):  # (its own layout: the caller may have moved it,
+                    # a t_(), and eager's tensor would keep that)
+                    alias.set_(self.storage.clone(), alias.storage_offset(), alias.size(),
+                               alias.stride())
             except RuntimeError:
                 return False
             self.region.moved_outputs += 1

@@ -195,9 +195,15 @@ def plan_outputs(
             i = by_storage.get(ptr) if ptr else None
             if leaf.numel() == 0 or not ptr:
                 actions.append(clone_output(leaf))
-            elif i is not None and inputs.same_layout.get(i, True):
+            elif i is not None and (inputs.same_layout.get(i, True)
+                                    or leaf is inputs.leaves[i]):
                 f = _view_of_input(i, leaf, inputs.leaves[i])
                 actions.append(lambda leaves, outs, f=f: f(leaves))
+            elif i is not None:
+                raise OutputPlanError(
+                    f"forward returns a view of argument {i}, which overlaps itself (an "
+                    "expand()): the graph reads a compact copy of it, on which the view is not "
+                    "the one eager makes of your tensor")
             elif ptr in persistent_storages:
                 if id(leaf) in persistent_ids:  # the caller's own tensor, as eager returns it
                     actions.append(lambda leaves, outs, t=leaf: t)

@@ -250,9 +250,8 @@ def test_a_kept_storage_keeps_its_values(sim):
         assert torch.equal(got, want)
 
 
-@pytest.mark.xfail(strict=False, reason="pre-existing: a kept output whose layout the caller "
-                   "changed in place is moved with set_(static.clone()): it takes the static "
-                   "output's layout, so its shape and values change under the caller")
+# (was moved with set_(static.clone()): it took the static output's layout, so its shape and
+# values changed under the caller; now its own layout on a copy of the slot's memory)
 @pytest.mark.parametrize("change", ["t_", "unsqueeze_", "resize_"])
 def test_a_kept_output_changed_in_layout_keeps_its_shape(sim, change):
     ref, g = _pair()
