@@ -147,6 +147,9 @@ class FirstCall:
         # by ``kv[0] = torch.cat(...)``, ``state["acc"] = ...``) does on every call what a
         # replay, which runs no Python, would not
         containers = _container_marks((*self.args, *self.kwargs.values()))
+        # the tensor arguments' own metadata, likewise (a forward's ``x.t_()``,
+        # ``x.requires_grad_()``, ``x.tag = ...``: a replay changes none of it)
+        metadata = [(i, _metadata(x)) for i, x in tensors]
         # the static states as the call finds them: a rehearsal or a proof runs it again on
         # copies of these, not of what it leaves
         self.states_before = snapshot_states(leaves, self.sig.static_states, self.device)
@@ -198,6 +201,13 @@ class FirstCall:
         if not self.side_effect and _containers_changed(containers):
             self.side_effect = "a list or dict it is passed"
         del containers
+        if not self.side_effect:
+            i = next((i for i, m in metadata if _metadata(leaves[i]) != m), None)
+            if i is not None:
+                self.side_effect = (f"{_leaf_label(self.sig, i)}'s shape, strides, "
+                                    "requires_grad or attributes (an in-place t_(), "
+                                    "unsqueeze_(), requires_grad_(), set_())")
+        del metadata
         # the capture's run must leave the static states as it found them (see verify)
         self.states_guard = StateGuard([], objects=self.states) if self.states else None
 
@@ -804,6 +814,13 @@ def _items(container) -> tuple:
     if isinstance(container, dict):
         return tuple(x for item in container.items() for x in item)
     return tuple(container)
+
+
+def _metadata(t: torch.Tensor) -> tuple:
+    """What an in-place metadata change of ``t`` moves (its values aside)."""
+    return (t.size(), t.stride(), t.storage_offset(), t.dtype, t.device, t.requires_grad,
+            t.is_conj(), t.is_neg(), storage_of(t),
+            tuple((k, id(v)) for k, v in t.__dict__.items()))
 
 
 def _containers_changed(marks: list) -> bool:
