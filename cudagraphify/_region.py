@@ -29,6 +29,7 @@ import torch.utils._pytree as pytree
 
 from ._cache import GraphCache
 from ._capture import drain
+from ._copies import clone_keeps, copies_of
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._options import Stats
 
@@ -69,40 +70,6 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return t.untyped_storage().data_ptr()
     except (NotImplementedError, RuntimeError):
         return None
-
-
-def copies_of(leaves: list, ptrs: set[int]) -> list:
-    """``leaves`` with the tensors on memory at ``ptrs`` (graph memory) replaced by copies, as
-    eager's would be: a tensor met twice is copied once; tensors that share memory (views of
-    one another) share one copy of it, as the same views (conj and neg bits kept)."""
-    on: dict[int, list[int]] = {}  # storage address -> the leaves on it
-    for k, t in enumerate(leaves):
-        if isinstance(t, torch.Tensor):
-            ptr = _storage_ptr(t)
-            if ptr in ptrs:
-                on.setdefault(ptr, []).append(k)
-    out = list(leaves)
-    for ks in on.values():
-        made: dict[int, torch.Tensor] = {}  # id(leaf) -> its copy
-        storage = None
-        for k in ks:
-            t = leaves[k]
-            copy = made.get(id(t))
-            if copy is None:
-                if len(ks) == 1 or all(leaves[j] is t for j in ks):
-                    copy = t.clone()
-                else:  # views of one another: one copy of their memory, the same views of it
-                    if storage is None:
-                        storage = t.untyped_storage().clone()
-                    copy = torch.empty(0, dtype=t.dtype, device=t.device).set_(
-                        storage, t.storage_offset(), t.size(), t.stride())
-                    if t.is_conj():
-                        torch._C._set_conj(copy, True)
-                    if t.is_neg():
-                        torch._C._set_neg(copy, True)
-                made[id(t)] = copy
-            out[k] = copy
-    return out
 
 
 class Slot:
@@ -310,7 +277,9 @@ class GraphRegion:
             return out
         if type(out) is torch.Tensor and out.layout is torch.strided:  # (without a flatten)
             ptr = out.untyped_storage().data_ptr()
-            return out.clone() if any(s.storage.data_ptr() == ptr for s in live) else out
+            if not any(s.storage.data_ptr() == ptr for s in live):
+                return out
+            return out.clone() if clone_keeps(out) else copies_of([out], {ptr})[0]
         ptrs = {slot.storage.data_ptr() for slot in live}
         leaves, spec = pytree.tree_flatten(out)
         if not any(isinstance(t, torch.Tensor) and _storage_ptr(t) in ptrs for t in leaves):

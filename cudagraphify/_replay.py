@@ -15,6 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._cache import Owned
+from ._copies import clone_keeps, rebuild, recipe, span_of, span_view
 from ._errors import CudagraphifyError
 from ._signature import is_constant
 
@@ -182,13 +183,13 @@ def plan_outputs(
     """
     kinds, spec = output_leaves(out, call_leaves)
     by_storage = inputs.storage_index()
-    actions: list[Callable[[list], Any]] = []
+    actions = _Actions()
     seen: dict[int, int] = {}
+    pool: dict[int, list[int]] = {}  # storage address -> the pool leaves on it, in order
     for k, (kind, leaf) in enumerate(kinds):
         if kind == "tensor":
             if id(leaf) in seen:  # the same tensor twice: one copy, returned twice
-                j = seen[id(leaf)]
-                actions.append(lambda leaves, outs, j=j: outs[j])
+                actions.append(("again", seen[id(leaf)]))
                 continue
             seen[id(leaf)] = k
             ptr = leaf.untyped_storage().data_ptr()
@@ -210,12 +211,49 @@ def plan_outputs(
                 else:  # a view of it: a fresh view, as eager makes one
                     actions.append(lambda leaves, outs, t=leaf: t.view_as(t))
             else:
-                actions.append(pool_output(leaf))
+                pool.setdefault(ptr, []).append(k)
+                actions.append(("pool", leaf))
         elif kind == "arg":
             actions.append(lambda leaves, outs, i=leaf: leaves[i])
         else:
             actions.append(lambda leaves, outs, v=leaf: v)
+    # Copies (``clone_output``): the outputs on one storage of the pool, or one a clone would
+    # not give back as eager has it (strided, conj), are views of one copy of the bytes they
+    # reach, made first on each call (``_Actions.spans``: ``outs`` starts with them)
+    copies = {} if pool_output is not clone_output else {
+        ptr: ks for ptr, ks in pool.items()
+        if len(ks) > 1 or not clone_keeps(kinds[ks[0]][1])}
+    spans = list(copies.values())
+    base = len(spans) if len(actions) > 1 else 0  # (one output: its action makes its copy)
+    for m, ks in enumerate(spans):
+        lo, hi = span_of([kinds[k][1] for k in ks])
+        span = span_view(kinds[ks[0]][1], lo, hi)
+        actions.spans.append(span)
+        for k in ks:
+            how = recipe(kinds[k][1], lo)
+            if base:
+                actions[k] = lambda leaves, outs, m=m, how=how: rebuild(outs[m], how)
+            else:
+                fresh = lambda span=span, how=how: rebuild(span.clone(), how)  # noqa: E731
+                actions[k] = f = lambda leaves, outs, fresh=fresh: fresh()
+                f.fresh = fresh  # (as ``clone_output``'s)
+    if not base:
+        actions.spans.clear()
+    for k, act in enumerate(actions):
+        if type(act) is tuple:
+            what, v = act
+            actions[k] = pool_output(v) if what == "pool" \
+                else (lambda leaves, outs, j=v + base: outs[j])
     return actions, spec
+
+
+class _Actions(list):
+    """An output plan's actions, in output order; ``spans``: the storage bytes copied once
+    per call before them (see ``plan_outputs``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.spans: list[torch.Tensor] = []
 
 
 class CapturedGraph(Owned):
@@ -249,6 +287,7 @@ class CapturedGraph(Owned):
                         if isinstance(leaf, torch.Tensor) and i not in copied]
         self.mutated = list(mutated)
         self._actions = actions
+        self._spans = getattr(actions, "spans", None) or None  # (see plan_outputs)
         self._spec = spec
         self._single = spec.is_leaf() and len(actions) == 1
         # the one output's own maker (a clone, or a new tensor on the static output)
@@ -295,9 +334,12 @@ class CapturedGraph(Owned):
             return self._fresh()
         if self._single:
             return self._actions[0](leaves, None)
-        outs: list = []
+        spans = self._spans
+        outs: list = [span.clone() for span in spans] if spans is not None else []
         for act in self._actions:
             outs.append(act(leaves, outs))
+        if spans is not None:
+            del outs[:len(spans)]
         return pytree.tree_unflatten(outs, self._spec)
 
     def release(self) -> None:
@@ -312,6 +354,7 @@ class CapturedGraph(Owned):
         self._inputs = None
         self._copy_back = self._copy_in = []
         self._actions = []
+        self._spans = None
         self._fresh = None
         if raw is not None:
             raw.release()

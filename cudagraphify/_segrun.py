@@ -53,7 +53,7 @@ from ._nested import Nested
 from ._opinfo import infos, info_of, written_by
 from ._policy import default_policy
 from ._probe import _HERE, _OWN_MODELS, _user_frame
-from ._region import copies_of
+from ._copies import clone_keeps, copies_of
 from . import _trial
 from ._trial import MARGIN, Trial
 
@@ -1007,9 +1007,12 @@ class SegmentPlan:
             return out
         if type(out) is _Tensor:
             try:
-                return out.clone() if out.untyped_storage().data_ptr() in ptrs else out
+                ptr = out.untyped_storage().data_ptr()
             except NotImplementedError:  # (a sparse tensor: no member returns one)
                 return out
+            if ptr not in ptrs:
+                return out
+            return out.clone() if clone_keeps(out) else copies_of([out], {ptr})[0]
         leaves: list = []
         try:
             s = _flat(out, leaves)

@@ -187,6 +187,26 @@ def test_a_view_of_an_argument_as_a_dtype_of_another_size_runs_eagerly(sim, quie
     assert "view of argument 0 as torch.uint8" in next(iter(cg.stats(f).eager_calls))
 
 
+@pytest.mark.parametrize("make", [lambda y: y[:, ::2], lambda y: y.t(), lambda y: y.expand(2, 3, 4),
+                                  lambda y: torch.view_as_complex(y.view(3, 2, 2)).conj()])
+def test_one_output_comes_back_with_eagers_strides_and_bits(sim, make):
+    # a single output that a clone would not give back as eager has it (strided, expanded,
+    # conj) is a view of a copy of the bytes it reaches, on every replay
+    def fe(x):
+        return make(x * 2)
+
+    f = cg.graphify(fe)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(3, 4)
+            out, want = f(x), fe(x)
+            assert out.stride() == want.stride() and out.is_conj() == want.is_conj()
+            assert torch.equal(out, want)
+        again = f(x)
+    assert again.data_ptr() != out.data_ptr()  # a copy of its own each call
+    assert counts(f)[:2] == (1, 4)
+
+
 def test_aliased_inputs_with_writes_run_eagerly(sim):
     @cg.graphify
     def f(a, b):

@@ -80,8 +80,8 @@ def _views_of_one_result(x):
     return y, y[0], y[:, ::2], y.expand(2, 3, 4)
 
 
-@pytest.mark.xfail(strict=True, reason="finding F2a: outputs that are views of one another come "
-                   "back as independent clones (a write through one is not seen in the other)")
+# (finding F2a, fixed: outputs that are views of one another come back as independent clones (a
+# write through one is not seen in the other))
 def test_f2a_outputs_that_view_one_another_stay_aliased(sim):
     f = cg.graphify(_views_of_one_result)
     with torch.no_grad():
@@ -96,8 +96,8 @@ def test_f2a_outputs_that_view_one_another_stay_aliased(sim):
     assert torch.equal(out[1], want[1])  # eager: out[1] is a view of out[0]
 
 
-@pytest.mark.xfail(strict=True, reason="finding F2b: a non-dense or expanded output comes back "
-                   "contiguous (clone), not with eager's strides")
+# (finding F2b, fixed: a non-dense or expanded output comes back contiguous (clone), not with
+# eager's strides)
 def test_f2b_a_strided_output_keeps_eagers_strides(sim):
     f = cg.graphify(_views_of_one_result)
     with torch.no_grad():
@@ -114,8 +114,8 @@ def _conj_views(z):
     return y.conj(), y.conj().imag
 
 
-@pytest.mark.xfail(strict=True, reason="finding F2c: a conj (neg) view output comes back with "
-                   "its bit resolved (clone), and .imag with other strides")
+# (finding F2c, fixed: a conj (neg) view output comes back with its bit resolved (clone), and
+# .imag with other strides)
 def test_f2c_conj_and_neg_bits_of_outputs_are_kept(sim):
     f = cg.graphify(_conj_views)
     with torch.no_grad():
@@ -167,8 +167,8 @@ class _Piecewise(nn.Module):
         return self.b(h)[:, ::2]
 
 
-@pytest.mark.xfail(strict=True, reason="finding F2e: a piecewise root's output on a piece's "
-                   "memory is copied with clone() (owned_outputs): eager's strides are lost")
+# (finding F2e, fixed: a piecewise root's output on a piece's memory is copied with clone()
+# (owned_outputs): eager's strides are lost)
 def test_f2e_piecewise_root_output_keeps_its_strides(sim, quiet):
     torch.manual_seed(0)
     ref = _Piecewise().eval()
