@@ -351,13 +351,16 @@ def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
     """Which output leaves are graph tensors, and how to rebuild the rest (the rule of
     :func:`._replay.output_leaves`)."""
     kinds, spec = output_leaves(out, leaves)
-    tensors = [leaf for kind, leaf in kinds if kind == "tensor"]
-    slots: list[tuple[str, Any]] = []
-    n = 0
+    tensors: list[torch.Tensor] = []
+    index: dict[int, int] = {}  # id -> position in ``tensors``: one tensor returned twice is
+    slots: list[tuple[str, Any]] = []  # one output of the graph, one object twice, as eager's
     for kind, leaf in kinds:
         if kind == "tensor":
+            n = index.get(id(leaf))
+            if n is None:
+                n = index[id(leaf)] = len(tensors)
+                tensors.append(leaf)
             slots.append(("t", n))
-            n += 1
         else:
             slots.append((kind, leaf))
 
@@ -402,6 +405,11 @@ def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, d
             if ptr in persistent or ptr in inputs.storage_index():
                 raise OutputPlanError("forward returns a parameter, a buffer or an input (or a "
                                       "view of one) while autograd records")
+        ptrs = [t.untyped_storage().data_ptr() for t in out_tensors if t.numel()]
+        if len(set(ptrs)) < len(ptrs):
+            raise OutputPlanError("forward returns tensors that share memory (views of one "
+                                  "another) while autograd records: a graph's outputs are "
+                                  "copies, which would not share it")
         diff = [t.requires_grad for t in out_tensors]
         diff_outs = [t for t in out_tensors if t.requires_grad]
         tensor_idx = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
