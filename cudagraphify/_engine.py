@@ -325,6 +325,11 @@ class GraphedState:
         return None
 
     def _replay(self, backend, region, entry, leaves: list, fn, args, kwargs) -> Any:
+        if entry.handed and entry.handed_moved():
+            return self._eager("an output handed out without a copy (copy_outputs=False) was "
+                               "resized by its caller (an out= of another size, resize_): the "
+                               "graph's own memory moved with it; clone outputs you resize",
+                               fn, args, kwargs)
         if entry.written_statics and any(storage_of(leaves[i]) in entry.written_statics
                                          for i in entry.copied_indices()):
             return self._eager("an argument shares memory with a parameter or buffer the "

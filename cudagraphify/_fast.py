@@ -338,6 +338,8 @@ class Fast:
                     for i, ptr in self.inplace:
                         if args[i].data_ptr() != ptr:
                             return _MISS
+                if entry.handed and entry.handed_moved():
+                    return _MISS
                 if not self.same():
                     return _MISS
                 grads = self.grads

@@ -133,6 +133,7 @@ def static_output(t: torch.Tensor) -> Callable:
     # reach the next call's output)
     f = lambda leaves, outs: t.detach()  # noqa: E731
     f.fresh = t.detach  # (as ``clone_output``'s)
+    f.static = t  # (its memory is the caller's too: see ``CapturedGraph.handed``)
     return f
 
 
@@ -288,6 +289,11 @@ class CapturedGraph(Owned):
         self.mutated = list(mutated)
         self._actions = actions
         self._spans = getattr(actions, "spans", None) or None  # (see plan_outputs)
+        # static outputs handed out without a copy (copy_outputs=False), and their addresses:
+        # the caller may resize one (an ``out=`` of another size), which moves the graph's own
+        # memory; a replay would then write where no output reads (see ``handed_moved``)
+        self.handed = [(t, t.data_ptr()) for t in
+                       (getattr(a, "static", None) for a in actions) if t is not None]
         self._spec = spec
         self._single = spec.is_leaf() and len(actions) == 1
         # the one output's own maker (a clone, or a new tensor on the static output)
@@ -298,6 +304,10 @@ class CapturedGraph(Owned):
     @property
     def pool_bytes(self) -> int:
         return self.raw.pool_bytes if self.raw is not None else 0
+
+    def handed_moved(self) -> bool:
+        """Whether a static output handed out without a copy was moved by its caller."""
+        return any(t.data_ptr() != ptr for t, ptr in self.handed)
 
     def copied_indices(self) -> list[int]:
         """The leaves copied into static buffers (not read in place)."""
@@ -355,6 +365,7 @@ class CapturedGraph(Owned):
         self._copy_back = self._copy_in = []
         self._actions = []
         self._spans = None
+        self.handed = []
         self._fresh = None
         if raw is not None:
             raw.release()

@@ -109,6 +109,8 @@ def warmup_backward(fn: Callable[[], Any], params: list[torch.Tensor],
 class TrainingGraph(Owned):
     """The forward and backward graphs of one signature, and their static buffers."""
 
+    handed = ()  # (its outputs are always copies: see CapturedGraph.handed)
+
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
                  out_tensors: list[torch.Tensor], out_diff: list[bool], rebuild, spec,
                  grad_out: list[torch.Tensor], grad_in: list,

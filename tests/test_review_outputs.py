@@ -295,11 +295,8 @@ def test_f3_control_a_moved_region_alias_keeps_its_values(sim):
 
 # -- F4: copy_outputs=False output resized by the caller ------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="finding F4: a copy_outputs=False output used as out= of another size "
-                   "moves the static output's storage; later replays write the old memory "
-                   "(the simulated backend raises 'stale replay'; on CUDA: stale outputs, see "
-                   ".device/review13/g02_zero_copy_resize.py)")
+# (finding F4, fixed: the out= moved the static output's storage, later replays wrote the old
+# memory and every later output read the caller's; now that signature runs eagerly)
 def test_f4_zero_copy_output_resized_by_the_caller(sim):
     torch.manual_seed(0)
     lin = nn.Linear(3, 5)
@@ -314,6 +311,8 @@ def test_f4_zero_copy_output_resized_by_the_caller(sim):
         z = f(x)
         assert torch.equal(z, lin(x))
         assert y.shape == (40,) and torch.equal(y, torch.full((40,), 7.0))
+        assert torch.equal(f(x), lin(x))
+    assert any("resized by its caller" in r for r in cg.stats(f).eager_calls)
 
 
 # -- F5: region aliases share one version counter -------------------------------------------
