@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from . import _guards, _region, _segrun, _watch
+from . import _guards, _region, _segrun, _statics, _watch
 from ._nested import nesting
 from ._signature import is_constant, is_opaque, is_static_state, storage_of
 from ._state import StateUnkeyable, may_be_static_state, state_key
@@ -216,7 +216,7 @@ class Fast:
     frame: every µs here is paid by every replay."""
 
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
-                 "read_flags", "flags_epoch", "device", "get_device", "guard", "same",
+                 "read_flags", "flags_epoch", "device", "get_device", "guard", "statics",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
                  "state_copied", "slot", "grads")
 
@@ -267,7 +267,7 @@ class Fast:
         self.flags_epoch, self.device, self.get_device = flags.epoch, flags.flags[-1], \
             _guards.device_reader()
         self.guard = entry.state
-        self.same = state.statics.same
+        self.statics = state.statics
         self.in_capture = getattr(backend, "in_capture_now", backend.in_capture)
         getter = getattr(backend, "stream_getter", None)
         self.stream = getter(entry.device) if getter is not None else functools.partial(
@@ -340,7 +340,16 @@ class Fast:
                             return _MISS
                 if entry.handed and entry.handed_moved():
                     return _MISS
-                if not self.same():
+                # (``statics.same()``'s common case inline, a frame less: a few statics, no
+                # buffer, no structural write since the scan)
+                statics = self.statics
+                pairs = statics._pairs
+                if pairs is not None and statics._buffer_guard is None \
+                        and statics._generation == _statics._generation:
+                    for t, ptr in pairs:
+                        if t.data_ptr() != ptr:
+                            return _MISS
+                elif not statics.same():
                     return _MISS
                 grads = self.grads
                 if grads is not None and (state._training_refused() is not None

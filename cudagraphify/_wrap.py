@@ -154,7 +154,7 @@ class DirectCall(_watch.CallImpl):
     module drops it (``Module.__getstate__``), a DataParallel replica too (see
     :func:`_replicas_run_eagerly`)."""
 
-    __slots__ = ("module", "d", "state", "fn", "proxy", "where", "own", "cls")
+    __slots__ = ("module", "d", "state", "fn", "proxy", "where", "own", "cls", "cls_dict")
 
     @staticmethod
     def install(module: torch.nn.Module, dispatch: "Dispatch", state: GraphedState) -> None:
@@ -183,6 +183,9 @@ class DirectCall(_watch.CallImpl):
         self = DirectCall()
         self.module, self.d, self.state, self.fn, self.cls = module, d, state, fn, cls
         self.proxy, self.where, self.own = proxy, where, own
+        # (a class's: the instance's own ``forward`` is checked below as well; an instance's:
+        # that check is this one)
+        self.cls_dict = where if where is not d else None
         d["_compiled_call_impl"] = self  # (no setattr: not a change of the module's state)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -196,7 +199,9 @@ class DirectCall(_watch.CallImpl):
             # the graphs outside the compiled code)
             return self.module._call_impl(*args, **kwargs)
         module = self.module
-        if self.where.get("forward") is not self.proxy or d.get("forward") is not self.own \
+        cls_dict = self.cls_dict
+        if (cls_dict is not None and cls_dict.get("forward") is not self.proxy) \
+                or d.get("forward") is not self.own \
                 or type(module) is not self.cls or module.__dict__ is not d \
                 or self.cls._call_impl is not _call_impl or "_call_impl" in d:
             if d.get("_compiled_call_impl") is self \
