@@ -80,9 +80,10 @@ def _views_of_one_result(x):
     return y, y[0], y[:, ::2], y.expand(2, 3, 4)
 
 
-# (finding F2a, fixed: outputs that are views of one another come back as independent clones (a
-# write through one is not seen in the other))
-def test_f2a_outputs_that_view_one_another_stay_aliased(sim):
+# (finding F2a, fixed: outputs that are views of one another came back as independent clones,
+# a write through one not seen in the other; F2b, fixed: a non-dense or expanded output came
+# back contiguous, a clone, not with eager's strides)
+def test_f2ab_outputs_that_view_one_another_stay_aliased_with_eagers_strides(sim):
     f = cg.graphify(_views_of_one_result)
     with torch.no_grad():
         for _ in range(4):
@@ -90,23 +91,11 @@ def test_f2a_outputs_that_view_one_another_stay_aliased(sim):
             out = f(x)
         want = _views_of_one_result(x)
         assert all(torch.equal(o, w) for o, w in zip(out, want))
+        assert [o.stride() for o in out] == [w.stride() for w in want]  # (8, 2), (0, 4, 1)
         out[0].add_(1)
         want[0].add_(1)
     _replayed(f, 3)
     assert torch.equal(out[1], want[1])  # eager: out[1] is a view of out[0]
-
-
-# (finding F2b, fixed: a non-dense or expanded output comes back contiguous (clone), not with
-# eager's strides)
-def test_f2b_a_strided_output_keeps_eagers_strides(sim):
-    f = cg.graphify(_views_of_one_result)
-    with torch.no_grad():
-        for _ in range(4):
-            x = torch.randn(3, 4)
-            out = f(x)
-    _replayed(f, 3)
-    want = _views_of_one_result(x)
-    assert [o.stride() for o in out] == [w.stride() for w in want]  # (8, 2) and (0, 4, 1)
 
 
 def _conj_views(z):
@@ -138,50 +127,37 @@ class _Twice(nn.Module):
         return y, y, y[0]
 
 
-def test_f2d_training_returns_the_same_tensor_twice_as_one_object(sim):
-    # finding F2d: a training graph returned the same tensor twice as two objects
-    torch.manual_seed(0)
-    ref = _Twice()
-    g = cg.graphify(copy.deepcopy(ref))
-    for _ in range(4):
-        x = torch.randn(3, 4, requires_grad=True)
-        out = g(x)
-        (out[0].sum() + out[2].sum()).backward()
-    want = ref(x)
-    assert all(torch.equal(o, w) for o, w in zip(out, want))
-    assert out[0] is out[1]  # eager: one object
-    assert cg.stats(g).replays == 0  # (out[2] views out[0]: see the next test)
-
-
 class _TwiceNoView(_Twice):
     def forward(self, x):
         y = self.lin(x)
         return y, y, y * 2
 
 
-def test_f2d_training_outputs_twice_replayed_as_one_object(sim):
+def _train_calls(cls, calls: int = 4):
+    """``calls`` grad-mode calls of a graphified ``cls`` with a backward each: (graphed, last
+    outputs, eager's outputs for the last input)."""
     torch.manual_seed(0)
-    ref = _TwiceNoView()
+    ref = cls()
     g = cg.graphify(copy.deepcopy(ref))
-    for _ in range(4):
+    for _ in range(calls):
         x = torch.randn(3, 4, requires_grad=True)
         out = g(x)
+        assert out[0] is out[1]  # eager: one object (finding F2d: two, from a training graph)
         (out[0].sum() + out[2].sum()).backward()
-        assert out[0] is out[1]
-    assert cg.stats(g).replays == 3
     want = ref(x)
     assert all(torch.equal(o, w) for o, w in zip(out, want))
+    return g, out
+
+
+def test_f2d_training_outputs_twice_replayed_as_one_object(sim):
+    g, _ = _train_calls(_TwiceNoView)
+    assert cg.stats(g).replays == 3
 
 
 def test_f2d_training_outputs_that_view_one_another_run_eagerly(sim, quiet):
     # (a view of an output, a separate clone on replay: that signature runs eagerly)
-    torch.manual_seed(0)
-    ref = _Twice()
-    g = cg.graphify(copy.deepcopy(ref))
-    for _ in range(3):
-        x = torch.randn(3, 4, requires_grad=True)
-        out = g(x)
-        assert out[2]._base is out[0]
+    g, out = _train_calls(_Twice)
+    assert out[2]._base is out[0]
     assert cg.stats(g).replays == 0
     assert any("share memory" in r for r in cg.stats(g).eager_calls)
 
@@ -252,14 +228,19 @@ def test_f2_control_views_of_parameters_and_buffers_are_views_of_them(sim):
     assert m.b._version == v + 1 and torch.equal(out[1], m.b)
 
 
+def _lin(**options):
+    """A Linear(3, 5) and a graphified copy of it."""
+    torch.manual_seed(0)
+    lin = nn.Linear(3, 5)
+    return lin, cg.graphify(copy.deepcopy(lin), **options)
+
+
 # -- F3: a region alias moved to a copy lost the caller's in-place metadata change ---------
 # (Slot.protect moved it with set_(clone of the slot tensor): a t_()/unsqueeze_() was undone)
 
 @pytest.mark.parametrize("how", ["t_", "unsqueeze_"])
 def test_f3_a_moved_region_alias_keeps_the_callers_layout(sim, how):
-    torch.manual_seed(0)
-    lin = nn.Linear(3, 5)
-    f = cg.graphify(copy.deepcopy(lin))
+    lin, f = _lin()
     xs = [torch.randn(2, 3) for _ in range(5)]
     with torch.no_grad(), cg.graph_region() as region:
         for x in xs[:3]:
@@ -276,9 +257,7 @@ def test_f3_a_moved_region_alias_keeps_the_callers_layout(sim, how):
 
 
 def test_f3_control_a_moved_region_alias_keeps_its_values(sim):
-    torch.manual_seed(0)
-    lin = nn.Linear(3, 5)
-    f = cg.graphify(copy.deepcopy(lin))
+    lin, f = _lin()
     xs = [torch.randn(2, 3) for _ in range(6)]
     with torch.no_grad(), cg.graph_region() as region:
         for x in xs[:3]:
@@ -298,9 +277,7 @@ def test_f3_control_a_moved_region_alias_keeps_its_values(sim):
 # (finding F4, fixed: the out= moved the static output's storage, later replays wrote the old
 # memory and every later output read the caller's; now that signature runs eagerly)
 def test_f4_zero_copy_output_resized_by_the_caller(sim):
-    torch.manual_seed(0)
-    lin = nn.Linear(3, 5)
-    f = cg.graphify(copy.deepcopy(lin), copy_outputs=False)
+    lin, f = _lin(copy_outputs=False)
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         for _ in range(3):
