@@ -338,8 +338,9 @@ class Fast:
                     for i, ptr in self.inplace:
                         if args[i].data_ptr() != ptr:
                             return _MISS
-                if entry.handed and entry.handed_moved():
-                    return _MISS
+                for t, ptr in entry.handed:  # (``handed_moved()``, inline)
+                    if t.data_ptr() != ptr:
+                        return _MISS
                 # (``statics.same()``'s common case inline, a frame less: a few statics, no
                 # buffer, no structural write since the scan)
                 statics = self.statics
