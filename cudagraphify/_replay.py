@@ -9,13 +9,14 @@ memory (zero copy, overwritten by the next call), as a new tensor object each ca
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 
 from ._cache import Owned
-from ._copies import clone_keeps, rebuild, recipe, span_of, span_view
+from ._copies import clone_keeps, copyable, rebuild, recipes, span_of, span_view
 from ._errors import CudagraphifyError
 from ._signature import is_constant
 
@@ -97,6 +98,10 @@ def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[
     object: what the caller does to it must not reach their argument's metadata)."""
     if out is static:
         return lambda leaves: leaves[i]
+    if type(out) is not torch.Tensor and type(out) is not torch.nn.Parameter:
+        raise OutputPlanError(
+            f"forward returns argument {i} as a {type(out).__name__}: a replay's view of the "
+            "argument you pass would be a plain tensor")
     if out.element_size() != static.element_size():
         raise OutputPlanError(
             f"forward returns a view of argument {i} as {out.dtype} (its elements "
@@ -106,8 +111,13 @@ def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[
     delta = out.storage_offset() - static.storage_offset()
     dtype = out.dtype if out.dtype != static.dtype else None
     conj, neg = out.is_conj() != static.is_conj(), out.is_neg() != static.is_neg()
-    # (not a view for autograd, ``x.detach()``: eager's output has no base to answer to)
-    detached = not out._is_view()
+    # Not a view of the argument for autograd (``x.detach()``, or a view of that): a view of the
+    # argument's detached alias, or that alias itself where it has the argument's layout
+    root = static._base if static._base is not None else static
+    detached = out._base is not root
+    if detached and dtype is None and not conj and not neg and size == static.size() \
+            and stride == static.stride() and delta == 0:
+        return lambda leaves: leaves[i].detach()
 
     def view(leaves: list) -> torch.Tensor:
         x = leaves[i].detach() if detached else leaves[i]
@@ -197,15 +207,16 @@ def plan_outputs(
             i = by_storage.get(ptr) if ptr else None
             if leaf.numel() == 0 or not ptr:
                 actions.append(clone_output(leaf))
-            elif i is not None and (inputs.same_layout.get(i, True)
-                                    or leaf is inputs.leaves[i]):
+            elif i is not None and inputs.same_layout.get(i, True):
                 f = _view_of_input(i, leaf, inputs.leaves[i])
                 actions.append(lambda leaves, outs, f=f: f(leaves))
             elif i is not None:
+                # (its buffer is compact: a view of it, the buffer itself too, is not what
+                # eager makes of the caller's tensor, ``x.contiguous()`` being the buffer)
                 raise OutputPlanError(
-                    f"forward returns a view of argument {i}, which overlaps itself (an "
-                    "expand()): the graph reads a compact copy of it, on which the view is not "
-                    "the one eager makes of your tensor")
+                    f"forward returns argument {i}, which overlaps itself (an expand()), or a "
+                    "tensor on its memory: the graph reads a compact copy of it, on which that "
+                    "output is not the one eager makes of your tensor")
             elif ptr in persistent_storages:
                 if id(leaf) in persistent_ids:  # the caller's own tensor, as eager returns it
                     actions.append(lambda leaves, outs, t=leaf: t)
@@ -219,23 +230,27 @@ def plan_outputs(
         else:
             actions.append(lambda leaves, outs, v=leaf: v)
     # Copies (``clone_output``): the outputs on one storage of the pool, or one a clone would
-    # not give back as eager has it (strided, conj), are views of one copy of the bytes they
-    # reach, made first on each call (``_Actions.spans``: ``outs`` starts with them)
+    # not give back as eager has it (strided, conj), are made again on one copy of the bytes
+    # they reach, first on each call (``_Actions.spans``: ``outs`` starts with their lists)
     copies = {} if pool_output is not clone_output else {
         ptr: ks for ptr, ks in pool.items()
         if len(ks) > 1 or not clone_keeps(kinds[ks[0]][1])}
     spans = list(copies.values())
     base = len(spans) if len(actions) > 1 else 0  # (one output: its action makes its copy)
     for m, ks in enumerate(spans):
-        lo, hi = span_of([kinds[k][1] for k in ks])
-        span = span_view(kinds[ks[0]][1], lo, hi)
-        actions.spans.append(span)
-        for k in ks:
-            how = recipe(kinds[k][1], lo)
+        ts = [kinds[k][1] for k in ks]
+        if not all(copyable(t) for t in ts):
+            raise OutputPlanError(
+                f"forward returns a {type(ts[0]).__name__} that shares memory with another "
+                "output or is strided: a replay's copy of it would not be eager's tensor")
+        lo, hi = span_of(ts)
+        make = functools.partial(_remake, span_view(ts[0], lo, hi), recipes(ts, lo))
+        actions.spans.append(make)
+        for j, k in enumerate(ks):
             if base:
-                actions[k] = lambda leaves, outs, m=m, how=how: rebuild(outs[m], how)
+                actions[k] = lambda leaves, outs, m=m, j=j: outs[m][j]
             else:
-                fresh = lambda span=span, how=how: rebuild(span.clone(), how)  # noqa: E731
+                fresh = lambda make=make: make()[0]  # noqa: E731
                 actions[k] = f = lambda leaves, outs, fresh=fresh: fresh()
                 f.fresh = fresh  # (as ``clone_output``'s)
     if not base:
@@ -248,13 +263,17 @@ def plan_outputs(
     return actions, spec
 
 
+def _remake(span: torch.Tensor, hows: list[tuple]) -> list[torch.Tensor]:
+    return rebuild(span.clone(), hows)
+
+
 class _Actions(list):
-    """An output plan's actions, in output order; ``spans``: the storage bytes copied once
-    per call before them (see ``plan_outputs``)."""
+    """An output plan's actions, in output order; ``spans``: what makes, once per call before
+    them, the copies of the outputs of one storage (see ``plan_outputs``)."""
 
     def __init__(self):
         super().__init__()
-        self.spans: list[torch.Tensor] = []
+        self.spans: list[Callable[[], list]] = []
 
 
 class CapturedGraph(Owned):
@@ -345,7 +364,7 @@ class CapturedGraph(Owned):
         if self._single:
             return self._actions[0](leaves, None)
         spans = self._spans
-        outs: list = [span.clone() for span in spans] if spans is not None else []
+        outs: list = [make() for make in spans] if spans is not None else []
         for act in self._actions:
             outs.append(act(leaves, outs))
         if spans is not None:
