@@ -239,9 +239,10 @@ def plan_outputs(
     base = len(spans) if len(actions) > 1 else 0  # (one output: its action makes its copy)
     for m, ks in enumerate(spans):
         ts = [kinds[k][1] for k in ks]
-        if not all(copyable(t) for t in ts):
+        odd = next((t for t in ts if not copyable(t)), None)
+        if odd is not None:
             raise OutputPlanError(
-                f"forward returns a {type(ts[0]).__name__} that shares memory with another "
+                f"forward returns a {type(odd).__name__} that shares memory with another "
                 "output or is strided: a replay's copy of it would not be eager's tensor")
         lo, hi = span_of(ts)
         make = functools.partial(_remake, span_view(ts[0], lo, hi), recipes(ts, lo))
