@@ -111,13 +111,21 @@ def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[
     delta = out.storage_offset() - static.storage_offset()
     dtype = out.dtype if out.dtype != static.dtype else None
     conj, neg = out.is_conj() != static.is_conj(), out.is_neg() != static.is_neg()
-    # Not a view of the argument for autograd (``x.detach()``, or a view of that): a view of the
-    # argument's detached alias, or that alias itself where it has the argument's layout
+    if not out._is_view() and not out.is_inference():
+        # an alias autograd does not see as a view (``x.detach()``, ``x.view(torch.int32)``):
+        # one of the caller's tensor, of its own too (an inference tensor's views are not
+        # tracked either: they take the path below)
+        if conj or neg or size != static.size() or stride != static.stride() or delta:
+            raise OutputPlanError(
+                f"forward returns an alias of argument {i} that is no view of it, with "
+                "another layout: a replay cannot make one of the tensor you pass")
+        if dtype is None:
+            return lambda leaves: leaves[i].detach()
+        return lambda leaves: leaves[i].detach().view(dtype)
+    # a view (for autograd) of the argument, or of an alias of it (``x.detach()[1:]``,
+    # ``x.view(torch.int32)[1:]``: a view of its detached alias)
     root = static._base if static._base is not None else static
     detached = out._base is not root
-    if detached and dtype is None and not conj and not neg and size == static.size() \
-            and stride == static.stride() and delta == 0:
-        return lambda leaves: leaves[i].detach()
 
     def view(leaves: list) -> torch.Tensor:
         x = leaves[i].detach() if detached else leaves[i]

@@ -159,6 +159,41 @@ def test_a_detached_argument_comes_back_writable_outside_no_grad(sim):
     assert counts(f)[:2] == (1, 3)
 
 
+def test_aliases_of_an_argument_are_views_where_eagers_are(sim):
+    # x.view(torch.int32) is no view for autograd (eager's allows detach_() and an in-place op
+    # with grad); x.view(torch.int32)[1:] is a view of that alias, x[1:] a view of x
+    def fe(x):
+        return x.view(torch.int32), x.view(torch.int32)[1:], x[1:], x * 2
+
+    f = cg.graphify(fe)
+    for _ in range(4):
+        x = torch.randn(3, 4)
+        with torch.no_grad():
+            out, want = f(x), fe(x)
+        for o, w in zip(out, want):
+            assert o._is_view() == w._is_view() and o.dtype == w.dtype
+            assert o.stride() == w.stride() and torch.equal(o, w)
+        assert out[0].data_ptr() == x.data_ptr() and out[2].data_ptr() == x[1:].data_ptr()
+        out[0].detach_()  # as eager's allows
+    assert counts(f)[:2] == (1, 3)
+
+
+def test_views_of_an_argument_replay_in_inference_mode(sim):
+    # (an inference tensor's views are not tracked: no view, and still the caller's memory)
+    def fe(x):
+        return x[1:], x.t(), x * 2
+
+    f = cg.graphify(fe)
+    with torch.inference_mode():
+        for _ in range(4):
+            x = torch.randn(3, 4)
+            out, want = f(x), fe(x)
+            assert [o.stride() for o in out] == [w.stride() for w in want]
+            assert all(torch.equal(o, w) for o, w in zip(out, want))
+            assert out[0].data_ptr() == x[1:].data_ptr()
+    assert counts(f)[:2] == (1, 3)
+
+
 def test_a_conjugate_view_of_an_argument_keeps_its_bit(sim):
     @cg.graphify
     def f(z):
