@@ -228,8 +228,10 @@ def plan_outputs(
             elif ptr in persistent_storages:
                 if id(leaf) in persistent_ids:  # the caller's own tensor, as eager returns it
                     actions.append(lambda leaves, outs, t=leaf: t)
-                else:  # a view of it: a fresh view, as eager makes one
+                elif leaf._is_view() or leaf.is_inference():  # a view of it: a fresh view
                     actions.append(lambda leaves, outs, t=leaf: t.view_as(t))
+                else:  # an alias autograd sees as no view (``w.detach()``, ``b.view(int32)``)
+                    actions.append(lambda leaves, outs, t=leaf: t.detach())
             else:
                 pool.setdefault(ptr, []).append(k)
                 actions.append(("pool", leaf))

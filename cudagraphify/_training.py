@@ -24,8 +24,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._cache import Owned
+from ._copies import clone_keeps
 from ._errors import CudagraphifyError
-from ._replay import OutputPlanError, StaticInputs, output_leaves
+from ._replay import OutputPlanError, StaticInputs, _overlaps, output_leaves
 from ._signature import unflatten_call
 
 __all__ = ["TrainingGraph", "capture_training", "saved_by_backward", "warmup_backward"]
@@ -133,6 +134,10 @@ class TrainingGraph(Owned):
         # Detached: the capture's autograd graph (and the parameters' AccumulateGrad nodes it
         # holds, created on the capture stream) must not outlive the capture.
         self._outs = [t.detach() for t in out_tensors]
+        # outputs a clone would make contiguous (non-dense: a slice, ``.imag``) are copied into
+        # their own strides; None where every clone is eager's layout (see capture_training)
+        strided = [not clone_keeps(t) for t in out_tensors]
+        self._strided = strided if any(strided) else None
         self.out_diff = out_diff
         self._rebuild = rebuild
         self._spec = spec
@@ -224,7 +229,11 @@ class TrainingGraph(Owned):
                 self.input_copies += 1
         self.raw.replay()
         self.gen += 1
-        return [o.clone() for o in self._outs]
+        if self._strided is None:
+            return [o.clone() for o in self._outs]
+        return [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype,
+                                    device=o.device).copy_(o) if s else o.clone()
+                for o, s in zip(self._outs, self._strided)]
 
     def backward(self, ctx, grads: tuple) -> tuple:
         if self._bwd_raw is None:
@@ -407,6 +416,11 @@ def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, d
             if ptr in persistent or ptr in inputs.storage_index():
                 raise OutputPlanError("forward returns a parameter, a buffer or an input (or a "
                                       "view of one) while autograd records")
+        for t in out_tensors:
+            if t.is_conj() or t.is_neg() or (t.numel() and _overlaps(t)):
+                raise OutputPlanError("forward returns a tensor with conj/neg bits or that "
+                                      "overlaps itself (an expand()) while autograd records: "
+                                      "a graph's outputs are copies, which would not be")
         ptrs = [t.untyped_storage().data_ptr() for t in out_tensors if t.numel()]
         if len(set(ptrs)) < len(ptrs):
             raise OutputPlanError("forward returns tensors that share memory (views of one "
