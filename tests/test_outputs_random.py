@@ -58,6 +58,17 @@ def _step(t: torch.Tensor, op: str) -> torch.Tensor:
     return t
 
 
+def _outputs(named: dict, chains: list) -> tuple:
+    """The outputs of ``chains``: (source name, view ops) each, from ``named`` tensors."""
+    outs = []
+    for source, ops in chains:
+        t = named[source]
+        for op in ops:
+            t = _step(t, op)
+        outs.append(t)
+    return tuple(outs)
+
+
 _OPS = ("slice", "t", "unsqueeze", "expand", "int32", "detach", "contiguous", "flatten",
         "select", "diagonal", "narrow", "conj", "real", "imag", "same")
 
@@ -72,14 +83,7 @@ def _forward(seed: int):
 
     def forward(x):
         y = x * 2
-        named = {"x": x, "y": y, "z": y + 1}
-        outs = []
-        for source, ops in chains:
-            t = named[source]
-            for op in ops:
-                t = _step(t, op)
-            outs.append(t)
-        return tuple(outs)
+        return _outputs({"x": x, "y": y, "z": y + 1}, chains)
     return forward, dtype
 
 
@@ -94,6 +98,18 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _ptr(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _pairs_unlike(out: tuple, want: tuple) -> list[str]:
+    """The pairs of outputs that share memory, or are one object, unlike eager's."""
+    found = []
+    for i in range(len(out)):
+        for j in range(i + 1, len(out)):
+            if (_ptr(out[i]) == _ptr(out[j])) != (_ptr(want[i]) == _ptr(want[j])):
+                found.append(f"outputs {i} and {j}: aliasing unlike eager's")
+            if (out[i] is out[j]) != (want[i] is want[j]):
+                found.append(f"outputs {i} and {j}: identity unlike eager's")
+    return found
 
 
 def _allowed(op, t: torch.Tensor) -> bool:
@@ -122,12 +138,7 @@ def _differences(seed: int, mode: str) -> list[str]:
                 if (_ptr(o) == _ptr(x)) != (_ptr(w) == _ptr(mine)):
                     found.append(f"output {k}: shares the argument's memory or not, unlike "
                                  "eager's")
-            for i in range(len(out)):
-                for j in range(i + 1, len(out)):
-                    if (_ptr(out[i]) == _ptr(out[j])) != (_ptr(want[i]) == _ptr(want[j])):
-                        found.append(f"outputs {i} and {j}: aliasing unlike eager's")
-                    if (out[i] is out[j]) != (want[i] is want[j]):
-                        found.append(f"outputs {i} and {j}: identity unlike eager's")
+            found += _pairs_unlike(out, want)
         if mode != "zero copy":  # (its outputs are the graph's: the next call overwrites them)
             if _allowed(lambda t: t.add_(1), want[0]) != _allowed(lambda t: t.add_(1), out[0]):
                 found.append("an in-place write through output 0: allowed unlike eager's")
@@ -175,13 +186,7 @@ class _Module(torch.nn.Module):
     def forward(self, x):
         y = x * 2
         named = {"x": x, "y": y, "z": y + 1, "w": self.w, "b": self.b}
-        outs = []
-        for source, ops in self.chains:
-            t = named[source]
-            for op in ops:
-                t = _step(t, op)
-            outs.append(t)
-        return tuple(outs)
+        return _outputs(named, self.chains)
 
 
 def _module_differences(seed: int, mode: str, grad: bool) -> list[str]:
@@ -206,12 +211,7 @@ def _module_differences(seed: int, mode: str, grad: bool) -> list[str]:
                                  "unlike eager's")
                 if o._is_view() and not w._is_view():  # (refuses detach_() where eager's not)
                     found.append(f"output {k}: a view where eager's is none")
-            for i in range(len(out)):
-                for j in range(i + 1, len(out)):
-                    if (_ptr(out[i]) == _ptr(out[j])) != (_ptr(want[i]) == _ptr(want[j])):
-                        found.append(f"outputs {i} and {j}: aliasing unlike eager's")
-                    if (out[i] is out[j]) != (want[i] is want[j]):
-                        found.append(f"outputs {i} and {j}: identity unlike eager's")
+            found += _pairs_unlike(out, want)
     return [f"seed {seed}, {mode}{', grad' if grad else ''}: {d}" for d in found], \
         cg.stats(g).replays
 
@@ -228,3 +228,48 @@ def test_random_module_outputs_are_eagers(sim, quiet, mode, grad, least):
         replayed += replays > 0
     assert not found, "\n".join(found[:10])
     assert replayed >= least
+
+
+class _Piecewise(torch.nn.Module):
+    """A root with a host sync between two submodules (a piecewise plan, or segments):
+    outputs are view chains of its argument, of the first piece's output and of the last's."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        rng = random.Random(seed)
+        self.a = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+        self.b = torch.nn.Linear(4, 4)
+        self.chains = [(rng.choice("xyh"), [rng.choice(_OPS) for _ in range(rng.randint(0, 3))])
+                       for _ in range(rng.randint(1, 4))]
+
+    def forward(self, x):
+        h = self.a(x)
+        h.sum().item()  # (the root cannot be one graph)
+        named = {"x": x, "h": h, "y": self.b(h)}
+        return _outputs(named, self.chains)
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_random_piecewise_outputs_are_eagers(sim, quiet, segments):
+    found, replayed = [], 0
+    for seed in range(40):
+        m = _Piecewise(seed).eval()
+        g = cg.graphify(copy.deepcopy(m), segments=segments)
+        with torch.no_grad():
+            for _ in range(6):
+                x = torch.randn(4, 4)
+                out, want = g(x), m(x)
+                for k, (o, w) in enumerate(zip(out, want)):
+                    if _layout(o) != _layout(w) or not _equal(o, w):
+                        found.append(f"seed {seed}: output {k}: {_layout(o)} vs {_layout(w)}")
+                    if (_ptr(o) == _ptr(x)) != (_ptr(w) == _ptr(x)):
+                        found.append(f"seed {seed}: output {k}: the argument's memory")
+                found += [f"seed {seed}: {d}" for d in _pairs_unlike(out, want)]
+            if _allowed(lambda t: t.add_(1), want[0]) != _allowed(lambda t: t.add_(1), out[0]):
+                found.append(f"seed {seed}: a write through output 0 allowed unlike eager's")
+            if not all(_equal(o, w) for o, w in zip(out, want)):
+                found.append(f"seed {seed}: after a write through output 0")
+        s = cg.stats(g)
+        replayed += (s.segment_replays if segments else cg.stats(g.b).replays) > 0
+    assert not found, "\n".join(found[:10])
+    assert replayed >= 30
