@@ -273,3 +273,48 @@ def test_random_piecewise_outputs_are_eagers(sim, quiet, segments):
         replayed += (s.segment_replays if segments else cg.stats(g.b).replays) > 0
     assert not found, "\n".join(found[:10])
     assert replayed >= 30
+
+
+def _writing(seed: int):
+    """A forward that writes in place through a random view of its argument, then returns
+    view chains of the argument, of ``x * 2`` and of the view it wrote through."""
+    rng = random.Random(seed)
+    dtype = torch.complex64 if rng.random() < 0.3 else torch.float32
+    path = [rng.choice(("slice", "t", "select", "diagonal", "narrow", "same", "conj", "real"))
+            for _ in range(rng.randint(0, 2))]
+    write = rng.choice(("add_", "mul_", "copy_", "zero_"))
+    chains = [(rng.choice("xyw"), [rng.choice(_OPS) for _ in range(rng.randint(0, 3))])
+              for _ in range(rng.randint(1, 4))]
+
+    def forward(x):
+        w = x
+        for op in path:
+            w = _step(w, op)
+        {"add_": lambda: w.add_(1), "mul_": lambda: w.mul_(2), "copy_": lambda: w.copy_(w * 3),
+         "zero_": w.zero_}[write]()
+        return _outputs({"x": x, "y": x * 2, "w": w}, chains)
+    return forward, dtype
+
+
+@pytest.mark.parametrize("mode", ["copies", "zero copy", "region"])
+def test_random_outputs_of_a_forward_that_writes_its_argument(sim, quiet, mode):
+    found, replayed = [], 0
+    for seed in range(60):
+        forward, dtype = _writing(seed)
+        g = cg.graphify(forward, **({"copy_outputs": False} if mode == "zero copy" else {}))
+        scope = cg.graph_region() if mode == "region" else contextlib.nullcontext()
+        with torch.no_grad(), scope:
+            for _ in range(4):
+                x = torch.randn(4, 4, dtype=dtype)
+                mine = x.clone()
+                out, want = g(x), forward(mine)
+                if not _equal(x, mine):
+                    found.append(f"seed {seed}: the argument after the call")
+                for k, (o, w) in enumerate(zip(out, want)):
+                    if _layout(o) != _layout(w) or not _equal(o, w) \
+                            or (_ptr(o) == _ptr(x)) != (_ptr(w) == _ptr(mine)):
+                        found.append(f"seed {seed}: output {k}: {_layout(o)} vs {_layout(w)}")
+                found += [f"seed {seed}: {d}" for d in _pairs_unlike(out, want)]
+        replayed += cg.stats(g).replays > 0
+    assert not found, "\n".join(found[:10])
+    assert replayed >= 40
