@@ -1624,3 +1624,41 @@ def test_grad_mode_calls_while_a_backward_is_pending_run_eagerly_on_the_fast_pat
             assert torch.equal(m(x), ref(x))
             assert cg.stats(m).replays == r + 1  # no_grad: its graph, not the pending eager path
         assert cg.stats(m).eager_calls == before and held is not None
+
+
+def test_zero_copy_outputs_resized_by_the_caller_run_eagerly_each_one_checked(sim, quiet):
+    # (every static output handed out without a copy is checked, on the fast path too: here
+    # the second of two)
+    def fe(x):
+        return x * 2, x + 1
+
+    f = cg.graphify(fe, copy_outputs=False)
+    with torch.no_grad():
+        for _ in range(3):
+            f(torch.randn(2, 3))
+        _, b = f(torch.randn(2, 3))
+        assert cg.stats(f).replays == 3
+        torch.add(torch.ones(40), 1, out=b)  # an out= of another size: b's memory moves
+        x = torch.randn(2, 3)
+        out = f(x)
+        assert all(torch.equal(o, w) for o, w in zip(out, fe(x)))
+        assert b.shape == (40,) and torch.equal(b, torch.full((40,), 2.0))
+    assert any("resized by its caller" in r for r in cg.stats(f).eager_calls)
+
+
+def test_an_alias_of_an_argument_with_another_layout_and_no_view_runs_eagerly(sim, quiet):
+    # (x.detach().t() is a view of the detached alias and replays; an alias made with set_ on
+    # the argument's storage, in another layout, is no view: no replay can make it)
+    def fe(x):
+        alias = torch.empty(0).set_(x.untyped_storage(), 1, (2,), (1,))
+        return alias, x.detach().t(), x * 2
+
+    f = cg.graphify(fe)
+    with torch.no_grad():
+        for _ in range(3):
+            x = torch.randn(3, 4)
+            out, want = f(x), fe(x)
+            assert all(torch.equal(o, w) for o, w in zip(out, want))
+            assert out[0].data_ptr() == want[0].data_ptr()
+    assert counts(f)[1] == 0
+    assert any("no view of it" in r for r in cg.stats(f).eager_calls)
