@@ -120,11 +120,17 @@ def _allowed(op, t: torch.Tensor) -> bool:
         return False
 
 
+def _graphed(target, mode: str):
+    """``target`` graphified for ``mode`` (copies, zero copy, region), and the scope its calls
+    run in."""
+    g = cg.graphify(target, **({"copy_outputs": False} if mode == "zero copy" else {}))
+    return g, cg.graph_region() if mode == "region" else contextlib.nullcontext()
+
+
 def _differences(seed: int, mode: str) -> list[str]:
     forward, dtype = _forward(seed)
-    g = cg.graphify(forward, **({"copy_outputs": False} if mode == "zero copy" else {}))
+    g, scope = _graphed(forward, mode)
     found: list[str] = []
-    scope = cg.graph_region() if mode == "region" else contextlib.nullcontext()
     with torch.no_grad(), scope:
         for call in range(4):
             x = torch.randn(4, 4, dtype=dtype)
@@ -192,11 +198,10 @@ class _Module(torch.nn.Module):
 def _module_differences(seed: int, mode: str, grad: bool) -> list[str]:
     dtype = torch.complex64 if random.Random(seed).random() < 0.3 else torch.float32
     m = _Module(seed, dtype).requires_grad_(grad)
-    g = cg.graphify(copy.deepcopy(m), **({"copy_outputs": False} if mode == "zero copy" else {}))
+    g, scope = _graphed(copy.deepcopy(m), mode)
     mine = {_ptr(t) for t in (*g.parameters(), *g.buffers())}
     theirs = {_ptr(t) for t in (*m.parameters(), *m.buffers())}
     found: list[str] = []
-    scope = cg.graph_region() if mode == "region" else contextlib.nullcontext()
     with (torch.enable_grad() if grad else torch.no_grad()), scope:
         for _ in range(4):
             x = torch.randn(4, 4, dtype=dtype)
@@ -301,8 +306,7 @@ def test_random_outputs_of_a_forward_that_writes_its_argument(sim, quiet, mode):
     found, replayed = [], 0
     for seed in range(60):
         forward, dtype = _writing(seed)
-        g = cg.graphify(forward, **({"copy_outputs": False} if mode == "zero copy" else {}))
-        scope = cg.graph_region() if mode == "region" else contextlib.nullcontext()
+        g, scope = _graphed(forward, mode)
         with torch.no_grad(), scope:
             for _ in range(4):
                 x = torch.randn(4, 4, dtype=dtype)
