@@ -259,8 +259,9 @@ class Fast:
         self.tguard = _TensorGuards(*tensors,
                                     dynamic_dims_sizes=[list(a.shape) for a in tensors],
                                     dynamic_dims_strides=[list(a.stride()) for a in tensors])
-        # the FlagsGuard's check, unrolled: its C guard and the current device on every call,
-        # the other flags again only after one of their setters ran
+        # the FlagsGuard's check, unrolled: its C guard and the current device (where several
+        # GPUs make it changeable) on every call, the other flags again only after one of
+        # their setters ran
         flags = entry.flags
         self.global_state, self.flags, self.read_flags = flags.global_state, flags.flags, \
             flags.read
@@ -311,12 +312,12 @@ class Fast:
             lock = self.lock
             lock.acquire()
             try:
-                entry, state = self.entry, self.state
+                entry, state, get_device = self.entry, self.state, self.get_device
                 # (global module hooks: the caller checked there are none, see ``call``)
                 if state._fast is not self or entry.raw is None or not (
                         self.tguard.check(*args) if self.mixed is None
                         else self._mixed_ok(args)) or not self.global_state.check() \
-                        or self.get_device() != self.device:
+                        or (get_device is not None and get_device() != self.device):
                     return _MISS
                 if _forward_ad._current_level >= 0:  # (see _guards.dual_level)
                     return _MISS

@@ -114,10 +114,13 @@ _read_flags = _compile_reader([*_CUDNN, *_SDPA, *_OTHERS, ("forward-mode AD leve
                                ("current device", _current_device)])
 
 
-def device_reader() -> Callable[[], Any]:
+def device_reader() -> Callable[[], Any] | None:
     """The current device's getter as the replay path calls it: the C function itself once
-    CUDA is up (a graph exists: it is), else what the flags read."""
-    return _device if _cuda._initialized and _device is not None else _current_device
+    CUDA is up (a graph exists: it is), else what the flags read; None where CUDA is up with
+    one device (nothing can make another one current: the check would be vacuous)."""
+    if _cuda._initialized and _device is not None:
+        return _device if _cuda.device_count() > 1 else None
+    return _current_device
 
 
 # The setters of the flags above (all but the current device), as torch's Python API reaches
@@ -190,9 +193,9 @@ class FlagsGuard:
     tensor guards.)
 
     ``check()`` reads them all (the slow path). The replay path (:class:`~._fast.Fast`) checks
-    the global state and the current device on every call, and reads the other flags again
-    only when :data:`flags_epoch` moved since ``epoch``, that is when one of their setters ran
-    (see :func:`watch_flag_setters`)."""
+    the global state and (on a host with several GPUs) the current device on every call, and
+    reads the other flags again only when :data:`flags_epoch` moved since ``epoch``, that is
+    when one of their setters ran (see :func:`watch_flag_setters`)."""
 
     __slots__ = ("global_state", "flags", "epoch")
 

@@ -4,6 +4,7 @@ every public way to set one must move ``_guards.flags_epoch``."""
 from __future__ import annotations
 
 import contextlib
+import types
 import copy
 import warnings
 
@@ -146,3 +147,28 @@ def test_graphed_calls_work_with_different_conv_and_rnn_precisions(sim):
         for _ in range(3):
             assert torch.equal(g(x), ref(x))
     assert cg.stats(g).replays >= 1
+
+
+@pytest.mark.filterwarnings("ignore::cudagraphify.CudagraphifyWarning")
+@pytest.mark.parametrize("gpus", [1, 2])
+def test_the_replay_path_reads_the_current_device_where_several_gpus_make_it_changeable(
+        sim, monkeypatch, gpus):
+    # (a CUDA that is up, faked: the flags and the replay path read the device through it)
+    current = [0]
+    monkeypatch.setattr(_guards, "_device", lambda: current[0])
+    monkeypatch.setattr(_guards, "_cuda", types.SimpleNamespace(_initialized=True,
+                                                                device_count=lambda: gpus))
+    assert (_guards.device_reader() is None) == (gpus == 1)
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 4)
+    g = cg.graphify(copy.deepcopy(ref))
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(g(x), ref(x))
+        assert g._cudagraphify_state._fast is not None and cg.stats(g).captures == 1
+        if gpus == 1:
+            return  # (no other device can become current)
+        current[0] = 1  # torch.cuda.set_device(1): the graph of device 0 must not replay
+        assert torch.equal(g(x), ref(x))
+        assert cg.stats(g).captures == 2
