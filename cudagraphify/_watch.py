@@ -284,17 +284,24 @@ class Recorder:
 
 
 class CallImpl:
-    """Base of cudagraphify's own ``_compiled_call_impl`` of a graphed module: it does what
-    ``_call_impl`` would do, so a module holding one runs as a module holding none."""
+    """Base of cudagraphify's own ``_compiled_call_impl`` of a graphed module (held there as a
+    bound method): it does what ``_call_impl`` would do, so a module holding one runs as a
+    module holding none."""
 
     __slots__ = ()
+
+
+def own_call_impl(value: Any) -> bool:
+    """Whether a module's ``_compiled_call_impl`` is cudagraphify's own: a bound method of a
+    :class:`CallImpl`."""
+    return isinstance(getattr(value, "__self__", None), CallImpl)
 
 
 def call_override(module: nn.Module) -> Any:
     """What a module's ``__call__`` runs instead of ``_call_impl`` (``module.compile()`` sets
     it): None where that is ``_call_impl`` itself, or cudagraphify's own :class:`CallImpl`."""
     value = module.__dict__.get("_compiled_call_impl")
-    return None if isinstance(value, CallImpl) else value
+    return None if own_call_impl(value) else value
 
 
 class _Missing:

@@ -154,7 +154,8 @@ class DirectCall(_watch.CallImpl):
     module drops it (``Module.__getstate__``), a DataParallel replica too (see
     :func:`_replicas_run_eagerly`)."""
 
-    __slots__ = ("module", "d", "state", "fn", "proxy", "where", "own", "cls", "cls_dict")
+    __slots__ = ("module", "d", "state", "fn", "proxy", "where", "own", "cls", "cls_dict",
+                 "bound")
 
     @staticmethod
     def install(module: torch.nn.Module, dispatch: "Dispatch", state: GraphedState) -> None:
@@ -186,7 +187,10 @@ class DirectCall(_watch.CallImpl):
         # (a class's: the instance's own ``forward`` is checked below as well; an instance's:
         # that check is this one)
         self.cls_dict = where if where is not d else None
-        d["_compiled_call_impl"] = self  # (no setattr: not a change of the module's state)
+        # (the bound method, not the object: a call of it costs less than an object's
+        # ``__call__``, on every call; no setattr: not a change of the module's state)
+        self.bound = self.__call__
+        d["_compiled_call_impl"] = self.bound
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         d = self.d
@@ -204,7 +208,7 @@ class DirectCall(_watch.CallImpl):
                 or d.get("forward") is not self.own \
                 or type(module) is not self.cls or module.__dict__ is not d \
                 or self.cls._call_impl is not _call_impl or "_call_impl" in d:
-            if d.get("_compiled_call_impl") is self \
+            if d.get("_compiled_call_impl") is self.bound \
                     and self.where.get("forward") is not self.proxy:
                 d.pop("_compiled_call_impl", None)  # ungraphified: step aside for good
             return module._call_impl(*args, **kwargs)
@@ -261,7 +265,7 @@ def _replicas_run_eagerly() -> None:
 def _drop_direct_call(d: dict) -> None:
     """Remove cudagraphify's DirectCall from a module's ``__dict__`` (a user's call override
     stays)."""
-    if isinstance(d.get("_compiled_call_impl"), DirectCall):
+    if _watch.own_call_impl(d.get("_compiled_call_impl")):
         del d["_compiled_call_impl"]
 
 
