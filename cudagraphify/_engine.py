@@ -35,12 +35,12 @@ from ._cache import CachePolicy, EagerEntry, GraphCache, SetUpEntry
 from ._errors import CudagraphifyUsageError, warn_once
 from ._fast import MISS, EagerFast, Fast
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
-from ._nested import Nested, in_graphed_call, nesting
+from ._nested import Nested, Plain, in_graphed_call, nesting, plain_reason
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, new_probe, plan, probed
 from ._probe import Finding
-from ._trial import Trial
+from ._trial import PlanTrial, Trial
 from ._rebase import Families
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
@@ -68,6 +68,8 @@ _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
 _Tensor = torch.Tensor
+# why a piece ran plain in its root's plan trial (see _trial)
+PLAN_PLAIN = "plan trial: the forward timed with every piece plain"
 STATE = "_cudagraphify_state"  # a module's GraphedState, in its __dict__ (see _wrap)
 PENDING = ("the backward of an earlier call with this signature has not run yet (its "
            "activations would be overwritten); call under torch.no_grad() when no backward "
@@ -142,6 +144,9 @@ class GraphedState:
         self.given_back: str | None = None
         self._backward_pending = False  # given back, a training graph's backward still to run
         self._opaque_planned = False  # pieces planned around an opaque argument (once)
+        # the plan's forwards timed with and without its pieces (see _trial): None before,
+        # False once decided (timed again when pieces are added)
+        self._plan_trial: PlanTrial | bool | None = None
         # the implicit region in which this callable's eager runs call its pieces (see chained)
         self._chain: _region.GraphRegion | None = None
         self.segments = _segrun.Segments(self)  # graphed runs of calls in eager signatures
@@ -178,7 +183,11 @@ class GraphedState:
                                warn=False)
         backend = _capture.default_backend()
         if in_graphed_call() or backend.in_capture():
-            # Inside another graphed callable's warm-up or capture: become part of it.
+            # Inside another graphed callable's warm-up or capture: become part of it (a
+            # plan trial's plain forward: counted).
+            plain = plain_reason()
+            if plain is not None:
+                self.eager_calls[plain] += 1
             return fn(*args, **kwargs)
         if region is not None:
             with region.lock, self.lock:
@@ -443,6 +452,7 @@ class GraphedState:
     def _add_pieces(self, installed: list) -> None:
         self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
         self._pieces_live = (-1, False)
+        self._plan_trial = None
 
     def _chain_needed(self) -> bool:
         """Whether this callable's eager runs still need their implicit region (see
@@ -511,7 +521,7 @@ class GraphedState:
         if self._backward_pending:
             with self.lock:
                 self._release_given_back()
-        if not (nesting[0] and in_graphed_call()):
+        if not (nesting[0] and in_graphed_call()) or plain_reason() is not None:
             self.eager_calls[self.given_back] += 1
         return fn(*args, **kwargs)
 
@@ -550,7 +560,11 @@ class GraphedState:
         a piecewise ``entry`` (or one with an opaque argument) outside any region runs its
         forward with the runs of safe calls graphed instead (:class:`~._segrun.Segments`; its
         pieces then run as part of it), once timed against the forward without them where the
-        backend has a clock (see _trial)."""
+        backend has a clock (see _trial).
+
+        Without segments, once the pieces settled, the plan is timed the same way against the
+        forward with every piece run plain (:class:`~._trial.PlanTrial`), where the backend
+        has a clock; where it is not faster, every piece is given back."""
         if entry is not None and (self.options.segments or _segrun.ENABLED) \
                 and self._device is not None and _guards.dual_level() < 0 \
                 and self.share is None and not torch.is_grad_enabled() \
@@ -563,6 +577,19 @@ class GraphedState:
             # (share_graph layers share outside regions; pieces all given back run as plain
             # PyTorch: nothing to chain, unless other graphed callables have graphs in it)
             return fn(*args, **kwargs)
+        trial = self._plan_trial
+        if trial is not False and _trial.PLAN_TRIAL and not (self.options.segments
+                                                             or _segrun.ENABLED):
+            # (with segments on, their own trial times them against this forward)
+            clock = getattr(_capture.default_backend(), "clock", None)
+            params = self.statics.tensors
+            if clock is not None and params:
+                if trial is None:
+                    trial = self._plan_trial = PlanTrial(clock(params[0].device))
+                return self._plan_timed(trial, fn, args, kwargs)
+        return self._chain_run(fn, args, kwargs)
+
+    def _chain_run(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         chain = self._chain
         if chain is None:
             chain = self._chain = _region.GraphRegion()
@@ -576,6 +603,36 @@ class GraphedState:
         # what goes back to the caller is theirs: copies, not the pieces' aliases
         with chain.lock:
             return chain.owned_outputs(out)
+
+    def _plan_timed(self, trial: PlanTrial, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """A forward while the plan's trial runs (see _trial): as planned, or plain (every
+        piece runs its plain forward, as inside a capture); once both are timed enough, the
+        verdict: where the plan is not faster, every piece of it is given back."""
+        # (one trial, one kind of call: the first one timed; a call of other shapes, a
+        # prefill among decode steps, runs as planned, untimed)
+        key = tuple((a.shape, a.dtype) for a in (*args, *kwargs.values())
+                    if isinstance(a, torch.Tensor))
+        if trial.key is None:
+            trial.key = key
+        elif key != trial.key:
+            return self._chain_run(fn, args, kwargs)
+        if trial.plain_next():
+            def run():
+                with Plain(PLAN_PLAIN):
+                    return fn(*args, **kwargs)
+            out = trial.timed(run, True)
+        else:
+            out = trial.timed(lambda: self._chain_run(fn, args, kwargs), False)
+        if trial.done:
+            self._plan_trial = False
+            why = trial.verdict()
+            if why is not None:
+                for m in self.pieces:
+                    st = m.__dict__.get(STATE)
+                    if st is not None and st.given_back is None:
+                        with st.lock:
+                            st.give_back(why)
+        return out
 
     # -- recording a first call's outcome -----------------------------------------------------
 

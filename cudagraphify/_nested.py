@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["Nested", "in_graphed_call", "nesting"]
+__all__ = ["Nested", "Plain", "in_graphed_call", "nesting", "plain_reason"]
 
 _tls = threading.local()
 nesting = [0]  # warm-ups and captures in progress, any thread (the fast path's cheap check)
@@ -33,3 +33,27 @@ class Nested:
         _tls.depth -= 1
         with _nesting_lock:
             nesting[0] -= 1
+
+
+def plain_reason() -> str | None:
+    """Inside :class:`Plain` on this thread: why graphed calls there run plain (None outside)."""
+    return getattr(_tls, "plain", None)
+
+
+class Plain(Nested):
+    """A piecewise root's forward run with every piece plain (its plan's trial, see _trial):
+    as inside a warm-up, graphed calls there run their plain forward, and each is counted
+    under ``reason`` (a warm-up's or capture's are part of another call, and not counted)."""
+
+    def __init__(self, reason: str):
+        self.reason = reason
+        self.outer: str | None = None
+
+    def __enter__(self):
+        self.outer = getattr(_tls, "plain", None)
+        _tls.plain = self.reason
+        super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        _tls.plain = self.outer

@@ -16,6 +16,13 @@ as plain PyTorch from then on, its graphs released, the reason in ``stats().eage
 where the piece has graphs of other signatures (a prefill's beside a decode step's), only that
 signature runs eagerly from then on.
 
+Each piece is judged alone, right after its capture, timed from one synchronisation to the
+next; in its forward it runs among the others, without them. On the H200 that measure kept
+one-kernel pieces that cost a forward more than they saved (the inline-attention GPT: 1.15x
+eager with them, 1.04x with every piece given back). So once the pieces settled, the root
+itself is judged (:class:`PlanTrial`): its forward as planned against its forward with every
+piece run as plain PyTorch, in turn; where the plan is not faster, every piece is given back.
+
 Timing needs a backend with a ``clock(device)`` (the CUDA one); the CPU test double has none
 unless a test gives it one.
 """
@@ -25,7 +32,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
-__all__ = ["Trial", "SAMPLES", "MARGIN"]
+__all__ = ["Trial", "PlanTrial", "SAMPLES", "MARGIN", "PLAN_PAIRS"]
 
 SAMPLES = 3  # timed calls of each kind per piece
 # timed calls and trials begun, any piece, any thread: a timing of a forward that runs pieces
@@ -92,3 +99,66 @@ class Trial:
                     f"on the host ({graph_host * 1e6:.1f} vs {eager_host * 1e6:.1f} µs), timed "
                     "on its first calls")
         return None
+
+
+PLAN_TRIAL = True  # roots' plan trials on (off only in tests of one piece's trial)
+PLAN_PAIRS = 4  # timed pairs of a root's forwards (after an untimed first pair)
+MAX_PLAN_VOID = 32  # forwards timed again because pieces were still timing themselves in them
+
+
+class PlanTrial:
+    """A piecewise root's forwards, once its pieces settled: as planned (its pieces graphed and
+    chained) and plain (every piece run as plain PyTorch), in turn, each timed from a device
+    synchronisation to the next.
+
+    The pairs alternate their order (plan first, then plain first, ...), so that a trend in the
+    host's speed over the trial weighs on both alike; the first pair is not counted (warm-up).
+    A forward during which a piece was still timed or captured (:data:`activity` moved) is
+    timed again, up to :data:`MAX_PLAN_VOID` times. Only calls like the first one timed are
+    (the same tensor shapes and dtypes: one prefill among decode steps would weigh as an
+    outlier). The verdict takes the middle of the pairs'
+    ratios: one disturbed pair does not decide it."""
+
+    __slots__ = ("clock", "plan", "plain", "voided", "key")
+
+    def __init__(self, clock: Callable[[], float]):
+        self.clock = clock
+        self.key = None  # the kind of call timed (its tensors' shapes and dtypes)
+        self.plan: list[float] = []
+        self.plain: list[float] = []
+        self.voided = 0
+
+    def plain_next(self) -> bool:
+        """Whether the next forward runs plain."""
+        n = len(self.plan) + len(self.plain)
+        return (n % 2 == 1) != ((n // 2) % 2 == 1)
+
+    def timed(self, run: Callable[[], object], plain: bool) -> object:
+        activity[0] += 1  # (an outer root's forward that runs this one is timed again)
+        before = activity[0]
+        start = self.clock()
+        out = run()
+        took = self.clock() - start
+        if activity[0] != before and self.voided < MAX_PLAN_VOID:
+            self.voided += 1  # (not the plan's steady cost: timed again)
+        else:
+            (self.plain if plain else self.plan).append(took)
+        return out
+
+    @property
+    def done(self) -> bool:
+        return min(len(self.plan), len(self.plain)) > PLAN_PAIRS
+
+    def verdict(self) -> str | None:
+        """Why the pieces are given back (the forward is not faster with them), or None."""
+        pairs = list(zip(self.plan[1:], self.plain[1:]))
+        ratios = sorted(a / b if b > 0 else (1.0 if a <= 0 else float("inf")) for a, b in pairs)
+        mid = len(ratios) // 2
+        ratio = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        if ratio < 1.0:
+            return None
+        plan = sorted(a for a, _ in pairs)[mid] * 1e6
+        plain = sorted(b for _, b in pairs)[mid] * 1e6
+        return (f"piece given back: the forward that runs it is not faster with its pieces "
+                f"graphed ({plan:.0f} µs) than with all of them plain ({plain:.0f} µs; "
+                f"{ratio:.2f}x, timed after the pieces' own trials)")

@@ -21,7 +21,7 @@ import wrapt
 from . import _watch
 from ._engine import STATE, GraphedState
 from ._fast import MISS
-from ._nested import in_graphed_call, nesting as _nesting
+from ._nested import in_graphed_call, nesting as _nesting, plain_reason
 from ._errors import CudagraphifyUsageError
 from ._options import Options
 
@@ -222,7 +222,10 @@ class DirectCall(_watch.CallImpl):
         if _nesting[0] and in_graphed_call():
             # inside a warm-up, capture or segments' run on this thread: part of it, as the
             # slow path would decide, without its checks (a segments' replay meets every
-            # piece of its forward here)
+            # piece of its forward here); a plan trial's plain forward: counted
+            plain = plain_reason()
+            if plain is not None:
+                state.eager_calls[plain] += 1
             return self.fn(*args, **kwargs)
         fast = state._fast
         if fast is not None:  # (no global module hooks: checked above)

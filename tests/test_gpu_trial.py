@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+from cudagraphify import _engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.times_pieces, pytest.mark.usefixtures("quiet_gpu")]
 
@@ -53,7 +54,10 @@ def test_a_piece_that_does_not_pay_is_given_back_and_one_that_does_keeps_its_gra
     assert small.timed_calls == 3 and small.graphs == 0, small
     (why,) = small.eager_calls
     assert why.startswith("piece given back: its graph "), why  # (costs more, or no less)
-    assert deep.timed_calls == 3 and deep.graphs == 1 and deep.eager == 0, deep
+    assert deep.timed_calls == 3 and deep.graphs == 1, deep
+    # the root's plan trial (see _trial): calls 2-7 timed again (the pieces' own trials ran
+    # in them), call 8 its first forward with the pieces, 9 and 10 without them (plain)
+    assert deep.eager_calls == {_engine.PLAN_PLAIN: 2}, deep
     # (call 1: the root's; 3 timed eager; its capture call replays too, chained)
-    assert deep.replays == 12 - 1 - 3
+    assert deep.replays == 12 - 1 - 3 - 2
     assert g.deep._cudagraphify_state._fast is not None

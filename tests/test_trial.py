@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _trial
+from cudagraphify import _engine, _fast, _region, _trial
 from conftest import SimGraph
 
 _NOW = [0.0]
@@ -53,6 +53,9 @@ class _Root(nn.Module):
 def timed(sim, monkeypatch):
     sim.clock = lambda device: lambda: _NOW[0]
     monkeypatch.setattr(_trial, "host_clock", lambda: _HOST[0])
+    # (these tests follow one piece's trial: the root's plan trial, timed after it, is off but
+    # in the tests that ask for it, see ``plan_timed``)
+    monkeypatch.setattr(_trial, "PLAN_TRIAL", False)
     _COST.update(eager=0.0, graph=0.0, eager_host=None, graph_host=None)
     replay = SimGraph.replay
 
@@ -229,3 +232,92 @@ def test_only_the_signature_whose_graph_does_not_pay_runs_eagerly(timed):
     assert "(30 vs 10 µs a call" in why and state.eager_calls[why] >= 2, state.eager_calls
     s = cg.stats(g.a)
     assert s.graphs == 1 and s.timed_calls == 6, s  # (the 8-row graph kept)
+
+
+# -- the root's plan trial: its forward with its pieces against its forward without them -----
+
+@pytest.fixture
+def plan_timed(timed, monkeypatch):
+    monkeypatch.setattr(_trial, "PLAN_TRIAL", True)
+    return timed
+
+
+def _plain_calls(piece) -> int:
+    return cg.stats(piece).eager_calls[_engine.PLAN_PLAIN]
+
+
+def test_the_plan_trial_waits_for_the_pieces_own_trials(plan_timed):
+    # calls 2-7: the pieces capture and time themselves; the root's forwards then are not
+    # what the plan costs (timed again); call 8 is the plan trial's first sample
+    g = _run(graph_cost=5e-6, eager_cost=50e-6, calls=8)
+    trial = g._cudagraphify_state._plan_trial
+    assert trial.voided == 6 and len(trial.plan) == 1 and trial.plain == [], trial
+    assert cg.stats(g.a).eager_calls == {}  # (no plain forward yet)
+
+
+def test_a_plan_that_pays_keeps_its_pieces(plan_timed):
+    g = _run(graph_cost=5e-6, eager_cost=50e-6, calls=24)
+    assert g._cudagraphify_state._plan_trial is False  # decided
+    for piece in (g.a, g.b):
+        s = cg.stats(piece)
+        assert s.graphs == 1 and piece._cudagraphify_state.given_back is None, s
+        # five pairs (the first one not counted), one plain forward each; every call counted
+        assert _plain_calls(piece) == 5, s
+        assert s.replays + s.timed_calls + _plain_calls(piece) == 24 - 1, s
+        assert type(piece._cudagraphify_state._fast) is _fast.Fast
+
+
+def test_a_plan_slower_than_its_plain_forward_gives_every_piece_back(plan_timed, monkeypatch):
+    # each piece pays alone, but the forward with them costs more (here its chain's way out:
+    # what the pieces' own trials do not see)
+    owned = _region.GraphRegion.owned_outputs
+
+    def costly(self, out):
+        _NOW[0] += 1e-3
+        return owned(self, out)
+
+    monkeypatch.setattr(_region.GraphRegion, "owned_outputs", costly)
+    g = _run(graph_cost=5e-6, eager_cost=50e-6, calls=24)
+    for piece in (g.a, g.b):
+        why = piece._cudagraphify_state.given_back
+        assert why.startswith("piece given back: the forward that runs it is not faster with "
+                              "its pieces graphed (1"), why
+        s = cg.stats(piece)
+        assert s.graphs == 0 and s.eager_calls[why] == 24 - 17, s  # (decided at call 17)
+    assert g._cudagraphify_state._chain_needed() is False
+
+
+def test_a_plan_no_faster_end_to_end_goes_to_plain(plan_timed):
+    # the pieces keep their graphs on their host time (a tie end to end, see
+    # test_a_tie_keeps_the_graph_when_it_costs_less_host_time); the forward is judged end to
+    # end, and a plan that is not faster there gives its pieces back
+    g = _run(graph_cost=10.5e-6, eager_cost=10e-6, calls=24, graph_host=4e-6, eager_host=9e-6)
+    assert g.a._cudagraphify_state.given_back.startswith("piece given back: the forward")
+
+
+def test_the_plan_verdict_takes_the_middle_of_its_pairs():
+    t = _trial.PlanTrial(lambda: 0.0)
+    assert not t.done
+    t.plan, t.plain = [9.0, 1.0, 1.0, 9.0, 1.0], [1.0, 2.0, 2.0, 2.0, 2.0]
+    assert t.done and t.verdict() is None  # the untimed first pair and one outlier: ignored
+    t.plan = [1.0, 2.0, 2.1, 1.0, 2.0]  # ratios 1.0, 1.05, 0.5, 1.0: the middle is 1.0
+    assert "1.00x" in t.verdict()  # (a tie goes to the plain forward)
+
+
+def test_the_plan_trial_times_one_kind_of_call(plan_timed):
+    # calls of another shape (here every third: a prefill among decode steps, say) run as
+    # planned, untimed: the trial's five pairs are all of the first kind it timed
+    torch.manual_seed(0)
+    _COST.update(graph=5e-6, eager=50e-6)
+    ref = _Root()
+    g = cg.graphify(copy.deepcopy(ref))
+    for i in range(26):
+        x = torch.randn(4 if i % 3 else 2, 8)
+        assert torch.equal(g(x), ref(x))
+        trial = g._cudagraphify_state._plan_trial
+        if i == 25:
+            assert trial is False  # (decided on this call)
+        elif trial is not None:
+            assert trial.key == ((torch.Size([4, 8]), torch.float32),), trial.key
+    for piece in (g.a, g.b):
+        assert _plain_calls(piece) == 5 and piece._cudagraphify_state.given_back is None

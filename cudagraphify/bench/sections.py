@@ -235,7 +235,8 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
         m = GPT.from_config(cfg, "cuda", sync=sync)
         m.load_state_dict(model.state_dict())
         cg.graphify(m)
-        for _ in range(12):  # (the root's plan, its pieces' captures and timed first calls)
+        for _ in range(24):  # (the root's plan, its pieces' captures and timed first calls,
+            # the plan's own trial)
             m(x)
         return m
 
