@@ -14,10 +14,24 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["copies_of", "span_of", "span_view", "recipes", "rebuild", "clone_keeps",
-           "copyable"]
+__all__ = ["copies_of", "copy_of", "span_of", "span_view", "recipes", "rebuild", "clone_keeps",
+           "copyable", "overlaps"]
 
 _ALIGN = 16  # bytes: a copy starts here, so every element size divides each view's offset
+
+
+def overlaps(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` share memory (an ``expand``-ed view); gaps are fine."""
+    verdict = torch._debug_has_internal_overlap(t)  # 0 no, 1 yes, 2 "too hard to tell"
+    if verdict != 2:
+        return verdict == 1
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz > 1)
+    reach = 0  # the furthest element offset the smaller strides reach
+    for stride, size in dims:
+        if stride <= reach:
+            return True
+        reach += stride * (size - 1)
+    return False
 
 
 def clone_keeps(t: torch.Tensor) -> bool:
@@ -27,8 +41,14 @@ def clone_keeps(t: torch.Tensor) -> bool:
         return False
     if t.is_contiguous():
         return True
-    return torch._debug_has_internal_overlap(t) == 0 and t.numel() == 1 + sum(
-        (n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return t.numel() == 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) \
+        and not overlaps(t)
+
+
+def copy_of(t: torch.Tensor, ptr: int) -> torch.Tensor:
+    """A copy of ``t``, a plain strided tensor on a graph's memory (its storage at ``ptr``), as
+    eager has it: its clone where that keeps it, else made again on a copy of its bytes."""
+    return t.clone() if clone_keeps(t) else copies_of([t], {ptr})[0]
 
 
 def span_of(ts: list[torch.Tensor]) -> tuple[int, int]:

@@ -29,7 +29,7 @@ import torch.utils._pytree as pytree
 
 from ._cache import GraphCache
 from ._capture import drain
-from ._copies import clone_keeps, copies_of
+from ._copies import copies_of, copy_of
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._options import Stats
 
@@ -279,7 +279,7 @@ class GraphRegion:
             ptr = out.untyped_storage().data_ptr()
             if not any(s.storage.data_ptr() == ptr for s in live):
                 return out
-            return out.clone() if clone_keeps(out) else copies_of([out], {ptr})[0]
+            return copy_of(out, ptr)
         ptrs = {slot.storage.data_ptr() for slot in live}
         leaves, spec = pytree.tree_flatten(out)
         if not any(isinstance(t, torch.Tensor) and _storage_ptr(t) in ptrs for t in leaves):

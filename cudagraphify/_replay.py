@@ -16,7 +16,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._cache import Owned
-from ._copies import clone_keeps, copyable, rebuild, recipes, span_of, span_view
+from ._copies import clone_keeps, copyable, overlaps, rebuild, recipes, span_of, span_view
 from ._errors import CudagraphifyError
 from ._signature import is_constant
 
@@ -52,7 +52,7 @@ class StaticInputs:
                 self.leaves.append(borrow[i])
                 self.same_layout[i] = True
             elif isinstance(leaf, torch.Tensor) and not static:
-                if not _overlaps(leaf):
+                if not overlaps(leaf):
                     buf = torch.empty_strided(leaf.size(), leaf.stride(), dtype=leaf.dtype,
                                               device=leaf.device)
                     self.same_layout[i] = True
@@ -75,20 +75,6 @@ class StaticInputs:
                 if ptr:
                     out.setdefault(ptr, i)
         return out
-
-
-def _overlaps(t: torch.Tensor) -> bool:
-    """True when two elements of ``t`` share memory (an ``expand``-ed view); gaps are fine."""
-    verdict = torch._debug_has_internal_overlap(t)  # 0 no, 1 yes, 2 "too hard to tell"
-    if verdict != 2:
-        return verdict == 1
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.size()) if sz > 1)
-    reach = 0  # the furthest element offset the smaller strides reach
-    for stride, size in dims:
-        if stride <= reach:
-            return True
-        reach += stride * (size - 1)
-    return False
 
 
 def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[[list], Any]:

@@ -53,7 +53,7 @@ from ._nested import Nested
 from ._opinfo import infos, info_of, written_by
 from ._policy import default_policy
 from ._probe import _HERE, _OWN_MODELS, _user_frame
-from ._copies import clone_keeps, copies_of
+from ._copies import copies_of, copy_of
 from . import _trial
 from ._trial import MARGIN, Trial
 
@@ -1012,7 +1012,7 @@ class SegmentPlan:
                 return out
             if ptr not in ptrs:
                 return out
-            return out.clone() if clone_keeps(out) else copies_of([out], {ptr})[0]
+            return copy_of(out, ptr)
         leaves: list = []
         try:
             s = _flat(out, leaves)

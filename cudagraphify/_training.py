@@ -24,9 +24,9 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._cache import Owned
-from ._copies import clone_keeps
+from ._copies import clone_keeps, overlaps
 from ._errors import CudagraphifyError
-from ._replay import OutputPlanError, StaticInputs, _overlaps, output_leaves
+from ._replay import OutputPlanError, StaticInputs, output_leaves
 from ._signature import unflatten_call
 
 __all__ = ["TrainingGraph", "capture_training", "saved_by_backward", "warmup_backward"]
@@ -417,7 +417,7 @@ def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, d
                 raise OutputPlanError("forward returns a parameter, a buffer or an input (or a "
                                       "view of one) while autograd records")
         for t in out_tensors:
-            if t.is_conj() or t.is_neg() or (t.numel() and _overlaps(t)):
+            if t.is_conj() or t.is_neg() or (t.numel() and overlaps(t)):
                 raise OutputPlanError("forward returns a tensor with conj/neg bits or that "
                                       "overlaps itself (an expand()) while autograd records: "
                                       "a graph's outputs are copies, which would not be")
