@@ -450,9 +450,11 @@ class GraphedState:
         return out
 
     def _add_pieces(self, installed: list) -> None:
-        self.pieces.extend(m for m in installed if all(m is not x for x in self.pieces))
+        new = [m for m in installed if all(m is not x for x in self.pieces)]
+        self.pieces.extend(new)
         self._pieces_live = (-1, False)
-        self._plan_trial = None
+        if new:  # (a plan with other pieces: judged again)
+            self._plan_trial = None
 
     def _chain_needed(self) -> bool:
         """Whether this callable's eager runs still need their implicit region (see
@@ -581,9 +583,12 @@ class GraphedState:
         if trial is not False and _trial.PLAN_TRIAL and not (self.options.segments
                                                              or _segrun.ENABLED):
             # (with segments on, their own trial times them against this forward)
-            clock = getattr(_capture.default_backend(), "clock", None)
+            backend = _capture.default_backend()
+            clock = getattr(backend, "clock", None)
             params = self.statics.tensors
-            if clock is not None and params:
+            # (not inside a capture of the caller's: no synchronisation there, and its pieces
+            # run plain, as part of it)
+            if clock is not None and params and not backend.in_capture():
                 if trial is None:
                     trial = self._plan_trial = PlanTrial(clock(params[0].device))
                 return self._plan_timed(trial, fn, args, kwargs)
@@ -608,10 +613,11 @@ class GraphedState:
         """A forward while the plan's trial runs (see _trial): as planned, or plain (every
         piece runs its plain forward, as inside a capture); once both are timed enough, the
         verdict: where the plan is not faster, every piece of it is given back."""
-        # (one trial, one kind of call: the first one timed; a call of other shapes, a
-        # prefill among decode steps, runs as planned, untimed)
-        key = tuple((a.shape, a.dtype) for a in (*args, *kwargs.values())
-                    if isinstance(a, torch.Tensor))
+        # (one trial, one kind of call: with the first tensor argument of the first one timed,
+        # its shape and dtype; a prefill among decode steps runs as planned, untimed; the
+        # other tensors may grow, as a decode step's attention mask does)
+        key = next(((a.shape, a.dtype) for a in (*args, *kwargs.values())
+                    if isinstance(a, torch.Tensor)), ())
         if trial.key is None:
             trial.key = key
         elif key != trial.key:

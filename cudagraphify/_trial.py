@@ -115,15 +115,15 @@ class PlanTrial:
     host's speed over the trial weighs on both alike; the first pair is not counted (warm-up).
     A forward during which a piece was still timed or captured (:data:`activity` moved) is
     timed again, up to :data:`MAX_PLAN_VOID` times. Only calls like the first one timed are
-    (the same tensor shapes and dtypes: one prefill among decode steps would weigh as an
-    outlier). The verdict takes the middle of the pairs'
+    (the same shape and dtype of the first tensor argument: one prefill among decode steps
+    would weigh as an outlier). The verdict takes the middle of the pairs'
     ratios: one disturbed pair does not decide it."""
 
     __slots__ = ("clock", "plan", "plain", "voided", "key")
 
     def __init__(self, clock: Callable[[], float]):
         self.clock = clock
-        self.key = None  # the kind of call timed (its tensors' shapes and dtypes)
+        self.key = None  # the kind of call timed (its first tensor's shape and dtype)
         self.plan: list[float] = []
         self.plain: list[float] = []
         self.voided = 0

@@ -318,6 +318,6 @@ def test_the_plan_trial_times_one_kind_of_call(plan_timed):
         if i == 25:
             assert trial is False  # (decided on this call)
         elif trial is not None:
-            assert trial.key == ((torch.Size([4, 8]), torch.float32),), trial.key
+            assert trial.key == (torch.Size([4, 8]), torch.float32), trial.key
     for piece in (g.a, g.b):
         assert _plain_calls(piece) == 5 and piece._cudagraphify_state.given_back is None
