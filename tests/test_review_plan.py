@@ -19,32 +19,11 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _capture, _engine, _nested, _trial
+from cudagraphify import _engine, _nested, _trial
 from conftest import SimGraph
+from test_trial import _COST, _NOW, _Piece, _Root
 
-_NOW = [0.0]
-_COST = {"eager": 0.0, "graph": 0.0}
 _SYNCS_IN_CAPTURE: list[str] = []
-
-
-class _Piece(nn.Linear):
-    def forward(self, x):
-        _NOW[0] += _COST["eager"]
-        return super().forward(x)
-
-
-class _Root(nn.Module):
-    """A host sync between two pieces: the root runs piecewise, ``a`` and ``b`` graphed."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = _Piece(8, 8), _Piece(8, 8)
-
-    def forward(self, x):
-        y = self.a(x)
-        if bool((y > -1e9).all()):  # a host sync
-            y = y + 1
-        return self.b(y)
 
 
 class _Ctx:
@@ -80,7 +59,7 @@ def plan_timed(sim, monkeypatch):
     sim.clock = _clock_of(sim)
     monkeypatch.setattr(_trial, "host_clock", lambda: _NOW[0])
     monkeypatch.setattr(_trial, "PLAN_TRIAL", True)
-    _COST.update(eager=50e-6, graph=5e-6)
+    _COST.update(eager=50e-6, graph=5e-6, eager_host=None, graph_host=None)
     _SYNCS_IN_CAPTURE.clear()
     replay = SimGraph.replay
 
