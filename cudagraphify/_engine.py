@@ -147,6 +147,7 @@ class GraphedState:
         # the plan's forwards timed with and without its pieces (see _trial): None before,
         # False once decided (timed again when pieces are added)
         self._plan_trial: PlanTrial | bool | None = None
+        self.plan_verdict: str | None = None  # the plan trial's outcome, for explain
         # the implicit region in which this callable's eager runs call its pieces (see chained)
         self._chain: _region.GraphRegion | None = None
         self.segments = _segrun.Segments(self)  # graphed runs of calls in eager signatures
@@ -631,6 +632,7 @@ class GraphedState:
             out = trial.timed(lambda: self._chain_run(fn, args, kwargs), False)
         if trial.done:
             self._plan_trial = False
+            self.plan_verdict = trial.summary()
             why = trial.verdict()
             if why is not None:
                 for m in self.pieces:

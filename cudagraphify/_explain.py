@@ -67,6 +67,8 @@ class Explanation:
                              f"layer{': ' + why if why else ''}")
             for reason in node.get("reasons", []):
                 lines.append(f"{'  ' * depth}  - {reason['text']}")
+            if node.get("plan"):
+                lines.append(f"{'  ' * depth}  - {node['plan']}")
             for line in node.get("segments", []):
                 lines.append(f"{'  ' * depth}  - segments: {line}")
         if self.runs:
@@ -180,6 +182,8 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         if live and (live["captures"] or live["replays"] or live["retargets"]):
             node["stats"] = live
         state = state_of_module(sub)
+        if state is not None and state.plan_verdict is not None:
+            node["plan"] = state.plan_verdict
         plans = state.segments.plans() if state is not None else []
         if plans:  # its eager runs graph the runs of calls between refused ones
             node["segments"] = [line for p in plans for line in p.describe()]

@@ -149,16 +149,27 @@ class PlanTrial:
     def done(self) -> bool:
         return min(len(self.plan), len(self.plain)) > PLAN_PAIRS
 
-    def verdict(self) -> str | None:
-        """Why the pieces are given back (the forward is not faster with them), or None."""
+    def medians(self) -> tuple[float, float, float]:
+        """The middle of the counted pairs: seconds a forward with the plan, without it, and
+        the middle of their ratios."""
         pairs = list(zip(self.plan[1:], self.plain[1:]))
         ratios = sorted(a / b if b > 0 else (1.0 if a <= 0 else float("inf")) for a, b in pairs)
         mid = len(ratios) // 2
         ratio = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+        return sorted(a for a, _ in pairs)[mid], sorted(b for _, b in pairs)[mid], ratio
+
+    def verdict(self) -> str | None:
+        """Why the pieces are given back (the forward is not faster with them), or None."""
+        plan, plain, ratio = self.medians()
         if ratio < 1.0:
             return None
-        plan = sorted(a for a, _ in pairs)[mid] * 1e6
-        plain = sorted(b for _, b in pairs)[mid] * 1e6
         return (f"piece given back: the forward that runs it is not faster with its pieces "
-                f"graphed ({plan:.0f} µs) than with all of them plain ({plain:.0f} µs; "
-                f"{ratio:.2f}x, timed after the pieces' own trials)")
+                f"graphed ({plan * 1e6:.0f} µs) than with all of them plain ({plain * 1e6:.0f} "
+                f"µs; {ratio:.2f}x, timed after the pieces' own trials)")
+
+    def summary(self) -> str:
+        """The verdict in one line, for ``explain``."""
+        plan, plain, ratio = self.medians()
+        kept = "kept" if ratio < 1.0 else "given back"
+        return (f"plan timed as a whole: its pieces {kept} ({plan * 1e6:.0f} µs a forward with "
+                f"them, {plain * 1e6:.0f} µs with all of them plain; {ratio:.2f}x)")
