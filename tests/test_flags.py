@@ -119,7 +119,9 @@ class _Lin(nn.Linear):
 
 
 @pytest.mark.filterwarnings("ignore::cudagraphify.CudagraphifyWarning")
-def test_a_flag_changed_between_replays_is_seen_by_the_next_call(sim):
+def _replaying_linear():
+    """A graphified ``Linear(4, 4)`` after three calls (warm-up, capture, replay), each equal
+    to eager's: (eager module, graphified module, input)."""
     torch.manual_seed(0)
     ref = nn.Linear(4, 4)
     g = cg.graphify(copy.deepcopy(ref))
@@ -127,6 +129,12 @@ def test_a_flag_changed_between_replays_is_seen_by_the_next_call(sim):
     with torch.no_grad():
         for _ in range(3):
             assert torch.equal(g(x), ref(x))
+    return ref, g, x
+
+
+def test_a_flag_changed_between_replays_is_seen_by_the_next_call(sim):
+    ref, g, x = _replaying_linear()
+    with torch.no_grad():
         assert cg.stats(g).captures == 1
         replays = cg.stats(g).replays
         with _CHANGES["cudnn.benchmark"]():
@@ -159,13 +167,8 @@ def test_the_replay_path_reads_the_current_device_where_several_gpus_make_it_cha
     monkeypatch.setattr(_guards, "_cuda", types.SimpleNamespace(_initialized=True,
                                                                 device_count=lambda: gpus))
     assert (_guards.device_reader() is None) == (gpus == 1)
-    torch.manual_seed(0)
-    ref = nn.Linear(4, 4)
-    g = cg.graphify(copy.deepcopy(ref))
-    x = torch.randn(2, 4)
+    ref, g, x = _replaying_linear()
     with torch.no_grad():
-        for _ in range(3):
-            assert torch.equal(g(x), ref(x))
         assert g._cudagraphify_state._fast is not None and cg.stats(g).captures == 1
         if gpus == 1:
             return  # (no other device can become current)
