@@ -143,6 +143,10 @@ class GraphedState:
         # (see _trial); calls run eagerly, checked first (the DirectCall checks it too)
         self.given_back: str | None = None
         self._backward_pending = False  # given back, a training graph's backward still to run
+        # puts a given-back piece's plain forward back in place (set by _wrap for a plan's
+        # pieces; called once, when no backward of it is pending): its calls then cost what
+        # they cost without cudagraphify, and are no longer counted
+        self.retire: Callable[[], None] | None = None
         self._opaque_planned = False  # pieces planned around an opaque argument (once)
         # the plan's forwards timed with and without its pieces (see _trial): None before,
         # False once decided (timed again when pieces are added)
@@ -500,14 +504,24 @@ class GraphedState:
     def give_back(self, why: str) -> None:
         """From now on this piece's calls run its plain forward (see _trial): its graphs are
         released, but for a training graph whose backward is still to run (kept until
-        ``release``: autograd holds the call), and, with none left, what its statics hold."""
+        ``release``: autograd holds the call), and, with none left, what its statics hold.
+        Then its plain forward is put back in place (``retire``): its later calls are plain
+        PyTorch, not counted; ``eager_calls`` keeps the reason, with the calls counted before."""
         self.given_back = why
+        self.eager_calls[why] += 0  # (the reason shows in stats, counted or not)
         _trial.pieces_epoch[0] += 1
         self._fast = None
         self._release_given_back()
         for region in _region.all_open():
             if region.implicit:  # its graphs chained in a callable's region (see chained)
                 region.forget(self)
+        if not self._backward_pending:
+            self._retire()
+
+    def _retire(self) -> None:
+        retire, self.retire = self.retire, None
+        if retire is not None:
+            retire()
 
     def _release_given_back(self) -> None:
         """Release a given-back piece's graphs but a training graph whose backward is still
@@ -524,6 +538,8 @@ class GraphedState:
         if self._backward_pending:
             with self.lock:
                 self._release_given_back()
+                if not self._backward_pending:
+                    self._retire()
         if not (nesting[0] and in_graphed_call()) or plain_reason() is not None:
             self.eager_calls[self.given_back] += 1
         return fn(*args, **kwargs)

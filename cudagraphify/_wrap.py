@@ -10,6 +10,7 @@ they run around the wrapped ``forward`` as usual. The per-module state lives in 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import types
 import weakref
@@ -30,6 +31,9 @@ __all__ = ["STATE", "SHARE", "Share", "GraphedForward", "graphed_forward", "grap
            "share_of"]
 
 SHARE = "_cudagraphify_share"  # a share_graph layer's Share, in its __dict__
+# a plan's piece given back for good gets its plain forward back (see _retire_piece); off,
+# its calls keep going through DirectCall, counted (tests of that path switch it off)
+RETIRE_PIECES = True
 
 
 class Share(NamedTuple):
@@ -119,6 +123,11 @@ class Dispatch:
             install_pieces=lambda paths: install_pieces(module, paths, self.options),
             share=share_of(module))
         state.dispatch = self
+        if RETIRE_PIECES and options.piece and self.kind == "instance" \
+                and share_of(module) is None:
+            # (a share_graph layer's piece keeps its proxy: its group's templates serve
+            # the other layers' pieces)
+            state.retire = functools.partial(_retire_piece, weakref.ref(module))
         module.__dict__[STATE] = state
         self.instances.add(module)
         DirectCall.install(module, self, state)
@@ -381,11 +390,11 @@ def install_pieces(root: torch.nn.Module, paths: list[str], options: Options) ->
     share = share_of(root)  # a share_graph layer: pieces share too
     for path in paths:
         sub = _submodule(root, path)
-        if sub is root or graphed_forward(sub) is not None:
-            continue  # graphed already (by the user, or an earlier plan)
+        if sub is root or graphed_forward(sub) is not None or retired(sub):
+            continue  # graphed already (by the user, or an earlier plan), or given back
         if share is not None:
             sub.__dict__[SHARE] = Share(share.group.piece_group(path), share.layer)
-        install(sub, sub.forward, options, "instance", False)
+        install(sub, sub.forward, options, "instance", "forward" in sub.__dict__)
         installed.append(sub)
     return installed
 
@@ -430,8 +439,39 @@ def install(obj: Any, fn: Callable, options: Options, kind: str, had_own: bool) 
 def uninstall_instance(module: torch.nn.Module) -> None:
     """Restore an instance's own ``forward``, leave its share_graph group, release its graphs and
     those of the submodules a piecewise plan graphified."""
-    del module.__dict__["forward"]
+    _restore_forward(module)
     _drop_state(module)
+
+
+def _restore_forward(module: torch.nn.Module) -> None:
+    """Put back what the instance's ``forward`` was before graphify: its class's (the proxy
+    goes), or a forward of the instance's own (accelerate's hooks set one), which stays."""
+    d = module.__dict__
+    proxy = d.pop("forward")
+    if proxy._self_dispatch.had_own:
+        d["forward"] = proxy.__wrapped__
+
+
+def _retire_piece(ref: weakref.ref) -> None:
+    """A plan's piece given back for good (see GraphedState.give_back): its plain forward is
+    put back, and its DirectCall removed, so that its calls cost what they cost without
+    cudagraphify. Its state stays in its ``__dict__`` (stats, explain, and the next plan
+    leaves it as it is: :func:`retired`) until its root is ungraphified."""
+    module = ref()
+    if module is None:
+        return
+    fwd = module.__dict__.get("forward")
+    if isinstance(fwd, GraphedForward) and fwd._self_dispatch.options.piece:
+        _restore_forward(module)
+        _drop_direct_call(module.__dict__)
+
+
+def retired(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a plan's piece given back for good (see :func:`_retire_piece`)."""
+    state = module.__dict__.get(STATE)
+    return state is not None and state.given_back is not None and state.retire is None \
+        and state.options.piece and not isinstance(module.__dict__.get("forward"),
+                                                    GraphedForward)
 
 
 def uninstall_class(cls: type, proxy: GraphedForward) -> None:
@@ -459,3 +499,5 @@ def _drop_state(module: torch.nn.Module) -> None:
         for piece in state.pieces:
             if isinstance(piece.__dict__.get("forward"), GraphedForward):
                 uninstall_instance(piece)
+            elif retired(piece):
+                _drop_state(piece)

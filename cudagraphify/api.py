@@ -118,7 +118,7 @@ def _graphify(target: Any, options: Options) -> Any:
             raise CudagraphifyUsageError(
                 f"{type(target).__name__} is graphified as a class already; its instances are "
                 "graphed without graphify(instance)")
-        install(target, target.forward, options, "instance", False)
+        install(target, target.forward, options, "instance", "forward" in target.__dict__)
         _generate_compile(target, off=True)
         return target
     if isinstance(target, GraphedForward):

@@ -54,6 +54,8 @@ def test_a_piece_that_does_not_pay_is_given_back_and_one_that_does_keeps_its_gra
     assert small.timed_calls == 3 and small.graphs == 0, small
     (why,) = small.eager_calls
     assert why.startswith("piece given back: its graph "), why  # (costs more, or no less)
+    # (its plain forward back in place: its later calls cost what they cost without us)
+    assert "forward" not in g.small.__dict__ and small.eager_calls[why] == 0
     assert deep.timed_calls == 3 and deep.graphs == 1, deep
     # the root's plan trial (see _trial): calls 2-7 timed again (the pieces' own trials ran
     # in them), call 8 its first forward with the pieces, 9 and 10 without them (plain)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _fast, _nested, _segrun
+from cudagraphify import _fast, _nested, _segrun, _wrap
 
 # the fake device and host clocks, the piece and the fixture ``timed`` of tests/test_trial.py;
 # the set-up of tests/test_opaque_plan.py; the outer module of tests/test_review_trial.py
@@ -37,10 +37,13 @@ from test_trial import timed as _trial_timed  # noqa: F401 (a fixture)
 
 
 @pytest.fixture
-def timed(_trial_timed):  # noqa: F811 (test_trial's fixture, by another name)
+def timed(_trial_timed, monkeypatch):  # noqa: F811 (test_trial's fixture, by another name)
     """test_trial's clocks: a piece's eager forward costs ``_COST["eager"]``, a replay of any
     graph ``_COST["graph"]`` (here 10 and 30 us unless a test sets them). Grad mode stays on as
-    for any test (test_trial's fixture turns it off): these tests turn it off where they call."""
+    for any test (test_trial's fixture turns it off): these tests turn it off where they call.
+    A piece given back keeps its proxy and DirectCall (``RETIRE_PIECES`` off): these tests
+    count its calls through them, the path a share_graph layer's piece still takes."""
+    monkeypatch.setattr(_wrap, "RETIRE_PIECES", False)
     _COST.update(eager=10e-6, graph=30e-6)
     with torch.enable_grad():
         yield _trial_timed

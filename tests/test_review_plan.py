@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _engine, _nested, _trial
+from cudagraphify import _engine, _nested, _trial, _wrap
 from conftest import SimGraph
 from test_trial import _COST, _NOW, _Piece, _Root
 
@@ -204,9 +204,11 @@ def test_control_raising_turns_held_outputs_and_counts(plan_timed):
     assert s.replays + s.timed_calls + sum(s.eager_calls.values()) == calls - 1, s
 
 
-def test_control_threads_through_the_plan_trial(plan_timed):
+def test_control_threads_through_the_plan_trial(plan_timed, monkeypatch):
     # four threads through one root while its trial runs: chained turns without the root's
-    # lock, a Plain turn's global nesting count seen by the others' fast paths
+    # lock, a Plain turn's global nesting count seen by the others' fast paths (a piece given
+    # back keeps its proxy, so that every call of it is counted below)
+    monkeypatch.setattr(_wrap, "RETIRE_PIECES", False)
     torch.manual_seed(0)
     ref = _Root()
     g = cg.graphify(copy.deepcopy(ref))
