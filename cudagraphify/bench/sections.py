@@ -257,11 +257,15 @@ def bench_sync(name: str, cfg: GPTConfig, sync: str, calls: int, repeats: int) -
             segmented = graphify_copy()
         timed = {"eager_us": model, "graphify_us": graphed,
                  "graphify_unchained_us": unchained_call, "segments_us": segments_call}
-        for key in timed:
-            row[key] = float("inf")
+        rounds: dict[str, list[float]] = {key: [] for key in timed}
         for _ in range(3):
             for key, fn in timed.items():
-                row[key] = min(row[key], time_per_call(fn, x, calls, repeats))
+                rounds[key].append(time_per_call(fn, x, calls, repeats))
+        for key, values in rounds.items():
+            row[key] = min(values)
+        row["rounds"] = rounds  # (each round's µs: a trend shows a plan still changing)
+        # whether the root's eager runs still chain in their implicit region (a piece live)
+        row["chain_live"] = graphed._cudagraphify_state._chain_needed()
         row["graphify_unchained_max_abs_err"] = (
             unchained_call(x).float() - ref.float()).abs().max().item()
         row["segments_bitwise"] = bool(torch.equal(segments_call(x), ref))
@@ -299,6 +303,10 @@ def format_sync(r: dict) -> str:
             f" µs ({r['segments_vs_eager']:.3f} of eager), {r['segments']} graphed, "
             f"{r['segment_replays']} replays, bitwise equal to eager: {r['segments_bitwise']}\n"
             + "\n".join("    " + line for line in r["segments_plan"][:6])
+            + "\n  rounds (µs): " + "; ".join(
+                f"{k.removesuffix('_us')} " + " ".join(f"{v:.0f}" for v in vs)
+                for k, vs in r.get("rounds", {}).items())
+            + f"; root still chaining: {r.get('chain_live')}"
             + f"\n{r['explain']}")
 
 
