@@ -102,7 +102,9 @@ class Slot:
     def hand_out(self, leaves, outs) -> torch.Tensor:
         if self.baseline is None:
             self.baseline = _use_count(self.storage._cdata)
-        alias = self.tensor.detach()
+        # (``.data``: a version counter of its own, as eager's output has: an in-place write to
+        # an earlier call's output must not move a later one's version)
+        alias = self.tensor.data
         self.alias = weakref.ref(alias)
         self.live[self] = None
         return alias

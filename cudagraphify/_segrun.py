@@ -628,16 +628,16 @@ class _Replayer(TorchFunctionMode):
         if call.same:  # (x.float() of a float x is x itself)
             leaves: list = []
             _structure(args, kwargs, leaves)
-            outs = [t.detach() for t in call.outs]
+            outs = [t.data for t in call.outs]
             for k, j in call.same:
                 outs[k] = leaves[j]
             handed[i] = outs
             out = outs[0] if call.single else _build(call.out_struct, iter(outs))
         elif call.single:
-            out = call.outs[0].detach()
+            out = call.outs[0].data  # (an alias of its own: see ``held``)
             handed[i] = (out,)
         else:
-            outs = handed[i] = [t.detach() for t in call.outs]
+            outs = handed[i] = [t.data for t in call.outs]
             out = _build(call.out_struct, iter(outs))
         if i == seg.last:
             run.flush()
