@@ -123,7 +123,7 @@ class EagerFast:
         self.n, self.names = len(args), tuple(kwargs)
         self.types, self.tensors, self.tguard, self.others, self.entry = (), (), None, (), None
         self.pick, self.one = _none, False
-        self.chained = True  # (an opaque call's: see GraphedState.chained)
+        self.chained = True  # (an opaque call's: see PieceRuns.chained)
         self.still = self.flags = self.grads = None
         self.flags_epoch = -1
         return self

@@ -133,7 +133,7 @@ class Slot:
 class GraphRegion:
     """The scope object that ``with graph_region(...) as region`` binds."""
 
-    implicit = False  # a callable's own region around its pieces (see GraphedState.chained)
+    implicit = False  # a callable's own region around its pieces (see _pieces.PieceRuns.chained)
 
     def __init__(self, enabled: bool = True, max_graphs: int | None = None, chain: bool = True):
         if not isinstance(enabled, bool):

@@ -41,7 +41,7 @@ activity = [0]
 MARGIN = 1.1  # a clear difference: one run this much faster than the other
 # moves when a piece is given back or a callable's state is made (a module graphified anew),
 # any callable: a plan that chains pieces looks again whether any of its pieces may still
-# replay a graph when this moved (see GraphedState.chained)
+# replay a graph when this moved (see _pieces.PieceRuns.chained)
 pieces_epoch = [0]
 host_clock = time.perf_counter  # seconds on the host (a test's fake clock replaces it)
 

@@ -228,8 +228,8 @@ def test_the_chain_goes_with_ungraphify_and_with_moved_parameters(sim):
 
 def test_chaining_off_keeps_each_piece_to_its_own_copies(sim, monkeypatch):
     # (the bench's side-by-side switch)
-    from cudagraphify import _engine
-    monkeypatch.setattr(_engine, "CHAIN_PIECES", False)
+    from cudagraphify import _pieces
+    monkeypatch.setattr(_pieces, "CHAIN_PIECES", False)
     ref, g = _pair()
     with torch.no_grad():
         for _ in range(5):

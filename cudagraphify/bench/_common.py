@@ -17,13 +17,13 @@ __all__ = ["time_per_call", "hand_capture", "error_text", "free_memory", "progre
 def chaining(on: bool):
     """Pieces chained in their root's implicit region (the default) or not, inside the block:
     the side-by-side rows time what chaining buys."""
-    from cudagraphify import _engine
+    from cudagraphify import _pieces
 
-    _engine.CHAIN_PIECES = on
+    _pieces.CHAIN_PIECES = on
     try:
         yield
     finally:
-        _engine.CHAIN_PIECES = True
+        _pieces.CHAIN_PIECES = True
 
 
 @contextlib.contextmanager
