@@ -374,6 +374,23 @@ class _DictCheck:
             self.version = _dict_version(self.d)
 
 
+# the type of graphify's forward wrapper (``_wrap.GraphedForward`` registers itself)
+WRAPPERS: list[type] = []
+
+
+def _forward_of(module: nn.Module) -> Any:
+    """What a module's own ``forward`` entry makes it run: a piecewise plan's wrapper counts as
+    what it wraps (the instance's own forward, or none: the class's), since the plan installs
+    and gives back its pieces' wrappers without changing what they compute (a graph that ran a
+    piece ran its plain forward, as part of it)."""
+    fwd = module.__dict__.get("forward")
+    if type(fwd) in WRAPPERS:
+        dispatch = fwd._self_dispatch
+        if dispatch.options.piece:
+            return fwd.__wrapped__ if dispatch.had_own else None
+    return fwd
+
+
 class StateGuard:
     """The module state one graph (or one eager decision) depends on.
 
@@ -395,7 +412,7 @@ class StateGuard:
             watch(r.module)
         # the modules the run ran, each with its class, own forward and call override
         # (``module.compile()``): replacing any of them changes what runs
-        self._ran = [(m, type(m), m.__dict__.get("forward"), call_override(m)) for m in ran]
+        self._ran = [(m, type(m), _forward_of(m), call_override(m)) for m in ran]
         for m in ran:
             watch(m)
         # names outside modules (a graphed function's closure cells and globals) that held a
@@ -467,7 +484,7 @@ class StateGuard:
                 return (f"{type(r.module).__name__}.{r.name} changed ({short(r.value)} -> "
                         f"{short(now)})")
         for m, cls, forward, call in self._ran:
-            if type(m) is not cls or m.__dict__.get("forward") is not forward \
+            if type(m) is not cls or _forward_of(m) is not forward \
                     or call_override(m) is not call:
                 return f"{cls.__name__}'s class, forward or compiled call was replaced"
         if self._hooks is not None and self._hooks() != self._hooks_then:

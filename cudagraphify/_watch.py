@@ -293,8 +293,13 @@ class CallImpl:
 
 def own_call_impl(value: Any) -> bool:
     """Whether a module's ``_compiled_call_impl`` is cudagraphify's own: a bound method of a
-    :class:`CallImpl`."""
-    return isinstance(getattr(value, "__self__", None), CallImpl)
+    :class:`CallImpl`, or the bound ``_call_impl`` a given-back piece holds instead (see
+    ``_wrap._retire_piece``: it runs as no override does)."""
+    return isinstance(getattr(value, "__self__", None), CallImpl) \
+        or getattr(value, "__func__", None) is _module_call_impl
+
+
+_module_call_impl = nn.Module._call_impl
 
 
 def call_override(module: nn.Module) -> Any:

@@ -19,16 +19,16 @@ from typing import Any, Callable, NamedTuple
 import torch
 import wrapt
 
-from . import _watch
+from . import _guards, _watch
 from ._engine import STATE, GraphedState
 from ._fast import MISS
 from ._nested import in_graphed_call, nesting as _nesting, plain_reason
 from ._errors import CudagraphifyUsageError
 from ._options import Options
 
-__all__ = ["STATE", "SHARE", "Share", "GraphedForward", "graphed_forward", "graphed_forward_of", "install",
-           "wrap", "install_pieces", "uninstall_instance", "uninstall_class", "state_of_module",
-           "share_of"]
+__all__ = ["STATE", "SHARE", "Share", "GraphedForward", "graphed_forward", "graphed_forward_of",
+           "install", "wrap", "install_pieces", "uninstall_instance", "uninstall_class",
+           "state_of_module", "share_of", "retired", "drop_retired", "has_own_forward"]
 
 SHARE = "_cudagraphify_share"  # a share_graph layer's Share, in its __dict__
 # a plan's piece given back for good gets its plain forward back (see _retire_piece); off,
@@ -169,7 +169,8 @@ class DirectCall(_watch.CallImpl):
     @staticmethod
     def install(module: torch.nn.Module, dispatch: "Dispatch", state: GraphedState) -> None:
         d = module.__dict__
-        if "_compiled_call_impl" in d or not all(name in d for name in _HOOKS):
+        if ("_compiled_call_impl" in d and not _watch.own_call_impl(d["_compiled_call_impl"])) \
+                or not all(name in d for name in _HOOKS):
             return  # compiled by the user, or a module torch's own __init__ did not set up
         cls = type(module)
         if cls._call_impl is not _call_impl or "_call_impl" in d:
@@ -346,6 +347,9 @@ class GraphedForward(_OwnClass, wrapt.FunctionWrapper):
             "or graphify the class instead of the instance")
 
 
+_guards.WRAPPERS.append(GraphedForward)
+
+
 def _plain_forward(fn: Callable) -> Callable:
     return fn
 
@@ -394,7 +398,7 @@ def install_pieces(root: torch.nn.Module, paths: list[str], options: Options) ->
             continue  # graphed already (by the user, or an earlier plan), or given back
         if share is not None:
             sub.__dict__[SHARE] = Share(share.group.piece_group(path), share.layer)
-        install(sub, sub.forward, options, "instance", "forward" in sub.__dict__)
+        install(sub, sub.forward, options, "instance", has_own_forward(sub))
         installed.append(sub)
     return installed
 
@@ -445,25 +449,50 @@ def uninstall_instance(module: torch.nn.Module) -> None:
 
 def _restore_forward(module: torch.nn.Module) -> None:
     """Put back what the instance's ``forward`` was before graphify: its class's (the proxy
-    goes), or a forward of the instance's own (accelerate's hooks set one), which stays."""
+    goes), or a forward of the instance's own (accelerate's hooks set one), which stays. One
+    store: a call on another thread meanwhile runs the one or the other."""
     d = module.__dict__
-    proxy = d.pop("forward")
+    proxy = d["forward"]
     if proxy._self_dispatch.had_own:
         d["forward"] = proxy.__wrapped__
+    else:
+        del d["forward"]
+
+
+def has_own_forward(module: torch.nn.Module) -> bool:
+    """Whether the instance holds a ``forward`` of its own (accelerate's hooks set one), which
+    ``ungraphify`` must put back; a bound method of its class's forward (what unpickling a plan's
+    piece leaves, see ``GraphedForward.__reduce_ex__``) is not one."""
+    own = module.__dict__.get("forward")
+    if own is None:
+        return False
+    return getattr(own, "__self__", None) is not module or getattr(own, "__func__", None) \
+        is not inspect.getattr_static(type(module), "forward", None)
 
 
 def _retire_piece(ref: weakref.ref) -> None:
-    """A plan's piece given back for good (see GraphedState.give_back): its plain forward is
+    """A plan's piece given back for good (see _pieces.PieceRuns.give_back): its plain forward is
     put back, and its DirectCall removed, so that its calls cost what they cost without
     cudagraphify. Its state stays in its ``__dict__`` (stats, explain, and the next plan
     leaves it as it is: :func:`retired`) until its root is ungraphified."""
     module = ref()
     if module is None:
         return
-    fwd = module.__dict__.get("forward")
+    d = module.__dict__
+    fwd = d.get("forward")
     if isinstance(fwd, GraphedForward) and fwd._self_dispatch.options.piece:
+        if isinstance(getattr(d.get("_compiled_call_impl"), "__self__", None), DirectCall):
+            # (not deleted: ``Module._wrapped_call_impl`` reads it twice, and a call on another
+            # thread between the two reads would get None; the bound ``_call_impl`` is what a
+            # module without it runs, at no extra cost)
+            d["_compiled_call_impl"] = types.MethodType(_call_impl, module)
         _restore_forward(module)
-        _drop_direct_call(module.__dict__)
+
+
+def drop_retired(module: torch.nn.Module) -> None:
+    """Forget a given-back piece's state (``ungraphify`` of it, or of its root): a later plan
+    graphifies it anew."""
+    _drop_state(module)
 
 
 def retired(module: torch.nn.Module) -> bool:
@@ -497,7 +526,9 @@ def _drop_state(module: torch.nn.Module) -> None:
         state.release()
         state.close_chain()
         for piece in state.pieces:
-            if isinstance(piece.__dict__.get("forward"), GraphedForward):
-                uninstall_instance(piece)
+            fwd = piece.__dict__.get("forward")
+            if isinstance(fwd, GraphedForward):
+                if fwd._self_dispatch.options.piece:  # (not a graphify of the user's own)
+                    uninstall_instance(piece)
             elif retired(piece):
-                _drop_state(piece)
+                drop_retired(piece)

@@ -12,8 +12,9 @@ import torch
 from ._cache import CachePolicy
 from ._engine import GraphedState
 from ._options import Options, Stats
-from ._wrap import (SHARE, GraphedForward, Share, graphed_forward, graphed_forward_of, install,
-                    state_of_module, uninstall_class, uninstall_instance, wrap)
+from ._wrap import (SHARE, GraphedForward, Share, drop_retired, graphed_forward,
+                    graphed_forward_of, has_own_forward, install, retired, state_of_module,
+                    uninstall_class, uninstall_instance, wrap)
 from ._errors import CudagraphifyUsageError
 from ._policy import OpPolicy, default_policy
 from ._region import GraphRegion
@@ -118,7 +119,7 @@ def _graphify(target: Any, options: Options) -> Any:
             raise CudagraphifyUsageError(
                 f"{type(target).__name__} is graphified as a class already; its instances are "
                 "graphed without graphify(instance)")
-        install(target, target.forward, options, "instance", "forward" in target.__dict__)
+        install(target, target.forward, options, "instance", has_own_forward(target))
         _generate_compile(target, off=True)
         return target
     if isinstance(target, GraphedForward):
@@ -142,6 +143,9 @@ def ungraphify(target: Any) -> Any:
         uninstall_class(target, proxy)
         return target
     if isinstance(target, torch.nn.Module):
+        if retired(target):  # a plan's piece given back: its plain forward is in place
+            drop_retired(target)
+            return target
         if not isinstance(target.__dict__.get("forward"), GraphedForward):
             how = ("through its class; call ungraphify(type(module))"
                    if graphed_forward_of(type(target)) is not None else "")
@@ -231,7 +235,7 @@ def explain(target: Any, *example_args: Any, **example_kwargs: Any):
     from ._explain import build, probe_plan
 
     module = target if isinstance(target, torch.nn.Module) else None
-    graphed = module is None or graphed_forward(module) is not None
+    graphed = module is None or graphed_forward(module) is not None or retired(module)
     state = _state_of(target) if graphed else None
     name = (state.name if state is not None else
             type(target).__name__ if module is not None else
