@@ -268,7 +268,10 @@ def _replicas_run_eagerly() -> None:
             _drop_direct_call(d)
             if fwd is not None:
                 fn = fwd.__wrapped__
-                d["forward"] = getattr(fn, "__func__", fn).__get__(replica, type(replica))
+                if fwd._self_dispatch.kind == "instance" and fwd._self_dispatch.had_own:
+                    d["forward"] = fn  # (the instance's own, as the replica had it)
+                else:
+                    d["forward"] = getattr(fn, "__func__", fn).__get__(replica, type(replica))
         return replica
 
     torch.nn.Module._replicate_for_data_parallel = _replicate_for_data_parallel
@@ -381,7 +384,8 @@ def _static_binding(fn: Callable, static_argnames: tuple[str, ...],
 
 
 def install_pieces(root: torch.nn.Module, paths: list[str], options: Options) -> list:
-    """Graphify the submodules at ``paths`` (a piecewise plan); returns those it wrapped.
+    """Graphify the submodules at ``paths`` (a piecewise plan); returns those it wrapped, and
+    those a plan had wrapped already (a deep copy of a planned root brings its pieces along).
 
     Pieces take the root's run options (warm-up, probe, op policy, enabled, bound) but not its
     keying options (argument names and cache policies describe the root's forward), and always
@@ -394,8 +398,15 @@ def install_pieces(root: torch.nn.Module, paths: list[str], options: Options) ->
     share = share_of(root)  # a share_graph layer: pieces share too
     for path in paths:
         sub = _submodule(root, path)
+        fwd = sub.__dict__.get("forward")
+        if isinstance(fwd, GraphedForward) and fwd._self_dispatch.options.piece \
+                and sub is not root:
+            # a piece of a plan already (this root's earlier plan, or the plan of the root a
+            # deep copy was made of: its pieces came with it)
+            installed.append(sub)
+            continue
         if sub is root or graphed_forward(sub) is not None or retired(sub):
-            continue  # graphed already (by the user, or an earlier plan), or given back
+            continue  # graphed by the user, or given back
         if share is not None:
             sub.__dict__[SHARE] = Share(share.group.piece_group(path), share.layer)
         install(sub, sub.forward, options, "instance", has_own_forward(sub))

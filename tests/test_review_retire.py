@@ -391,3 +391,38 @@ def test_control_chain_needed_and_replan_after_retirement(timed):  # noqa: F811
     ref.load_state_dict(g.state_dict())
     _same(g, ref, calls=4, rows=2)  # another signature: planned again, pieces left as they are
     assert state._chain_needed() is False and "forward" not in g.a.__dict__
+
+
+# -- found by the same review, older than the change (fixed with it) ---------------------------
+
+def test_P1_a_deep_copy_of_a_planned_root_knows_its_pieces(timed):  # noqa: F811
+    """A deep copy of a root whose pieces are live brings their wrappers along; its own plan
+    left them out of its ``pieces`` (not chained, not timed as a plan, never uninstalled)."""
+    _COST.update(graph=1e-6, eager=50e-6)  # pieces pay: they stay live
+    ref, g = _pair()
+    with torch.no_grad():
+        _same(g, ref, calls=10)
+        c = copy.deepcopy(g)
+        _same(c, ref, calls=10)
+    assert {id(p) for p in c._cudagraphify_state.pieces} == {id(c.a), id(c.b)}
+    assert all(cg.stats(p).graphs == 1 for p in (c.a, c.b))
+    cg.ungraphify(c)
+    assert all("forward" not in p.__dict__ and "_cudagraphify_state" not in p.__dict__
+               for p in (c.a, c.b))
+
+
+def test_P2_a_data_parallel_replica_keeps_an_instance_own_forward(timed):  # noqa: F811
+    """``_replicate_for_data_parallel`` bound an instance's own (closure) forward to the
+    replica as a method: calling the replica raised ``TypeError``."""
+    m = nn.Linear(8, 8)
+    calls = []
+
+    def forward(x):
+        calls.append(1)
+        return nn.Linear.forward(m, x)
+
+    m.forward = forward
+    cg.graphify(m)
+    replica = m._replicate_for_data_parallel()
+    x = torch.randn(2, 8)
+    assert torch.equal(replica(x), nn.Linear.forward(m, x)) and calls
