@@ -390,6 +390,8 @@ class Fast:
                 alias = slot.tensor.data  # (``Slot.hand_out``, inline)
                 slot.alias = _weakref(alias)
                 region._live[slot] = None
+                if slot.seq > region._live_top:
+                    region._live_top = slot.seq
                 return alias
             finally:
                 lock.release()

@@ -107,6 +107,9 @@ class Slot:
         alias = self.tensor.data
         self.alias = weakref.ref(alias)
         self.live[self] = None
+        region = self.region
+        if self.seq > region._live_top:
+            region._live_top = self.seq
         return alias
 
     def protect(self) -> bool:
@@ -162,6 +165,8 @@ class GraphRegion:
         self._seq = 0
         self._slots: dict[int, Slot] = {}  # data_ptr of a static output -> its slot
         self._live: dict[Slot, None] = {}  # slots whose last alias may still be held
+        # at least the highest capture order among them (see protect_before)
+        self._live_top = -1
 
     # -- chaining ------------------------------------------------------------------------
 
@@ -232,15 +237,21 @@ class GraphRegion:
     def protect_before(self, entry, leaves: list) -> bool:
         """Protect the slots a replay of ``entry`` may overwrite; False if one cannot be."""
         live = self._live
-        if live:
-            seq = entry.seq
+        seq = entry.seq
+        if live and self._live_top >= seq:
+            # (else every live slot was captured before this graph, as the earlier pieces'
+            # outputs of a chain are when the next one replays: no walk over them)
+            top = -1
             for slot in tuple(live):
-                if slot.seq < seq:
-                    continue  # captured before: this replay cannot reach its memory
+                if slot.seq < seq:  # captured before: this replay cannot reach its memory
+                    if slot.seq > top:
+                        top = slot.seq
+                    continue
                 if _use_count(slot.cdata) == slot.baseline:
                     del live[slot]  # no alias left: nothing to protect (``protect``'s common case)
                 elif not slot.protect():
                     return False
+            self._live_top = top  # (the slots left are those captured before)
         if not entry.borrowed:
             return True
         for i, slot in entry.borrowed:
