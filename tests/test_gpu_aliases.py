@@ -1,0 +1,112 @@
+"""GPU tests of what a call hands out of graph memory, and of pieces given back for good.
+
+- Region slots and ``copy_outputs=False`` outputs are ``.data`` aliases of the static outputs: a
+  new tensor object each call, with a version counter of its own (as eager's new tensor has).
+- A region walks its live slots only when one was captured at or after the graph that replays
+  (``_region.GraphRegion._live_top``): random call orders keep every held output.
+- A piece given back gets its plain forward back (``_wrap._retire_piece``).
+
+Every output is compared with eager bitwise; counters prove the graphs replayed.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify import _trial, _wrap
+from cudagraphify.bench.models import GPT, GPTConfig
+
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
+
+DEV = "cuda"
+
+
+def _linear(seed: int, frozen: bool = True) -> nn.Module:
+    torch.manual_seed(seed)
+    m = nn.Linear(16, 16).to(DEV)
+    return m.requires_grad_(not frozen)
+
+
+def test_region_outputs_have_version_counters_of_their_own():
+    ref = _linear(0)
+    g = cg.graphify(copy.deepcopy(ref))
+    w = torch.randn(16, device=DEV, requires_grad=True)
+    with cg.graph_region():
+        for _ in range(3):
+            g(torch.randn(4, 16, device=DEV))
+        x1, x2 = torch.randn(4, 16, device=DEV), torch.randn(4, 16, device=DEV)
+        y1 = g(x1)
+        y2 = g(x2)  # y1 moved to a copy
+        assert y1 is not y2
+        loss = (w * y2).sum()  # saves y2
+        with torch.no_grad():
+            y1.add_(1)  # eager: y1 and y2 are unrelated tensors
+        assert y2._version == 0
+        loss.backward()
+        assert torch.equal(w.grad, ref(x2).detach().sum(0))
+        assert torch.equal(y1, ref(x1).detach() + 1) and torch.equal(y2, ref(x2).detach())
+    assert cg.stats(g).replays == 5
+
+
+def test_copy_outputs_false_hands_out_a_new_tensor_each_call():
+    ref = _linear(1)
+    g = cg.graphify(copy.deepcopy(ref), copy_outputs=False)
+    with torch.no_grad():
+        outs = []
+        for _ in range(4):
+            x = torch.randn(4, 16, device=DEV)
+            y = g(x)
+            assert torch.equal(y, ref(x))
+            outs.append(y)
+        y.t_()  # the caller's tensor only
+        x = torch.randn(4, 16, device=DEV)
+        z = g(x)
+        assert z.shape == (4, 16) and torch.equal(z, ref(x))
+    assert len({id(o) for o in outs}) == 4
+    assert cg.stats(g).replays >= 4 and cg.stats(g).eager == 0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_calls_of_three_graphs_in_a_region_keep_every_held_output(seed):
+    gen = torch.Generator().manual_seed(seed)
+    refs = [_linear(10 * seed + k) for k in range(3)]
+    gs = [cg.graphify(copy.deepcopy(r)) for r in refs]
+    kept = []
+    with torch.no_grad(), cg.graph_region() as region:
+        for _ in range(60):
+            i = int(torch.randint(0, 3, (1,), generator=gen))
+            x = torch.randn(4, 16, generator=gen).to(DEV)
+            y = gs[i](x)
+            want = refs[i](x)
+            assert torch.equal(y, want)
+            if torch.rand(1, generator=gen).item() < 0.3:
+                kept.append((y, want))
+        torch.cuda.synchronize()
+        for y, want in kept:
+            assert torch.equal(y, want)
+        assert region.stats().replays > 0
+
+
+@pytest.mark.times_pieces  # (the trials run: their verdicts are forced)
+def test_pieces_given_back_run_their_plain_forward(monkeypatch):
+    """Every piece of a GPT with an ``.item()`` per block given back (its trial's verdict
+    forced): plain forwards in place, outputs bitwise eager's, and no graph left."""
+    monkeypatch.setattr(_trial, "PLAN_TRIAL", False)
+    monkeypatch.setattr(_trial.Trial, "verdict", lambda self: "piece given back: by the test")
+    torch.manual_seed(0)
+    ref = GPT.from_config(GPTConfig(256, 4, 4, 1, 8, torch.float32), DEV, sync="item")
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for _ in range(10):
+            x = torch.randn(1, 8, 256, device=DEV)
+            assert torch.equal(g(x), ref(x))
+    pieces = g._cudagraphify_state.pieces
+    assert pieces and all(p._cudagraphify_state.given_back for p in pieces)
+    assert all(_wrap.retired(p) and "forward" not in p.__dict__ for p in pieces)
+    s = cg.stats(g)
+    assert s.graphs == 0 and s.captures == len(pieces), s
