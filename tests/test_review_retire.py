@@ -28,6 +28,7 @@ import cudagraphify as cg
 from cudagraphify import _region, _wrap
 from test_trial import _COST, _NOW, _Piece, _Root, _run
 from test_trial import plan_timed, timed  # noqa: F401 (fixtures)
+from test_review_trial import _Outer  # (graphed whole; runs another root's piece)
 
 _GIVE_BACK = dict(graph_cost=30e-6, eager_cost=10e-6)
 
@@ -45,17 +46,6 @@ def _same(g, ref, calls=1, rows=4):
 
 
 # -- R1: an outer graph captured while the piece was live is captured again after retirement ----
-
-class _Outer(nn.Module):
-    """Graphed whole (no host sync of its own); runs a module that is another root's piece."""
-
-    def __init__(self, shared):
-        super().__init__()
-        self.shared = shared
-
-    def forward(self, x):
-        return self.shared(x) * 3
-
 
 @pytest.mark.parametrize("retire", [True, False])
 def test_R1_retirement_does_not_invalidate_an_outer_graph(timed, monkeypatch, retire):  # noqa: F811
