@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _segrun
+from cudagraphify import _segcalls, _segmodes, _segrun
 
 
 @pytest.fixture(autouse=True)
@@ -148,7 +148,7 @@ def test_a_lean_calls_copied_addresses_are_held_or_forgotten(sim):
     ref = _FreedInput().eval()
     g = cg.graphify(copy.deepcopy(ref), segments=True)
     bad = []
-    orig = _segrun._Recorder._record
+    orig = _segmodes._Recorder._record
 
     def record(self, func, info, args, kwargs):
         out = orig(self, func, info, args, kwargs)
@@ -158,7 +158,7 @@ def test_a_lean_calls_copied_addresses_are_held_or_forgotten(sim):
             bad.extend(plan.copied_ptrs - held)
         return out
 
-    _segrun._Recorder._record = record
+    _segmodes._Recorder._record = record
     try:
         ca, cb = _Cache(), _Cache()
         with torch.no_grad():
@@ -168,7 +168,7 @@ def test_a_lean_calls_copied_addresses_are_held_or_forgotten(sim):
                 y = torch.randn(1, 1, 64)
                 assert torch.equal(g(y, ca), ref(y, cb))
     finally:
-        _segrun._Recorder._record = orig
+        _segmodes._Recorder._record = orig
     plan = _item(g)[1]
     why = " ".join(plan.describe())
     assert not bad and "returns a view of memory it reads" not in why, why
@@ -203,7 +203,7 @@ def test_lean_calls_are_never_members_of_a_graphed_segment(sim, monkeypatch, par
         for i in seg.calls:
             call = self.calls[i]
             seen.append(call.alone)
-            assert all(len(r) == 3 for r in call.refs if r[0] == _segrun.X)
+            assert all(len(r) == 3 for r in call.refs if r[0] == _segcalls.X)
         return orig(self, seg)
 
     monkeypatch.setattr(_segrun.SegmentPlan, "_inputs", inputs)

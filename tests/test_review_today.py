@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _segrun
+from cudagraphify import _nested, _segmodes, _segrun
 
 # the fake device and host clocks, the pieces, and the fixture ``timed`` of tests/test_trial.py
 from test_trial import _COST, _Piece, _Root
@@ -291,11 +291,11 @@ def _profiled_record(found: bool):
             return original(self, fn, args, kwargs, earlier=earlier, dry=dry)
         self.dry, self.earlier = dry, earlier
         if found:  # (the profiler ran: the record under the mode, as on CUDA)
-            with _segrun.Nested(), _segrun._Recorder(self):
+            with _nested.Nested(), _segmodes._Recorder(self):
                 out = fn(*args, **kwargs)
             self.no_segments(_WHY, seen=True)
         else:  # (it could not be started)
-            with _segrun.Nested():
+            with _nested.Nested():
                 out = fn(*args, **kwargs)
             self.no_segments("the profiler could not be started (it finds kernels the mode "
                              "does not see)", seen=False)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _segrun
+from cudagraphify import _segcalls, _segrun
 
 
 @pytest.fixture(autouse=True)
@@ -161,7 +161,7 @@ def _held_copies(plan, cache) -> int:
     seen, total = set(), 0
     tensors = [t for c in plan.calls for t in c.eager_out]
     tensors += [r[2] for c in plan.calls for r in c.refs
-                if r[0] == _segrun.X and len(r) > 2 and isinstance(r[2], torch.Tensor)]
+                if r[0] == _segcalls.X and len(r) > 2 and isinstance(r[2], torch.Tensor)]
     storages = [t.untyped_storage() for t in tensors] + list(plan.copied_held)
     for st in storages:
         if st.data_ptr() not in seen and st.data_ptr() != own:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _segrun
+from cudagraphify import _segmodes, _segrun
 from cudagraphify.bench.models import GPT
 
 
@@ -185,12 +185,12 @@ class _Evt:
 
 
 def test_a_launch_outside_every_recorded_call_is_found():
-    call = _Evt(_segrun._RANGE)
+    call = _Evt(_segmodes._RANGE)
     op = _Evt("aten::mm", call)
     inside = [call, op, _Evt("cudaLaunchKernel", op), _Evt("cudaMemcpyAsync", call)]
-    assert _segrun.direct_launch(inside) is None
-    assert _segrun.direct_launch([_Evt("cudaDeviceSynchronize")]) is None
-    why = _segrun.direct_launch(inside + [_Evt("cuLaunchKernel", _Evt("triton_launcher"))])
+    assert _segmodes.direct_launch(inside) is None
+    assert _segmodes.direct_launch([_Evt("cudaDeviceSynchronize")]) is None
+    why = _segmodes.direct_launch(inside + [_Evt("cuLaunchKernel", _Evt("triton_launcher"))])
     assert why is not None and why.startswith("cuLaunchKernel ran outside")
 
 

@@ -1,5 +1,5 @@
 """Segments: a replayed member call is matched against its record by a check compiled once per
-call (cudagraphify._segrun._Matcher). Every kind of argument it writes code for must see a
+call (cudagraphify._segcalls._Matcher). Every kind of argument it writes code for must see a
 change: a value the forward computes from the data (after a host sync, so no guard of the
 signature sees it) selects the arguments of the calls after it. CPU, simulated backend, bitwise
 against an eager twin, the divergences counted."""
