@@ -387,7 +387,7 @@ class Fast:
                     return fresh()
                 if slot is None or slot.baseline is None:
                     return entry.outputs(args)
-                alias = slot.tensor.data  # (``Slot.hand_out``, inline)
+                alias = slot.tensor.data  # (``Slot.hand_out``, inline; one output: lone)
                 slot.alias = _weakref(alias)
                 region._live[slot] = None
                 if slot.seq > region._live_top:

@@ -386,7 +386,7 @@ def _forward_of(module: nn.Module) -> Any:
     fwd = module.__dict__.get("forward")
     if type(fwd) in WRAPPERS:
         dispatch = fwd._self_dispatch
-        if dispatch.options.piece:
+        if dispatch.options.piece and dispatch.owner is module:  # (its own: not another's)
             return fwd.__wrapped__ if dispatch.had_own else None
     return fwd
 

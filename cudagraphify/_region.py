@@ -18,6 +18,7 @@ Training graphs get pools of their own (their saved activations must survive oth
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import threading
@@ -75,10 +76,12 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
 class Slot:
     """A static output of a region graph, handed out as an alias instead of a copy."""
 
-    __slots__ = ("region", "live", "tensor", "storage", "cdata", "seq", "baseline", "alias")
+    __slots__ = ("region", "live", "tensor", "storage", "cdata", "seq", "baseline", "alias",
+                 "lone")
 
-    def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int):
+    def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int, lone: bool = True):
         self.region = region
+        self.lone = lone  # no other output of its graph on its memory (see hand_out)
         self.live = region._live  # the region's slots whose last alias may still be held
         self.tensor = tensor
         self.storage = tensor.untyped_storage()  # held: reading its use count is then cheap
@@ -103,8 +106,9 @@ class Slot:
         if self.baseline is None:
             self.baseline = _use_count(self.storage._cdata)
         # (``.data``: a version counter of its own, as eager's output has: an in-place write to
-        # an earlier call's output must not move a later one's version)
-        alias = self.tensor.data
+        # an earlier call's output must not move a later one's version; outputs of one call on
+        # one memory: ``detach()``, sharing their counter as eager's views of one another do)
+        alias = self.tensor.data if self.lone else self.tensor.detach()
         self.alias = weakref.ref(alias)
         self.live[self] = None
         region = self.region
@@ -121,9 +125,12 @@ class Slot:
                 return False  # a view or a detached copy of the alias: cannot be moved
             try:
                 # (the same values: autograd may have saved the alias for a backward, which
-                # must still find it at the version it saved)
-                with _same_version(alias):  # (its own layout: the caller may have moved it,
-                    # a t_(), and eager's tensor would keep that)
+                # must still find it at the version it saved; an inference tensor has no
+                # version to keep)
+                keep = contextlib.nullcontext() if alias.is_inference() \
+                    else _same_version(alias)
+                with keep:  # (its own layout: the caller may have moved it, a t_(), and
+                    # eager's tensor would keep that)
                     alias.set_(self.storage.clone(), alias.storage_offset(), alias.size(),
                                alias.stride())
             except RuntimeError:
@@ -198,8 +205,8 @@ class GraphRegion:
         self._seq += 1
         slots: list[Slot] = []
 
-        def pool_output(t: torch.Tensor):
-            slot = Slot(self, t, seq)
+        def pool_output(t: torch.Tensor, lone: bool = True):
+            slot = Slot(self, t, seq, lone)
             slots.append(slot)
             self._slots[t.data_ptr()] = slot
             return slot.hand_out

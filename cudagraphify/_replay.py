@@ -127,20 +127,25 @@ def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[
     return view
 
 
-def clone_output(t: torch.Tensor) -> Callable:
+def clone_output(t: torch.Tensor, lone: bool = True) -> Callable:
     f = lambda leaves, outs: t.clone()  # noqa: E731
     f.fresh = t.clone  # a graph with this one output calls it itself (one frame less)
     return f
 
 
-def static_output(t: torch.Tensor) -> Callable:
+def static_output(t: torch.Tensor, lone: bool = True) -> Callable:
     # (a new tensor object on the graph's memory each call, as eager returns a new tensor: what
     # the caller does to the one it got, ``t_()``, ``requires_grad_()``, an attribute, must not
     # reach the next call's output)
-    # (``.data``: an alias with a version counter of its own, as eager's new tensor has, and
-    # cheaper to make than ``detach()``)
-    f = lambda leaves, outs: t.data  # noqa: E731
-    f.fresh = functools.partial(_data, t)  # (as ``clone_output``'s)
+    # ``lone`` (no other output on its memory): ``.data``, an alias with a version counter of
+    # its own, as eager's new tensor has (cheaper to make than ``detach()``); else ``detach()``,
+    # sharing the counter of the static outputs it views, as eager's views of one another do
+    if lone:
+        f = lambda leaves, outs: t.data  # noqa: E731
+        f.fresh = functools.partial(_data, t)  # (as ``clone_output``'s)
+    else:
+        f = lambda leaves, outs: t.detach()  # noqa: E731
+        f.fresh = t.detach
     f.static = t  # (its memory is the caller's too: see ``CapturedGraph.handed``)
     return f
 
@@ -186,8 +191,8 @@ def plan_outputs(
     - a tensor in memory the caller owns (a parameter, a buffer, a tensor kept as a module
       attribute): returned as is (``persistent_ids``: those tensors' ids), or as a fresh view
       where it is a view of one, never a graph slot;
-    - another tensor (in the graph's pool): ``pool_output(t)`` says (a clone, the static tensor
-      itself, or a region's protected alias);
+    - another tensor (in the graph's pool): ``pool_output(t, lone)`` says (a clone, the static
+      tensor itself, or a region's protected alias; ``lone``: no other output on its memory);
     - an immutable value: returned as is; an argument object: the caller's object.
     """
     kinds, spec = output_leaves(out, call_leaves)
@@ -259,8 +264,8 @@ def plan_outputs(
     for k, act in enumerate(actions):
         if type(act) is tuple:
             what, v = act
-            actions[k] = pool_output(v) if what == "pool" \
-                else (lambda leaves, outs, j=v + base: outs[j])
+            actions[k] = pool_output(v, len(pool[v.untyped_storage().data_ptr()]) == 1) \
+                if what == "pool" else (lambda leaves, outs, j=v + base: outs[j])
     return actions, spec
 
 

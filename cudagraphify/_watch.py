@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import threading
 from typing import Any, Callable, Iterator
@@ -291,15 +292,19 @@ class CallImpl:
     __slots__ = ()
 
 
+class PlainCall(functools.partial):
+    """What a given-back piece holds as its ``_compiled_call_impl`` instead of a DirectCall:
+    ``partial(nn.Module._call_impl, module)``, which runs as no override does, at the cost of
+    a C call (see ``_wrap._retire_piece``); its own type, so that it is never taken for a
+    user's override (an ``_call_impl`` bound to another module)."""
+
+    __slots__ = ()
+
+
 def own_call_impl(value: Any) -> bool:
     """Whether a module's ``_compiled_call_impl`` is cudagraphify's own: a bound method of a
-    :class:`CallImpl`, or the bound ``_call_impl`` a given-back piece holds instead (see
-    ``_wrap._retire_piece``: it runs as no override does)."""
-    return isinstance(getattr(value, "__self__", None), CallImpl) \
-        or getattr(value, "__func__", None) is _module_call_impl
-
-
-_module_call_impl = nn.Module._call_impl
+    :class:`CallImpl`, or a :class:`PlainCall`."""
+    return type(value) is PlainCall or isinstance(getattr(value, "__self__", None), CallImpl)
 
 
 def call_override(module: nn.Module) -> Any:

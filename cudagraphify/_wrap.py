@@ -494,9 +494,9 @@ def _retire_piece(ref: weakref.ref) -> None:
     if isinstance(fwd, GraphedForward) and fwd._self_dispatch.options.piece:
         if isinstance(getattr(d.get("_compiled_call_impl"), "__self__", None), DirectCall):
             # (not deleted: ``Module._wrapped_call_impl`` reads it twice, and a call on another
-            # thread between the two reads would get None; the bound ``_call_impl`` is what a
-            # module without it runs, at no extra cost)
-            d["_compiled_call_impl"] = types.MethodType(_call_impl, module)
+            # thread between the two reads would get None; ``_call_impl`` itself, as a module
+            # without it runs, through a partial: a C call, no Python frame)
+            d["_compiled_call_impl"] = _watch.PlainCall(_call_impl, module)
         _restore_forward(module)
 
 

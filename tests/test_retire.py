@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _engine, _wrap
+from cudagraphify import _engine, _watch, _wrap
 from test_trial import _COST, _Piece, _Root, _run
 from test_trial import timed  # noqa: F401 (a fixture)
 
@@ -20,12 +20,17 @@ _GIVE_BACK = dict(graph_cost=30e-6, eager_cost=10e-6)
 
 
 def _plain(module: nn.Module) -> bool:
-    """No wrapper of ours left: its class's forward, and as its call override at most the bound
-    ``_call_impl`` (what a module without one runs; see ``_wrap._retire_piece``)."""
+    """No wrapper of ours left: its class's forward, and as its call override at most the
+    ``PlainCall`` of its ``_call_impl`` (what a module without one runs; see
+    ``_wrap._retire_piece``)."""
     d = module.__dict__
     call = d.get("_compiled_call_impl")
-    return "forward" not in d and (call is None or (
-        call.__func__ is nn.Module._call_impl and call.__self__ is module))
+    return "forward" not in d and (call is None or _plain_call(call, module))
+
+
+def _plain_call(call, module: nn.Module) -> bool:
+    return type(call) is _watch.PlainCall and call.func is nn.Module._call_impl \
+        and call.args == (module,)
 
 
 def test_a_given_back_piece_runs_without_cudagraphify(timed, monkeypatch):  # noqa: F811
@@ -76,7 +81,7 @@ def test_a_forward_of_the_instance_own_comes_back(timed):  # noqa: F811
         assert torch.equal(g(x), ref(x))
     assert g.a._cudagraphify_state.given_back
     assert g.a.__dict__["forward"] is own
-    assert g.a.__dict__["_compiled_call_impl"].__func__ is nn.Module._call_impl
+    assert _plain_call(g.a.__dict__["_compiled_call_impl"], g.a)
     x = torch.randn(4, 8)
     assert torch.equal(g(x), ref(x))
 

@@ -86,11 +86,11 @@ def counters(m):
 
 
 def plain(m):
-    """No wrapper of ours: the class's forward, and at most the bound ``_call_impl`` as the
+    """No wrapper of ours: the class's forward, and at most a partial of ``_call_impl`` as the
     call override (what retirement leaves since the R2 fix)."""
     call = m.__dict__.get("_compiled_call_impl")
     return "forward" not in m.__dict__ and (
-        call is None or getattr(call, "__func__", None) is nn.Module._call_impl)
+        call is None or getattr(call, "func", None) is nn.Module._call_impl)
 
 
 _PAUSE = []
