@@ -14,7 +14,9 @@ from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
 from ._errors import CudagraphifyUsageError
-from ._signature import Signature
+from ._signature import STATIC_OBJECT, STATIC_STATE, Signature
+
+_HELD = (STATIC_OBJECT, STATIC_STATE)  # the kinds of constants always in the key
 
 __all__ = ["CachePolicy", "GraphCache", "EagerEntry", "Owned"]
 
@@ -60,13 +62,19 @@ class CachePolicy:
         """The part of the key a policy controls. Default: the constants.
 
         Return the same value for two signatures to let them share a graph: the graph then
-        replays with the constants seen at capture. Tensor layouts, global state and the
-        argument structure (which leaf is which argument) are always part of the key.
+        replays with the constants seen at capture. Tensor layouts, global state, the argument
+        structure (which leaf is which argument) and the objects passed as they are (named in
+        ``static_argnames``, or recognised static state such as an HF ``StaticCache``) are
+        always part of the key.
         """
         return signature.constants
 
     def full_key(self, signature: Signature) -> Hashable:
-        return (signature.tensors, signature.state, signature.spec, self.key(signature))
+        # (objects passed as they are, named in ``static_argnames`` or recognised static state
+        # such as an HF StaticCache, are keyed whatever the policy says: a graph reads their
+        # memory in place, as it reads a tensor argument's)
+        held = tuple(c for c in signature.constants if c.kind in _HELD)
+        return (signature.tensors, signature.state, signature.spec, held, self.key(signature))
 
 
 class KeyFnPolicy(CachePolicy):

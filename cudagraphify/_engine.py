@@ -203,7 +203,8 @@ class GraphedState(PieceRuns):
         """From now on, grad-mode calls run eagerly (a backward found its parameters moved)."""
         self._train_eager = reason
 
-    def _call(self, backend, region, fn: Callable, args: tuple, kwargs: dict) -> Any:
+    def _call(self, backend, region, fn: Callable, args: tuple, kwargs: dict,
+              set_up: bool = False) -> Any:
         if self.given_back is not None:  # (given back while this call waited for the lock)
             return self._given_back(fn, args, kwargs)
         self._fast = None  # remade by a replay that qualifies
@@ -276,10 +277,11 @@ class GraphedState(PieceRuns):
             kind = type(entry)
             if kind is CapturedGraph or kind is TrainingGraph:
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
-            if kind is SetUpEntry and self._set_up(entry, leaves):
+            if kind is SetUpEntry and not set_up and self._set_up(entry, leaves):
                 # the call's states are now as its first update leaves them: decided anew
+                # (once: a key that finds this entry again runs eagerly, see ``set_up``)
                 captures = self.captures
-                out = self._call(backend, region, fn, args, kwargs)
+                out = self._call(backend, region, fn, args, kwargs, set_up=True)
                 if self.captures > captures:
                     # (the first two states capture: a family's template and its diff; a
                     # third that captures was not rebased, nor will the next ones be)
