@@ -29,7 +29,7 @@ __all__ = ["is_static_state", "may_be_static_state", "state_key", "state_layout"
            "StateUnkeyable", "SetUp", "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
-_MAX_ITEMS = 512  # values walked per object: beyond that it is refused (too costly per call)
+_MAX_ITEMS = 4096  # values walked per object: beyond that it is refused (too costly per call)
 _MAX_DEPTH = 5
 _cache_types: dict[type, bool] = {}
 
@@ -206,6 +206,8 @@ _MAX_MEMO = 16
 _memo: dict[int, tuple] = {}  # id(object) -> (weak reference, its walk, its key)
 _dict_version = torch._C._dynamo.guards.dict_version
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
+# (CUDA builds: the addresses of many tensors compared in one C call)
+_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class _Walk:
@@ -215,7 +217,7 @@ class _Walk:
     the values of the small CPU tensors."""
 
     __slots__ = ("dicts", "objects", "root", "lists", "tensors", "small", "guard", "ptrs",
-                 "storages")
+                 "storages", "indices")
 
     def __init__(self):
         self.dicts: list[tuple[dict, int]] = []
@@ -231,6 +233,7 @@ class _Walk:
         self.small: list[tuple[torch.Tensor, Any]] = []
         self.guard = None
         self.ptrs: list[int] = []
+        self.indices: list[int] = []
 
     def freeze(self, value: Any) -> None:
         if self.objects and self.objects[0][0] is value:
@@ -240,6 +243,7 @@ class _Walk:
             self.guard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
                                        dynamic_dims_strides=[list(t.stride()) for t in ts])
             self.ptrs = [t.data_ptr() for t in ts]
+            self.indices = list(range(len(ts)))
 
     def where(self, t: torch.Tensor) -> tuple:
         """Where ``t`` lies, without its address: its storage's index (in walk order), size
@@ -263,8 +267,9 @@ class _Walk:
         for items, ids in self.lists:
             if len(items) != len(ids) or any(a is not b for a, b in zip(items, ids)):
                 return False
-        if self.guard is not None and not (self.guard.check(*self.tensors) and
-                                           [t.data_ptr() for t in self.tensors] == self.ptrs):
+        if self.guard is not None and not (self.guard.check(*self.tensors) and (
+                _ptrs_equal(self.tensors, self.ptrs, self.indices) if _ptrs_equal is not None
+                else [t.data_ptr() for t in self.tensors] == self.ptrs)):
             return False
         return all(t.tolist() == v for t, v in self.small)
 

@@ -31,13 +31,10 @@ wrapper only; a retired piece holds a ``_watch.PlainCall`` (a marked partial of
 
 from __future__ import annotations
 
-import ast
 import copy
 import functools
 import itertools
-import subprocess
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -49,7 +46,6 @@ from cudagraphify import _pieces, _watch, _wrap
 from test_trial import _COST, _Root, _run
 from test_trial import timed  # noqa: F401 (a fixture)
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 class _TwoViews(nn.Module):
@@ -539,29 +535,7 @@ def test_control_copies_and_load_state_dict_of_a_root_with_retired_pieces(timed)
         assert torch.equal(g(x), ref(x))
 
 
-# -- 87871e5: a pure move ----------------------------------------------------------------------
-
-def _methods(src: str, cls: str) -> dict[str, str]:
-    out = {}
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.ClassDef) and node.name == cls:
-            out.update({f.name: ast.dump(f) for f in node.body if isinstance(f, ast.FunctionDef)})
-    return out
-
-
-def test_control_the_pieces_move_lost_and_changed_nothing():
-    try:
-        before = subprocess.run(["git", "show", "87871e5^:cudagraphify/_engine.py"], cwd=ROOT,
-                                capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        pytest.skip("no git history here")
-    then = _methods(before, "GraphedState")
-    engine = _methods((ROOT / "cudagraphify/_engine.py").read_text(), "GraphedState")
-    pieces = _methods((ROOT / "cudagraphify/_pieces.py").read_text(), "PieceRuns")
-    assert not set(engine) & set(pieces)
-    assert set(then) == set(engine) | set(pieces)
-    assert all(then[k] == {**engine, **pieces}[k] for k in then)
-
+# -- 87871e5: the pieces logic moved to _pieces (checked once by AST comparison at review) ----
 
 def test_control_chain_pieces_is_read_where_the_chain_is_decided(sim, monkeypatch):
     monkeypatch.setattr(_pieces, "CHAIN_PIECES", False)

@@ -307,3 +307,21 @@ def test_the_fast_path_sees_a_cache_tensor_replaced_in_place(sim):
     assert torch.equal(g(x, cache=cache, pos=torch.tensor([3])),
                        ref(x, cache=ref_cache, pos=torch.tensor([3])))
     assert torch.equal(cache.layers[0].keys, ref_cache.layers[0].keys)
+
+
+@pytest.mark.parametrize("layers", [40, 80])
+def test_the_cache_of_a_deep_model_is_keyable(layers):
+    """HF's own StaticCache of a 40- and 80-layer model, allocated: within what ``state_key``
+    walks (it refused beyond 32 layers: such a model's every call ran eagerly), and its key
+    still follows a tensor moved in one layer."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=100,
+                                   max_position_embeddings=64)
+    cache = transformers.StaticCache(config=cfg, max_cache_len=32)
+    cache.early_initialization(1, 2, 16, torch.float32, torch.device("cpu"))
+    key = state_key(cache)
+    assert state_key(cache) == key  # (the memo's answer)
+    cache.layers[-1].keys = cache.layers[-1].keys.clone()
+    assert state_key(cache) != key
