@@ -64,6 +64,11 @@ _MAX_DEFERRED = 8  # transient capture failures before a signature is decided fo
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
+# graphs captured in a row, none replayed before the next new signature, after which new
+# signatures run eagerly for _STORM_CALLS of them (a shape or a cache's memory that changes
+# every call: beam search's reorder_cache) before capturing is tried again
+_MAX_FRUITLESS = 8
+_STORM_CALLS = 64
 _Tensor = torch.Tensor
 PENDING = ("the backward of an earlier call with this signature has not run yet (its "
            "activations would be overwritten); call under torch.no_grad() when no backward "
@@ -125,6 +130,12 @@ class GraphedState(PieceRuns):
         self._moves = 0  # calls that found parameters or buffers moved, since they last stood
         self._still = 0  # calls in a row since the last move
         self._moved_why = ""
+        # captures that were never replayed (see _MAX_FRUITLESS): ``replays`` right after the
+        # last capture's call, how many in a row, and new signatures run eagerly since
+        self._capture_mark: int | None = None
+        self._fruitless = 0
+        self._storm = 0
+        self._storm_mark = 0
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
         self._stream_token: int | None = None
@@ -305,13 +316,44 @@ class GraphedState(PieceRuns):
                                   states=[leaves[i] for i in sig.static_states])
                 return self._record(outcome, backend, region, cache, key, leaves, fn, args,
                                     kwargs)
+        storm = self._storming()
+        if storm is not None:
+            return self._eager(storm, fn, args, kwargs)
         first = FirstCall(self, backend, region, key, sig, leaves, static_flags, fn, args,
                           kwargs, self._device)
         try:
             outcome = first.run()
         finally:
             self.warmup_seconds += first.warmup_seconds
-        return self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs)
+        out = self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs)
+        if outcome.kind == GRAPHED:
+            self._capture_mark = self.replays  # (its call's own replay counted)
+        return out
+
+    def _storming(self) -> str | None:
+        """Before a new signature's first call: why it runs eagerly instead, where the last
+        graphs captured were never replayed (each call a new signature), else None."""
+        if self._capture_mark is not None:
+            self._fruitless = self._fruitless + 1 if self.replays == self._capture_mark else 0
+            self._capture_mark = None
+        if self._fruitless < _MAX_FRUITLESS:
+            return None
+        self._storm += 1
+        if self._storm > _STORM_CALLS or (self._storm > 1 and self.replays != self._storm_mark):
+            # (tried again: after as many, or as soon as a graph replays again)
+            self._storm = self._fruitless = 0
+            return None
+        self._storm_mark = self.replays
+        return (f"a new signature on every call: the last {_MAX_FRUITLESS} graphs captured were "
+                "never replayed (a shape, or a cache's memory, that changes every call: beam "
+                f"search's reorder_cache); new signatures run eagerly, {_STORM_CALLS} of them "
+                "before capturing is tried again (the graphs made go on replaying)")
+
+    def expect_captures(self) -> None:
+        """New signatures in a row are expected (``capture_sizes``): none counts as a capture
+        that was never replayed."""
+        self._capture_mark = None
+        self._fruitless = self._storm = 0
 
     def _set_up(self, entry: SetUpEntry, leaves: list) -> bool:
         """Set the call's static states up as the entry's first call left its own; False (and

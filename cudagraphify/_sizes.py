@@ -88,6 +88,9 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
         if progress:
             print(f"\rcudagraphify: capturing {name}: size {size} ({n}/{len(order)})",
                   end="", file=sys.stderr, flush=True)
+        state = _state_of(target)
+        if state is not None:
+            state.expect_captures()  # (a size after size, none replayed: as asked)
         why = _capture_one(target, inputs, size, stats)
         if why is None:
             done.graphed.append(size)
