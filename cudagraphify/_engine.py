@@ -14,7 +14,7 @@ One :class:`GraphedState` exists per graphed module instance (or graphed functio
    signature is built, its key looked up (the active region's cache, else the state's own),
    and the first entry that fits (module state, global flags) is replayed or run eagerly;
 3. **first call** — :class:`~._first_call.FirstCall` warms up, screens, captures and verifies;
-   its :class:`~._first_call.Outcome` is recorded here (the engine is the only place that
+   its :class:`~._outcome.Outcome` is recorded here (the engine is the only place that
    counts or writes a cache).
 
 Nothing here touches ``torch.cuda``: the backend (``_capture``) does.

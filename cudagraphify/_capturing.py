@@ -1,0 +1,351 @@
+"""A signature's first call, phase 3 (see :mod:`._first_call`): the capture. The extra warm-ups
+(on copies of the inputs, their writes undone), then the capture itself, under the probe and
+the recorder again: an inference graph (``_capture_inference``: into the callable's pool or the
+region's, a share_graph layer's graph made from its group's template, an HF static cache's from
+its family's) or a training graph (forward and backward)."""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.utils._pytree as pytree
+
+from . import _cugraph
+from ._capture import _first_line
+from ._errors import CaptureFailed
+from ._nested import Nested
+from ._outcome import DEFERRED, PIECEWISE, Outcome
+from ._piecewise import new_probe, probed
+from ._probe import Finding
+from ._rehearsal import rehearsing
+from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
+                      static_output)
+from ._signature import storage_of, unflatten_call
+from ._state import tensors_in as _tensors_in
+from ._training import capture_training, saved_by_backward, warmup_backward
+from ._watch import Recorder, recording
+
+
+class Capturing:
+    """Phase 3 of :class:`~._first_call.FirstCall` (its attributes are set there)."""
+
+    def capture(self) -> Outcome:
+        failed: CaptureFailed | None = None
+        try:
+            if not self.opaque:
+                self._extra_warmups()
+        except Exception as e:  # noqa: BLE001 - the real call succeeded: its result stands
+            _forget_frames(e)
+            failed = CaptureFailed(f"extra warm-up failed: {_first_line(e)}",
+                                   transient=isinstance(e, torch.OutOfMemoryError))
+        second = new_probe(self.state, thunder=False)
+        if second is not None:
+            second.known = set()  # track what the capture's ops produce (see verify)
+            second.locate = False  # (what it reads from outside is the warm-up's business)
+        rec = Recorder()
+        try:
+            if failed is not None:
+                raise failed
+            run = probed(second, self.fn)
+            with Nested(), recording(rec):
+                if self.training:
+                    entry = capture_training(
+                        self.backend, run, self.sig, self.leaves, self.static_flags,
+                        self.statics.grad_params(), self.device, self._persistent(),
+                        self.statics.stand_ins, self.saved, self.saved_statics)
+                else:
+                    entry = self._capture_inference(run)
+        except (CaptureFailed, torch.OutOfMemoryError) as e:
+            _forget_frames(e)
+            if not isinstance(e, CaptureFailed):  # static buffers or a pool, before capturing
+                e = CaptureFailed(f"out of memory preparing the capture: {_first_line(e)}",
+                                  transient=True)
+            if e.transient:
+                return Outcome(DEFERRED, self.result, reason=f"capture deferred (retried on a "
+                               f"later call): {e}", guard=self.warm_guard)
+            if self.probe is not None and self.statics.root is not None:
+                found = {"": [Finding("", "capture", (), f"capture failed: {e}")]}
+                return Outcome(PIECEWISE, self.result, findings=found,
+                               ran=self.probe.ran(), guard=self.warm_guard)
+            return self._eager(f"capture failed: {e}")
+        except OutputPlanError as e:
+            return self._eager(str(e))
+        return self.verify(entry, second, rec)
+
+    def _persistent(self) -> set[int]:
+        """Storages the caller owns (parameters, buffers, tensors kept as module attributes):
+        returned as they are, never treated as a graph's output slots."""
+        return self.static_storages | {storage_of(t) for t in self.warm_guard.tensors}
+
+    def _extra_warmups(self) -> None:
+        """Warm-up runs beyond the real call: on copies of the inputs; what the real call
+        wrote in parameters and buffers is restored after them, so only its effect remains."""
+        n = self.state.options.num_warmup_iters - 1
+        if self.training:
+            n = max(n, 1)  # the backward needs a warm-up of its own
+        if n == 0:
+            return
+        written = [self.watchable[j] for j in self.wrote_statics]
+        with torch.no_grad():
+            saved = [t.clone() for t in written]
+        statics, leaves, sig, fn = self.statics, self.leaves, self.sig, self.fn
+        try:
+            for _ in range(n):
+                copies = StaticInputs(leaves, [False] * len(leaves))
+                for i, buf in copies.copy:
+                    buf.requires_grad_(self.training and leaves[i].requires_grad)
+                a, kw = unflatten_call(copies.leaves, sig)
+                with Nested():
+                    if self.training:
+                        wrt = statics.grad_params() + [b for _, b in copies.copy]
+                        with saved_by_backward() as packed:
+                            self.backend.warmup(lambda: warmup_backward(
+                                lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
+                        self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
+                        storages = {storage_of(t) for t in packed} - {0}
+                        self.saved_statics = [t for t in statics.tensors if not t.requires_grad
+                                              and storage_of(t) in storages]
+                    else:
+                        self.backend.warmup(lambda: fn(*a, **kw), self.device)
+        finally:  # a failed extra run leaves no trace in the buffers either
+            with torch.no_grad():
+                for t, v in zip(written, saved):
+                    # through .data: the real call's autograd graph saved these buffers
+                    # (BatchNorm's backward takes its running statistics) and checks versions
+                    t.data.copy_(v)
+
+    def _capture_inference(self, fn: Callable) -> CapturedGraph:
+        region, leaves, state = self.region, self.leaves, self.state
+        chain = region is not None and region.chain
+        mutated = self.mutated
+        borrow = region.borrowable(leaves) if chain else {}
+        borrow = {i: s for i, s in borrow.items() if not self.static_flags[i] and i not in mutated}
+        inputs = StaticInputs(leaves, self.static_flags, {i: s.tensor for i, s in borrow.items()})
+        held_before = [slot.users() for slot in borrow.values()]
+        a, kw = unflatten_call(inputs.leaves, self.sig)
+        made = self._shared(fn, a, kw, inputs)
+        shared = made is not None
+        if made is None:
+            made = self._rebased(fn, inputs)
+        if made is not None:
+            raw, out, inputs = made
+        else:
+            if region is not None:
+                pool = region.pool(self.backend, self.device)
+            elif state.share is not None:
+                pool = state.share.group.pool(self.backend, self.device)
+            elif state.options.copy_outputs is True and not state.policy.shared:
+                # one pool for this callable's graphs (they never run at once, and their
+                # outputs are copied out): a capture reuses what earlier ones freed
+                pool = state.pool(self.backend, self.device)
+            else:
+                # (copy_outputs=False: the caller holds a graph's outputs until that graph's
+                # next replay, and another graph's replay must not write them; a shared
+                # policy: another callable replays this one's graphs, ordered on its own
+                # stream only, so two of them may run at once)
+                pool = None
+            raw, out = self.backend.capture(lambda: fn(*a, **kw), self.device, pool=pool)
+        seq, forget = None, None
+        copy_outputs = state.options.copy_outputs
+        if chain:
+            seq, pool_output, forget, refit = region.adopt()
+        elif copy_outputs:
+            pool_output = clone_output
+        else:
+            pool_output = static_output
+        try:
+            actions, spec = plan_outputs(
+                out, inputs, leaves, self._persistent(), pool_output,
+                {id(t) for t in (*self.statics.tensors, *self.warm_guard.tensors)})
+        except OutputPlanError:
+            if forget is not None:
+                forget()
+            raw.release()
+            raise
+        for i in self.sig.static_states:  # keyed by what they hold: never held by a graph
+            inputs.leaves[i] = None
+        # (the tensors of the output only: an argument object it returns is not the graph's)
+        keep = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        entry = CapturedGraph(raw, inputs, mutated, actions, spec, keep=keep,
+                              device=self.device)
+        if self.family is not None:  # the output plan serves every graph of the family
+            self.family.made = (actions, spec, keep)
+        entry.shared = shared
+        entry.seq = seq
+        entry.borrowed = list(borrow.items())
+        if mutated and not chain and not copy_outputs:
+            # The caller holds the graph's own outputs: one passed back as an input the forward
+            # writes would be overwritten by the copy-back after the replay.
+            entry.hazard = {storage_of(t) for t in _tensors_in(out)} - {0}
+        if forget is not None:
+            entry.on_release.append(forget)
+            entry.after_release.append(refit)
+        for slot, held in zip(borrow.values(), held_before):
+            # outputs that are views of a borrowed input are cudagraphify's own references
+            slot.own_more(slot.users() - held)
+            entry.on_release.append(lambda slot=slot, n=slot.users() - held: slot.own_more(-n))
+        return entry
+
+    def _shared(self, fn, a, kw, inputs):
+        """This layer's graph made from its share_graph group's template, or None."""
+        state = self.state
+        if state.share is None:
+            return None
+        group, k = state.share.group, state.share.layer
+        if self.region is not None:
+            group.refuse("called inside a graph_region (per-layer graphs in the region's pool)")
+            return None
+        if self.opaque:
+            # a cache passed as it is (static_argnames, an HF StaticCache): checking a shared
+            # graph replays it and runs a second layer, each writing the cache once more
+            group.refuse("an argument is passed as it is (a cache): sharing would write it")
+            return None
+        if self.mutated or self.wrote_statics:
+            # Sharing replays graphs to check them (and runs a second layer once): each replay
+            # would apply the forward's writes (running statistics, a cache) once more.
+            group.refuse("forward writes to its buffers or inputs")
+            return None
+        if not getattr(self.backend, "can_share", False):
+            group.refuse("the capture backend cannot read graphs")
+            return None
+        return group.make(k, self.key, fn, a, kw, inputs, self.leaves, self.backend,
+                          self.device, self.result, self.warm_guard)
+
+    def _rebased(self, fn, inputs):
+        """This call's graph as a family's template or second state (see _rebase): (raw,
+        outputs, static inputs) or None (captured as any other call). Later states of a
+        family are rebased by the engine before any warm-up (:meth:`_rebase.Families.entry`)."""
+        from . import _rebase
+
+        state, backend = self.state, self.backend
+        if not self.sig.static_states or state.share is not None or self.region is not None \
+                or self.mutated or self.wrote_statics or self.draws \
+                or not _rebase.eligible(state, backend):
+            return None
+        idx = self.sig.static_states
+        found = _rebase.family_key(state, self.sig, self.leaves)
+        if found is None:
+            return None
+        key, layout, storages = found
+        families = state.families
+        family = families.get(key)
+        if family is not None and not family.verified:
+            families.drop(key)  # its template's graph was refused: start again
+            family = None
+        if family is None:
+            if families.full() or not _cugraph.driver_available():
+                return None
+            pool = backend.new_pool(self.device)
+            a, kw = unflatten_call(inputs.leaves, self.sig)
+            raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=pool,
+                                       keep_graph=True)
+            if any(storages.find(storage_of(t)) for t in pytree.tree_leaves(out)
+                   if isinstance(t, torch.Tensor)):
+                return raw, out, inputs  # returns the state's memory: no family
+            self.family = _rebase.Family(raw, pool, layout, storages, inputs,
+                                         _rebase.state_outputs(out, self.leaves, idx))
+            families.add(key, self.family)
+            return _rebase.Borrowed(raw), out, inputs
+        if family.reason is not None or family.plan is not None \
+                or tuple(self.pinned) != family.pinned:
+            # refused for good, or (a plan) the engine declined to rebase, or another
+            # parameter passed as an argument (read in place: the template reads its own)
+            return None
+        # a second state: captured on the template's inputs, in its pool, then diffed
+        leaves = list(family.inputs.leaves)
+        for i in idx:
+            leaves[i] = self.leaves[i]
+        with torch.no_grad():
+            for i, buf in family.inputs.copy:
+                buf.copy_(self.leaves[i])
+        a, kw = unflatten_call(leaves, self.sig)
+        raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=family.pool,
+                                   keep_graph=True)
+        _rebase.diff(family, raw, storages, family.pool, self._readable(family.inputs))
+        plan = family.plan
+        if plan is not None and plan.unproven:
+            # the proof runs the forward once more, eagerly, and the template once: on copies
+            # of the states, but any other memory the forward writes would be written again.
+            # (Where only slots into memory both caches hold need it, another cache, at other
+            # addresses, may need none: not final.)
+            final = plan.unproven > plan.same
+            why = self._writes_besides(storages)
+            if why:
+                family.refuse(f"rebasing is not proven: {why}", final=final)
+                return raw, out, family.inputs
+            if self.states_before is None:
+                family.refuse("rebasing is not proven: the cache could not be copied as the "
+                              "call found it (too large for the free memory)", final=final)
+                return raw, out, family.inputs
+            _rebase.prove(family, [self.states_before[i] for i in idx], self._eager_with(idx),
+                          self.leaves, backend, self.device, live=[self.leaves[i] for i in idx])
+        return raw, out, family.inputs
+
+    def _readable(self, inputs: StaticInputs) -> list[torch.Tensor]:
+        """The tensors the forward may read besides static states and its pool: parameters,
+        buffers, the static inputs, tensors kept as module attributes or inside objects passed
+        as they are (the probe refuses a run that reads other memory)."""
+        return [*self.statics.tensors, *self.warm_guard.tensors,
+                *(t for t in inputs.leaves if isinstance(t, torch.Tensor)),
+                *(t for _, obj in self.objects for t in _tensors_in(obj))]
+
+    def _writes_besides(self, storages) -> str:
+        """Why the warm-up's writes are not only to the static states' ``storages`` and to
+        memory it made itself ("" when they are); nor, where the capture took the rehearsed
+        path, the rehearsal's to its copies of the states."""
+        warm, probe = self.warm_probe, self.probe
+        if warm is None or warm.written is None:
+            return "the probe is off (probe=False): what the forward writes is unknown"
+        foreign = [p for p in warm.written_before_made if storages.find(p) is None]
+        if probe is not warm:  # (a rehearsal: it wrote copies of the states)
+            if probe.written is None:
+                return "what the rehearsed path writes is unknown"
+            foreign += [p for p in probe.written_before_made if p not in probe.states_written]
+        if foreign:
+            return (f"forward writes {len(foreign)} tensor(s) besides the cache (a proof "
+                    "would write them again)")
+        return ""
+
+    def _eager_with(self, idx: list[int]) -> Callable[[list], Any]:
+        """The call run eagerly with other objects for the static states at leaves ``idx``."""
+        def run(states: list) -> Any:
+            leaves = list(self.leaves)
+            for i, v in zip(idx, states):
+                leaves[i] = v
+            a, kw = unflatten_call(leaves, self.sig)
+            # (the path the template's capture took: a rehearsed one where it was)
+            rehearsed = self.probe is not None and self.probe.rehearse
+            with Nested():
+                return self.backend.warmup(
+                    rehearsing(self.state, lambda: self.fn(*a, **kw)) if rehearsed
+                    else lambda: self.fn(*a, **kw), self.device)
+        return run
+
+
+def _saved_indices(packed: list[torch.Tensor], copies: StaticInputs, tensor_idx: list[int],
+                   statics) -> set[int]:
+    """Which tensors of a graphed training call autograd saves for backward (by storage):
+    positions among the autograd Function's inputs (the user's tensors, then the parameters
+    that require grad)."""
+    storages = {storage_of(t) for t in packed} - {0}
+    out = set()
+    by_leaf = dict(copies.copy)
+    for pos, i in enumerate(tensor_idx):
+        buf = by_leaf.get(i)
+        if buf is not None and storage_of(buf) in storages:
+            out.add(pos)
+    n = len(tensor_idx)
+    for k, p in enumerate(statics.grad_params()):
+        if storage_of(p) in storages:
+            out.add(n + k)
+    return out
+
+
+def _forget_frames(error: BaseException) -> None:
+    """Clear the locals of a failed capture's frames: a traceback cycle would keep its tensors
+    (and their autograd graph, which blocks the next capture) alive until the GC runs."""
+    while error is not None:
+        traceback.clear_frames(error.__traceback__)
+        error = error.__cause__ or error.__context__
