@@ -64,11 +64,17 @@ _MAX_DEFERRED = 8  # transient capture failures before a signature is decided fo
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
-# graphs captured in a row, none replayed before the next new signature, after which new
-# signatures run eagerly for _STORM_CALLS of them (a shape or a cache's memory that changes
-# every call: beam search's reorder_cache) before capturing is tried again
+# graphs captured in a row, none replayed before the next new signature (at least this many,
+# and as many as the cache holds: a warm-up over the sizes a server will see is no storm),
+# after which new signatures run eagerly, _STORM_CALLS distinct ones (a shape or a cache's
+# memory that changes every call: beam search's reorder_cache), before capturing is tried
+# again; a signature met twice in that time ends it
 _MAX_FRUITLESS = 8
 _STORM_CALLS = 64
+
+
+def _fruitless_limit(policy: CachePolicy) -> int:
+    return max(_MAX_FRUITLESS, policy.max_graphs)
 _Tensor = torch.Tensor
 PENDING = ("the backward of an earlier call with this signature has not run yet (its "
            "activations would be overwritten); call under torch.no_grad() when no backward "
@@ -134,7 +140,7 @@ class GraphedState(PieceRuns):
         # last capture's call, how many in a row, and new signatures run eagerly since
         self._capture_mark: int | None = None
         self._fruitless = 0
-        self._storm = 0
+        self._storm_keys: set = set()  # the signatures run eagerly by the storm
         self._storm_mark = 0
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
@@ -316,7 +322,7 @@ class GraphedState(PieceRuns):
                                   states=[leaves[i] for i in sig.static_states])
                 return self._record(outcome, backend, region, cache, key, leaves, fn, args,
                                     kwargs)
-        storm = self._storming()
+        storm = self._storming(key)
         if storm is not None:
             return self._eager(storm, fn, args, kwargs)
         first = FirstCall(self, backend, region, key, sig, leaves, static_flags, fn, args,
@@ -330,30 +336,37 @@ class GraphedState(PieceRuns):
             self._capture_mark = self.replays  # (its call's own replay counted)
         return out
 
-    def _storming(self) -> str | None:
+    def _storming(self, key) -> str | None:
         """Before a new signature's first call: why it runs eagerly instead, where the last
-        graphs captured were never replayed (each call a new signature), else None."""
+        graphs captured were never replayed (each call a new signature), else None. (Not for
+        callables sharing one cache: their replays count on the callable that replays.)"""
         if self._capture_mark is not None:
             self._fruitless = self._fruitless + 1 if self.replays == self._capture_mark else 0
             self._capture_mark = None
-        if self._fruitless < _MAX_FRUITLESS:
+        if self._fruitless < _fruitless_limit(self.policy) or self.policy.shared:
             return None
-        self._storm += 1
-        if self._storm > _STORM_CALLS or (self._storm > 1 and self.replays != self._storm_mark):
-            # (tried again: after as many, or as soon as a graph replays again)
-            self._storm = self._fruitless = 0
+        seen = self._storm_keys
+        if (seen and self.replays != self._storm_mark) or key in seen \
+                or len(seen) >= _STORM_CALLS:
+            # (over: a graph replays again, a signature came back, or tried again after as
+            # many distinct ones)
+            seen.clear()
+            self._fruitless = 0
             return None
+        seen.add(key)
         self._storm_mark = self.replays
-        return (f"a new signature on every call: the last {_MAX_FRUITLESS} graphs captured were "
-                "never replayed (a shape, or a cache's memory, that changes every call: beam "
-                f"search's reorder_cache); new signatures run eagerly, {_STORM_CALLS} of them "
-                "before capturing is tried again (the graphs made go on replaying)")
+        return (f"a new signature on every call: the last {self._fruitless} graphs captured "
+                "were never replayed (a shape, or a cache's memory, that changes every call: "
+                "beam search's reorder_cache); new signatures run eagerly, until one comes "
+                f"back, a graph replays again or {_STORM_CALLS} of them have (the graphs made go "
+                "on replaying)")
 
     def expect_captures(self) -> None:
         """New signatures in a row are expected (``capture_sizes``): none counts as a capture
         that was never replayed."""
         self._capture_mark = None
-        self._fruitless = self._storm = 0
+        self._fruitless = 0
+        self._storm_keys.clear()
 
     def _set_up(self, entry: SetUpEntry, leaves: list) -> bool:
         """Set the call's static states up as the entry's first call left its own; False (and

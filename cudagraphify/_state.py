@@ -72,6 +72,8 @@ def state_key(value: Any) -> Hashable:
     ones) values, the same key is returned after a few C calls, without walking again."""
     hit = _memo.get(id(value))
     if hit is not None and hit[0]() is value and hit[1].same(value):
+        if len(_memo) > _MAX_MEMO // 2:  # (least recently used first: a hit moves to the end)
+            _memo[id(value)] = _memo.pop(id(value))
         return hit[2]
     walk = _Walk()
     key = StateKey(_key(value, 0, [0], walk))
@@ -202,7 +204,7 @@ class StateKey:
         return f"StateKey({self.items!r})"
 
 
-_MAX_MEMO = 16
+_MAX_MEMO = 256  # walks kept (an entry goes with its object too)
 _memo: dict[int, tuple] = {}  # id(object) -> (weak reference, its walk, its key)
 _dict_version = torch._C._dynamo.guards.dict_version
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
