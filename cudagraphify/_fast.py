@@ -165,20 +165,14 @@ class EagerFast:
             if not (self.tguard.check(self.pick(values)) if self.one
                     else self.tguard.check(*self.pick(values))):
                 return _MISS
+            # (global flags are not checked: they change no eager decision, but where the
+            # decision is a pending backward's, another signature's graph may replay)
+            state = self.entry.state
+            if (state is not None and not state.valid()) or not self.statics_same():
+                return _MISS
             still = self.still
-            if still is not None:
-                # a pending backward's decision: eager while it is pending, under the same
-                # global state and parameters requiring grad (another signature's graph may
-                # replay); the module state and statics are not looked at: where they changed,
-                # another graph might replay instead, never a more correct result (the first
-                # call after the backward decides anew)
-                if not self._still_pending():
-                    return _MISS
-            else:
-                # (global flags are not checked: they change no eager decision)
-                state = self.entry.state
-                if (state is not None and not state.valid()) or not self.statics_same():
-                    return _MISS
+            if still is not None and not self._still_pending():
+                return _MISS
         state = self.state
         state.eager_calls[self.reason] += 1
         # (``chained``'s answer where segments are off and no piece of its plans may replay:
