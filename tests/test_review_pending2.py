@@ -16,8 +16,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify._engine import PENDING
-from cudagraphify._fast import EagerFast
+from test_review_pending import _make_pending, _pending  # (one definition)
 
 
 @pytest.fixture(autouse=True)
@@ -43,29 +42,6 @@ class Scaled(nn.Module):
 
     def forward(self, x):
         return self.lin(x) * self.scale
-
-
-def _pending(m) -> int:
-    return cg.stats(m).eager_calls.get(PENDING, 0)
-
-
-def _spy(m):
-    state = m._cudagraphify_state
-    slow = state.slow
-    calls = []
-    state.slow = lambda *a: calls.append(1) or slow(*a)
-    return calls
-
-
-def _make_pending(m, x):
-    """(as tests/test_review_pending.py) capture/replay with backward, then a kept replay (its
-    backward pending), then one more grad-mode call: EagerFast.pending is installed."""
-    out = m(x)
-    out.sum().backward()
-    kept = m(x)
-    m(x)
-    assert type(m._cudagraphify_state._fast) is EagerFast
-    return kept
 
 
 def _flip(how, mods, on):
