@@ -35,7 +35,7 @@ from torch import nn
 
 from . import _watch
 from ._signature import is_constant
-from ._statics import watch
+from ._statics import ptrs_equal, watch
 from ._watch import MISSING, Read, call_override, global_hooks_present, same, short
 
 __all__ = ["StateGuard", "FlagsGuard", "Unguardable", "function_bindings"]
@@ -551,7 +551,6 @@ def _tensor_check(t: torch.Tensor) -> Callable[[], bool]:
 
 
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
-_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 def _tensor_checks(tensors: list[torch.Tensor]) -> list[Callable[[], bool]]:
@@ -568,9 +567,9 @@ def _tensor_checks(tensors: list[torch.Tensor]) -> list[Callable[[], bool]]:
         guard = _TensorGuards(*rest, dynamic_dims_sizes=[list(t.shape) for t in rest],
                               dynamic_dims_strides=[list(t.stride()) for t in rest])
         ptrs = [t.data_ptr() for t in rest]
-        if _ptrs_equal is not None:
+        if ptrs_equal is not None:
             indices = list(range(len(rest)))
-            checks.append(lambda: guard.check(*rest) and _ptrs_equal(rest, ptrs, indices))
+            checks.append(lambda: guard.check(*rest) and ptrs_equal(rest, ptrs, indices))
         else:
             checks.append(lambda: guard.check(*rest) and [t.data_ptr() for t in rest] == ptrs)
     return checks

@@ -25,6 +25,8 @@ from typing import Any, Hashable
 
 import torch
 
+from ._statics import ptrs_equal
+
 __all__ = ["is_static_state", "may_be_static_state", "state_key", "state_layout",
            "StateUnkeyable", "SetUp", "tensors_in"]
 
@@ -208,8 +210,6 @@ _MAX_MEMO = 256  # walks kept (an entry goes with its object too)
 _memo: dict[int, tuple] = {}  # id(object) -> (weak reference, its walk, its key)
 _dict_version = torch._C._dynamo.guards.dict_version
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
-# (CUDA builds: the addresses of many tensors compared in one C call)
-_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 
 
 class _Walk:
@@ -270,7 +270,7 @@ class _Walk:
             if len(items) != len(ids) or any(a is not b for a, b in zip(items, ids)):
                 return False
         if self.guard is not None and not (self.guard.check(*self.tensors) and (
-                _ptrs_equal(self.tensors, self.ptrs, self.indices) if _ptrs_equal is not None
+                ptrs_equal(self.tensors, self.ptrs, self.indices) if ptrs_equal is not None
                 else [t.data_ptr() for t in self.tensors] == self.ptrs)):
             return False
         return all(t.tolist() == v for t, v in self.small)

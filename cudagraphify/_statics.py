@@ -46,7 +46,9 @@ def generation() -> int:
     return _generation
 
 
-_ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+# ``ptrs_equal(tensors, ptrs, indices)``: whether ``tensors[i].data_ptr() == ptrs[i]`` for each i
+# in indices, in one C call (CUDA builds only; None elsewhere)
+ptrs_equal = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
 # up to this many statics, their addresses are read one by one: on the H200's host, for 2,
 # 8 and 16 of them, 202, 663 and 1269 ns against 331, 739 and 1265 ns for one call of the C
 # check above (its arguments' conversion)
@@ -252,8 +254,8 @@ class StaticState:
             for t, ptr in pairs:
                 if t.data_ptr() != ptr:
                     return False
-        elif _ptrs_equal is not None:
-            if not _ptrs_equal(self.tensors, self.ptrs, self._indices):
+        elif ptrs_equal is not None:
+            if not ptrs_equal(self.tensors, self.ptrs, self._indices):
                 return False
         elif [t.data_ptr() for t in self.tensors] != self.ptrs:
             return False

@@ -1,7 +1,7 @@
 """Review of the last commits: the signature storm (cudagraphify/_engine.py ``_storming``,
 ``expect_captures``), HF caches and objects passed as they are kept in every key
 (_cache.py ``CachePolicy.full_key``, ``_engine._call``'s ``set_up``), and ``state_key``'s
-4096 values (_state.py ``_MAX_ITEMS``, ``_Walk.same``'s ``_ptrs_equal``, ``_memo``).
+4096 values (_state.py ``_MAX_ITEMS``, ``_Walk.same``'s ``ptrs_equal``, ``_memo``).
 
 CPU, simulated backend (fixture ``sim``), eager twins compared bitwise. Tests named
 ``test_finding_*`` failed on the reviewed code (484590c; all four about speed, none a wrong

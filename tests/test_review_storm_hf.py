@@ -60,7 +60,7 @@ def _py_ptrs_equal(tensors, ptrs, indices):
 @pytest.mark.parametrize("c_check", [False, True], ids=["cpu-build", "cuda-build-semantics"])
 def test_control_state_key_of_an_80_layer_static_cache_and_moves(monkeypatch, c_check):
     if c_check:
-        monkeypatch.setattr(_state, "_ptrs_equal", _py_ptrs_equal)
+        monkeypatch.setattr(_state, "ptrs_equal", _py_ptrs_equal)
     config = H._config(num_hidden_layers=80)
     cache = H._early(H._static(config), config)
     _state._memo.clear()
