@@ -33,6 +33,7 @@ from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
 from ._rehearsal import rehearse, snapshot_states
+from ._state import demote
 from ._state import tensors_in as _tensors_in
 from ._signature import Signature, storage_of
 from ._watch import Recorder, recording
@@ -171,6 +172,8 @@ class FirstCall(Capturing):
                 self.set_up = (where, id(obj) in states)
             else:
                 self.side_effect = where
+                if id(obj) in states:  # (keyed by what it holds: a new key every call)
+                    demote(obj)
         del before_objects
         if not self.side_effect and _containers_changed(containers):
             self.side_effect = "a list or dict it is passed"

@@ -16,7 +16,7 @@ from typing import Any, Hashable, NamedTuple
 import torch
 import torch.utils._pytree as pytree
 
-from ._state import StateUnkeyable, is_static_state, state_key
+from ._state import StateUnkeyable, demoted, is_static_state, state_key
 
 __all__ = [
     "Signature",
@@ -199,6 +199,10 @@ def opaque_argument(args: tuple, kwargs: dict, static_positions: frozenset[int],
 
 
 def _opaque_reason(where: str, value: Any) -> str:
+    if demoted(value):
+        return (f"{where} ({type(value).__name__}) has Python state that the forward changes on "
+                "every call (such as a sliding window's token count): passed as it is, like a "
+                "DynamicCache; what runs around it can still be graphed")
     return (f"{where} of type {type(value).__name__} is not a tensor or an immutable value; "
             "name its argument in static_argnames=... if its tensors stay in place, or "
             "register its type with torch.utils._pytree")

@@ -27,7 +27,7 @@ import torch
 
 from ._statics import ptrs_equal
 
-__all__ = ["is_static_state", "may_be_static_state", "state_key", "state_layout",
+__all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "state_key", "state_layout",
            "StateUnkeyable", "SetUp", "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
@@ -42,14 +42,42 @@ class StateUnkeyable(Exception):
 
 def is_static_state(value: Any) -> bool:
     """Whether ``value`` is state recognised as keeping its tensors in place: a Hugging Face
-    ``Cache`` whose layers are all static (``StaticCache``; ``cache.is_compileable``). A
-    ``DynamicCache`` grows (new tensors every step): it is not."""
+    ``Cache`` whose layers are all static (``StaticCache``; ``cache.is_compileable``), unless a
+    forward was seen changing its Python state (:func:`demote`). A ``DynamicCache`` grows (new
+    tensors every step): it is not."""
     if not may_be_static_state(type(value)):
         return False
+    if _changing:
+        ref = _changing.get(id(value))
+        if ref is not None and ref() is value:
+            return False
     try:
         return getattr(value, "is_compileable", False) is True
     except Exception:  # noqa: BLE001 - a cache in a state its property cannot read
         return False
+
+
+# id -> weakref of static-state objects whose Python state a forward changed (see demote)
+_changing: dict[int, weakref.ref] = {}
+
+
+def demote(value: Any) -> None:
+    """A forward changed ``value``'s Python state, not only its tensors' values (HF's
+    ``StaticSlidingWindowLayer`` counts the tokens it has seen in a Python int, bumped by every
+    update): each call would find it under a new key, so no graph of a call with it could ever
+    be replayed, and each call would pay a first call's probed runs to learn it again. From now
+    on it is not static state but an opaque object, for every callable it is passed to, for as
+    long as it lives: those calls run eagerly around it, as with a ``DynamicCache``."""
+    try:
+        _changing[id(value)] = weakref.ref(value, lambda _r, k=id(value): _changing.pop(k, None))
+    except TypeError:  # (no weak reference: the calls go on being decided one by one)
+        pass
+
+
+def demoted(value: Any) -> bool:
+    """Whether :func:`demote` was called for ``value``."""
+    ref = _changing.get(id(value))
+    return ref is not None and ref() is value
 
 
 def may_be_static_state(tp: type) -> bool:

@@ -422,7 +422,7 @@ def test_generate_forms_give_eager_tokens_through_the_cpu_double(sim):
     for key, *_ in bench_decode.GENERATE_FORMS:
         assert row[f"generate_{key}_tokens_identical"], key
     assert row["generate_dynamic_unchained_tokens_identical"]
-    assert row["generate_dynamic_captures"] > 0  # the pieces around the cache
+    assert row["generate_dynamic_replays"] > 0  # the pieces around the cache
     assert "its pieces not chained" in bench_decode.format_decode(
         dict(row, config="c", batch=1, prompt=4, new_tokens=6, eager_tokens_per_s=1.0,
              eager_us=1.0, device="cpu", graphify_us=1.0, graphify_tokens_per_s=1.0,

@@ -132,3 +132,31 @@ def test_generate_with_its_dynamic_cache_graphs_the_pieces_around_it(hf):
         for piece in (layer.mlp, layer.input_layernorm, layer.self_attn.q_proj):
             s = cg.stats(piece)
             assert s.captures >= 1 and s.replays >= 2 * NEW, (piece, s)
+
+
+def test_generate_with_a_sliding_window_static_cache_graphs_around_it():
+    # Qwen2 with a sliding-window layer: HF's StaticSlidingWindowLayer counts the tokens it has
+    # seen in a Python int, bumped by every update, so no graph of the model can replay with
+    # it. The step that shows it runs eagerly and the cache is demoted (an opaque object, as a
+    # DynamicCache): later steps are not probed again and run eagerly around it, with their
+    # pieces graphed. Tokens and logits as eager's; the side effect learnt once per cache.
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=128,
+                                      use_sliding_window=True, sliding_window=6,
+                                      max_window_layers=1, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).to(DEV, torch.bfloat16).eval()
+    g = cg.graphify(copy.deepcopy(model))
+    prompt = torch.randint(0, config.vocab_size, (1, 4), device=DEV)
+    for _ in range(2):
+        want = model.generate(prompt, cache_implementation="static", disable_compile=True,
+                              **_greedy())
+        _same(g.generate(prompt, cache_implementation="static", **_greedy()), want)
+    s = cg.stats(g)
+    side = sum(n for r, n in s.eager_calls.items() if "side effect" in r)
+    assert 1 <= side <= 2, s.eager_calls  # once per cache generate() used
+    assert any("changes on every call" in r for r in s.eager_calls), s.eager_calls
+    mlp = cg.stats(g.model.layers[0].mlp)
+    assert mlp.replays >= NEW, mlp

@@ -181,21 +181,35 @@ def test_a_replaced_cache_tensor_is_seen(sim):
 
 
 def test_a_forward_that_changes_the_caches_python_state_is_refused_and_put_back(sim):
+    """A forward that changes a cache's Python state (a step count): the call that shows it
+    runs eagerly (its probed run put back), and from then on the cache is no static state but
+    an opaque object (``_state.demote``): no call probes it again (each would be a new key),
+    the root runs eagerly around it and its pieces are graphed, as with a DynamicCache."""
     class Counting(Net):
         def forward(self, x, cache, pos):
             cache.steps = getattr(cache, "steps", 0) + 1
             return super().forward(x, cache, pos)
 
     torch.manual_seed(0)
-    g = cg.graphify(Counting())
-    cache = StaticCache()
+    ref = Counting()
+    g = cg.graphify(copy.deepcopy(ref))
+    ref_cache, cache = StaticCache(), StaticCache()
     with torch.no_grad():
-        for t in range(4):
-            g(torch.randn(1, 1, 16), cache, torch.tensor([t]))
-    assert cache.steps == 4  # the real calls only
-    assert cg.stats(g).captures == 0
-    assert any("forward changes argument 1" in r and "side effect" in r
-               for r in cg.stats(g).eager_calls)
+        for t in range(6):
+            x, pos = torch.randn(1, 1, 16), torch.tensor([t])
+            assert torch.equal(g(x, cache, pos), ref(x, ref_cache, pos)), t
+            for a, b in zip(ref_cache.layers, cache.layers):
+                assert torch.equal(a.keys, b.keys), t
+    assert cache.steps == 6  # the real calls only
+    s = cg.stats(g)
+    assert sum(s.eager_calls.values()) == 6  # the root: never one graph
+    changes = [n for r, n in s.eager_calls.items()
+               if "forward changes argument 1" in r and "side effect" in r]
+    assert changes == [1], s.eager_calls  # learnt once, not on every call
+    assert any("has Python state that the forward changes on every call" in r
+               for r in s.eager_calls), s.eager_calls
+    assert not is_static_state(cache) and is_static_state(StaticCache())
+    assert s.captures >= 1 and s.replays >= 2, s  # the projections, around the cache
 
 
 def test_a_dynamic_cache_runs_eagerly_with_the_reason(sim):
@@ -325,3 +339,33 @@ def test_the_cache_of_a_deep_model_is_keyable(layers):
     assert state_key(cache) == key  # (the memo's answer)
     cache.layers[-1].keys = cache.layers[-1].keys.clone()
     assert state_key(cache) != key
+
+
+def test_a_demoted_cache_is_its_own_and_leaves_with_its_life(sim):
+    """Demotion is of one object: another cache of the same class is still static state (its
+    first calls probe it, and it is demoted once its own forward changes it), and a demoted
+    cache that dies leaves no entry behind."""
+    from cudagraphify import _state
+
+    class Counting(Net):
+        def forward(self, x, cache, pos):
+            cache.steps = getattr(cache, "steps", 0) + 1
+            return super().forward(x, cache, pos)
+
+    torch.manual_seed(0)
+    ref = Counting()
+    g = cg.graphify(copy.deepcopy(ref))
+    before = len(_state._changing)
+    for n in range(2):
+        ref_cache, cache = StaticCache(), StaticCache()
+        assert is_static_state(cache)
+        with torch.no_grad():
+            for t in range(4):
+                x, pos = torch.randn(1, 1, 16), torch.tensor([t])
+                assert torch.equal(g(x, cache, pos), ref(x, ref_cache, pos)), (n, t)
+        assert not is_static_state(cache) and _state.demoted(cache)
+        changes = sum(v for r, v in cg.stats(g).eager_calls.items() if "side effect" in r)
+        assert changes == n + 1, cg.stats(g).eager_calls  # once per cache
+        ref_cache = cache = None
+        gc.collect()
+        assert len(_state._changing) == before

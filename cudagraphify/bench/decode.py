@@ -237,6 +237,7 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
         row[f"generate_{key}_first_s"] = g_s[0]
         after = cg.stats(graphed)
         row[f"generate_{key}_captures"] = after.captures - before.captures
+        row[f"generate_{key}_replays"] = after.replays - before.replays
         row[f"generate_{key}_rebased"] = after.retargets - before.retargets
         row[f"generate_{key}_set_ups"] = after.set_ups - before.set_ups
         row[f"generate_{key}_build_s"] = after.capture_seconds - before.capture_seconds
