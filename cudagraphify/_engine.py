@@ -71,6 +71,9 @@ _STILL_CALLS = 16  # calls without a move after which re-capturing is tried agai
 # again; a signature met twice in that time ends it
 _MAX_FRUITLESS = 8
 _STORM_CALLS = 64
+# region graphs released to be captured again after the graph whose held output blocked
+# their replay (see _replay): per callable, for its life
+_MAX_RECAPTURES = 8
 
 
 def _fruitless_limit(policy: CachePolicy) -> int:
@@ -142,6 +145,7 @@ class GraphedState(PieceRuns):
         self._fruitless = 0
         self._storm_keys: set = set()  # the signatures run eagerly by the storm
         self._storm_mark = 0
+        self._recaptures = 0  # (see _MAX_RECAPTURES)
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
         self._stream_token: int | None = None
@@ -422,6 +426,13 @@ class GraphedState(PieceRuns):
                                "through another tensor (a view of .grad kept from an earlier "
                                "step); clone gradients you keep", fn, args, kwargs)
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
+            if region.blocked_by > entry.seq and self._recaptures < _MAX_RECAPTURES:
+                # What blocks it is the output of a graph captured after it, held through a
+                # view (as a piece of an opaque piece's own plan is captured a call after the
+                # outer pieces, whose inputs it makes): that graph's memory may lie in this
+                # one's freed temporaries. Captured again by the next call, it comes after.
+                self._recaptures += 1
+                region.cache_for(self).discard(entry)
             return self._eager("an output of an earlier call in this graph_region is still "
                                "referenced through a view; running eagerly so it is not "
                                "overwritten (clone outputs you keep)", fn, args, kwargs)

@@ -174,6 +174,9 @@ class GraphRegion:
         self._live: dict[Slot, None] = {}  # slots whose last alias may still be held
         # at least the highest capture order among them (see protect_before)
         self._live_top = -1
+        # the capture order of the slot that made protect_before's last failure (-1: none, or
+        # a borrowed input's)
+        self.blocked_by = -1
 
     # -- chaining ------------------------------------------------------------------------
 
@@ -257,12 +260,14 @@ class GraphRegion:
                 if _use_count(slot.cdata) == slot.baseline:
                     del live[slot]  # no alias left: nothing to protect (``protect``'s common case)
                 elif not slot.protect():
+                    self.blocked_by = slot.seq
                     return False
             self._live_top = top  # (the slots left are those captured before)
         if not entry.borrowed:
             return True
         for i, slot in entry.borrowed:
             if leaves[i].data_ptr() != slot.tensor.data_ptr() and not slot.protect():
+                self.blocked_by = -1
                 return False
         return True
 

@@ -230,3 +230,48 @@ def test_explain_after_a_planned_piece_is_removed(sim):
         _decode(ref, g)
     paths = [n["path"] for n in cg.explain(g).to_dict()["modules"]]
     assert "layers.0.mlp" in paths and not any(p.startswith("layers.1") for p in paths)
+
+
+class _Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.model = _Model()
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x, cache):
+        return self.norm(self.model(x, cache))
+
+
+class _Top(nn.Module):
+    """An HF causal LM's shape: the opaque model (its final norm inside it) then a head that
+    reads a view of the norm's output (``hidden_states[:, -1:, :]``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = _Inner()
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x, cache):
+        h = self.inner(x, cache)
+        return self.head(h[:, -1:, :])
+
+
+def test_a_piece_captured_before_the_graph_whose_output_it_reads_is_captured_again(sim):
+    # The root's pieces (inner, head) are planned on its first call; head is captured on the
+    # next, while inner (opaque too) only plans its own pieces then, and its norm is captured
+    # a call later, after head. head's input is a view of the norm's output, held in the
+    # root's forward: a replay of head, captured first, might overwrite that memory (its freed
+    # temporaries), so it could not replay. It is released and captured again, after the norm.
+    torch.manual_seed(0)
+    ref = _Top().eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        rc, c = _Cache(), _Cache()
+        for t in range(10):
+            x = torch.randn(1, 1, 8)
+            assert torch.equal(g(x, c), ref(x, rc)), t
+    head = cg.stats(g.head)
+    assert head.captures == 2 and head.replays >= 7, head
+    assert sum(head.eager_calls.values()) <= 1, head.eager_calls
+    assert g.head._cudagraphify_state._recaptures == 1
+    assert cg.stats(g.inner.norm).replays >= 7
