@@ -21,6 +21,10 @@ _HELD = (STATIC_OBJECT, STATIC_STATE)  # the kinds of constants always in the ke
 __all__ = ["CachePolicy", "GraphCache", "EagerEntry", "Owned"]
 
 _MAX_EAGER = 256  # eager decisions remembered per cache
+# a key whose graph was evicted this many times is not captured again (see thrashing): keys
+# remembered per cache
+THRASH_EVICTIONS = 2
+_MAX_EVICTED_KEYS = 4096
 
 
 class CachePolicy:
@@ -181,6 +185,7 @@ class GraphCache:
         self._lru: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()  # id(entry) ->
         self._by_key: dict[Hashable, list] = {}
         self.evictions = 0
+        self._evicted: dict[Hashable, int] = {}  # key -> times a graph of it was evicted
 
     def get(self, key: Hashable) -> list:
         """The entries of ``key``, the most recently used first."""
@@ -208,7 +213,7 @@ class GraphCache:
         graphs = [e for _, e in self._lru.values() if not isinstance(e, EagerEntry)]
         while len(graphs) > self.policy.max_graphs:
             old = graphs.pop(0)
-            self._drop(old)
+            self._drop(old, evicted=True)
             evicted.append(old)
         eager = [e for _, e in self._lru.values() if isinstance(e, EagerEntry)]
         for old in eager[:-_MAX_EAGER]:  # eager decisions are cheap to make again
@@ -218,12 +223,25 @@ class GraphCache:
         self.evictions += len(evicted)
         return evicted
 
-    def _drop(self, entry) -> None:
+    def thrashing(self, key: Hashable) -> bool:
+        """Whether graphs of ``key`` were evicted so often (:data:`THRASH_EVICTIONS` times) that
+        capturing it again would only evict another: more distinct signatures come round than
+        ``max_graphs`` holds (a decode loop's growing shapes, over and over), where least
+        recently used is the worst order to drop them in. Such a key runs eagerly; the graphs
+        kept go on replaying."""
+        return self._evicted.get(key, 0) >= THRASH_EVICTIONS
+
+    def _drop(self, entry, evicted: bool = False) -> None:
         key, _ = self._lru.pop(id(entry))
         variants = self._by_key[key]
         variants[:] = [e for e in variants if e is not entry]
         if not variants:
             del self._by_key[key]
+        if evicted:
+            times = self._evicted.pop(key, 0) + 1  # (re-inserted: the newest last)
+            if len(self._evicted) >= _MAX_EVICTED_KEYS:
+                del self._evicted[next(iter(self._evicted))]
+            self._evicted[key] = times
 
     def key_of(self, entry) -> Hashable:
         return self._lru[id(entry)][0]

@@ -31,7 +31,7 @@ import torch
 
 from . import _capture, _guards, _region, _segrun, _trial, _watch
 from ._capture import drain
-from ._cache import CachePolicy, EagerEntry, GraphCache, SetUpEntry
+from ._cache import THRASH_EVICTIONS, CachePolicy, EagerEntry, GraphCache, SetUpEntry
 from ._errors import CudagraphifyUsageError, warn_once
 from ._fast import MISS, EagerFast, Fast
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
@@ -72,8 +72,10 @@ _STILL_CALLS = 16  # calls without a move after which re-capturing is tried agai
 _MAX_FRUITLESS = 8
 _STORM_CALLS = 64
 # region graphs released to be captured again after the graph whose held output blocked
-# their replay (see _replay): per callable, for its life
-_MAX_RECAPTURES = 8
+# their replay (see _replay): per callable, for its life (a plan nested in a plan delays its
+# pieces' captures by a call per level; a blocker captured anew every call, a growing shape,
+# would block each recapture again)
+_MAX_RECAPTURES = 2
 
 
 def _fruitless_limit(policy: CachePolicy) -> int:
@@ -314,6 +316,11 @@ class GraphedState(PieceRuns):
             return self._eager(entry.reason, fn, args, kwargs,
                                chained=type(entry) is PiecewiseEntry, entry=entry)
         reason = self._ineligible(backend, leaves, cache)
+        if reason is None and cache.thrashing(key):
+            reason = (f"its graph was evicted {THRASH_EVICTIONS} times (more distinct "
+                      f"signatures come round than max_graphs={self.policy.max_graphs} holds: "
+                      "each capture would evict another graph still in use); this signature "
+                      "runs eagerly, the graphs kept replay (raise max_graphs to graph it)")
         if reason is not None:
             cache.put(key, EagerEntry(reason, self))
             return self._eager(reason, fn, args, kwargs)

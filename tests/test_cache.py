@@ -64,6 +64,21 @@ def test_eviction_budget():
     assert c.eviction_budget_spent()
 
 
+def test_a_key_evicted_twice_is_thrashing_and_discards_are_not_evictions():
+    c = GraphCache(CachePolicy(max_graphs=1))
+    c.put("a", Entry("a"))
+    c.put("b", Entry("b"))  # a evicted once
+    assert not c.thrashing("a")
+    c.put("a", Entry("a"))  # b evicted once
+    c.put("b", Entry("b"))  # a evicted twice
+    assert c.thrashing("a") and not c.thrashing("b") and not c.thrashing("new")
+    kept = c.get("b")[0]
+    c.discard(kept)  # released on purpose (an invalidation, a recapture): not an eviction
+    c.put("b", Entry("b"))
+    c.discard(c.get("b")[0])
+    assert not c.thrashing("b")
+
+
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "3"])
 def test_bad_max_graphs(bad):
     with pytest.raises(CudagraphifyError, match="max_graphs"):

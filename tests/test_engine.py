@@ -290,6 +290,24 @@ def test_parameter_change_invalidates_and_recaptures(sim):
     assert all(gr.released for gr in sim.graphs[:1])
 
 
+def test_signatures_that_come_round_more_than_max_graphs_hold_stop_evicting(sim):
+    # six sizes in turn through four graphs: least recently used drops each graph just before
+    # it is needed again. A key evicted twice runs eagerly from then on, and the graphs kept
+    # replay (before: 68 captures and 114 replays in 240 calls, then every new size eager)
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 8)
+    g = cg.graphify(copy.deepcopy(ref), max_graphs=4)
+    with torch.no_grad():
+        for _ in range(40):
+            for n in range(1, 7):
+                x = torch.randn(n, 8)
+                assert torch.equal(g(x), ref(x))
+    s = cg.stats(g)
+    assert s.captures <= 12 and s.replays >= 150, s
+    thrash = [n for r, n in s.eager_calls.items() if "evicted 2 times" in r]
+    assert thrash and thrash[0] <= 80, s.eager_calls
+
+
 def test_lru_eviction_and_then_eager_past_the_budget(sim):
     g = cg.graphify(nn.Identity(), cache_policy=cg.CachePolicy(max_graphs=2, max_evictions=2))
     with torch.no_grad():
