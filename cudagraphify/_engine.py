@@ -45,7 +45,7 @@ from ._rebase import Families
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
 from ._writes import inputs_alias
-from ._state import SetUp
+from ._state import SetUp, demote, demoted, kind_of, may_be_static_state
 from ._statics import StaticState
 from ._training import TrainingGraph
 
@@ -76,6 +76,7 @@ _STORM_CALLS = 64
 # pieces' captures by a call per level; a blocker captured anew every call, a growing shape,
 # would block each recapture again)
 _MAX_RECAPTURES = 2
+_KIND_DEMOTIONS = 2  # static states of a kind demoted before new ones are from the start
 
 
 def _fruitless_limit(policy: CachePolicy) -> int:
@@ -148,6 +149,9 @@ class GraphedState(PieceRuns):
         self._storm_keys: set = set()  # the signatures run eagerly by the storm
         self._storm_mark = 0
         self._recaptures = 0  # (see _MAX_RECAPTURES)
+        # kinds of static state (see _state.kind_of) -> objects of it whose Python state this
+        # forward changed (see _demote_known)
+        self.demoted_kinds: dict = {}
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
         self._stream_token: int | None = None
@@ -258,6 +262,8 @@ class GraphedState(PieceRuns):
                 f"parameters or buffers keep moving to new memory ({self._last_move(moved)}; "
                 "FSDP2 gathers them anew when it reshards): running eagerly until they stay "
                 f"put for {_STILL_CALLS} calls", fn, args, kwargs)
+        if self.demoted_kinds:
+            self._demote_known(args, kwargs)
         opaque = opaque_argument(args, kwargs, self.static_positions, self.static_names)
         if opaque is not None:
             _refuse_tracers(args, kwargs)
@@ -346,6 +352,16 @@ class GraphedState(PieceRuns):
         if outcome.kind == GRAPHED:
             self._capture_mark = self.replays  # (its call's own replay counted)
         return out
+
+    def _demote_known(self, args: tuple, kwargs: dict) -> None:
+        """Static states of a kind (:func:`~._state.kind_of`) that this callable's forward was
+        seen changing the Python state of in :data:`_KIND_DEMOTIONS` objects already: demoted
+        at once (``generate()`` makes a new cache for every call, whose set-up call and first
+        step would each pay a probed run to learn what the last ones showed)."""
+        for v in (*args, *kwargs.values()):
+            if may_be_static_state(type(v)) and not demoted(v) and \
+                    self.demoted_kinds.get(kind_of(v), 0) >= _KIND_DEMOTIONS:
+                demote(v)
 
     def _storming(self, key) -> str | None:
         """Before a new signature's first call: why it runs eagerly instead, where the last

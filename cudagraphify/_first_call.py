@@ -33,7 +33,7 @@ from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
 from ._rehearsal import rehearse, snapshot_states
-from ._state import demote
+from ._state import demote, kind_of
 from ._state import tensors_in as _tensors_in
 from ._signature import Signature, storage_of
 from ._watch import Recorder, recording
@@ -174,6 +174,9 @@ class FirstCall(Capturing):
                 self.side_effect = where
                 if id(obj) in states:  # (keyed by what it holds: a new key every call)
                     demote(obj)
+                    kinds = self.state.demoted_kinds
+                    if len(kinds) < 64 or kind_of(obj) in kinds:
+                        kinds[kind_of(obj)] = kinds.get(kind_of(obj), 0) + 1
         del before_objects
         if not self.side_effect and _containers_changed(containers):
             self.side_effect = "a list or dict it is passed"

@@ -27,7 +27,7 @@ import torch
 
 from ._statics import ptrs_equal
 
-__all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "state_key", "state_layout",
+__all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "kind_of", "state_key", "state_layout",
            "StateUnkeyable", "SetUp", "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
@@ -59,6 +59,15 @@ def is_static_state(value: Any) -> bool:
 
 # id -> weakref of static-state objects whose Python state a forward changed (see demote)
 _changing: dict[int, weakref.ref] = {}
+
+
+def kind_of(value: Any) -> Hashable:
+    """The class of ``value`` and of each of its layers (an HF cache's: a sliding-window layer
+    is what changes its Python state, and a cache of full-attention layers alone does not)."""
+    layers = getattr(value, "layers", None)
+    if type(layers) is list or type(layers) is tuple:
+        return (type(value), tuple([type(layer) for layer in layers]))
+    return (type(value),)
 
 
 def demote(value: Any) -> None:
