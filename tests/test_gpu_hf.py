@@ -150,13 +150,15 @@ def test_generate_with_a_sliding_window_static_cache_graphs_around_it():
     model = transformers.Qwen2ForCausalLM(config).to(DEV, torch.bfloat16).eval()
     g = cg.graphify(copy.deepcopy(model))
     prompt = torch.randint(0, config.vocab_size, (1, 4), device=DEV)
-    for _ in range(2):
+    for _ in range(4):
         want = model.generate(prompt, cache_implementation="static", disable_compile=True,
                               **_greedy())
         _same(g.generate(prompt, cache_implementation="static", **_greedy()), want)
     s = cg.stats(g)
     side = sum(n for r, n in s.eager_calls.items() if "side effect" in r)
-    assert 1 <= side <= 2, s.eager_calls  # once per cache generate() used
+    # once per cache for the first two caches; later ones (generate() makes one per call) are
+    # demoted from their first call, as two of their kind were
+    assert side <= 2, s.eager_calls
     assert any("changes on every call" in r for r in s.eager_calls), s.eager_calls
     mlp = cg.stats(g.model.layers[0].mlp)
     assert mlp.replays >= NEW, mlp
