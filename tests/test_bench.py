@@ -409,6 +409,31 @@ def _tiny_llama(transformers, positions: int):
     return config, transformers.LlamaForCausalLM(config).eval()
 
 
+def test_sliding_window_generate_rows_through_the_cpu_double(sim):
+    """The decode section's Mistral rows (a sliding window that fills during the prompt), on
+    the simulated backend: tokens equal eager's, pieces replayed, the cache's side effect
+    learnt on at most two caches per form, and the lines that say so."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    row: dict = {}
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        bench_decode._sliding_rows(row, transformers, sizes, torch.randint(0, 128, (1, 8)), 6,
+                                   3, lambda: None, torch.float32)
+    assert row["sliding_window"] == 4
+    for key in ("static", "dynamic"):
+        assert row[f"sliding_{key}_tokens_identical"], key
+        assert row[f"sliding_{key}_replays"] > 0, (key, row)
+    assert row["sliding_static_side_effects"] <= 2, row
+    text = bench_decode.format_decode(dict(
+        row, config="c", batch=1, prompt=8, new_tokens=6, eager_tokens_per_s=1.0, eager_us=1.0,
+        device="cpu", graphify_us=1.0, graphify_tokens_per_s=1.0, graphify_speedup=1.0,
+        tokens_identical=True, graphify_first_call_s=0.1, graphify_peak_mb=0.0,
+        graphify_captures=1, graphify_replays=1, graphify_eager_calls={}))
+    assert "Mistral (sliding window 4) model.generate(), no cache option" in text, text
+
+
 def test_generate_forms_give_eager_tokens_through_the_cpu_double(sim):
     """Every generate() form of the decode section, through the simulated backend: tokens equal
     eager's, the dynamic form's pieces chained and not (the section's side-by-side)."""

@@ -174,6 +174,58 @@ def _decode_into(row, transformers, new_tokens, repeats, batch, prompt_len, devi
     row["graphify_vs_eager"] = row["graphify_us"] / row["eager_us"]
     row["graphify_speedup"] = row["graphify_tokens_per_s"] / row["eager_tokens_per_s"]
     _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats, sync)
+    _sliding_rows(row, transformers, sizes, prompt, new_tokens, repeats, sync, dtype)
+
+
+def _sliding_rows(row, transformers, sizes, prompt, new_tokens, repeats, sync, dtype) -> None:
+    """``generate()`` of a Mistral of the same sizes whose sliding window (half the prompt)
+    fills during the prompt: HF's sliding-window cache layers count the tokens seen in a Python
+    int, so no whole-model graph can replay; the model runs eagerly around its cache, its
+    pieces graphed. Eager vs ``graphify(model)``, with ``cache_implementation="static"`` and
+    with its default cache: tokens/s, first generate, tokens identical, side effects learnt."""
+    import cudagraphify as cg
+
+    window = max(2, prompt.shape[1] // 2)
+    config = transformers.MistralConfig(**sizes, sliding_window=window,
+                                        max_position_embeddings=prompt.shape[1] + new_tokens)
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).to(device=prompt.device, dtype=dtype).eval()
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                  pad_token_id=0)
+    graphed = cg.graphify(copy.deepcopy(model))
+    row["sliding_window"] = window
+    learnt = 0
+    for key, extra in (("static", {"cache_implementation": "static"}), ("dynamic", {})):
+        progress(f"mistral-generate, sliding window {window} ({key}): eager, then graphify")
+        results = {}
+        before = cg.stats(graphed)
+        for name, m, own in (("eager", model, {"disable_compile": True}),
+                             ("graphify", graphed, {})):
+            outs, seconds = [], []
+            for _ in range(repeats + 1):
+                sync()
+                t0 = time.perf_counter()
+                outs.append(m.generate(prompt, **greedy, **extra, **own))
+                sync()
+                seconds.append(time.perf_counter() - t0)
+            results[name] = (outs, seconds)
+        (e_outs, e_s), (g_outs, g_s) = results["eager"], results["graphify"]
+        e_tps = new_tokens * prompt.shape[0] / statistics.median(e_s[1:])
+        g_tps = new_tokens * prompt.shape[0] / statistics.median(g_s[1:])
+        after = cg.stats(graphed)
+        row[f"sliding_{key}_eager_tokens_per_s"] = e_tps
+        row[f"sliding_{key}_graphify_tokens_per_s"] = g_tps
+        row[f"sliding_{key}_speedup"] = g_tps / e_tps
+        row[f"sliding_{key}_first_s"] = g_s[0]
+        row[f"sliding_{key}_captures"] = after.captures - before.captures
+        row[f"sliding_{key}_replays"] = after.replays - before.replays
+        # caches whose side effect a probed call showed (later ones of their kind: demoted
+        # from their first call)
+        now = sum(graphed._cudagraphify_state.demoted_kinds.values())
+        row[f"sliding_{key}_side_effects"], learnt = now - learnt, now
+        row[f"sliding_{key}_tokens_identical"] = all(torch.equal(o, e_outs[0])
+                                                     for o in e_outs + g_outs)
+    cg.ungraphify(graphed)
 
 
 # the forms of generate() a user writes: (key, label, cache form, tokens/s target over eager)
@@ -315,6 +367,19 @@ def format_decode(row: dict) -> str:
                      f"{row[f'generate_{key}_segment_replays']} replays")
             text += "".join(f"\n      {line}" for line in
                             row[f"generate_{key}_segments_plan"][:4])
+    for key, label in (("static", 'cache_implementation="static"'),
+                       ("dynamic", "no cache option")):
+        if f"sliding_{key}_speedup" not in row:
+            continue
+        text += (
+            f"\n  Mistral (sliding window {row['sliding_window']}) model.generate(), {label}: "
+            f"eager {row[f'sliding_{key}_eager_tokens_per_s']:.0f} tokens/s, graphify(model) "
+            f"{row[f'sliding_{key}_graphify_tokens_per_s']:.0f} tokens/s, "
+            f"{row[f'sliding_{key}_speedup']:.2f}x; first graphified generate "
+            f"{row[f'sliding_{key}_first_s']:.3f} s; tokens identical: "
+            f"{row[f'sliding_{key}_tokens_identical']}; {row[f'sliding_{key}_captures']} "
+            f"captures, {row[f'sliding_{key}_replays']} replays, "
+            f"{row[f'sliding_{key}_side_effects']} caches whose side effect a probed call showed")
     if "generate_captures" in row:
         text += (f"\n  generate, all forms: captures {row['generate_captures']}, replays "
                  f"{row['generate_replays']}, evictions {row['generate_evictions']}")
