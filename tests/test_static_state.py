@@ -86,6 +86,14 @@ class Net(nn.Module):
         return x
 
 
+class Counting(Net):
+    """Changes the cache's Python state on every call (a step count)."""
+
+    def forward(self, x, cache, pos):
+        cache.steps = getattr(cache, "steps", 0) + 1
+        return super().forward(x, cache, pos)
+
+
 def _pair(seed=0):
     torch.manual_seed(seed)
     ref = Net()
@@ -185,11 +193,6 @@ def test_a_forward_that_changes_the_caches_python_state_is_refused_and_put_back(
     runs eagerly (its probed run put back), and from then on the cache is no static state but
     an opaque object (``_state.demote``): no call probes it again (each would be a new key),
     the root runs eagerly around it and its pieces are graphed, as with a DynamicCache."""
-    class Counting(Net):
-        def forward(self, x, cache, pos):
-            cache.steps = getattr(cache, "steps", 0) + 1
-            return super().forward(x, cache, pos)
-
     torch.manual_seed(0)
     ref = Counting()
     g = cg.graphify(copy.deepcopy(ref))
@@ -347,11 +350,6 @@ def test_a_demoted_cache_is_its_own_and_leaves_with_its_life(sim):
     cache that dies leaves no entry behind."""
     from cudagraphify import _state
 
-    class Counting(Net):
-        def forward(self, x, cache, pos):
-            cache.steps = getattr(cache, "steps", 0) + 1
-            return super().forward(x, cache, pos)
-
     torch.manual_seed(0)
     ref = Counting()
     g = cg.graphify(copy.deepcopy(ref))
@@ -376,11 +374,6 @@ def test_a_forward_that_changed_two_caches_of_a_kind_demotes_the_next_at_once(si
     state of two caches of one kind (the cache's class and its layers' classes), a new one of
     that kind is demoted before its first call (no probed set-up call, no probed step); a
     cache of another kind, or passed to another callable, is not."""
-    class Counting(Net):
-        def forward(self, x, cache, pos):
-            cache.steps = getattr(cache, "steps", 0) + 1
-            return super().forward(x, cache, pos)
-
     class Other(StaticCache):
         pass
 

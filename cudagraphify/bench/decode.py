@@ -197,26 +197,13 @@ def _sliding_rows(row, transformers, sizes, prompt, new_tokens, repeats, sync, d
     learnt = 0
     for key, extra in (("static", {"cache_implementation": "static"}), ("dynamic", {})):
         progress(f"mistral-generate, sliding window {window} ({key}): eager, then graphify")
-        results = {}
         before = cg.stats(graphed)
-        for name, m, own in (("eager", model, {"disable_compile": True}),
-                             ("graphify", graphed, {})):
-            outs, seconds = [], []
-            for _ in range(repeats + 1):
-                sync()
-                t0 = time.perf_counter()
-                outs.append(m.generate(prompt, **greedy, **extra, **own))
-                sync()
-                seconds.append(time.perf_counter() - t0)
-            results[name] = (outs, seconds)
-        (e_outs, e_s), (g_outs, g_s) = results["eager"], results["graphify"]
-        e_tps = new_tokens * prompt.shape[0] / statistics.median(e_s[1:])
-        g_tps = new_tokens * prompt.shape[0] / statistics.median(g_s[1:])
+        results = {name: _generates(m, prompt, lambda own=own: dict(greedy, **extra, **own),
+                                    repeats, sync)
+                   for name, m, own in (("eager", model, {"disable_compile": True}),
+                                        ("graphify", graphed, {}))}
+        e_outs, g_outs = _rates(row, f"sliding_{key}", results, new_tokens * prompt.shape[0])
         after = cg.stats(graphed)
-        row[f"sliding_{key}_eager_tokens_per_s"] = e_tps
-        row[f"sliding_{key}_graphify_tokens_per_s"] = g_tps
-        row[f"sliding_{key}_speedup"] = g_tps / e_tps
-        row[f"sliding_{key}_first_s"] = g_s[0]
         row[f"sliding_{key}_captures"] = after.captures - before.captures
         row[f"sliding_{key}_replays"] = after.replays - before.replays
         # caches whose side effect a probed call showed (later ones of their kind: demoted
@@ -226,6 +213,33 @@ def _sliding_rows(row, transformers, sizes, prompt, new_tokens, repeats, sync, d
         row[f"sliding_{key}_tokens_identical"] = all(torch.equal(o, e_outs[0])
                                                      for o in e_outs + g_outs)
     cg.ungraphify(graphed)
+
+
+def _generates(model, prompt, kwargs_of, repeats: int, sync) -> tuple[list, list]:
+    """``repeats + 1`` calls of ``model.generate(prompt, **kwargs_of())``: their outputs and
+    seconds (from one device synchronisation to the next)."""
+    outs, seconds = [], []
+    for _ in range(repeats + 1):
+        kwargs = kwargs_of()
+        sync()
+        t0 = time.perf_counter()
+        outs.append(model.generate(prompt, **kwargs))
+        sync()
+        seconds.append(time.perf_counter() - t0)
+    return outs, seconds
+
+
+def _rates(row: dict, prefix: str, results: dict, tokens: int) -> tuple[list, list]:
+    """Eager's and graphify's tokens/s (the median of the calls after the first), the speed-up
+    and graphify's first call, into ``row`` under ``prefix``; their outputs."""
+    (e_outs, e_s), (g_outs, g_s) = results["eager"], results["graphify"]
+    e_tps = tokens / statistics.median(e_s[1:])
+    g_tps = tokens / statistics.median(g_s[1:])
+    row[f"{prefix}_eager_tokens_per_s"] = e_tps
+    row[f"{prefix}_graphify_tokens_per_s"] = g_tps
+    row[f"{prefix}_speedup"] = g_tps / e_tps
+    row[f"{prefix}_first_s"] = g_s[0]
+    return e_outs, g_outs
 
 
 # the forms of generate() a user writes: (key, label, cache form, tokens/s target over eager)
@@ -265,28 +279,19 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
         for name, m, extra in runs:
             cache = static_cache(transformers, config, prompt.shape[0], max_len, prompt.device,
                                  next(model.parameters()).dtype) if form == "kept" else None
-            outs, seconds = [], []
+
+            def kwargs_of(cache=cache, extra=extra):
+                kwargs = dict(greedy, **extra)
+                if cache is not None:
+                    cache.reset()
+                    kwargs["past_key_values"] = cache
+                elif form == "static":
+                    kwargs["cache_implementation"] = "static"
+                return kwargs
+
             with chaining(name != "unchained"):
-                for _ in range(repeats + 1):
-                    kwargs = dict(greedy, **extra)
-                    if cache is not None:
-                        cache.reset()
-                        kwargs["past_key_values"] = cache
-                    elif form == "static":
-                        kwargs["cache_implementation"] = "static"
-                    sync()
-                    t0 = time.perf_counter()
-                    outs.append(m.generate(prompt, **kwargs))
-                    sync()
-                    seconds.append(time.perf_counter() - t0)
-            results[name] = (outs, seconds)
-        (e_outs, e_s), (g_outs, g_s) = results["eager"], results["graphify"]
-        e_tps = new_tokens * prompt.shape[0] / statistics.median(e_s[1:])
-        g_tps = new_tokens * prompt.shape[0] / statistics.median(g_s[1:])
-        row[f"generate_{key}_eager_tokens_per_s"] = e_tps
-        row[f"generate_{key}_graphify_tokens_per_s"] = g_tps
-        row[f"generate_{key}_speedup"] = g_tps / e_tps
-        row[f"generate_{key}_first_s"] = g_s[0]
+                results[name] = _generates(m, prompt, kwargs_of, repeats, sync)
+        e_outs, g_outs = _rates(row, f"generate_{key}", results, new_tokens * prompt.shape[0])
         after = cg.stats(graphed)
         row[f"generate_{key}_captures"] = after.captures - before.captures
         row[f"generate_{key}_replays"] = after.replays - before.replays
