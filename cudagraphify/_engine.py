@@ -45,7 +45,8 @@ from ._rebase import Families
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
 from ._writes import inputs_alias
-from ._state import SetUp, demote, demoted, kind_of, may_be_static_state
+from ._state import (SetUp, StateUnkeyable, demote, demoted, is_static_state, kind_of,
+                     may_be_static_state, state_key)
 from ._statics import StaticState
 from ._training import TrainingGraph
 
@@ -279,6 +280,8 @@ class GraphedState(PieceRuns):
         sig, leaves, static_flags = build_signature(args, kwargs, self.static_positions,
                                                     self.static_names)
         if isinstance(sig, Unkeyable):
+            if self._demote_unkeyable(args, kwargs):  # (then passed as opaque objects)
+                return self._call(backend, region, fn, args, kwargs, set_up)
             return self._eager(sig.reason, fn, args, kwargs)
         if sig.state.grad and _saved_tensors_hooks(False) is not None:
             return self._eager("inside saved-tensor hooks (activation checkpointing, "
@@ -362,6 +365,25 @@ class GraphedState(PieceRuns):
             if may_be_static_state(type(v)) and not demoted(v) and \
                     self.demoted_kinds.get(kind_of(v), 0) >= _KIND_DEMOTIONS:
                 demote(v)
+
+    def _demote_unkeyable(self, args: tuple, kwargs: dict) -> bool:
+        """Demote the static states among the call's top-level arguments that
+        :func:`~._state.state_key` cannot describe (an HF ``EncoderDecoderCache`` nests its
+        caches deeper than a key walks): a plan can run eagerly around such an object, as
+        around a ``DynamicCache``, where the call would otherwise run eagerly as a whole.
+        Whether one was."""
+        found = False
+        values = [v for i, v in enumerate(args) if i not in self.static_positions]
+        values += [v for k, v in kwargs.items() if k not in self.static_names]
+        for v in values:
+            if not is_static_state(v):
+                continue
+            try:
+                state_key(v)
+            except StateUnkeyable as e:
+                demote(v, f"cannot be keyed as static state (it {e})")
+                found = True
+        return found
 
     def _storming(self, key) -> str | None:
         """Before a new signature's first call: why it runs eagerly instead, where the last

@@ -199,11 +199,10 @@ def opaque_argument(args: tuple, kwargs: dict, static_positions: frozenset[int],
 
 
 def _opaque_reason(where: str, value: Any) -> str:
-    if demoted(value):
-        return (f"{where} ({type(value).__name__}) has Python state that the forward changes on "
-                "every call (such as a sliding window's token count; seen on it, or by this "
-                "forward on two caches of its kind): passed as it is, like a DynamicCache; what "
-                "runs around it can still be graphed")
+    why = demoted(value)
+    if why is not None:
+        return (f"{where} ({type(value).__name__}) {why}: passed as it is, like a DynamicCache; "
+                "what runs around it can still be graphed")
     return (f"{where} of type {type(value).__name__} is not a tensor or an immutable value; "
             "name its argument in static_argnames=... if its tensors stay in place, or "
             "register its type with torch.utils._pytree")

@@ -48,8 +48,8 @@ def is_static_state(value: Any) -> bool:
     if not may_be_static_state(type(value)):
         return False
     if _changing:
-        ref = _changing.get(id(value))
-        if ref is not None and ref() is value:
+        hit = _changing.get(id(value))
+        if hit is not None and hit[0]() is value:
             return False
     try:
         return getattr(value, "is_compileable", False) is True
@@ -57,8 +57,10 @@ def is_static_state(value: Any) -> bool:
         return False
 
 
-# id -> weakref of static-state objects whose Python state a forward changed (see demote)
-_changing: dict[int, weakref.ref] = {}
+# id -> (weakref, why) of static-state objects demoted to opaque ones (see demote)
+_changing: dict[int, tuple[weakref.ref, str]] = {}
+CHANGES = ("has Python state that the forward changes on every call (such as a sliding "
+           "window's token count; seen on it, or by this forward on two caches of its kind)")
 
 
 def kind_of(value: Any) -> Hashable:
@@ -70,23 +72,25 @@ def kind_of(value: Any) -> Hashable:
     return (type(value),)
 
 
-def demote(value: Any) -> None:
-    """A forward changed ``value``'s Python state, not only its tensors' values (HF's
-    ``StaticSlidingWindowLayer`` counts the tokens it has seen in a Python int, bumped by every
-    update): each call would find it under a new key, so no graph of a call with it could ever
-    be replayed, and each call would pay a first call's probed runs to learn it again. From now
-    on it is not static state but an opaque object, for every callable it is passed to, for as
-    long as it lives: those calls run eagerly around it, as with a ``DynamicCache``."""
+def demote(value: Any, why: str = CHANGES) -> None:
+    """``value`` is static state no graph of a call with it could use: a forward changed its
+    Python state, not only its tensors' values (HF's ``StaticSlidingWindowLayer`` counts the
+    tokens it has seen in a Python int, bumped by every update: each call would find it under a
+    new key, and pay a first call's probed runs to learn it again), or :func:`state_key` cannot
+    describe it (``why`` says which). From now on it is not static state but an opaque object,
+    for every callable it is passed to, for as long as it lives: those calls run eagerly
+    around it, as with a ``DynamicCache``."""
     try:
-        _changing[id(value)] = weakref.ref(value, lambda _r, k=id(value): _changing.pop(k, None))
+        ref = weakref.ref(value, lambda _r, k=id(value): _changing.pop(k, None))
     except TypeError:  # (no weak reference: the calls go on being decided one by one)
-        pass
+        return
+    _changing[id(value)] = (ref, why)
 
 
-def demoted(value: Any) -> bool:
-    """Whether :func:`demote` was called for ``value``."""
-    ref = _changing.get(id(value))
-    return ref is not None and ref() is value
+def demoted(value: Any) -> str | None:
+    """Why ``value`` was demoted (:func:`demote`), or None."""
+    hit = _changing.get(id(value))
+    return hit[1] if hit is not None and hit[0]() is value else None
 
 
 def may_be_static_state(tp: type) -> bool:

@@ -226,16 +226,16 @@ def test_a_dynamic_cache_runs_eagerly_with_the_reason(sim):
     assert "argument 1 of type Cache is not a tensor" in reason
 
 
-def test_a_cache_holding_what_cannot_be_keyed_runs_eagerly(sim):
-    torch.manual_seed(0)
-    g = cg.graphify(Net())
-    cache = StaticCache()
+def test_a_cache_holding_what_cannot_be_keyed_runs_eagerly_around_it(sim):
+    # (no graph of the call as a whole: the cache is passed as an opaque object, see
+    # test_a_static_cache_that_cannot_be_keyed_is_passed_as_an_opaque_object)
+    ref, g = _pair()
+    ref_cache, cache = StaticCache(), StaticCache()
     cache.helper = nn.Linear(1, 1)
-    with torch.no_grad():
-        for t in range(3):
-            g(torch.randn(1, 1, 16), cache, torch.tensor([t]))
-    assert cg.stats(g).captures == 0
-    assert any("holds a module" in r for r in cg.stats(g).eager_calls)
+    _decode(ref, g, ref_cache, cache, 3)
+    s = cg.stats(g)
+    assert sum(s.eager_calls.values()) == 3
+    assert all("holds a module" in r for r in s.eager_calls), s.eager_calls
 
 
 class _Generating(nn.Module):
@@ -353,6 +353,7 @@ def test_a_demoted_cache_is_its_own_and_leaves_with_its_life(sim):
     torch.manual_seed(0)
     ref = Counting()
     g = cg.graphify(copy.deepcopy(ref))
+    gc.collect()  # (caches demoted by earlier tests, dead by now)
     before = len(_state._changing)
     for n in range(2):
         ref_cache, cache = StaticCache(), StaticCache()
@@ -399,3 +400,37 @@ def test_a_forward_that_changed_two_caches_of_a_kind_demotes_the_next_at_once(si
         fresh = StaticCache()
         other(torch.randn(1, 1, 16), fresh, torch.tensor([0]))
         assert any("sets up" in r for r in cg.stats(other).eager_calls)
+
+
+class _Box:
+    def __init__(self, inner):
+        self.inner = inner
+
+
+class DeepCache(Cache):
+    """A static cache whose layers sit deeper than a key walks (as HF's EncoderDecoderCache
+    holds two caches): unkeyable."""
+
+    def __init__(self):
+        super().__init__([StaticLayer(6) for _ in range(2)])
+        self.boxed = _Box(_Box(_Box(self.layers)))
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def test_a_static_cache_that_cannot_be_keyed_is_passed_as_an_opaque_object(sim):
+    """state_key refuses it: the call was eager as a whole; now the cache is demoted (with the
+    reason) and the pieces around it are graphed, as around a DynamicCache."""
+    from cudagraphify import _state
+
+    with pytest.raises(StateUnkeyable):
+        state_key(DeepCache())
+    ref, g = _pair()
+    ref_cache, cache = DeepCache(), DeepCache()
+    _decode(ref, g, ref_cache, cache, 6)
+    s = cg.stats(g)
+    assert _state.demoted(cache) and not is_static_state(cache) and is_static_state(DeepCache())
+    assert all("cannot be keyed as static state" in r for r in s.eager_calls), s.eager_calls
+    assert s.captures >= 1 and s.replays >= 3, s  # the projections, around the cache
