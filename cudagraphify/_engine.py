@@ -382,7 +382,7 @@ class GraphedState(PieceRuns):
                 state_key(v)
             except StateUnkeyable as e:
                 demote(v, f"cannot be keyed as static state (it {e})")
-                found = True
+                found = found or demoted(v) is not None  # (not without a weak reference)
         return found
 
     def _storming(self, key) -> str | None:
@@ -470,6 +470,15 @@ class GraphedState(PieceRuns):
             return self._eager("a gradient this graph handed out as .grad is still referenced "
                                "through another tensor (a view of .grad kept from an earlier "
                                "step); clone gradients you keep", fn, args, kwargs)
+        device = entry.device
+        holder = self._stream_holder(region)
+        token = backend.stream_token(device)
+        if token != holder._stream_token:
+            if holder._stream_token is not None:
+                # Another stream replayed last: its copies may still be in flight (and the
+                # outputs protect_before copies below may not be written yet).
+                backend.order_after(device, holder._stream_token)
+            holder._stream_token = token
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
             if region.blocked_by > entry.seq and self._recaptures < _MAX_RECAPTURES:
                 # What blocks it is the output of a graph captured after it, held through a
@@ -477,18 +486,11 @@ class GraphedState(PieceRuns):
                 # outer pieces, whose inputs it makes): that graph's memory may lie in this
                 # one's freed temporaries. Captured again by the next call, it comes after.
                 self._recaptures += 1
+                drain(device, token)  # (its buffers go back to the allocator)
                 region.cache_for(self).discard(entry)
             return self._eager("an output of an earlier call in this graph_region is still "
                                "referenced through a view; running eagerly so it is not "
                                "overwritten (clone outputs you keep)", fn, args, kwargs)
-        device = entry.device
-        holder = self._stream_holder(region)
-        token = backend.stream_token(device)
-        if token != holder._stream_token:
-            if holder._stream_token is not None:
-                # Another stream replayed last: its copies may still be in flight.
-                backend.order_after(device, holder._stream_token)
-            holder._stream_token = token
         trial = None if training else entry.trial
         if trial is not None:
             if trial.eager_next():

@@ -33,7 +33,7 @@ from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
 from ._rehearsal import rehearse, snapshot_states
-from ._state import demote, kind_of
+from ._state import changed_again, demote, kind_of
 from ._state import tensors_in as _tensors_in
 from ._signature import Signature, storage_of
 from ._watch import Recorder, recording
@@ -77,6 +77,7 @@ class FirstCall(Capturing):
         self.draws = False  # the warm-up drew random numbers (checked where states are passed)
         self.family = None  # the _rebase.Family this call's graph came from or founded
         self.side_effect = ""  # which of them this call changed otherwise (a step count)
+        self.changed_states = False  # and whether a static state among them
         self.states_before: dict | None = {}  # copies of the states before the call
 
     # -- 1. warm up ------------------------------------------------------------------------
@@ -115,7 +116,9 @@ class FirstCall(Capturing):
         self.recorder = rec = Recorder()
         self.hooks_before = _watch.global_hooks()
         passed = self.objects + self.states
-        before_objects = StateGuard([], objects=passed) if passed else None
+        # one guard per object: which of them the call changes
+        before_each = [(where, obj, StateGuard([], objects=[(where, obj)]))
+                       for where, obj in passed]
         tensors_before = {id(t) for _, obj in passed for t in _tensors_in(obj)}
         rng = _rng_offset(self.device) if self.states else None
         # lists and dicts passed in, as they are: a forward that changes them (a cache grown
@@ -159,25 +162,31 @@ class FirstCall(Capturing):
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
         self.wrote_statics = sorted(wrote)
         self.warm_guard = self._guard(rec)
-        if before_objects is not None and not before_objects.unguardable \
-                and not before_objects.valid():
+        changed = [(where, obj) for where, obj, guard in before_each
+                   if not guard.unguardable and not guard.valid()]
+        del before_each
+        if changed:
             # A cache allocates its tensors on its first update: what this call did (and the
             # probe saw) is not what the next calls do.
             states = {id(obj) for _, obj in self.states}
-            where, obj = next(((where, obj) for where, obj in passed
-                               if not StateGuard([], objects=[(where, obj)]).valid()), passed[0])
+            allocated = [(where, obj) for where, obj in changed
+                         if any(id(t) not in tensors_before for t in _tensors_in(obj))]
             # a set-up allocates tensors; a call that only changes other values (a step
-            # count) has a side effect on every call, which the capture's check refuses
-            if any(id(t) not in tensors_before for t in _tensors_in(obj)):
+            # count) has a side effect, which the capture's check refuses
+            if allocated:
+                where, obj = allocated[0]
                 self.set_up = (where, id(obj) in states)
             else:
-                self.side_effect = where
-                if id(obj) in states:  # (keyed by what it holds: a new key every call)
-                    demote(obj)
-                    kinds = self.state.demoted_kinds
-                    if len(kinds) < 64 or kind_of(obj) in kinds:
-                        kinds[kind_of(obj)] = kinds.get(kind_of(obj), 0) + 1
-        del before_objects
+                self.side_effect = changed[0][0]
+                self.changed_states = any(id(obj) in states for _, obj in changed)
+                for _, obj in changed:
+                    # (keyed by what it holds: a state changed on every call is a new key every
+                    # call; changed on two calls, it is taken to be such)
+                    if id(obj) in states and changed_again(obj):
+                        demote(obj)
+                        kinds = self.state.demoted_kinds
+                        if len(kinds) < 64 or kind_of(obj) in kinds:
+                            kinds[kind_of(obj)] = kinds.get(kind_of(obj), 0) + 1
         if not self.side_effect and _containers_changed(containers):
             self.side_effect = "a list or dict it is passed"
         del containers
@@ -228,8 +237,13 @@ class FirstCall(Capturing):
                                "changed: a cache's first update allocates its tensors)",
                                guard=self.warm_guard, quiet=True)
         if self.side_effect:
-            return self._eager(f"forward changes {self.side_effect} (not its tensors' values: "
-                               "its Python state), a side effect a replay cannot repeat")
+            out = self._eager(f"forward changes {self.side_effect} (not its tensors' values: "
+                              "its Python state), a side effect a replay cannot repeat")
+            # (a static state's: keyed by what it holds, the key met again only where a new
+            # cache lies where a dead one did; each such call probed, so that a cache changed
+            # on two calls is seen to be: see _state.changed_again)
+            out.remember = not self.changed_states
+            return out
         if self.states_guard is not None and self.states_guard.unguardable:
             return self._eager(self.states_guard.unguardable)
         if self.short_of_memory:  # writes could not be checked: try again on a later call

@@ -27,7 +27,7 @@ import torch
 
 from ._statics import ptrs_equal
 
-__all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "kind_of", "state_key", "state_layout",
+__all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "kind_of", "changed_again", "state_key", "state_layout",
            "StateUnkeyable", "SetUp", "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
@@ -60,7 +60,8 @@ def is_static_state(value: Any) -> bool:
 # id -> (weakref, why) of static-state objects demoted to opaque ones (see demote)
 _changing: dict[int, tuple[weakref.ref, str]] = {}
 CHANGES = ("has Python state that the forward changes on every call (such as a sliding "
-           "window's token count; seen on it, or by this forward on two caches of its kind)")
+           "window's token count; seen on two calls with it, or by this forward on two caches "
+           "of its kind)")
 
 
 def kind_of(value: Any) -> Hashable:
@@ -70,6 +71,24 @@ def kind_of(value: Any) -> Hashable:
     if type(layers) is list or type(layers) is tuple:
         return (type(value), tuple([type(layer) for layer in layers]))
     return (type(value),)
+
+
+# id -> weakref of static-state objects a forward changed the Python state of once
+_changed_once: dict[int, weakref.ref] = {}
+
+
+def changed_again(value: Any) -> bool:
+    """A forward changed ``value``'s Python state: whether it did so before (a one-time change,
+    a flag set on the first step, is then not taken for one made on every call)."""
+    ref = _changed_once.get(id(value))
+    if ref is not None and ref() is value:
+        return True
+    try:
+        _changed_once[id(value)] = weakref.ref(value,
+                                               lambda _r, k=id(value): _changed_once.pop(k, None))
+    except TypeError:
+        return True  # (no weak reference to remember it by)
+    return False
 
 
 def demote(value: Any, why: str = CHANGES) -> None:
