@@ -21,9 +21,11 @@ _HELD = (STATIC_OBJECT, STATIC_STATE)  # the kinds of constants always in the ke
 __all__ = ["CachePolicy", "GraphCache", "EagerEntry", "Owned"]
 
 _MAX_EAGER = 256  # eager decisions remembered per cache
-# a key whose graph was evicted this many times is not captured again (see thrashing): keys
-# remembered per cache
+# a key whose graph was evicted this many times, each time used fewer than THRASH_USES times
+# since its capture (a capture costs a few eager runs), is not captured again (see
+# thrashing): keys remembered per cache
 THRASH_EVICTIONS = 2
+THRASH_USES = 4
 _MAX_EVICTED_KEYS = 4096
 
 
@@ -109,6 +111,7 @@ class Owned:
     flags: Any = None
     pinned: tuple = ()
     written_statics: frozenset = frozenset()  # storages of parameters/buffers forward writes
+    uses = 0  # (a graph's) calls that found it after its capture (see GraphCache.thrashing)
     state_storages: frozenset = frozenset()  # storages of the static states' tensors
 
     @property
@@ -185,7 +188,8 @@ class GraphCache:
         self._lru: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()  # id(entry) ->
         self._by_key: dict[Hashable, list] = {}
         self.evictions = 0
-        self._evicted: dict[Hashable, int] = {}  # key -> times a graph of it was evicted
+        # key -> times a graph of it was evicted unused (see thrashing)
+        self._evicted: dict[Hashable, int] = {}
 
     def get(self, key: Hashable) -> list:
         """The entries of ``key``, the most recently used first."""
@@ -224,12 +228,32 @@ class GraphCache:
         return evicted
 
     def thrashing(self, key: Hashable) -> bool:
-        """Whether graphs of ``key`` were evicted so often (:data:`THRASH_EVICTIONS` times) that
-        capturing it again would only evict another: more distinct signatures come round than
-        ``max_graphs`` holds (a decode loop's growing shapes, over and over), where least
-        recently used is the worst order to drop them in. Such a key runs eagerly; the graphs
-        kept go on replaying."""
-        return self._evicted.get(key, 0) >= THRASH_EVICTIONS
+        """Whether graphs of ``key`` were evicted :data:`THRASH_EVICTIONS` times, each before
+        it was used (``uses``: found by a later call, or replayed) :data:`THRASH_USES` times:
+        capturing it again would cost more than it saves and evict another graph. More
+        distinct signatures come round than ``max_graphs`` holds (a decode loop's growing
+        shapes, over and over), where least recently used is the worst order to drop them in.
+        Such a key runs eagerly; the graphs kept go on replaying. Graphs used often before
+        their eviction (working sets used in turn, a module attribute's old value) do not
+        count, nor do they where the cache has room left (a capture would evict nothing)."""
+        return self._evicted.get(key, 0) >= THRASH_EVICTIONS and \
+            len(self.graphs()) >= self.policy.max_graphs
+
+    def forget_evictions(self) -> None:
+        """Forget which keys were thrashing (the graphs they competed with are gone)."""
+        self._evicted.clear()
+
+    def thrashing_now(self, key: Hashable) -> bool:
+        """:meth:`thrashing`, once the graphs of callables that are gone (a shared policy's
+        cache) have been dropped: with them, what the keys competed for."""
+        if not self.thrashing(key):
+            return False
+        gone = [e for _, e in self._lru.values() if getattr(e, "orphaned", False)]
+        for e in gone:
+            self.discard(e)
+        if gone:
+            self.forget_evictions()
+        return self.thrashing(key)
 
     def _drop(self, entry, evicted: bool = False) -> None:
         key, _ = self._lru.pop(id(entry))
@@ -237,7 +261,7 @@ class GraphCache:
         variants[:] = [e for e in variants if e is not entry]
         if not variants:
             del self._by_key[key]
-        if evicted:
+        if evicted and getattr(entry, "uses", 0) < THRASH_USES:
             times = self._evicted.pop(key, 0) + 1  # (re-inserted: the newest last)
             if len(self._evicted) >= _MAX_EVICTED_KEYS:
                 del self._evicted[next(iter(self._evicted))]
@@ -256,7 +280,9 @@ class GraphCache:
         return self.evictions >= self.policy.max_evictions
 
     def clear(self, owner=None) -> None:
-        """Release every entry, or only those whose ``owner`` is ``owner``."""
+        """Release every entry, or only those whose ``owner`` is ``owner`` (and forget which keys
+        were thrashing: the graphs they competed with are gone)."""
+        self.forget_evictions()
         entries = [e for _, e in self._lru.values() if owner is None or e.owner is owner]
         for e in entries:
             self._drop(e)

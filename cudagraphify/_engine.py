@@ -31,7 +31,8 @@ import torch
 
 from . import _capture, _guards, _region, _segrun, _trial, _watch
 from ._capture import drain
-from ._cache import THRASH_EVICTIONS, CachePolicy, EagerEntry, GraphCache, SetUpEntry
+from ._cache import (THRASH_EVICTIONS, THRASH_USES, CachePolicy, EagerEntry, GraphCache,
+                     SetUpEntry)
 from ._errors import CudagraphifyUsageError, warn_once
 from ._fast import MISS, EagerFast, Fast
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
@@ -45,8 +46,7 @@ from ._rebase import Families
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
 from ._writes import inputs_alias
-from ._state import (SetUp, StateUnkeyable, demote, demoted, is_static_state, kind_of,
-                     may_be_static_state, state_key)
+from ._state import SetUp, StateUnkeyable, demote, demoted, is_static_state, state_key
 from ._statics import StaticState
 from ._training import TrainingGraph
 
@@ -76,8 +76,8 @@ _STORM_CALLS = 64
 # their replay (see _replay): per callable, for its life (a plan nested in a plan delays its
 # pieces' captures by a call per level; a blocker captured anew every call, a growing shape,
 # would block each recapture again)
-_MAX_RECAPTURES = 2
-_KIND_DEMOTIONS = 2  # static states of a kind demoted before new ones are from the start
+_MAX_RECAPTURES = 4
+_BLOCKED_CALLS = 3  # calls in a row that find it blocked so before it is captured again
 
 
 def _fruitless_limit(policy: CachePolicy) -> int:
@@ -150,9 +150,6 @@ class GraphedState(PieceRuns):
         self._storm_keys: set = set()  # the signatures run eagerly by the storm
         self._storm_mark = 0
         self._recaptures = 0  # (see _MAX_RECAPTURES)
-        # kinds of static state (see _state.kind_of) -> objects of it whose Python state this
-        # forward changed (see _demote_known)
-        self.demoted_kinds: dict = {}
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
         self._stream_token: int | None = None
@@ -235,6 +232,9 @@ class GraphedState(PieceRuns):
               set_up: bool = False) -> Any:
         if self.given_back is not None:  # (given back while this call waited for the lock)
             return self._given_back(fn, args, kwargs)
+        fast = self._fast
+        if type(fast) is Fast:
+            fast.entry.uses += self.replays - fast.base  # (its replays through the fast path)
         self._fast = None  # remade by a replay that qualifies
         if _guards.dual_level() >= 0:
             return self._eager(FORWARD_AD, fn, args, kwargs)
@@ -263,8 +263,6 @@ class GraphedState(PieceRuns):
                 f"parameters or buffers keep moving to new memory ({self._last_move(moved)}; "
                 "FSDP2 gathers them anew when it reshards): running eagerly until they stay "
                 f"put for {_STILL_CALLS} calls", fn, args, kwargs)
-        if self.demoted_kinds:
-            self._demote_known(args, kwargs)
         opaque = opaque_argument(args, kwargs, self.static_positions, self.static_names)
         if opaque is not None:
             _refuse_tracers(args, kwargs)
@@ -298,6 +296,7 @@ class GraphedState(PieceRuns):
                 if owner is None:
                     if entry.orphaned:  # that module is gone, and its memory with it
                         cache.discard(entry)
+                        cache.forget_evictions()  # (its graphs no longer compete)
                     continue
                 moved = owner.statics.changed()
                 if moved is not None:
@@ -308,6 +307,7 @@ class GraphedState(PieceRuns):
             cache.touch(entry)
             kind = type(entry)
             if kind is CapturedGraph or kind is TrainingGraph:
+                entry.uses += 1  # (the key came back while its graph was kept)
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
             if kind is SetUpEntry and not set_up and self._set_up(entry, leaves):
                 # the call's states are now as its first update leaves them: decided anew
@@ -325,14 +325,18 @@ class GraphedState(PieceRuns):
             return self._eager(entry.reason, fn, args, kwargs,
                                chained=type(entry) is PiecewiseEntry, entry=entry)
         reason = self._ineligible(backend, leaves, cache)
-        if reason is None and cache.thrashing(key):
-            reason = (f"its graph was evicted {THRASH_EVICTIONS} times (more distinct "
-                      f"signatures come round than max_graphs={self.policy.max_graphs} holds: "
-                      "each capture would evict another graph still in use); this signature "
-                      "runs eagerly, the graphs kept replay (raise max_graphs to graph it)")
         if reason is not None:
             cache.put(key, EagerEntry(reason, self))
             return self._eager(reason, fn, args, kwargs)
+        if cache.thrashing_now(key):
+            # (no entry: it would hide the key's graphs under another module state or flags)
+            return self._eager(
+                f"its graph was evicted {THRASH_EVICTIONS} times before it was used "
+                f"{THRASH_USES} times (more distinct signatures come round than "
+                f"max_graphs={cache.policy.max_graphs} holds: each capture would evict another "
+                "graph before it pays); this signature runs eagerly, the graphs kept replay "
+                "(raise max_graphs to graph it)",
+                fn, args, kwargs)
         if sig.static_states and region is None and self.families:
             made = self.families.entry(self, sig, leaves, backend, self._device)
             if made is not None:  # a family's template rebased to this call's states
@@ -355,16 +359,6 @@ class GraphedState(PieceRuns):
         if outcome.kind == GRAPHED:
             self._capture_mark = self.replays  # (its call's own replay counted)
         return out
-
-    def _demote_known(self, args: tuple, kwargs: dict) -> None:
-        """Static states of a kind (:func:`~._state.kind_of`) that this callable's forward was
-        seen changing the Python state of in :data:`_KIND_DEMOTIONS` objects already: demoted
-        at once (``generate()`` makes a new cache for every call, whose set-up call and first
-        step would each pay a probed run to learn what the last ones showed)."""
-        for v in (*args, *kwargs.values()):
-            if may_be_static_state(type(v)) and not demoted(v) and \
-                    self.demoted_kinds.get(kind_of(v), 0) >= _KIND_DEMOTIONS:
-                demote(v)
 
     def _demote_unkeyable(self, args: tuple, kwargs: dict) -> bool:
         """Demote the static states among the call's top-level arguments that
@@ -480,11 +474,16 @@ class GraphedState(PieceRuns):
                 backend.order_after(device, holder._stream_token)
             holder._stream_token = token
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
-            if region.blocked_by > entry.seq and self._recaptures < _MAX_RECAPTURES:
-                # What blocks it is the output of a graph captured after it, held through a
-                # view (as a piece of an opaque piece's own plan is captured a call after the
-                # outer pieces, whose inputs it makes): that graph's memory may lie in this
-                # one's freed temporaries. Captured again by the next call, it comes after.
+            streak = entry.blocked[0] + 1 if entry.blocked[1] == self.replays else 1
+            entry.blocked = (streak, self.replays)
+            if region.blocked_by > entry.seq and streak >= _BLOCKED_CALLS \
+                    and self._recaptures < _MAX_RECAPTURES:
+                # What blocks it, call after call with no replay of this callable between (not
+                # another thread's output held for a while), is the output of a graph captured
+                # after it, held through a view (as a piece of an opaque piece's own plan is
+                # captured a call after the outer pieces, whose inputs it makes): that graph's
+                # memory may lie in this one's freed temporaries. Captured again by the next
+                # call, it comes after.
                 self._recaptures += 1
                 drain(device, token)  # (its buffers go back to the allocator)
                 region.cache_for(self).discard(entry)

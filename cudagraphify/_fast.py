@@ -218,7 +218,7 @@ class Fast:
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "statics",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
-                 "state_copied", "slot", "grads")
+                 "state_copied", "slot", "grads", "base")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -286,6 +286,9 @@ class Fast:
         # the region's lock (None outside a region), then the state's
         self.outer = region.lock if region is not None else None
         self.lock = state.lock
+        # (the state's replays when it was made: every replay until the slow path drops it is
+        # this entry's, which the slow path then marks used; see GraphCache.thrashing)
+        self.base = state.replays
         return self
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -33,7 +33,7 @@ from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
 from ._rehearsal import rehearse, snapshot_states
-from ._state import changed_again, demote, kind_of
+from ._state import changed_again, demote
 from ._state import tensors_in as _tensors_in
 from ._signature import Signature, storage_of
 from ._watch import Recorder, recording
@@ -184,9 +184,6 @@ class FirstCall(Capturing):
                     # call; changed on two calls, it is taken to be such)
                     if id(obj) in states and changed_again(obj):
                         demote(obj)
-                        kinds = self.state.demoted_kinds
-                        if len(kinds) < 64 or kind_of(obj) in kinds:
-                            kinds[kind_of(obj)] = kinds.get(kind_of(obj), 0) + 1
         if not self.side_effect and _containers_changed(containers):
             self.side_effect = "a list or dict it is passed"
         del containers

@@ -27,7 +27,7 @@ import torch
 
 from ._statics import ptrs_equal
 
-__all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "kind_of", "changed_again", "state_key", "state_layout",
+__all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "changed_again", "state_key", "state_layout",
            "StateUnkeyable", "SetUp", "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
@@ -60,17 +60,7 @@ def is_static_state(value: Any) -> bool:
 # id -> (weakref, why) of static-state objects demoted to opaque ones (see demote)
 _changing: dict[int, tuple[weakref.ref, str]] = {}
 CHANGES = ("has Python state that the forward changes on every call (such as a sliding "
-           "window's token count; seen on two calls with it, or by this forward on two caches "
-           "of its kind)")
-
-
-def kind_of(value: Any) -> Hashable:
-    """The class of ``value`` and of each of its layers (an HF cache's: a sliding-window layer
-    is what changes its Python state, and a cache of full-attention layers alone does not)."""
-    layers = getattr(value, "layers", None)
-    if type(layers) is list or type(layers) is tuple:
-        return (type(value), tuple([type(layer) for layer in layers]))
-    return (type(value),)
+           "window's token count; seen on two calls with it)")
 
 
 # id -> weakref of static-state objects a forward changed the Python state of once

@@ -194,7 +194,6 @@ def _sliding_rows(row, transformers, sizes, prompt, new_tokens, repeats, sync, d
                   pad_token_id=0)
     graphed = cg.graphify(copy.deepcopy(model))
     row["sliding_window"] = window
-    learnt = 0
     for key, extra in (("static", {"cache_implementation": "static"}), ("dynamic", {})):
         progress(f"mistral-generate, sliding window {window} ({key}): eager, then graphify")
         before = cg.stats(graphed)
@@ -206,10 +205,10 @@ def _sliding_rows(row, transformers, sizes, prompt, new_tokens, repeats, sync, d
         after = cg.stats(graphed)
         row[f"sliding_{key}_captures"] = after.captures - before.captures
         row[f"sliding_{key}_replays"] = after.replays - before.replays
-        # caches whose side effect a probed call showed (later ones of their kind: demoted
-        # from their first call)
-        now = sum(graphed._cudagraphify_state.demoted_kinds.values())
-        row[f"sliding_{key}_side_effects"], learnt = now - learnt, now
+        # calls probed that showed the cache's side effect (two per cache, then it is demoted)
+        row[f"sliding_{key}_side_effects"] = sum(
+            n - before.eager_calls.get(r, 0) for r, n in after.eager_calls.items()
+            if "side effect" in r)
         row[f"sliding_{key}_tokens_identical"] = all(torch.equal(o, e_outs[0])
                                                      for o in e_outs + g_outs)
     cg.ungraphify(graphed)
@@ -384,7 +383,8 @@ def format_decode(row: dict) -> str:
             f"{row[f'sliding_{key}_first_s']:.3f} s; tokens identical: "
             f"{row[f'sliding_{key}_tokens_identical']}; {row[f'sliding_{key}_captures']} "
             f"captures, {row[f'sliding_{key}_replays']} replays, "
-            f"{row[f'sliding_{key}_side_effects']} caches whose side effect a probed call showed")
+            f"{row[f'sliding_{key}_side_effects']} probed calls that showed the cache's side "
+            "effect")
     if "generate_captures" in row:
         text += (f"\n  generate, all forms: captures {row['generate_captures']}, replays "
                  f"{row['generate_replays']}, evictions {row['generate_evictions']}")
