@@ -425,7 +425,7 @@ def test_sliding_window_generate_rows_through_the_cpu_double(sim):
     for key in ("static", "dynamic"):
         assert row[f"sliding_{key}_tokens_identical"], key
         assert row[f"sliding_{key}_replays"] > 0, (key, row)
-    assert row["sliding_static_side_effects"] <= 2, row
+    assert row["sliding_static_side_effects"] <= 2 * 4, row  # (two per generate's cache)
     text = bench_decode.format_decode(dict(
         row, config="c", batch=1, prompt=8, new_tokens=6, eager_tokens_per_s=1.0, eager_us=1.0,
         device="cpu", graphify_us=1.0, graphify_tokens_per_s=1.0, graphify_speedup=1.0,

@@ -303,8 +303,8 @@ def test_signatures_that_come_round_more_than_max_graphs_hold_stop_evicting(sim)
                 x = torch.randn(n, 8)
                 assert torch.equal(g(x), ref(x))
     s = cg.stats(g)
-    assert s.captures <= 12 and s.replays >= 150, s
-    thrash = [n for r, n in s.eager_calls.items() if "evicted 2 times" in r]
+    assert s.captures <= 16 and s.replays >= 140, s
+    thrash = [n for r, n in s.eager_calls.items() if "evicted 2 times before" in r]
     assert thrash and thrash[0] <= 80, s.eager_calls
 
 

@@ -271,7 +271,8 @@ def test_a_piece_captured_before_the_graph_whose_output_it_reads_is_captured_aga
             x = torch.randn(1, 1, 8)
             assert torch.equal(g(x, c), ref(x, rc)), t
     head = cg.stats(g.head)
-    assert head.captures == 2 and head.replays >= 7, head
-    assert sum(head.eager_calls.values()) <= 1, head.eager_calls
+    assert head.captures == 2 and head.replays >= 5, head
+    # (three calls in a row blocked: then captured again)
+    assert sum(head.eager_calls.values()) <= 3, head.eager_calls
     assert g.head._cudagraphify_state._recaptures == 1
     assert cg.stats(g.inner.norm).replays >= 7

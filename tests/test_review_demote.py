@@ -22,7 +22,8 @@ values (no silent wrong value was found on the CPU double):
   cache's ordinary lazy set-up is enough), the cache that did change is not (its calls are
   still each a new key with a probed first call, the slowdown b8e0eed set out to remove), and
   the reason names the wrong argument.
-- F2 (two tests). A cache whose Python state changes once (a flag set by its first decode step, as HF's
+- F2 (two tests). A cache whose Python state changes once (a flag set by its first decode
+  step, as HF's
   ``has_previous_state`` or ``is_updated``) and never again is demoted for good. Before
   b8e0eed, one call ran eagerly and the whole model graphed after that. Now the root runs
   eagerly around the cache from then on, and the reason says "changes on every call". Since
@@ -305,7 +306,8 @@ def _decode(ref, g, rc, c, steps, start=0, **kw):
 
 
 def test_control_sliding_cache_demoted_once_then_reset_and_passed_again(sim):
-    """Demoted on its third call (set up, then two calls that change it); then reset (its count back to 0) and decoded again, twice:
+    """Demoted on its third call (set up, then two calls that change it); then reset (its
+    count back to 0) and decoded again, twice:
     still demoted (no new probe), values and caches as eager's, the pieces replay."""
     ref, g = _twin(Net())
     rc, c = cache(layer=SlidingLayer), cache(layer=SlidingLayer)
@@ -522,7 +524,8 @@ def test_control_hf_sliding_window_generate_static_prompts_and_batch(sim, device
         want = ref.generate(ids, cache_implementation="static", disable_compile=True, **_GEN)
         got = g.generate(ids, cache_implementation="static", **_GEN)
         assert _same_generate(got, want), n
-    assert cg.stats(g.model.layers[0].mlp).replays >= 10
+    # (each new cache: a set-up and two probed steps first)
+    assert cg.stats(g.model.layers[0].mlp).replays >= 5
 
 
 def test_control_hf_sliding_cache_kept_reset_and_shared_with_a_dynamic_cache(sim,
@@ -579,7 +582,7 @@ def test_control_region_graph_blocked_by_a_later_graphs_view_is_captured_again(s
             for got, want in kept[-3:]:
                 assert torch.equal(got, want), t
     s = cg.stats(gf)
-    assert s.captures == 2 and s.replays >= 8, s
+    assert s.captures == 2 and s.replays >= 6, s  # (captured again after three blocked calls)
     assert gf._cudagraphify_state._recaptures == 1
 
 

@@ -370,38 +370,6 @@ def test_a_demoted_cache_is_its_own_and_leaves_with_its_life(sim):
         assert len(_state._changing) == before
 
 
-def test_a_forward_that_changed_two_caches_of_a_kind_demotes_the_next_at_once(sim):
-    """``generate()`` makes a new cache for every call: once this forward changed the Python
-    state of two caches of one kind (the cache's class and its layers' classes), a new one of
-    that kind is demoted before its first call (no probed set-up call, no probed step); a
-    cache of another kind, or passed to another callable, is not."""
-    class Other(StaticCache):
-        pass
-
-    torch.manual_seed(0)
-    ref = Counting()
-    g = cg.graphify(copy.deepcopy(ref))
-
-    def side_effects():
-        return sum(v for r, v in cg.stats(g).eager_calls.items()
-                   if "side effect" in r or "sets up" in r)
-
-    with torch.no_grad():
-        for n in range(4):
-            ref_cache, cache = StaticCache(), StaticCache()
-            before = side_effects()
-            for t in range(3):
-                x, pos = torch.randn(1, 1, 16), torch.tensor([t])
-                assert torch.equal(g(x, cache, pos), ref(x, ref_cache, pos)), (n, t)
-            # the set-up call and the two steps that show the side effect, for the first two
-            assert side_effects() - before == (3 if n < 2 else 0), (n, cg.stats(g).eager_calls)
-        assert is_static_state(StaticCache()) and is_static_state(Other())
-        other = cg.graphify(copy.deepcopy(ref))
-        fresh = StaticCache()
-        other(torch.randn(1, 1, 16), fresh, torch.tensor([0]))
-        assert any("sets up" in r for r in cg.stats(other).eager_calls)
-
-
 class _Box:
     def __init__(self, inner):
         self.inner = inner
