@@ -51,6 +51,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache, StaticCache as HFStaticCache, cache_utils  # noqa: E402
 
 from test_review_hfcache import DevStaticLayer  # noqa: E402
+from test_review_static_state import Net  # noqa: E402
 
 
 # -- stand-ins (transformers 5's Cache/StaticLayer shape; classes of this file only) ----------
@@ -109,18 +110,6 @@ class SlidingLayer(Layer):
 
 def cache(n=2, layer=Layer):
     return Cache([layer() for _ in range(n)])
-
-
-class Net(nn.Module):
-    def __init__(self, n: int = 2):
-        super().__init__()
-        self.projs = nn.ModuleList([nn.Linear(16, 16) for _ in range(n)])
-
-    def forward(self, x, c, pos):
-        for i, proj in enumerate(self.projs):
-            keys = c.layers[i].update(proj(x), pos)
-            x = x + keys.mean(1, keepdim=True)
-        return x
 
 
 class TwoCaches(nn.Module):

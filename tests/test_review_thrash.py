@@ -39,7 +39,7 @@ from torch import nn
 
 import cudagraphify as cg
 
-from test_opaque_plan import _Cache as _OpaqueCache, _Model
+from test_opaque_plan import _Cache as _OpaqueCache, _Inner
 from test_static_state import Cache, Net, StaticCache, StaticLayer
 
 
@@ -200,16 +200,6 @@ def test_finding_the_thrash_reason_names_the_wrong_max_graphs_in_a_region(sim):
         _run(ref, g, [1, 2, 3], rounds=4)
     reasons = [r for r in cg.stats(g).eager_calls if THRASH in r]
     assert reasons and all("max_graphs=2 " in r for r in reasons), reasons
-
-
-class _Inner(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.model = _Model()
-        self.norm = nn.LayerNorm(8)
-
-    def forward(self, x, cache):
-        return self.norm(self.model(x, cache))
 
 
 class _Wrap(nn.Module):
