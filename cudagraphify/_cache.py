@@ -188,7 +188,7 @@ class GraphCache:
         self._lru: OrderedDict[int, tuple[Hashable, Any]] = OrderedDict()  # id(entry) ->
         self._by_key: dict[Hashable, list] = {}
         self.evictions = 0
-        # key -> times a graph of it was evicted unused (see thrashing)
+        # key -> times a graph of it was evicted hardly used (see thrashing)
         self._evicted: dict[Hashable, int] = {}
 
     def get(self, key: Hashable) -> list:

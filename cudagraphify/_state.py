@@ -27,8 +27,8 @@ import torch
 
 from ._statics import ptrs_equal
 
-__all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "changed_again", "state_key", "state_layout",
-           "StateUnkeyable", "SetUp", "tensors_in"]
+__all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "changed_again",
+           "state_key", "state_layout", "StateUnkeyable", "SetUp", "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _MAX_ITEMS = 4096  # values walked per object: beyond that it is refused (too costly per call)
