@@ -94,6 +94,17 @@ class KeyFnPolicy(CachePolicy):
         return self._key_fn(signature)
 
 
+def _uses(entry) -> int:
+    """``entry.uses`` with its owner's replays through the fast path not yet counted (they are
+    at the owner's next slow call; another callable of a shared cache may evict it first)."""
+    uses = getattr(entry, "uses", 0)
+    owner = entry.owner if isinstance(entry, Owned) else None
+    fast = getattr(owner, "_fast", None)
+    if getattr(fast, "entry", None) is entry and hasattr(fast, "base"):
+        uses += owner.replays - fast.base
+    return uses
+
+
 class Owned:
     """A cache entry (a graph, or an eager decision) and what it depends on.
 
@@ -261,7 +272,7 @@ class GraphCache:
         variants[:] = [e for e in variants if e is not entry]
         if not variants:
             del self._by_key[key]
-        if evicted and getattr(entry, "uses", 0) < THRASH_USES:
+        if evicted and _uses(entry) < THRASH_USES:
             times = self._evicted.pop(key, 0) + 1  # (re-inserted: the newest last)
             if len(self._evicted) >= _MAX_EVICTED_KEYS:
                 del self._evicted[next(iter(self._evicted))]

@@ -474,12 +474,13 @@ class GraphedState(PieceRuns):
                 backend.order_after(device, holder._stream_token)
             holder._stream_token = token
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
-            streak = entry.blocked[0] + 1 if entry.blocked[1] == self.replays else 1
-            entry.blocked = (streak, self.replays)
+            # (blocked on calls in a row of this graph: none of its uses between was a replay)
+            streak = entry.blocked[0] + 1 if entry.blocked[1] == entry.uses - 1 else 1
+            entry.blocked = (streak, entry.uses)
             if region.blocked_by > entry.seq and streak >= _BLOCKED_CALLS \
                     and self._recaptures < _MAX_RECAPTURES:
-                # What blocks it, call after call with no replay of this callable between (not
-                # another thread's output held for a while), is the output of a graph captured
+                # What blocks it, call after call with no replay of it between (not another
+                # thread's output held for a while), is the output of a graph captured
                 # after it, held through a view (as a piece of an opaque piece's own plan is
                 # captured a call after the outer pieces, whose inputs it makes): that graph's
                 # memory may lie in this one's freed temporaries. Captured again by the next
