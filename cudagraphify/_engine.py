@@ -474,9 +474,12 @@ class GraphedState(PieceRuns):
                 backend.order_after(device, holder._stream_token)
             holder._stream_token = token
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
-            # (blocked on calls in a row of this graph: none of its uses between was a replay)
-            streak = entry.blocked[0] + 1 if entry.blocked[1] == entry.uses - 1 else 1
-            entry.blocked = (streak, entry.uses)
+            # (blocked on calls in a row of this graph, on one thread: none of its uses between
+            # was a replay, and no other thread's call holds the output for a while)
+            me = threading.get_ident()
+            streak = entry.blocked[0] + 1 \
+                if entry.blocked[1:] == (entry.uses - 1, me) else 1
+            entry.blocked = (streak, entry.uses, me)
             if region.blocked_by > entry.seq and streak >= _BLOCKED_CALLS \
                     and self._recaptures < _MAX_RECAPTURES:
                 # What blocks it, call after call with no replay of it between (not another
