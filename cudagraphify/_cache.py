@@ -100,8 +100,8 @@ def _uses(entry) -> int:
     uses = getattr(entry, "uses", 0)
     owner = entry.owner if isinstance(entry, Owned) else None
     fast = getattr(owner, "_fast", None)
-    if getattr(fast, "entry", None) is entry and hasattr(fast, "base"):
-        uses += owner.replays - fast.base
+    if getattr(fast, "entry", None) is entry and hasattr(fast, "pending_uses"):
+        uses += fast.pending_uses()
     return uses
 
 

@@ -234,7 +234,7 @@ class GraphedState(PieceRuns):
             return self._given_back(fn, args, kwargs)
         fast = self._fast
         if type(fast) is Fast:
-            fast.entry.uses += self.replays - fast.base  # (its replays through the fast path)
+            fast.entry.uses += fast.pending_uses()
         self._fast = None  # remade by a replay that qualifies
         if _guards.dual_level() >= 0:
             return self._eager(FORWARD_AD, fn, args, kwargs)

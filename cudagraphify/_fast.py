@@ -287,9 +287,14 @@ class Fast:
         self.outer = region.lock if region is not None else None
         self.lock = state.lock
         # (the state's replays when it was made: every replay until the slow path drops it is
-        # this entry's, which the slow path then marks used; see GraphCache.thrashing)
+        # this entry's; see pending_uses)
         self.base = state.replays
         return self
+
+    def pending_uses(self) -> int:
+        """Its entry's replays through this fast path, not yet added to ``entry.uses`` (the
+        slow path adds them when it drops it; see GraphCache.thrashing)."""
+        return self.state.replays - self.base
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """The replay, or MISS. The caller has checked that no global module hook is

@@ -47,38 +47,47 @@ def is_static_state(value: Any) -> bool:
     tensors every step): it is not."""
     if not may_be_static_state(type(value)):
         return False
-    if _changing:
-        hit = _changing.get(id(value))
-        if hit is not None and hit[0]() is value:
-            return False
+    if _changing and _changing.payload(value) is not None:
+        return False
     try:
         return getattr(value, "is_compileable", False) is True
     except Exception:  # noqa: BLE001 - a cache in a state its property cannot read
         return False
 
 
-# id -> (weakref, why) of static-state objects demoted to opaque ones (see demote)
-_changing: dict[int, tuple[weakref.ref, str]] = {}
+class _Remembered(dict):
+    """id -> (weak reference, payload) of live objects: an entry leaves with its object."""
+
+    def payload(self, value: Any) -> Any:
+        """What was remembered of ``value`` (None: nothing)."""
+        hit = self.get(id(value))
+        return hit[1] if hit is not None and hit[0]() is value else None
+
+    def remember(self, value: Any, payload: Any) -> bool:
+        """Remember ``payload`` for ``value``; False where it takes no weak reference."""
+        try:
+            ref = weakref.ref(value, lambda _r, k=id(value), d=self: d.pop(k, None))
+        except TypeError:
+            return False
+        self[id(value)] = (ref, payload)
+        return True
+
+
+# static-state objects demoted to opaque ones, with why (see demote)
+_changing = _Remembered()
 CHANGES = ("has Python state that the forward changes on every call (such as a sliding "
            "window's token count; seen on two calls with it)")
-
-
-# id -> weakref of static-state objects a forward changed the Python state of once
-_changed_once: dict[int, weakref.ref] = {}
+# static-state objects a forward changed the Python state of once (see changed_again)
+_changed_once = _Remembered()
 
 
 def changed_again(value: Any) -> bool:
     """A forward changed ``value``'s Python state: whether it did so before (a one-time change,
-    a flag set on the first step, is then not taken for one made on every call)."""
-    ref = _changed_once.get(id(value))
-    if ref is not None and ref() is value:
+    a flag set on the first step, is then not taken for one made on every call). True where
+    it cannot be remembered (no weak reference)."""
+    if _changed_once.payload(value):
         return True
-    try:
-        _changed_once[id(value)] = weakref.ref(value,
-                                               lambda _r, k=id(value): _changed_once.pop(k, None))
-    except TypeError:
-        return True  # (no weak reference to remember it by)
-    return False
+    return not _changed_once.remember(value, True)
 
 
 def demote(value: Any, why: str = CHANGES) -> None:
@@ -88,18 +97,14 @@ def demote(value: Any, why: str = CHANGES) -> None:
     new key, and pay a first call's probed runs to learn it again), or :func:`state_key` cannot
     describe it (``why`` says which). From now on it is not static state but an opaque object,
     for every callable it is passed to, for as long as it lives: those calls run eagerly
-    around it, as with a ``DynamicCache``."""
-    try:
-        ref = weakref.ref(value, lambda _r, k=id(value): _changing.pop(k, None))
-    except TypeError:  # (no weak reference: the calls go on being decided one by one)
-        return
-    _changing[id(value)] = (ref, why)
+    around it, as with a ``DynamicCache``. (Without a weak reference, nothing: the calls go on
+    being decided one by one.)"""
+    _changing.remember(value, why)
 
 
 def demoted(value: Any) -> str | None:
     """Why ``value`` was demoted (:func:`demote`), or None."""
-    hit = _changing.get(id(value))
-    return hit[1] if hit is not None and hit[0]() is value else None
+    return _changing.payload(value)
 
 
 def may_be_static_state(tp: type) -> bool:
