@@ -366,21 +366,24 @@ def test_control_two_models_share_a_demoted_cache_and_a_graphified_function(sim)
     assert _count(gb, OPAQUE) > 0 and _count(f, OPAQUE) > 0
 
 
+class Block(nn.Module):
+    """A layer given the cache: its own slot of it, then an MLP."""
+
+    def __init__(self, i):
+        super().__init__()
+        self.i = i
+        self.proj = nn.Linear(16, 16)
+        self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
+
+    def forward(self, x, c, pos):
+        x = x + c.layers[self.i].update(self.proj(x), pos).mean(1, keepdim=True)
+        return x + self.mlp(x)
+
+
 def test_control_a_piecewise_root_whose_layer_pieces_demote_the_cache_mid_forward(sim):
     """The root has a host sync (piecewise); its layers are pieces given the cache as static
     state. Layer 0's first call that bumps the count demotes the cache in the middle of the
     root's forward: layer 1 then finds it opaque and plans around it. Values as eager's."""
-
-    class Block(nn.Module):
-        def __init__(self, i):
-            super().__init__()
-            self.i = i
-            self.proj = nn.Linear(16, 16)
-            self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-
-        def forward(self, x, c, pos):
-            x = x + c.layers[self.i].update(self.proj(x), pos).mean(1, keepdim=True)
-            return x + self.mlp(x)
 
     class Root(nn.Module):
         def __init__(self):
@@ -405,17 +408,6 @@ def test_control_a_piecewise_root_whose_layer_pieces_demote_the_cache_mid_forwar
 
 
 def test_control_share_graph_layers_given_a_demoted_cache(sim):
-    class Block(nn.Module):
-        def __init__(self, i):
-            super().__init__()
-            self.i = i
-            self.proj = nn.Linear(16, 16)
-            self.mlp = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16))
-
-        def forward(self, x, c, pos):
-            x = x + c.layers[self.i].update(self.proj(x), pos).mean(1, keepdim=True)
-            return x + self.mlp(x)
-
     class Root(nn.Module):
         def __init__(self):
             super().__init__()

@@ -144,36 +144,45 @@ def test_control_twice_per_step_values_are_eagers(sim):
     _twice_per_step(8)
 
 
+@pytest.fixture
+def hf_static(monkeypatch):
+    """transformers, with HF's static layer as on a GPU (test_review_hfcache's
+    DevStaticLayer: its position counter keyed by address)."""
+    transformers = pytest.importorskip("transformers")
+    from test_review_hfcache import DevStaticLayer
+    from transformers import cache_utils
+
+    monkeypatch.setitem(cache_utils.STATIC_LAYER_TYPE_MAPPING, "full_attention", DevStaticLayer)
+    return transformers
+
+
+def _static_generates(model, lengths, new_tokens):
+    """``generate(cache_implementation="static")`` of an eager twin and of ``model``
+    graphified, for a prompt of each length: tokens and logits bitwise; the graphified model."""
+    ref = copy.deepcopy(model)
+    g = cg.graphify(model)
+    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+               pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+               cache_implementation="static")
+    for n in lengths:
+        ids = torch.randint(4, 64, (1, n))
+        a, b = ref.generate(ids, **gen), g.generate(ids, **gen)
+        assert torch.equal(a.sequences, b.sequences)
+        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
+    return g
+
+
 @pytest.mark.xfail(strict=True, reason="F2 on HF T5 (static cache), open: T5Stack calls its one "
                    "decoder.dropout twice per step with one signature; its graph replays on one "
                    "call and is blocked on the other, so no three blocked calls come in a row "
                    "and it is never captured again (before c5bfd67: one blocked call, a "
                    "recapture); values stay eager's")
-def test_finding_t5_decoder_dropout_is_blocked_on_every_step(sim):
-    transformers = pytest.importorskip("transformers")
-    from test_review_hfcache import DevStaticLayer
-    from transformers import cache_utils
-
-    mapping = cache_utils.STATIC_LAYER_TYPE_MAPPING
-    old = mapping["full_attention"]
-    mapping["full_attention"] = DevStaticLayer
-    try:
-        torch.manual_seed(0)
-        cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2,
-                                    num_decoder_layers=2, num_heads=2, pad_token_id=0,
-                                    decoder_start_token_id=0, eos_token_id=1)
-        model = transformers.T5ForConditionalGeneration(cfg).eval()
-        ref = copy.deepcopy(model)
-        g = cg.graphify(model)
-        gen = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0,
-                   output_logits=True, return_dict_in_generate=True,
-                   cache_implementation="static")
-        ids = torch.randint(4, 64, (1, 5))
-        a, b = ref.generate(ids, **gen), g.generate(ids, **gen)
-        assert torch.equal(a.sequences, b.sequences)  # (values stay eager's)
-        assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-    finally:
-        mapping["full_attention"] = old
+def test_finding_t5_decoder_dropout_is_blocked_on_every_step(sim, hf_static):
+    torch.manual_seed(0)
+    cfg = hf_static.T5Config(vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2,
+                             num_decoder_layers=2, num_heads=2, pad_token_id=0,
+                             decoder_start_token_id=0, eos_token_id=1)
+    g = _static_generates(hf_static.T5ForConditionalGeneration(cfg).eval(), [5], 10)
     drop = g.decoder.dropout
     blocked = sum(n for r, n in cg.stats(drop).eager_calls.items() if VIEW in r)
     assert blocked <= 3 and drop._cudagraphify_state._recaptures >= 1, blocked
@@ -335,33 +344,13 @@ def test_control_a_changing_static_argnames_object_next_to_a_cache_set_up(sim):
 
 # -- control: HF EncoderDecoderCache of static caches (BART), the commit's case ----------------
 
-def test_control_bart_static_generate_is_bitwise(sim):
-    transformers = pytest.importorskip("transformers")
-    from test_review_hfcache import DevStaticLayer
-    from transformers import cache_utils
-
-    mapping = cache_utils.STATIC_LAYER_TYPE_MAPPING
-    old = mapping["full_attention"]
-    mapping["full_attention"] = DevStaticLayer
-    try:
-        torch.manual_seed(0)
-        cfg = transformers.BartConfig(
-            vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2,
-            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
-            decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
-            decoder_start_token_id=2, bos_token_id=1, eos_token_id=3)
-        model = transformers.BartForConditionalGeneration(cfg).eval()
-        ref = copy.deepcopy(model)
-        g = cg.graphify(model)
-        gen = dict(max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0,
-                   output_logits=True, return_dict_in_generate=True,
-                   cache_implementation="static")
-        for n in (4, 4):
-            ids = torch.randint(4, 64, (1, n))
-            a, b = ref.generate(ids, **gen), g.generate(ids, **gen)
-            assert torch.equal(a.sequences, b.sequences)
-            assert all(torch.equal(x, y) for x, y in zip(a.logits, b.logits))
-        s = cg.stats(g)
-        assert s.replays > 0 and any("cannot be keyed" in r for r in s.eager_calls), s
-    finally:
-        mapping["full_attention"] = old
+def test_control_bart_static_generate_is_bitwise(sim, hf_static):
+    torch.manual_seed(0)
+    cfg = hf_static.BartConfig(
+        vocab_size=64, d_model=32, encoder_layers=1, decoder_layers=2,
+        encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=64, pad_token_id=0,
+        decoder_start_token_id=2, bos_token_id=1, eos_token_id=3)
+    g = _static_generates(hf_static.BartForConditionalGeneration(cfg).eval(), [4, 4], 5)
+    s = cg.stats(g)
+    assert s.replays > 0 and any("cannot be keyed" in r for r in s.eager_calls), s
