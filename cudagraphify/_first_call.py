@@ -19,6 +19,7 @@ Nothing here records counters or touches a cache: the engine turns the outcome i
 from __future__ import annotations
 
 import time
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -441,11 +442,12 @@ class FirstCall(Capturing):
     def _guard(self, rec: Recorder, leave_out: set[tuple[int, str]] = frozenset()) -> StateGuard:
         """What ``rec``'s run read, as a guard (less the attributes ``leave_out`` names)."""
         root = self.statics.root
-        modules = [m for m in self.statics.modules if m is not root]
+        modules = [weakref.ref(m) for m in self.statics.modules if m is not root]
         ran = [m for m in rec.called.values() if m is not root]
         return StateGuard([r for key, r in rec.reads.items() if key not in leave_out],
                           hooks=lambda: _watch.hook_fingerprint(modules),
-                          bindings=function_bindings(self.fn), ran=ran, objects=self.objects)
+                          bindings=function_bindings(self.fn), ran=ran, objects=self.objects,
+                          owned=frozenset(map(id, self.statics.modules)))
 
 
 def _leaf_label(sig: Signature, index: int) -> str:

@@ -27,6 +27,7 @@ import itertools
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -36,7 +37,7 @@ from torch import nn
 from . import _watch
 from ._signature import is_constant
 from ._statics import ptrs_equal, watch
-from ._watch import MISSING, Read, call_override, global_hooks_present, same, short
+from ._watch import GONE, MISSING, Read, call_override, global_hooks_present, same, short
 
 __all__ = ["StateGuard", "FlagsGuard", "Unguardable", "function_bindings"]
 
@@ -402,8 +403,13 @@ class StateGuard:
 
     def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None,
                  bindings: list[tuple[str, Callable[[], Any], Any]] = (),
-                 ran: list[nn.Module] = (), objects: list[tuple[str, Any]] = ()):
-        self._reads = list(reads)
+                 ran: list[nn.Module] = (), objects: list[tuple[str, Any]] = (),
+                 owned: frozenset[int] = frozenset()):
+        # the modules of the callable's own tree (ids in ``owned``) are held weakly: an entry
+        # in a shared or a region's cache must not keep its owner alive (its owner's deletion
+        # drops it). A module outside it (built by forward, or a global) is held as it was
+        # read: it cannot lead back to the owner
+        self._reads = [r.held_weakly() if id(r.module) in owned else r for r in reads]
         # argument objects passed as they are (named in static_argnames, or recognised static
         # state such as an HF StaticCache): (where, the object); what they hold is checked on
         # every call like a mutable object a forward read
@@ -412,7 +418,8 @@ class StateGuard:
             watch(r.module)
         # the modules the run ran, each with its class, own forward and call override
         # (``module.compile()``): replacing any of them changes what runs
-        self._ran = [(m, type(m), _forward_of(m), call_override(m)) for m in ran]
+        self._ran = [(weakref.ref(m) if id(m) in owned else m, type(m), _forward_of(m),
+                      call_override(m)) for m in ran]
         for m in ran:
             watch(m)
         # names outside modules (a graphed function's closure cells and globals) that held a
@@ -480,22 +487,22 @@ class StateGuard:
     def _changed(self) -> str | None:
         for r in self._reads:
             now = r.now()
+            if now is GONE:
+                return f"a module whose .{r.name} it read was deleted"
             if not same(now, r.value):
                 return (f"{type(r.module).__name__}.{r.name} changed ({short(r.value)} -> "
                         f"{short(now)})")
         for m, cls, forward, call in self._ran:
+            if type(m) is weakref.ReferenceType:
+                m = m()
+                if m is None:
+                    return f"a {cls.__name__} it ran was deleted"
             if type(m) is not cls or _forward_of(m) is not forward \
                     or call_override(m) is not call:
                 return f"{cls.__name__}'s class, forward or compiled call was replaced"
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"
         return None
-
-    def without(self, names: set[tuple[int, str]]) -> "StateGuard":
-        """This guard less the reads of ``names`` ((id(module), attribute))."""
-        return StateGuard([r for r in self._reads if (id(r.module), r.name) not in names],
-                          self._hooks, self._bindings, [m for m, *_ in self._ran],
-                          self._objects)
 
 
 def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:

@@ -17,10 +17,10 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -125,12 +125,17 @@ def hooked(module: nn.Module) -> bool:
     return any(d.get(name) for name in _HOOK_DICTS[:4])
 
 
-def hook_fingerprint(modules: list[nn.Module]) -> tuple:
-    """Which hooks each of ``modules`` and the process (global module hooks) has: compared
-    again when the epoch moves."""
-    own = tuple((i, tuple(tuple(m.__dict__.get(n, ())) for n in _HOOK_DICTS[:4]))
-                for i, m in enumerate(modules) if hooked(m))
-    return own, _global_hook_ids()
+def hook_fingerprint(modules: list[weakref.ref]) -> tuple:
+    """Which hooks each of ``modules`` (held weakly) and the process (global module hooks)
+    has: compared again when the epoch moves. A deleted module counts as a change."""
+    own = []
+    for i, ref in enumerate(modules):
+        m = ref()
+        if m is None:
+            own.append((i, None))
+        elif hooked(m):
+            own.append((i, tuple(tuple(m.__dict__.get(n, ())) for n in _HOOK_DICTS[:4])))
+    return tuple(own), _global_hook_ids()
 
 
 _OWN_HOOKS: set[int] = set()  # handle ids of the global hooks cudagraphify's probes register
@@ -238,22 +243,46 @@ def _class_attribute(cls: type, name: str) -> Any:
     return MISSING
 
 
-@dataclasses.dataclass
 class Read:
     """An attribute a run read: its value (``MISSING``: the lookup failed), and whether it was
-    found on the module's class rather than on the module."""
+    found on the module's class rather than on the module.
 
-    module: nn.Module
-    name: str
-    value: Any
-    on_class: bool = False
+    The module is held strongly, or weakly in the copy :meth:`held_weakly` makes: a guard sits
+    in a cache entry, and a shared or a region's cache must not keep a deleted module (and its
+    graphs) alive through it. Once a weakly held module is gone, ``module`` is None and
+    :meth:`now` reads ``GONE``, which matches no value."""
+
+    __slots__ = ("_module", "name", "value", "on_class")
+
+    def __init__(self, module: nn.Module, name: str, value: Any, on_class: bool = False):
+        self._module = module
+        self.name, self.value, self.on_class = name, value, on_class
+
+    def held_weakly(self) -> "Read":
+        read = Read(self._module, self.name, self.value, self.on_class)
+        read._module = weakref.ref(self._module)
+        return read
+
+    @property
+    def module(self) -> nn.Module | None:
+        m = self._module
+        return m() if type(m) is weakref.ReferenceType else m
 
     def now(self) -> Any:
         """What a run would read now."""
-        mine = self.module.__dict__.get(self.name, MISSING)
+        module = self._module
+        if type(module) is weakref.ReferenceType:
+            module = module()
+            if module is None:
+                return GONE
+        mine = module.__dict__.get(self.name, MISSING)
         if mine is not MISSING or not self.on_class:
             return mine
-        return _class_attribute(type(self.module), self.name)
+        return _class_attribute(type(module), self.name)
+
+    def __repr__(self) -> str:
+        return (f"Read({type(self.module).__name__}.{self.name}={short(self.value)}"
+                f"{', on its class' if self.on_class else ''})")
 
 
 class Recorder:
@@ -320,6 +349,14 @@ class _Missing:
 
 
 MISSING = _Missing()
+
+
+class _Gone:
+    def __repr__(self) -> str:
+        return "<module deleted>"
+
+
+GONE = _Gone()  # what a Read of a deleted module reads now
 
 
 @contextlib.contextmanager

@@ -6,6 +6,7 @@ eviction, eager fallbacks with reasons, threads, nesting, regions.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import threading
@@ -681,6 +682,64 @@ def test_a_shared_graph_whose_capturing_module_is_gone_is_dropped_not_replayed(s
     assert counts(b) == (1, 1, 0)  # b captured its own graph
     graphs = policy.new_cache().graphs()
     assert len(graphs) == 1 and graphs[0] is not entry and sim.graphs[0].released
+
+
+class _Scaled(nn.Module):
+    """Reads a Python attribute of its own: its graphs' guards read the module."""
+
+    def __init__(self, scale=0.5):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = scale
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+@pytest.mark.parametrize("where", ["shared policy", "region"])
+def test_a_deleted_module_whose_guards_read_it_is_freed_and_its_graphs_released(sim, where):
+    # A graph's guard reads the module's own attributes (self.scale) and the modules it ran:
+    # an entry held by a cache that outlives the module (a shared policy's, an open region's)
+    # must not keep it, its parameters and its graphs alive (it did: StateGuard held them).
+    policy = cg.CachePolicy(max_graphs=2, shared=True)
+    options = {"cache_policy": policy} if where == "shared policy" else {}
+    x = torch.randn(2, 4)
+    with torch.no_grad(), cg.graph_region() if where == "region" else contextlib.nullcontext():
+        a = cg.graphify(_Scaled(), **options)
+        a(x), a(x)
+        assert cg.stats(a).captures == 1 and cg.stats(a).replays >= 1
+        graph = sim.graphs[-1]
+        gone = weakref.ref(a)
+        del a
+        gc.collect()
+        assert gone() is None, "a cache entry kept the deleted module alive"
+        b = cg.graphify(_Scaled(2.0), **options)
+        want = b.__dict__["forward"].__wrapped__(x)
+        for _ in range(3):
+            assert torch.equal(b(x), want)
+        s = cg.stats(b)
+        assert s.captures == 1 and s.replays >= 2 and s.eager == 0 and graph.released
+
+
+def test_a_guard_holds_its_modules_tree_weakly_and_a_gone_module_fails_it():
+    # The guard's reads of the root's own tree are weak (a module outside it, such as one
+    # forward builds on every call, is held as read: it cannot lead back to the owner); once
+    # a weakly held module is gone the guard no longer holds, whatever the epoch did.
+    from cudagraphify import _watch
+    from cudagraphify._guards import StateGuard
+    from cudagraphify._watch import Read
+
+    mine, built = _Scaled(), _Scaled(3.0)
+    guard = StateGuard([Read(mine, "scale", 0.5), Read(built, "scale", 3.0)], ran=[mine, built],
+                       owned=frozenset([id(mine)]))
+    assert guard.valid()
+    held, gone = weakref.ref(built), weakref.ref(mine)
+    del built, mine
+    gc.collect()
+    assert held() is not None and gone() is None
+    _watch.bump()
+    assert not guard.valid()
+    assert "deleted" in guard._changed()
 
 
 def test_backward_checks_the_callers_statics_not_the_capturing_modules(sim):
