@@ -77,7 +77,7 @@ _STORM_CALLS = 64
 # pieces' captures by a call per level; a blocker captured anew every call, a growing shape,
 # would block each recapture again)
 _MAX_RECAPTURES = 4
-_BLOCKED_CALLS = 3  # calls in a row that find it blocked so before it is captured again
+_BLOCKED_CALLS = 3  # blocked calls (at most one use between) before it is captured again
 
 
 def _fruitless_limit(policy: CachePolicy) -> int:
@@ -474,16 +474,18 @@ class GraphedState(PieceRuns):
                 backend.order_after(device, holder._stream_token)
             holder._stream_token = token
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
-            # (blocked on calls in a row of this graph, on one thread: none of its uses between
-            # was a replay, and no other thread's call holds the output for a while)
+            # (blocked on calls of this graph on one thread, each the next use or the one after
+            # it: a callable called twice per step with one signature, T5's decoder.dropout,
+            # replays on one call and is blocked on the other; another thread's blocked call,
+            # or two uses between, start the count again)
             me = threading.get_ident()
-            streak = entry.blocked[0] + 1 \
-                if entry.blocked[1:] == (entry.uses - 1, me) else 1
-            entry.blocked = (streak, entry.uses, me)
-            if region.blocked_by > entry.seq and streak >= _BLOCKED_CALLS \
+            count, last, thread = entry.blocked
+            count = count + 1 if thread == me and entry.uses - last <= 2 else 1
+            entry.blocked = (count, entry.uses, me)
+            if region.blocked_by > entry.seq and count >= _BLOCKED_CALLS \
                     and self._recaptures < _MAX_RECAPTURES:
-                # What blocks it, call after call with no replay of it between (not another
-                # thread's output held for a while), is the output of a graph captured
+                # What blocks it, call after call with at most one replay of it between (not
+                # another thread's output held for a while), is the output of a graph captured
                 # after it, held through a view (as a piece of an opaque piece's own plan is
                 # captured a call after the outer pieces, whose inputs it makes): that graph's
                 # memory may lie in this one's freed temporaries. Captured again by the next
