@@ -40,7 +40,7 @@ from ._nested import in_graphed_call, plain_reason
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
-from ._pieces import PLAN_PLAIN, STATE, PieceRuns
+from ._pieces import PLAN_PLAIN, STATE, PieceRuns, keyed_root
 from ._trial import PlanTrial, Trial
 from ._rebase import Families
 from ._replay import CapturedGraph
@@ -77,6 +77,13 @@ _STORM_CALLS = 64
 # pieces' captures by a call per level; a blocker captured anew every call, a growing shape,
 # would block each recapture again)
 _MAX_RECAPTURES = 4
+# a piecewise plan's piece captures a signature the second time it is seen: the first call of
+# a new one runs eagerly (a prompt length seen once, or a shape that grows every step, such as
+# T5's position bias over a growing cache, is not worth a capture); the signatures seen once,
+# the most recent this many, are kept. Pieces capture at first sight under capture_sizes
+# (_sizes) and under a keyed root (_pieces.keyed_root: its own first call was the first sight)
+_SEEN_ONCE = 64
+first_sight_captures = [0]  # above 0 while capture_sizes runs (any thread)
 _BLOCKED_CALLS = 3  # blocked calls (at most one use between) before it is captured again
 
 
@@ -150,6 +157,7 @@ class GraphedState(PieceRuns):
         self._storm_keys: set = set()  # the signatures run eagerly by the storm
         self._storm_mark = 0
         self._recaptures = 0  # (see _MAX_RECAPTURES)
+        self._seen_once: collections.OrderedDict = collections.OrderedDict()  # (_SEEN_ONCE)
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
         self._stream_token: int | None = None
@@ -174,6 +182,7 @@ class GraphedState(PieceRuns):
         # the implicit region in which this callable's eager runs call its pieces (see chained)
         self._chain: _region.GraphRegion | None = None
         self.segments = _segrun.Segments(self)  # graphed runs of calls in eager signatures
+        self.seen_once = 0  # a piece's new signatures run eagerly the first time (_SEEN_ONCE)
         self.timed_calls = 0  # a piece's first calls run eagerly to time its graph against
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
@@ -349,6 +358,11 @@ class GraphedState(PieceRuns):
         storm = self._storming(key)
         if storm is not None:
             return self._eager(storm, fn, args, kwargs)
+        if self.options.piece and not first_sight_captures[0] and not keyed_root.get() \
+                and self._first_sight(key):
+            _trial.activity[0] += 1  # (a plan's forward timed with it in is timed again)
+            self.seen_once += 1
+            return fn(*args, **kwargs)
         first = FirstCall(self, backend, region, key, sig, leaves, static_flags, fn, args,
                           kwargs, self._device)
         try:
@@ -403,6 +417,17 @@ class GraphedState(PieceRuns):
                 "beam search's reorder_cache); new signatures run eagerly, until one comes "
                 f"back, a graph replays again or {_STORM_CALLS} of them have (the graphs made go "
                 "on replaying)")
+
+    def _first_sight(self, key) -> bool:
+        """Whether ``key`` is seen for the first time (else it is forgotten: captured now)."""
+        seen = self._seen_once
+        if key in seen:
+            del seen[key]
+            return False
+        seen[key] = None
+        if len(seen) > _SEEN_ONCE:
+            seen.popitem(last=False)
+        return True
 
     def expect_captures(self) -> None:
         """New signatures in a row are expected (``capture_sizes``): none counts as a capture
@@ -745,6 +770,7 @@ class GraphedState(PieceRuns):
             retargets=self.retargets,
             set_ups=self.set_ups,
             timed_calls=self.timed_calls,
+            seen_once=self.seen_once,
             segments=segments,
             segment_replays=segment_replays,
             reasons=self.families.reasons(),

@@ -151,6 +151,9 @@ class Stats:
     retargets: int = 0
     set_ups: int = 0  # calls whose static states were set up beforehand (HF caches)
     timed_calls: int = 0  # a piecewise plan's pieces' first calls, run eagerly to time them
+    # a piecewise plan's pieces' calls of a signature seen for the first time, run eagerly (it
+    # is captured when it comes again: a prompt length seen once is not worth a capture)
+    seen_once: int = 0
     segments: int = 0  # graphed runs of calls inside eager signatures (experimental, _segrun)
     segment_replays: int = 0  # their replays
     # share_graph groups

@@ -15,6 +15,7 @@ an argument no signature can hold), part of every :class:`~._engine.GraphedState
 
 from __future__ import annotations
 
+import contextvars
 from typing import Any, Callable
 
 import torch
@@ -24,7 +25,7 @@ from ._capture import drain
 from ._cache import EagerEntry
 from ._errors import warn_once
 from ._nested import Nested, Plain, in_graphed_call, nesting, plain_reason
-from ._piecewise import new_probe, plan, probed
+from ._piecewise import PiecewiseEntry, new_probe, plan, probed
 from ._probe import Finding
 from ._trial import PlanTrial
 from ._training import TrainingGraph
@@ -38,6 +39,12 @@ CHAIN_PIECES = True
 # why a piece ran plain in its root's plan trial (see _trial)
 PLAN_PLAIN = "plan trial: the forward timed with every piece plain"
 STATE = "_cudagraphify_state"  # a module's GraphedState, in its __dict__ (see _wrap)
+# whether the pieces called now run under a root whose call was keyed (a piecewise plan's
+# entry): that root's first call of a signature ran them plain, a first sight of its own, so
+# they capture at theirs (see _engine._SEEN_ONCE); under a root run around an opaque argument
+# (an HF DynamicCache), which has no signature, they see every new one first
+keyed_root: contextvars.ContextVar[bool] = contextvars.ContextVar("cudagraphify_keyed_root",
+                                                                  default=False)
 
 
 class PieceRuns:
@@ -166,6 +173,14 @@ class PieceRuns:
         return fn(*args, **kwargs)
 
     def chained(self, fn: Callable, args: tuple, kwargs: dict, entry=None) -> Any:
+        """:meth:`_chained`, with :data:`keyed_root` set for the pieces it calls."""
+        token = keyed_root.set(type(entry) is PiecewiseEntry)
+        try:
+            return self._chained(fn, args, kwargs, entry)
+        finally:
+            keyed_root.reset(token)
+
+    def _chained(self, fn: Callable, args: tuple, kwargs: dict, entry=None) -> Any:
         """Run ``fn`` eagerly; where this callable graphed pieces (a piecewise plan, or pieces
         around an opaque argument), an inference call outside any region calls them inside an
         implicit region of its own: their graphs share one pool and chain as a

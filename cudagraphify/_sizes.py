@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from . import _engine
 from ._errors import CudagraphifyUsageError
 from ._options import Stats
 
@@ -84,18 +85,22 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
     before = stats(target)
     t0 = time.perf_counter()
-    for n, size in enumerate(order, 1):
-        if progress:
-            print(f"\rcudagraphify: capturing {name}: size {size} ({n}/{len(order)})",
-                  end="", file=sys.stderr, flush=True)
-        state = _state_of(target)
-        if state is not None:
-            state.expect_captures()  # (a size after size, none replayed: as asked)
-        why = _capture_one(target, inputs, size, stats)
-        if why is None:
-            done.graphed.append(size)
-        else:
-            done.eager[size] = why
+    _engine.first_sight_captures[0] += 1  # (a plan's pieces capture each size at once)
+    try:
+        for n, size in enumerate(order, 1):
+            if progress:
+                print(f"\rcudagraphify: capturing {name}: size {size} ({n}/{len(order)})",
+                      end="", file=sys.stderr, flush=True)
+            state = _state_of(target)
+            if state is not None:
+                state.expect_captures()  # (a size after size, none replayed: as asked)
+            why = _capture_one(target, inputs, size, stats)
+            if why is None:
+                done.graphed.append(size)
+            else:
+                done.eager[size] = why
+    finally:
+        _engine.first_sight_captures[0] -= 1
     done.seconds = time.perf_counter() - t0
     if cuda or (torch.cuda.is_available() and torch.cuda.is_initialized()):
         device = torch.cuda.current_device() if device is None else device

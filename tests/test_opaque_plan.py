@@ -178,7 +178,7 @@ def test_ungraphify_of_a_class_releases_its_instances_and_their_pieces(sim):
     ref = _Model()
     cg.graphify(M)
     try:
-        m = _planned(M, ref, steps=3)
+        m = _planned(M, ref, steps=4)
         states = [s.__dict__["_cudagraphify_state"] for s in m.modules()
                   if "_cudagraphify_state" in s.__dict__]
         assert len(_graphed(m)) > 1 and sum(bool(s.all_graphs()) for s in states) >= 4
@@ -257,17 +257,19 @@ class _Top(nn.Module):
 
 
 def test_a_piece_captured_before_the_graph_whose_output_it_reads_is_captured_again(sim):
-    # The root's pieces (inner, head) are planned on its first call; head is captured on the
-    # next, while inner (opaque too) only plans its own pieces then, and its norm is captured
-    # a call later, after head. head's input is a view of the norm's output, held in the
-    # root's forward: a replay of head, captured first, might overwrite that memory (its freed
-    # temporaries), so it could not replay. It is released and captured again, after the norm.
+    # The root's pieces (inner, head) are planned on its first call; head sees the signature
+    # first on the second (run eagerly: the root has no signature of its own, see
+    # _engine._SEEN_ONCE) and is captured on the third, while inner (opaque too) plans its own
+    # pieces on the second, and its norm is captured two calls later, after head. head's input
+    # is a view of the norm's output, held in the root's forward: a replay of head, captured
+    # first, might overwrite that memory (its freed temporaries), so it could not replay. It
+    # is released and captured again, after the norm.
     torch.manual_seed(0)
     ref = _Top().eval()
     g = cg.graphify(copy.deepcopy(ref))
     with torch.no_grad():
         rc, c = _Cache(), _Cache()
-        for t in range(10):
+        for t in range(11):
             x = torch.randn(1, 1, 8)
             assert torch.equal(g(x, c), ref(x, rc)), t
     head = cg.stats(g.head)
@@ -276,3 +278,58 @@ def test_a_piece_captured_before_the_graph_whose_output_it_reads_is_captured_aga
     assert sum(head.eager_calls.values()) <= 3, head.eager_calls
     assert g.head._cudagraphify_state._recaptures == 1
     assert cg.stats(g.inner.norm).replays >= 7
+
+
+# -- a piece captures a signature on its second sight (_engine._SEEN_ONCE) ----------------------
+
+def _generate(ref, g, prompt: int, steps: int = 4) -> None:
+    """A prefill of ``prompt`` tokens then ``steps`` decode steps, each equal to eager's."""
+    rc, c = _Cache(), _Cache()
+    with torch.no_grad():
+        for t in range(steps + 1):
+            x = torch.randn(1, prompt if t == 0 else 1, 8)
+            assert torch.equal(g(x, c), ref(x, rc)), (prompt, t)
+
+
+def test_a_prompt_length_seen_once_costs_its_pieces_no_capture(sim):
+    # Around an opaque argument (a growing cache, as HF's DynamicCache) the root has no
+    # signature, so its pieces see every prefill length first: each length seen once runs
+    # eagerly (no capture, no graph memory); the decode step's signature is captured on its
+    # second sight and replays; a length that comes again is captured then.
+    ref, g = _pair()
+    for prompt in (5, 7, 9, 11):
+        _generate(ref, g, prompt)
+    s = cg.stats(g.layers[0].mlp)
+    # (the first prefill planned the pieces; seen once: lengths 7, 9, 11 and the decode step)
+    assert (s.seen_once, s.captures, s.graphs) == (4, 1, 1), s
+    assert s.replays == 4 * 4 - 2, s  # the decode steps but the first two (seen, captured)
+    _generate(ref, g, 7)
+    s = cg.stats(g.layers[0].mlp)
+    assert (s.seen_once, s.captures, s.graphs) == (4, 2, 2), s
+
+
+def test_the_signatures_a_piece_saw_once_are_bounded(sim, monkeypatch):
+    from cudagraphify import _engine
+    monkeypatch.setattr(_engine, "_SEEN_ONCE", 3)
+    ref, g = _pair()
+    # (prompt 2 plans the root's pieces, 3 the layers' own: the MLP sees 4 first)
+    for prompt in (2, 3, 4, 5, 6, 7, 4, 6):  # 7 pushes 4 out; 6 comes back while remembered
+        _generate(ref, g, prompt, steps=0)
+    state = g.layers[0].mlp._cudagraphify_state
+    s = cg.stats(g.layers[0].mlp)
+    assert (s.seen_once, s.captures) == (5, 1), s  # 4, 5, 6, 7 and 4 again; 6 captured
+    assert len(state._seen_once) == 2  # (7 and 4: 6 left it when captured)
+
+
+def test_capture_sizes_captures_the_pieces_at_first_sight(sim):
+    ref, g = _pair()
+    _generate(ref, g, 3, steps=0)  # (plans the pieces)
+    with torch.no_grad():
+        done = cg.capture_sizes(g, lambda n: (torch.randn(1, n, 8), _Cache()), [4, 6],
+                                progress=False)
+    s = cg.stats(g.layers[0].mlp)
+    assert (s.captures, s.seen_once) == (2, 0), (s, done)
+    for prompt in (4, 6):
+        _generate(ref, g, prompt, steps=0)
+    after = cg.stats(g.layers[0].mlp)
+    assert (after.captures, after.seen_once, after.replays - s.replays) == (2, 0, 2), after

@@ -400,7 +400,7 @@ def test_control_a_piecewise_root_whose_layer_pieces_demote_the_cache_mid_forwar
 
     torch.manual_seed(0)
     ref, g = _twin(Root().eval())
-    for n in range(2):
+    for n in range(3):
         rc, c = cache(layer=SlidingLayer), cache(layer=SlidingLayer)
         _decode(ref, g, rc, c, 6)
         assert _state.demoted(c)
