@@ -54,6 +54,7 @@ class Explanation:
             live = node.get("stats")
             if live:
                 made = (f"retargets={live['retargets']} " if live.get("retargets") else "")
+                made += (f"seen_once={live['seen_once']} " if live.get("seen_once") else "")
                 line += (f" [captures={live['captures']} {made}replays={live['replays']} "
                          f"pool={live['graph_pool_bytes'] / 2**20:.1f}MB "
                          f"capture={live['capture_seconds'] * 1e3:.1f}ms]")
@@ -179,7 +180,8 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
         else:
             node["status"] = "eager (no ops of its own)"
         live = _live(sub)
-        if live and (live["captures"] or live["replays"] or live["retargets"]):
+        if live and (live["captures"] or live["replays"] or live["retargets"]
+                     or live.get("seen_once")):
             node["stats"] = live
         state = state_of_module(sub)
         if state is not None and state.plan_verdict is not None:

@@ -306,6 +306,8 @@ def test_a_prompt_length_seen_once_costs_its_pieces_no_capture(sim):
     _generate(ref, g, 7)
     s = cg.stats(g.layers[0].mlp)
     assert (s.seen_once, s.captures, s.graphs) == (4, 2, 2), s
+    lines = [l for l in str(cg.explain(g)).splitlines() if l.strip().startswith("layers.0.mlp ")]
+    assert len(lines) == 1 and "[captures=2 seen_once=4 replays=" in lines[0], lines
 
 
 def test_the_signatures_a_piece_saw_once_are_bounded(sim, monkeypatch):
