@@ -13,6 +13,7 @@ import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
+from ._capture import drain_all
 from ._errors import CudagraphifyUsageError
 from ._signature import STATIC_OBJECT, STATIC_STATE, Signature
 
@@ -261,6 +262,7 @@ class GraphCache:
             return False
         gone = [e for _, e in self._lru.values() if getattr(e, "orphaned", False)]
         for e in gone:
+            drain_all(getattr(e, "device", None))  # (replayed by any callable, on its stream)
             self.discard(e)
         if gone:
             self.forget_evictions()

@@ -276,6 +276,13 @@ class CudaBackend:
         if torch.cuda.is_initialized() and not _stream_capturing():
             torch.cuda.ExternalStream(token, device=device).synchronize()
 
+    def drain_all(self, device: torch.device) -> None:
+        """Wait (on the host) until all the work queued on ``device`` is done: a graph that
+        several callables replayed (a shared policy's), each on a stream of its own, is
+        released."""
+        if torch.cuda.is_initialized() and not _stream_capturing():
+            torch.cuda.synchronize(device)
+
     def order_after(self, device: torch.device, token: int) -> None:
         """Make the caller's current stream wait for work queued on stream ``token``."""
         torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(token, device=device))
@@ -303,6 +310,14 @@ def drain(device: torch.device | None, token: int | None) -> None:
     fn = getattr(_backend, "drain", None)
     if fn is not None:
         fn(device, token)
+
+
+def drain_all(device: torch.device | None) -> None:
+    """Wait until all the work queued on ``device`` is done, before memory a graph that any
+    callable may have replayed is released (see :func:`drain`)."""
+    fn = getattr(_backend, "drain_all", None)
+    if device is not None and fn is not None:
+        fn(device)
 
 
 def default_backend():

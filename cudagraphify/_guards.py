@@ -409,7 +409,7 @@ class StateGuard:
         # in a shared or a region's cache must not keep its owner alive (its owner's deletion
         # drops it). A module outside it (built by forward, or a global) is held as it was
         # read: it cannot lead back to the owner
-        self._reads = [r.held_weakly() if id(r.module) in owned else r for r in reads]
+        self._reads = [r.held_weakly(owned) if id(r.module) in owned else r for r in reads]
         # argument objects passed as they are (named in static_argnames, or recognised static
         # state such as an HF StaticCache): (where, the object); what they hold is checked on
         # every call like a mutable object a forward read
@@ -489,7 +489,7 @@ class StateGuard:
             now = r.now()
             if now is GONE:
                 return f"a module whose .{r.name} it read was deleted"
-            if not same(now, r.value):
+            if not r.holds(now):
                 return (f"{type(r.module).__name__}.{r.name} changed ({short(r.value)} -> "
                         f"{short(now)})")
         for m, cls, forward, call in self._ran:

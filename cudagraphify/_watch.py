@@ -20,6 +20,7 @@ import contextlib
 import functools
 import itertools
 import threading
+import types
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -252,16 +253,36 @@ class Read:
     graphs) alive through it. Once a weakly held module is gone, ``module`` is None and
     :meth:`now` reads ``GONE``, which matches no value."""
 
-    __slots__ = ("_module", "name", "value", "on_class")
+    __slots__ = ("_module", "name", "_value", "on_class")
 
     def __init__(self, module: nn.Module, name: str, value: Any, on_class: bool = False):
         self._module = module
-        self.name, self.value, self.on_class = name, value, on_class
+        self.name, self._value, self.on_class = name, value, on_class
 
-    def held_weakly(self) -> "Read":
-        read = Read(self._module, self.name, self.value, self.on_class)
+    def held_weakly(self, owned: frozenset[int]) -> "Read":
+        """A copy that holds its module weakly, and its value too where the value leads back
+        to a module of ``owned`` (ids): such a module itself (a parent kept as a plain
+        attribute), or a bound method of one (``self.act = self._gelu_python``, as HF's
+        GELUActivation keeps)."""
+        read = Read(self._module, self.name, self._value, self.on_class)
         read._module = weakref.ref(self._module)
+        v = self._value
+        if isinstance(v, nn.Module) and id(v) in owned:
+            read._value = _WeakValue(v, None)
+        elif type(v) is types.MethodType and id(v.__self__) in owned \
+                and isinstance(v.__self__, nn.Module):
+            read._value = _WeakValue(v.__self__, v.__func__)
         return read
+
+    @property
+    def value(self) -> Any:
+        v = self._value
+        return v.get() if type(v) is _WeakValue else v
+
+    def holds(self, now: Any) -> bool:
+        """Whether ``now`` would drive a forward as the value read did."""
+        v = self._value
+        return v.matches(now) if type(v) is _WeakValue else same(now, v)
 
     @property
     def module(self) -> nn.Module | None:
@@ -283,6 +304,30 @@ class Read:
     def __repr__(self) -> str:
         return (f"Read({type(self.module).__name__}.{self.name}={short(self.value)}"
                 f"{', on its class' if self.on_class else ''})")
+
+
+class _WeakValue:
+    """A value read that leads back to a module of the callable's own tree, held weakly: the
+    module, or (``func`` set) a bound method of it."""
+
+    __slots__ = ("ref", "func")
+
+    def __init__(self, module: nn.Module, func: Any):
+        self.ref, self.func = weakref.ref(module), func
+
+    def get(self) -> Any:
+        m = self.ref()
+        if m is None:
+            return GONE
+        return m if self.func is None else types.MethodType(self.func, m)
+
+    def matches(self, now: Any) -> bool:
+        m = self.ref()
+        if m is None:
+            return False
+        if self.func is None:
+            return now is m
+        return type(now) is types.MethodType and now.__self__ is m and now.__func__ is self.func
 
 
 class Recorder:

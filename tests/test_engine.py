@@ -721,6 +721,24 @@ def test_a_deleted_module_whose_guards_read_it_is_freed_and_its_graphs_released(
         assert s.captures == 1 and s.replays >= 2 and s.eager == 0 and graph.released
 
 
+def test_an_orphaned_shared_graph_is_released_after_the_devices_queued_work(sim):
+    # Any callable of a shared policy may have replayed the graph last, on its own stream:
+    # dropping it waits for all of the device's queued work (a CUDA backend's drain_all)
+    policy = cg.CachePolicy(shared=True)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        a = cg.graphify(_Scaled(), cache_policy=policy)
+        a(x), a(x)
+        graph = sim.graphs[-1]
+        waited = []
+        sim.drain_all = lambda device: waited.append((device, graph.released))
+        del a
+        gc.collect()
+        b = cg.graphify(_Scaled(2.0), cache_policy=policy)
+        assert torch.equal(b(x), b.__dict__["forward"].__wrapped__(x))
+    assert waited == [(torch.device("cpu"), False)] and graph.released
+
+
 def test_a_guard_holds_its_modules_tree_weakly_and_a_gone_module_fails_it():
     # The guard's reads of the root's own tree are weak (a module outside it, such as one
     # forward builds on every call, is held as read: it cannot lead back to the owner); once
