@@ -84,7 +84,8 @@ _MAX_RECAPTURES = 4
 # (_sizes) and under a keyed root (_pieces.keyed_root: its own first call was the first sight)
 _SEEN_ONCE = 64
 first_sight_captures = [0]  # above 0 while capture_sizes runs (any thread)
-_BLOCKED_CALLS = 3  # blocked calls (at most one use between) before it is captured again
+_BLOCKED_CALLS = 3  # blocked calls (see _BLOCKED_GAP) before it is captured again
+_BLOCKED_GAP = 8  # uses from one blocked call to the next that still count them together
 
 
 def _fruitless_limit(policy: CachePolicy) -> int:
@@ -502,17 +503,23 @@ class GraphedState(PieceRuns):
                 backend.order_after(device, holder._stream_token)
             holder._stream_token = token
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
-            # (blocked on calls of this graph on one thread, each the next use or the one after
-            # it: a callable called twice per step with one signature, T5's decoder.dropout,
-            # replays on one call and is blocked on the other; another thread's blocked call,
-            # or two uses between, start the count again)
+            # (blocked on calls of this graph on one thread, each within _BLOCKED_GAP uses of
+            # the last: a callable called a few times per step with one signature, T5's
+            # decoder.dropout, replays on some calls and is blocked on another; another
+            # thread's blocked call, more uses between, or another thread's run of the root of
+            # an implicit region (its outputs, held for a while, may be what blocks) start the
+            # count again)
             me = threading.get_ident()
-            count, last, thread = entry.blocked
-            count = count + 1 if thread == me and entry.uses - last <= 2 else 1
-            entry.blocked = (count, entry.uses, me)
+            count, last, thread, mark = entry.blocked
+            if region.active > 1:  # (another thread runs the root now: its outputs may block)
+                count = 0
+            else:
+                count = count + 1 if thread == me and entry.uses - last <= _BLOCKED_GAP \
+                    and mark == region.concurrent else 1
+            entry.blocked = (count, entry.uses, me, region.concurrent)
             if region.blocked_by > entry.seq and count >= _BLOCKED_CALLS \
                     and self._recaptures < _MAX_RECAPTURES:
-                # What blocks it, call after call with at most one replay of it between (not
+                # What blocks it, call after call with a few replays of it at most between (not
                 # another thread's output held for a while), is the output of a graph captured
                 # after it, held through a view (as a piece of an opaque piece's own plan is
                 # captured a call after the outer pieces, whose inputs it makes): that graph's

@@ -233,13 +233,22 @@ class PieceRuns:
             chain.implicit = True
             _region.register(chain)  # (an invalidated piece forgets its graphs in it)
         token = _region_stack.set((chain,))
-        try:
-            out = fn(*args, **kwargs)
-        finally:
-            _region_stack.reset(token)
-        # what goes back to the caller is theirs: copies, not the pieces' aliases
         with chain.lock:
-            return chain.owned_outputs(out)
+            chain.active += 1
+            chain.concurrent += chain.active > 1
+        try:
+            try:
+                out = fn(*args, **kwargs)
+            finally:
+                _region_stack.reset(token)
+            # what goes back to the caller is theirs: copies, not the pieces' aliases
+            with chain.lock:
+                mine = chain.owned_outputs(out)
+            del out  # (the aliases go before this run counts as over)
+            return mine
+        finally:
+            with chain.lock:
+                chain.active -= 1
 
     def _plan_timed(self, trial: PlanTrial, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """A forward while the plan's trial runs (see _trial): as planned, or plain (every

@@ -177,6 +177,11 @@ class GraphRegion:
         # the capture order of the slot that made protect_before's last failure (-1: none, or
         # a borrowed input's)
         self.blocked_by = -1
+        # a callable's implicit region (see _pieces): the threads running its root now, and
+        # how many of its runs found another thread's run going on (what blocks a replay then
+        # may be another thread's output, held for a while: see _engine._replay)
+        self.active = 0
+        self.concurrent = 0
 
     # -- chaining ------------------------------------------------------------------------
 
