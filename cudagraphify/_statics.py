@@ -160,6 +160,10 @@ class StaticState:
         self.modules = modules
         for m in self.modules:
             _watch(m)
+        # which submodule each name of each module holds: one module of the tree put behind
+        # another name (``self.use = self.b`` where it was ``self.a``) leaves the set of
+        # modules and parameters as it was, but not what forward runs
+        self._edges = [(id(m), name, id(c)) for m in modules for name, c in m._modules.items()]
         slots = []
         seen = set()
         for m in self.modules:
@@ -267,12 +271,14 @@ class StaticState:
         """Why the statics differ from the last scan, or None. Cheap: called on every call."""
         if self._generation != _generation:
             old_layout, old_modules, old_slots = self._layout, self.modules, self._slots
+            old_edges = self._edges
             self.rescan()
             if self._layout != old_layout:
                 return f"parameter or buffer {_first_moved(old_slots, self._layout, old_layout)}" \
                     " was replaced, moved or changed shape"
             if len(self.modules) != len(old_modules) or any(
-                    a is not b for a, b in zip(self.modules, old_modules)):
+                    a is not b for a, b in zip(self.modules, old_modules)) \
+                    or self._edges != old_edges:
                 return "a submodule was replaced"
             return None
         if self.same():
