@@ -510,13 +510,12 @@ class GraphedState(PieceRuns):
             # an implicit region (its outputs, held for a while, may be what blocks) start the
             # count again)
             me = threading.get_ident()
-            count, last, thread, mark = entry.blocked
-            if region.active > 1:  # (another thread runs the root now: its outputs may block)
+            count, last, thread = entry.blocked
+            if len(region.running) > 1:  # (another thread runs the root: its outputs may block)
                 count = 0
             else:
-                count = count + 1 if thread == me and entry.uses - last <= _BLOCKED_GAP \
-                    and mark == region.concurrent else 1
-            entry.blocked = (count, entry.uses, me, region.concurrent)
+                count = count + 1 if thread == me and entry.uses - last <= _BLOCKED_GAP else 1
+            entry.blocked = (count, entry.uses, me)
             if region.blocked_by > entry.seq and count >= _BLOCKED_CALLS \
                     and self._recaptures < _MAX_RECAPTURES:
                 # What blocks it, call after call with a few replays of it at most between (not

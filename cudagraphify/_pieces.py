@@ -16,6 +16,7 @@ an argument no signature can hold), part of every :class:`~._engine.GraphedState
 from __future__ import annotations
 
 import contextvars
+from threading import get_ident
 from typing import Any, Callable
 
 import torch
@@ -39,10 +40,12 @@ CHAIN_PIECES = True
 # why a piece ran plain in its root's plan trial (see _trial)
 PLAN_PLAIN = "plan trial: the forward timed with every piece plain"
 STATE = "_cudagraphify_state"  # a module's GraphedState, in its __dict__ (see _wrap)
-# whether the pieces called now run under a root whose call was keyed (a piecewise plan's
-# entry): that root's first call of a signature ran them plain, a first sight of its own, so
-# they capture at theirs (see _engine._SEEN_ONCE); under a root run around an opaque argument
-# (an HF DynamicCache), which has no signature, they see every new one first
+# whether the pieces called now run in the first run with pieces of a root's keyed signature
+# (a piecewise plan's entry): that root's first call of the signature ran them plain, a first
+# sight of its own, so they capture at theirs (see _engine._SEEN_ONCE). In its later runs a
+# piece's new signature is one the root's key does not fix (a shape that depends on the data:
+# a boolean mask), and under a root run around an opaque argument (an HF DynamicCache), which
+# has no signature, every new one is: they are seen first
 keyed_root: contextvars.ContextVar[bool] = contextvars.ContextVar("cudagraphify_keyed_root",
                                                                   default=False)
 
@@ -174,7 +177,10 @@ class PieceRuns:
 
     def chained(self, fn: Callable, args: tuple, kwargs: dict, entry=None) -> Any:
         """:meth:`_chained`, with :data:`keyed_root` set for the pieces it calls."""
-        token = keyed_root.set(type(entry) is PiecewiseEntry)
+        first = type(entry) is PiecewiseEntry and not entry.chained_once
+        if first:
+            entry.chained_once = True
+        token = keyed_root.set(first)
         try:
             return self._chained(fn, args, kwargs, entry)
         finally:
@@ -233,9 +239,8 @@ class PieceRuns:
             chain.implicit = True
             _region.register(chain)  # (an invalidated piece forgets its graphs in it)
         token = _region_stack.set((chain,))
-        with chain.lock:
-            chain.active += 1
-            chain.concurrent += chain.active > 1
+        running, me = chain.running, get_ident()
+        running[me] = running.get(me, 0) + 1  # (only this thread writes its item)
         try:
             try:
                 out = fn(*args, **kwargs)
@@ -247,8 +252,11 @@ class PieceRuns:
             del out  # (the aliases go before this run counts as over)
             return mine
         finally:
-            with chain.lock:
-                chain.active -= 1
+            n = running[me] - 1
+            if n:
+                running[me] = n
+            else:
+                del running[me]
 
     def _plan_timed(self, trial: PlanTrial, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """A forward while the plan's trial runs (see _trial): as planned, or plain (every

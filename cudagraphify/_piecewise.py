@@ -26,13 +26,14 @@ __all__ = ["PiecewiseEntry", "new_probe", "probed", "plan", "sequence_findings"]
 class PiecewiseEntry(EagerEntry):
     """A signature whose module runs eagerly while the listed submodules are graphed."""
 
-    __slots__ = ("findings", "pieces")
+    __slots__ = ("findings", "pieces", "chained_once")
 
     def __init__(self, reason: str, owner, findings: dict[str, list[Finding]], pieces: list[str],
                  state=None, flags=None):
         super().__init__(reason, owner, state, flags)
         self.findings = findings
         self.pieces = pieces
+        self.chained_once = False  # whether a run of it called its pieces (see _pieces.keyed_root)
 
 
 def new_probe(state, *, thunder: bool | None = None) -> Probe | None:

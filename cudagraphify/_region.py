@@ -177,11 +177,10 @@ class GraphRegion:
         # the capture order of the slot that made protect_before's last failure (-1: none, or
         # a borrowed input's)
         self.blocked_by = -1
-        # a callable's implicit region (see _pieces): the threads running its root now, and
-        # how many of its runs found another thread's run going on (what blocks a replay then
-        # may be another thread's output, held for a while: see _engine._replay)
-        self.active = 0
-        self.concurrent = 0
+        # a callable's implicit region (see _pieces): the threads running its root now (thread
+        # id -> runs on it): where another thread runs it, what blocks a replay may be that
+        # thread's output, held for a while (see _engine._replay)
+        self.running: dict[int, int] = {}
 
     # -- chaining ------------------------------------------------------------------------
 

@@ -292,8 +292,8 @@ class CapturedGraph(Owned):
     hazard: frozenset | set = frozenset()
     trial = None  # a piece's graph being timed against its eager run (see _trial)
     # (calls its replay was blocked by a later graph's held output, its uses at the last of
-    # them, their thread, and their region's count of concurrent runs: see _engine._replay)
-    blocked = (0, -1, 0, 0)
+    # them, and their thread: see _engine._replay)
+    blocked = (0, -1, 0)
 
     def __init__(self, raw, inputs: StaticInputs, mutated: list[int], actions: list, spec,
                  keep: list, device: torch.device):
