@@ -180,6 +180,8 @@ class PieceRuns:
         first = type(entry) is PiecewiseEntry and not entry.chained_once
         if first:
             entry.chained_once = True
+        elif not keyed_root.get():  # (as it is: the common case, no set and reset)
+            return self._chained(fn, args, kwargs, entry)
         token = keyed_root.set(first)
         try:
             return self._chained(fn, args, kwargs, entry)
