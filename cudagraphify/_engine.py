@@ -81,7 +81,8 @@ _MAX_RECAPTURES = 4
 # a new one runs eagerly (a prompt length seen once, or a shape that grows every step, such as
 # T5's position bias over a growing cache, is not worth a capture); the signatures seen once,
 # the most recent this many, are kept. Pieces capture at first sight under capture_sizes
-# (_sizes) and under a keyed root (_pieces.keyed_root: its own first call was the first sight)
+# (_sizes) and in a keyed root's first run with pieces of a signature (_pieces.keyed_root: the
+# root's own first call of it was the first sight)
 _SEEN_ONCE = 64
 first_sight_captures = [0]  # above 0 while capture_sizes runs (any thread)
 _BLOCKED_CALLS = 3  # blocked calls (see _BLOCKED_GAP) before it is captured again
