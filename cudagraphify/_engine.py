@@ -100,6 +100,8 @@ FORWARD_AD = ("inside a forward-mode AD level (torch.autograd.forward_ad.dual_le
 FUNCTORCH = ("inside a torch.func transform (grad, vjp, jacrev, vmap): its tensors are "
              "wrapped, a graph's copy-in and outputs are not")
 _functorch_stack = torch._C._functorch.peek_interpreter_stack
+LAZY = ("uninitialized parameters (a LazyModule): this call initializes them; graphed from "
+        "the next call")
 STATE_ALIAS = ("an argument shares memory with a static state (a cache) the graph reads and "
                "writes in place: a graph would read a copy made before the forward's write")
 
@@ -265,6 +267,12 @@ class GraphedState(PieceRuns):
             self._still += 1
             if self._still >= _STILL_CALLS:
                 self._moves = 0
+        if self.statics.lazy:
+            # (materialized in place by its module's first forward: no registry write to see)
+            try:
+                return self._eager(LAZY, fn, args, kwargs)
+            finally:
+                self.statics.rescan()
         if torch.is_grad_enabled():
             why = self._training_refused()
             if why is not None:

@@ -27,6 +27,7 @@ from typing import Iterator, Sequence
 
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 __all__ = ["StaticState", "generation", "watch", "watched"]
 
@@ -166,10 +167,14 @@ class StaticState:
         self._edges = [(id(m), name, id(c)) for m in modules for name, c in m._modules.items()]
         slots = []
         seen = set()
+        self.lazy = False  # an uninitialized parameter or buffer (a LazyModule's) in the tree
         for m in self.modules:
             for d in (m._parameters, m._buffers):
                 for name, t in d.items():
                     if t is None or id(t) in seen:
+                        continue
+                    if is_lazy(t):  # (no memory yet: its module's first forward makes it)
+                        self.lazy = True
                         continue
                     seen.add(id(t))
                     slots.append((d, name))

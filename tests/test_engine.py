@@ -1758,3 +1758,21 @@ def test_an_alias_of_an_argument_with_another_layout_and_no_view_runs_eagerly(si
             assert out[0].data_ptr() == want[0].data_ptr()
     assert counts(f)[1] == 0
     assert any("no view of it" in r for r in cg.stats(f).eager_calls)
+
+
+def test_a_lazy_module_runs_its_first_call_eagerly_then_is_graphed(sim):
+    # (helper-47: graphify raised ValueError on the uninitialized parameters of a LazyLinear,
+    # in the scan of the statics) its first forward makes them, in place (no registry write)
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.LazyLinear(8), nn.ReLU())
+    g = cg.graphify(m)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            assert torch.equal(g(x), torch.relu(x @ m[0].weight.T + m[0].bias))
+    s = cg.stats(g)
+    (reason,) = s.eager_calls
+    assert reason.startswith("uninitialized parameters (a LazyModule)") and s.eager == 1, s
+    assert (s.captures, s.replays) == (1, 2), s
+    assert any(t is m[0].weight for t in g._cudagraphify_state.statics.tensors)
