@@ -186,6 +186,23 @@ _CHANGES = {
 }
 
 
+class _Alias(nn.Module):
+    """Calls one of two submodules through a name that holds either (``self.use = self.b``
+    after capture: the same modules and parameters, another forward)."""
+
+    def __init__(self, dim: int = 8):
+        super().__init__()
+        self.a, self.b = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.use = self.a
+
+    def forward(self, x):
+        return self.use(x) + self.b(x)
+
+
+def _use_b(m: nn.Module) -> None:
+    m.use = m.b
+
+
 class _Temperature(nn.Module):
     """Divides by a CPU 0-dim tensor attribute (a plain attribute: ``.to`` leaves it on the
     CPU): as an operand (on CUDA its value becomes a kernel scalar at capture), or through

@@ -59,7 +59,7 @@ from torch import nn
 
 import cudagraphify as cg
 from guard_scenarios import (
-    _CHANGES, _RESHAPES, _Accumulates, _Affine, _AttrTable, _BNNet, _BumpsBias, _ClampLayer,
+    _Alias, _use_b, _CHANGES, _RESHAPES, _Accumulates, _Affine, _AttrTable, _BNNet, _BumpsBias, _ClampLayer,
     _DoublesInput, _EmptyOut, _MakesTensor, _ReadsW, _ReturnsTable, _ScaledLayer, _Temperature,
     _TwiceThenSync, _TwoLinear, _WritesInput, _around, _before_after, _both, _calls, _clone,
     _closure_module, _default_dtype, _differs, _layer_by_layer, _layer_replays, _new_weights,
@@ -91,6 +91,24 @@ def test_1_non_tensor_attribute_changed_after_capture(kind):
     ref, g = _pair(_Affine(kind))
     with torch.no_grad():
         _before_after(ref, g, _randn(4, 8), _both(_CHANGES[kind], ref, g))
+
+
+def test_1_submodule_put_behind_another_name_after_capture():
+    torch.manual_seed(0)
+    ref, g = _pair(_Alias(8))
+    with torch.no_grad():
+        _before_after(ref, g, _randn(4, 8), _both(_use_b, ref, g))
+
+
+def test_1_lazy_module_first_call_then_graphed():
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.LazyLinear(8), nn.ReLU()).to(DEV)
+    g = cg.graphify(ref)  # (its own first forward initializes it; graphed from the next)
+    with torch.no_grad():
+        for i in range(4):
+            x = _randn(4, 4)()[0]
+            _same(g(x), torch.relu(x @ ref[0].weight.T + ref[0].bias), f"call {i}")
+    assert cg.stats(g).replays >= 2, cg.stats(g)
 
 
 def test_1_layernorm_eps_changed_after_capture():
