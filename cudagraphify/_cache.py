@@ -260,13 +260,18 @@ class GraphCache:
         cache) have been dropped: with them, what the keys competed for."""
         if not self.thrashing(key):
             return False
-        gone = [e for _, e in self._lru.values() if getattr(e, "orphaned", False)]
-        for e in gone:
-            drain_all(getattr(e, "device", None))  # (replayed by any callable, on its stream)
-            self.discard(e)
-        if gone:
-            self.forget_evictions()
+        for e in [e for _, e in self._lru.values() if getattr(e, "orphaned", False)]:
+            self.drop_orphan(e)
         return self.thrashing(key)
+
+    def drop_orphan(self, entry) -> None:
+        """Drop and release ``entry``, whose owner is gone (a shared policy's), once all of the
+        device's queued work is done (any callable of the policy may have replayed it last, on
+        a stream of its own), and forget which keys were thrashing (its graphs no longer
+        compete)."""
+        drain_all(getattr(entry, "device", None))
+        self.discard(entry)
+        self.forget_evictions()
 
     def _drop(self, entry, evicted: bool = False) -> None:
         key, _ = self._lru.pop(id(entry))

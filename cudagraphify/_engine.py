@@ -30,7 +30,7 @@ from typing import Any, Callable
 import torch
 
 from . import _capture, _guards, _region, _segrun, _trial, _watch
-from ._capture import drain, drain_all
+from ._capture import drain
 from ._cache import (THRASH_EVICTIONS, THRASH_USES, CachePolicy, EagerEntry, GraphCache,
                      SetUpEntry)
 from ._errors import CudagraphifyUsageError, warn_once
@@ -314,11 +314,7 @@ class GraphedState(PieceRuns):
                 # A graph of another module (a shared policy): it reads that module's statics.
                 if owner is None:
                     if entry.orphaned:  # that module is gone, and its memory with it
-                        # (any callable of the policy may have replayed it last, each on its
-                        # own stream: all of the device's queued work is waited for)
-                        drain_all(getattr(entry, "device", None))
-                        cache.discard(entry)
-                        cache.forget_evictions()  # (its graphs no longer compete)
+                        cache.drop_orphan(entry)
                     continue
                 moved = owner.statics.changed()
                 if moved is not None:
