@@ -138,8 +138,10 @@ class PieceRuns:
         ``release``: autograd holds the call), and, with none left, what its statics hold.
         Then its plain forward is put back in place (``retire``): its later calls are plain
         PyTorch, not counted; ``eager_calls`` keeps the reason, with the calls counted before."""
+        # (the reason shows in stats, counted or not; its key is made before another thread,
+        # seeing given_back, counts it: a first count through Counter.__missing__ could be lost)
+        self.eager_calls[why] += 0
         self.given_back = why
-        self.eager_calls[why] += 0  # (the reason shows in stats, counted or not)
         _trial.pieces_epoch[0] += 1
         self._fast = None
         self._release_given_back()

@@ -235,4 +235,6 @@ def test_control_threads_through_the_plan_trial(plan_timed, monkeypatch):
     assert _nested.nesting[0] == 0
     for piece in g._cudagraphify_state.pieces:
         s = cg.stats(piece)
-        assert s.replays + s.timed_calls + sum(s.eager_calls.values()) == 4 * n, s
+        # (another thread can reach a piece before the root's keyed first run captured it:
+        # a first sight, run eagerly and counted in seen_once)
+        assert s.replays + s.timed_calls + s.seen_once + sum(s.eager_calls.values()) == 4 * n, s
