@@ -23,6 +23,7 @@ Nothing here touches ``torch.cuda``: the backend (``_capture``) does.
 from __future__ import annotations
 
 import collections
+import contextvars
 import threading
 import weakref
 from typing import Any, Callable
@@ -84,7 +85,9 @@ _MAX_RECAPTURES = 4
 # (_sizes) and in a keyed root's first run with pieces of a signature (_pieces.keyed_root: the
 # root's own first call of it was the first sight)
 _SEEN_ONCE = 64
-first_sight_captures = [0]  # above 0 while capture_sizes runs (any thread)
+# (True in the thread, or context, where capture_sizes runs: not in other threads' calls)
+first_sight_captures: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "cudagraphify_first_sight_captures", default=False)
 _BLOCKED_CALLS = 3  # blocked calls (see _BLOCKED_GAP) before it is captured again
 _BLOCKED_GAP = 8  # uses from one blocked call to the next that still count them together
 
@@ -367,7 +370,7 @@ class GraphedState(PieceRuns):
         storm = self._storming(key)
         if storm is not None:
             return self._eager(storm, fn, args, kwargs)
-        if self.options.piece and not first_sight_captures[0] and not keyed_root.get() \
+        if self.options.piece and not keyed_root.get() and not first_sight_captures.get() \
                 and self._first_sight(key):
             _trial.activity[0] += 1  # (a plan's forward timed with it in is timed again)
             self.seen_once += 1

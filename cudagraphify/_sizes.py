@@ -85,7 +85,7 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
     before = stats(target)
     t0 = time.perf_counter()
-    _engine.first_sight_captures[0] += 1  # (a plan's pieces capture each size at once)
+    token = _engine.first_sight_captures.set(True)  # (a plan's pieces capture each size at once)
     try:
         for n, size in enumerate(order, 1):
             if progress:
@@ -100,7 +100,7 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
             else:
                 done.eager[size] = why
     finally:
-        _engine.first_sight_captures[0] -= 1
+        _engine.first_sight_captures.reset(token)
     done.seconds = time.perf_counter() - t0
     if cuda or (torch.cuda.is_available() and torch.cuda.is_initialized()):
         device = torch.cuda.current_device() if device is None else device

@@ -335,3 +335,31 @@ def test_capture_sizes_captures_the_pieces_at_first_sight(sim):
         _generate(ref, g, prompt, steps=0)
     after = cg.stats(g.layers[0].mlp)
     assert (after.captures, after.seen_once, after.replays - s.replays) == (2, 0, 2), after
+
+
+def test_capture_sizes_on_one_thread_leaves_another_threads_first_sights_eager(sim):
+    # capture_sizes makes pieces capture at first sight in its own thread only: a call of
+    # another graphified model on another thread meanwhile still runs a new length eagerly
+    import threading
+
+    ref, g = _pair()
+    other_ref, other = _pair()
+    _generate(ref, g, 3, steps=0)  # (plans the pieces)
+    for prompt in (2, 3):  # (the root's pieces, then the layers' own)
+        _generate(other_ref, other, prompt, steps=0)
+    seen = []
+
+    def inputs(n):
+        if not seen:  # (once, while capture_sizes runs)
+            t = threading.Thread(target=lambda: seen.append(_generate(other_ref, other, 5,
+                                                                        steps=0)))
+            t.start()
+            t.join()
+        return torch.randn(1, n, 8), _Cache()
+
+    with torch.no_grad():
+        cg.capture_sizes(g, inputs, [4], progress=False)
+    assert seen == [None]
+    assert cg.stats(g.layers[0].mlp).seen_once == 0
+    s = cg.stats(other.layers[0].mlp)
+    assert (s.seen_once, s.captures) == (1, 0), s  # length 5 seen once: no capture of it
