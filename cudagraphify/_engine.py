@@ -88,6 +88,9 @@ _SEEN_ONCE = 64
 # (True in the thread, or context, where capture_sizes runs: not in other threads' calls)
 first_sight_captures: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "cudagraphify_first_sight_captures", default=False)
+HELD_BY_ANOTHER_THREAD = ("an output of this graph is held by another thread's run of the "
+                          "same callable; running eagerly so that it is neither overwritten nor "
+                          "moved while that thread reads it")
 _BLOCKED_CALLS = 3  # blocked calls (see _BLOCKED_GAP) before it is captured again
 _BLOCKED_GAP = 8  # uses from one blocked call to the next that still count them together
 
@@ -515,14 +518,14 @@ class GraphedState(PieceRuns):
             # the last: a callable called a few times per step with one signature, T5's
             # decoder.dropout, replays on some calls and is blocked on another; another
             # thread's blocked call, more uses between, or another thread's run of the root of
-            # an implicit region (its outputs, held for a while, may be what blocks) start the
-            # count again)
+            # an implicit region (its outputs, held for a while, may be what blocks: see
+            # Slot.protect) start the count again)
             me = threading.get_ident()
+            if region.other_threads_run():
+                entry.blocked = (0, entry.uses, me)
+                return self._eager(HELD_BY_ANOTHER_THREAD, fn, args, kwargs)
             count, last, thread = entry.blocked
-            if len(region.running) > 1:  # (another thread runs the root: its outputs may block)
-                count = 0
-            else:
-                count = count + 1 if thread == me and entry.uses - last <= _BLOCKED_GAP else 1
+            count = count + 1 if thread == me and entry.uses - last <= _BLOCKED_GAP else 1
             entry.blocked = (count, entry.uses, me)
             if region.blocked_by > entry.seq and count >= _BLOCKED_CALLS \
                     and self._recaptures < _MAX_RECAPTURES:

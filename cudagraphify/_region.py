@@ -120,6 +120,11 @@ class Slot:
         """Before this memory is overwritten: move a held alias to a copy. False if impossible."""
         extra = self.extra_users()
         if extra > 0:
+            if self.region.other_threads_run():
+                # the alias may be another thread's, read at this moment by an op of its own
+                # that released the GIL (on a GPU, queued on its stream): neither moved under
+                # it nor overwritten
+                return False
             alias = self.alias() if self.alias is not None else None
             if alias is None or extra > 1:
                 return False  # a view or a detached copy of the alias: cannot be moved
@@ -181,6 +186,11 @@ class GraphRegion:
         # id -> runs on it): where another thread runs it, what blocks a replay may be that
         # thread's output, held for a while (see _engine._replay)
         self.running: dict[int, int] = {}
+
+    def other_threads_run(self) -> bool:
+        """Whether a thread other than this one runs the root of this implicit region now."""
+        running = self.running
+        return bool(running) and (len(running) > 1 or threading.get_ident() not in running)
 
     # -- chaining ------------------------------------------------------------------------
 

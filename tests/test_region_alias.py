@@ -11,6 +11,7 @@ nothing the caller kept changed.
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+from cudagraphify import _engine
 
 
 def _pair(seed: int = 0):
@@ -191,3 +193,58 @@ def test_random_calls_of_three_graphs_keep_every_held_output(sim, seed):
         for y, want in kept:
             assert torch.equal(y, want)
         assert sum(cg.stats(g).replays for _, g in pairs) > 0
+
+
+_HELD, _RESUME = threading.Event(), threading.Event()
+
+
+class _Waits(nn.Module):
+    """Two pieces around a host sync; on thread "A" the forward holds a's output (an alias in
+    the callable's own region) while it waits for another thread's whole call."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.a(x)
+        if bool((y > 1e9).any()):  # (a host sync: the root runs piecewise, its pieces chained)
+            raise AssertionError
+        if threading.current_thread().name == "A":
+            _HELD.set()
+            _RESUME.wait(30)
+        return self.b(y + 1)
+
+
+def test_a_piece_does_not_move_or_overwrite_an_alias_another_thread_holds(sim):
+    # Thread A's forward holds piece a's output, an alias of its static memory; thread B calls
+    # the same root meanwhile. Moving A's alias to a copy (set_) while an op of A's reads it
+    # with the GIL released (on a GPU: queued on A's stream) gave that op the replay's values:
+    # B's call of a runs eagerly instead, and nothing of A's is moved
+    torch.manual_seed(0)
+    ref = _Waits()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for _ in range(4):  # (the plan, then both pieces captured and replaying)
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), ref(x))
+        assert cg.stats(g.a).replays >= 1
+        inner = g._cudagraphify_state._chain
+        moved = inner.moved_outputs
+        xa, xb, out = torch.randn(4, 8), torch.randn(4, 8), {}
+
+        def run(name, x):
+            with torch.no_grad():
+                out[name] = g(x)
+
+        ta = threading.Thread(target=run, args=("A", xa), name="A")
+        ta.start()
+        assert _HELD.wait(30)
+        tb = threading.Thread(target=run, args=("B", xb), name="B")
+        tb.start()
+        tb.join(30)
+        _RESUME.set()
+        ta.join(30)
+        assert torch.equal(out["A"], ref(xa)) and torch.equal(out["B"], ref(xb))
+    assert inner.moved_outputs == moved
+    assert cg.stats(g.a).eager_calls[_engine.HELD_BY_ANOTHER_THREAD] == 1
