@@ -85,9 +85,11 @@ _MAX_RECAPTURES = 4
 # (_sizes) and in a keyed root's first run with pieces of a signature (_pieces.keyed_root: the
 # root's own first call of it was the first sight)
 _SEEN_ONCE = 64
-# (True in the thread, or context, where capture_sizes runs: not in other threads' calls)
-first_sight_captures: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "cudagraphify_first_sight_captures", default=False)
+# While capture_sizes runs, in its thread (or context) only: a list where each call's slow path
+# notes (its GraphedState, whether it made a graph or replayed one, why it ran eagerly); other
+# threads' calls meanwhile are not its sizes'. Pieces capture at first sight there.
+sizes_log: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "cudagraphify_sizes_log", default=None)
 HELD_BY_ANOTHER_THREAD = ("an output of this graph is held by another thread's run of the "
                           "same callable; running eagerly so that it is neither overwritten nor "
                           "moved while that thread reads it")
@@ -373,7 +375,7 @@ class GraphedState(PieceRuns):
         storm = self._storming(key)
         if storm is not None:
             return self._eager(storm, fn, args, kwargs)
-        if self.options.piece and not keyed_root.get() and not first_sight_captures.get() \
+        if self.options.piece and not keyed_root.get() and sizes_log.get() is None \
                 and self._first_sight(key):
             _trial.activity[0] += 1  # (a plan's forward timed with it in is timed again)
             self.seen_once += 1
@@ -517,11 +519,10 @@ class GraphedState(PieceRuns):
             # (blocked on calls of this graph on one thread, each within _BLOCKED_GAP uses of
             # the last: a callable called a few times per step with one signature, T5's
             # decoder.dropout, replays on some calls and is blocked on another; another
-            # thread's blocked call, more uses between, or another thread's run of the root of
-            # an implicit region (its outputs, held for a while, may be what blocks: see
-            # Slot.protect) start the count again)
+            # thread's blocked call or more uses between start the count again; an alias that
+            # another thread holds blocks it for a while, not call after call: see Slot.protect)
             me = threading.get_ident()
-            if region.other_threads_run():
+            if region.held_elsewhere:
                 entry.blocked = (0, entry.uses, me)
                 return self._eager(HELD_BY_ANOTHER_THREAD, fn, args, kwargs)
             count, last, thread = entry.blocked
@@ -553,6 +554,7 @@ class GraphedState(PieceRuns):
         self.replays += 1
         if region is not None:
             region.replays += 1
+        self._note(True)
         if training:
             return entry.run(leaves, self.statics.grad_params(), self)
         out = entry.run(leaves)
@@ -580,6 +582,7 @@ class GraphedState(PieceRuns):
         self.replays += 1
         if region is not None:
             region.replays += 1
+        self._note(True)
         return trial.timed(lambda: entry.run(leaves), False)
 
     def _last_move(self, moved: str | None) -> str:
@@ -599,9 +602,18 @@ class GraphedState(PieceRuns):
         """Count and warn (once per reason), then run ``fn`` eagerly (``chained``: with its
         pieces chained, or its segments graphed, see :meth:`chained`)."""
         self.eager_calls[reason] += 1
+        self._note(False, reason)
         if warn:
             warn_once(self._warned, self.name, reason)
         return self.chained(fn, args, kwargs, entry) if chained else fn(*args, **kwargs)
+
+    def _note(self, graphed: bool, reason: str | None = None, final: bool = False) -> None:
+        """Note a call's outcome for capture_sizes (see sizes_log), where it runs (``final``:
+        an eager outcome remembered for the signature: the next calls run eagerly too, a
+        piecewise plan's with its pieces graphed)."""
+        log = sizes_log.get()
+        if log is not None:
+            log.append((self, graphed, reason, final))
 
     # -- recording a first call's outcome -----------------------------------------------------
 
@@ -620,6 +632,7 @@ class GraphedState(PieceRuns):
             # not spend the budget of transient failures)
             self._deferred += not outcome.quiet
             self.eager_calls[outcome.reason] += 1
+            self._note(False, outcome.reason)
             if not outcome.quiet:
                 warn_once(self._warned, self.name, outcome.reason)
             return outcome.result
@@ -646,6 +659,7 @@ class GraphedState(PieceRuns):
                 entry = EagerEntry(reason, self, outcome.guard, outcome.flags)
         cache.put(key, entry)
         self.eager_calls[reason] += 1
+        self._note(False, reason, final=type(entry) is not SetUpEntry)
         warn_once(self._warned, self.name, reason)
         return outcome.result
 
@@ -659,6 +673,7 @@ class GraphedState(PieceRuns):
             self.retargets += 1
         else:
             self.captures += 1
+        self._note(True)
         self.capture_seconds += entry.capture_seconds
         if region is not None:
             region.record_capture(entry)

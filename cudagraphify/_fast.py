@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import threading
 import weakref
 from typing import Any, Callable
 
@@ -33,6 +34,7 @@ _TensorGuards = torch._C._dynamo.guards.TensorGuards
 _Slot, _use_count = _region.Slot, torch._C._storage_Use_Count
 _saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _weakref = weakref.ref
+_get_ident = threading.get_ident
 
 
 def _none(values: tuple) -> tuple:
@@ -397,6 +399,7 @@ class Fast:
                     return entry.outputs(args)
                 alias = slot.tensor.data  # (``Slot.hand_out``, inline; one output: lone)
                 slot.alias = _weakref(alias)
+                slot.thread = _get_ident()
                 region._live[slot] = None
                 if slot.seq > region._live_top:
                     region._live_top = slot.seq

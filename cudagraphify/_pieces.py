@@ -16,7 +16,6 @@ an argument no signature can hold), part of every :class:`~._engine.GraphedState
 from __future__ import annotations
 
 import contextvars
-from threading import get_ident
 from typing import Any, Callable
 
 import torch
@@ -243,24 +242,21 @@ class PieceRuns:
             chain.implicit = True
             _region.register(chain)  # (an invalidated piece forgets its graphs in it)
         token = _region_stack.set((chain,))
-        running, me = chain.running, get_ident()
-        running[me] = running.get(me, 0) + 1  # (only this thread writes its item)
         try:
-            try:
-                out = fn(*args, **kwargs)
-            finally:
-                _region_stack.reset(token)
-            # what goes back to the caller is theirs: copies, not the pieces' aliases
+            out = fn(*args, **kwargs)
+        except BaseException:
+            _region_stack.reset(token)
             with chain.lock:
-                mine = chain.owned_outputs(out)
-            del out  # (the aliases go before this run counts as over)
-            return mine
-        finally:
-            n = running[me] - 1
-            if n:
-                running[me] = n
-            else:
-                del running[me]
+                chain.release_aliases()
+            raise
+        _region_stack.reset(token)
+        with chain.lock:
+            # what goes back to the caller is theirs: copies, not the pieces' aliases; and no
+            # alias handed out in this run outlives it (see GraphRegion.release_aliases)
+            mine = chain.owned_outputs(out)
+            del out
+            chain.release_aliases()
+        return mine
 
     def _plan_timed(self, trial: PlanTrial, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """A forward while the plan's trial runs (see _trial): as planned, or plain (every

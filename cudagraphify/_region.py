@@ -77,7 +77,7 @@ class Slot:
     """A static output of a region graph, handed out as an alias instead of a copy."""
 
     __slots__ = ("region", "live", "tensor", "storage", "cdata", "seq", "baseline", "alias",
-                 "lone")
+                 "lone", "thread")
 
     def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int, lone: bool = True):
         self.region = region
@@ -89,6 +89,7 @@ class Slot:
         self.seq = seq
         self.baseline: int | None = None
         self.alias: weakref.ref | None = None
+        self.thread = 0  # the thread its last alias was handed to
 
     def users(self) -> int:
         return _use_count(self.cdata)
@@ -110,6 +111,7 @@ class Slot:
         # one memory: ``detach()``, sharing their counter as eager's views of one another do)
         alias = self.tensor.data if self.lone else self.tensor.detach()
         self.alias = weakref.ref(alias)
+        self.thread = threading.get_ident()
         self.live[self] = None
         region = self.region
         if self.seq > region._live_top:
@@ -120,27 +122,34 @@ class Slot:
         """Before this memory is overwritten: move a held alias to a copy. False if impossible."""
         extra = self.extra_users()
         if extra > 0:
-            if self.region.other_threads_run():
-                # the alias may be another thread's, read at this moment by an op of its own
-                # that released the GIL (on a GPU, queued on its stream): neither moved under
-                # it nor overwritten
+            if self.thread != threading.get_ident():
+                # another thread's alias, which an op of that thread may be reading at this
+                # moment, having released the GIL (on a GPU, queued on its stream): neither
+                # moved under it nor overwritten
+                self.region.held_elsewhere = True
                 return False
-            alias = self.alias() if self.alias is not None else None
-            if alias is None or extra > 1:
-                return False  # a view or a detached copy of the alias: cannot be moved
-            try:
-                # (the same values: autograd may have saved the alias for a backward, which
-                # must still find it at the version it saved; an inference tensor has no
-                # version to keep)
-                keep = contextlib.nullcontext() if alias.is_inference() \
-                    else _same_version(alias)
-                with keep:  # (its own layout: the caller may have moved it, a t_(), and
-                    # eager's tensor would keep that)
-                    alias.set_(self.storage.clone(), alias.storage_offset(), alias.size(),
-                               alias.stride())
-            except RuntimeError:
-                return False
-            self.region.moved_outputs += 1
+            return self.move(extra)
+        self.region._live.pop(self, None)
+        return True
+
+    def move(self, extra: int) -> bool:
+        """Move the held alias (``extra`` tensors beyond cudagraphify's own share this memory)
+        to a copy, on its own thread; False where it cannot be (a view or a detached copy of
+        the alias)."""
+        alias = self.alias() if self.alias is not None else None
+        if alias is None or extra > 1:
+            return False  # a view or a detached copy of the alias: cannot be moved
+        try:
+            # (the same values: autograd may have saved the alias for a backward, which must
+            # still find it at the version it saved; an inference tensor has no version to keep)
+            keep = contextlib.nullcontext() if alias.is_inference() else _same_version(alias)
+            with keep:  # (its own layout: the caller may have moved it, a t_(), and eager's
+                # tensor would keep that)
+                alias.set_(self.storage.clone(), alias.storage_offset(), alias.size(),
+                           alias.stride())
+        except RuntimeError:
+            return False
+        self.region.moved_outputs += 1
         self.region._live.pop(self, None)
         return True
 
@@ -182,15 +191,26 @@ class GraphRegion:
         # the capture order of the slot that made protect_before's last failure (-1: none, or
         # a borrowed input's)
         self.blocked_by = -1
-        # a callable's implicit region (see _pieces): the threads running its root now (thread
-        # id -> runs on it): where another thread runs it, what blocks a replay may be that
-        # thread's output, held for a while (see _engine._replay)
-        self.running: dict[int, int] = {}
+        self.held_elsewhere = False  # protect_before's last failure: another thread's alias
 
-    def other_threads_run(self) -> bool:
-        """Whether a thread other than this one runs the root of this implicit region now."""
-        running = self.running
-        return bool(running) and (len(running) > 1 or threading.get_ident() not in running)
+    def release_aliases(self) -> None:
+        """At the end of a run of the callable whose implicit region this is (see
+        ``_pieces``), on its thread: move to copies the aliases handed to this thread that
+        are still held (by a cache argument that kept a piece's output, by an object the
+        copy of the outputs does not flatten), so that no alias outlives its run: the next
+        replay must not move or overwrite it while its holder, then on another thread or
+        sharing it through DLPack, reads it."""
+        live = self._live
+        if not live:
+            return
+        me = threading.get_ident()
+        for slot in tuple(live):
+            if slot.thread == me:
+                extra = _use_count(slot.cdata) - slot.baseline
+                if extra == 0:
+                    del live[slot]
+                else:
+                    slot.move(extra)
 
     # -- chaining ------------------------------------------------------------------------
 
@@ -262,6 +282,7 @@ class GraphRegion:
         """Protect the slots a replay of ``entry`` may overwrite; False if one cannot be."""
         live = self._live
         seq = entry.seq
+        self.held_elsewhere = False
         if live and self._live_top >= seq:
             # (else every live slot was captured before this graph, as the earlier pieces'
             # outputs of a chain are when the next one replays: no walk over them)

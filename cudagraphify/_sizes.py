@@ -85,7 +85,7 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
     before = stats(target)
     t0 = time.perf_counter()
-    token = _engine.first_sight_captures.set(True)  # (a plan's pieces capture each size at once)
+    token = _engine.sizes_log.set([])  # (its calls' outcomes; a plan's pieces capture at once)
     try:
         for n, size in enumerate(order, 1):
             if progress:
@@ -100,7 +100,7 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
             else:
                 done.eager[size] = why
     finally:
-        _engine.first_sight_captures.reset(token)
+        _engine.sizes_log.reset(token)
     done.seconds = time.perf_counter() - t0
     if cuda or (torch.cuda.is_available() and torch.cuda.is_initialized()):
         device = torch.cuda.current_device() if device is None else device
@@ -130,12 +130,32 @@ _CALLS = 3  # calls per size at most: a set-up (a cache's first update), a defer
 
 def _capture_one(target: Any, inputs: Callable[[int], Any], size: int, stats) -> str | None:
     """Call ``target`` with ``inputs(size)`` until the call replays a graph or a graph was made
-    for it; None then, else the reason its last call ran eagerly."""
-    why = "no graph after three calls"
+    for it; None then, else the reason its last call ran eagerly. What the call's slow path
+    noted decides (``_engine.sizes_log``: this thread's calls only, not those of a thread that
+    serves meanwhile); after an eager outcome remembered for the signature the size is eager
+    (the calls go on while a plan's pieces may still capture); a call that took a fast path
+    noted nothing: its counters decide."""
+    from .api import _state_of
+
+    why, settled = "no graph after three calls", None
+    log = _engine.sizes_log.get()
     for _ in range(_CALLS):
         args, kwargs = _arguments(inputs(size), size)
         before = stats(target)
+        del log[:]
         target(*args, **kwargs)
+        state = _state_of(target)
+        mine = [note[1:] for note in log if note[0] is state]
+        del log[:]
+        if settled is not None:
+            continue
+        if mine:
+            if any(graphed for graphed, _, _ in mine):
+                return None
+            why, final = mine[-1][1:]
+            if final:
+                settled = why
+            continue
         after = stats(target)
         if after.captures + after.retargets > before.captures + before.retargets \
                 or after.replays > before.replays:
@@ -144,7 +164,7 @@ def _capture_one(target: Any, inputs: Callable[[int], Any], size: int, stats) ->
                if v > before.eager_calls.get(k, 0)}
         if new:
             why = next(iter(new))
-    return why
+    return why if settled is None else settled
 
 
 def _arguments(made: Any, size: int) -> tuple[tuple, dict]:
