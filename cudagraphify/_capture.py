@@ -301,11 +301,19 @@ def _check_healthy(cause: BaseException) -> None:
 _backend: Any = CudaBackend()
 
 
+# a stream token that stands for several streams: a callable's own region used by threads on
+# streams of their own (see _region.GraphRegion.enter_run); never a real stream's
+MULTI_STREAM = -1
+
+
 def drain(device: torch.device | None, token: int | None) -> None:
     """Wait until the work queued on stream ``token`` is done, before memory a graph used is
     released (the allocator may hand it to another stream at once); a no-op for a backend
     without streams."""
     if device is None or token is None:
+        return
+    if token == MULTI_STREAM:
+        drain_all(device)
         return
     fn = getattr(_backend, "drain", None)
     if fn is not None:

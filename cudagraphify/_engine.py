@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from . import _capture, _guards, _region, _segrun, _trial, _watch
-from ._capture import drain
+from ._capture import MULTI_STREAM, drain
 from ._cache import (THRASH_EVICTIONS, THRASH_USES, CachePolicy, EagerEntry, GraphCache,
                      SetUpEntry)
 from ._errors import CudagraphifyUsageError, warn_once
@@ -510,11 +510,15 @@ class GraphedState(PieceRuns):
         holder = self._stream_holder(region)
         token = backend.stream_token(device)
         if token != holder._stream_token:
-            if holder._stream_token is not None:
-                # Another stream replayed last: its copies may still be in flight (and the
-                # outputs protect_before copies below may not be written yet).
-                backend.order_after(device, holder._stream_token)
-            holder._stream_token = token
+            if holder._stream_token == MULTI_STREAM:
+                # (a callable's own region, run by threads on streams of their own)
+                region.order_before_replay(backend, device, token)
+            else:
+                if holder._stream_token is not None:
+                    # Another stream replayed last: its copies may still be in flight (and the
+                    # outputs protect_before copies below may not be written yet).
+                    backend.order_after(device, holder._stream_token)
+                holder._stream_token = token
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
             # (blocked on calls of this graph on one thread, each within _BLOCKED_GAP uses of
             # the last: a callable called a few times per step with one signature, T5's
@@ -705,7 +709,9 @@ class GraphedState(PieceRuns):
             # was not captured (no device synchronisation): it shares the template's memory,
             # so the replay orders after the stream that replayed last (in _replay).
             return self._replay(backend, region, entry, leaves, fn, args, kwargs)
-        self._stream_holder(region)._stream_token = backend.stream_token(entry.device)
+        holder = self._stream_holder(region)
+        if holder._stream_token != MULTI_STREAM:
+            holder._stream_token = backend.stream_token(entry.device)
         return outcome.result
 
     def _ineligible(self, backend, leaves: list, cache: GraphCache) -> str | None:

@@ -49,6 +49,17 @@ keyed_root: contextvars.ContextVar[bool] = contextvars.ContextVar("cudagraphify_
                                                                   default=False)
 
 
+def _run_stream(device) -> int | None:
+    """The stream a run of a callable in its own region is on (see GraphRegion.enter_run), or
+    None where there is none to know (no device yet; a CPU device under CUDA's backend)."""
+    if device is None:
+        return None
+    backend = _capture.default_backend()
+    if device.type != "cuda" and isinstance(backend, _capture.CudaBackend):
+        return None
+    return backend.stream_token(device)
+
+
 class PieceRuns:
     """The pieces part of :class:`~._engine.GraphedState` (its attributes are set there:
     ``pieces``, ``given_back``, ``retire``, ``_chain``, ``_plan_trial``...)."""
@@ -241,6 +252,9 @@ class PieceRuns:
             chain = self._chain = _region.GraphRegion()
             chain.implicit = True
             _region.register(chain)  # (an invalidated piece forgets its graphs in it)
+        stream = _run_stream(self._device)
+        if stream is not None:
+            chain.enter_run(stream)
         token = _region_stack.set((chain,))
         try:
             out = fn(*args, **kwargs)
@@ -248,6 +262,8 @@ class PieceRuns:
             _region_stack.reset(token)
             with chain.lock:
                 chain.release_aliases()
+                if stream is not None:
+                    chain.exit_run(stream)
             raise
         _region_stack.reset(token)
         with chain.lock:
@@ -256,6 +272,8 @@ class PieceRuns:
             mine = chain.owned_outputs(out)
             del out
             chain.release_aliases()
+            if stream is not None:
+                chain.exit_run(stream)
         return mine
 
     def _plan_timed(self, trial: PlanTrial, fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._cache import GraphCache
-from ._capture import drain
+from ._capture import MULTI_STREAM, drain
 from ._copies import copies_of, copy_of
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._options import Stats
@@ -192,6 +192,45 @@ class GraphRegion:
         # a borrowed input's)
         self.blocked_by = -1
         self.held_elsewhere = False  # protect_before's last failure: another thread's alias
+        # a callable's own region (see _pieces): the stream of each thread running the callable
+        # now, and the streams of runs that ended after another stream replayed (their last
+        # ops, on memory of this region's graphs, may still be queued)
+        self.streams: dict[int, int] = {}
+        self.pending_streams: set[int] = set()
+
+    def enter_run(self, token: int) -> None:
+        """A thread starts a run of the callable whose region this is, on stream ``token``.
+        Where another thread runs it on another stream, replays here stop taking the fast path
+        (the stream that replayed last is MULTI_STREAM): each orders after the other streams
+        first (``order_before_replay``), since an op queued there may still read an output
+        its thread has dropped."""
+        streams = self.streams
+        streams[threading.get_ident()] = token
+        if self._stream_token is not None and self._stream_token != token \
+                and any(t != token for t in tuple(streams.values())):
+            self._stream_token = MULTI_STREAM
+
+    def exit_run(self, token: int) -> None:
+        """The end of a run (``enter_run``), under ``lock``, after ``release_aliases``."""
+        self.streams.pop(threading.get_ident(), None)
+        last = self._stream_token
+        if last is not None and last != token:  # (another stream replayed after this run did)
+            if last != MULTI_STREAM:
+                self.pending_streams.add(last)
+            self.pending_streams.add(token)
+            self._stream_token = MULTI_STREAM
+
+    def order_before_replay(self, backend, device, token: int) -> None:
+        """Before a replay on stream ``token`` where several streams used this region: order
+        it after every other (see ``enter_run``); the stream that replayed last is then
+        ``token``, unless another thread still runs on another stream."""
+        others = {t for t in (*tuple(self.streams.values()), *self.pending_streams)
+                  if t != token}
+        for t in others:
+            backend.order_after(device, t)
+        self.pending_streams.clear()
+        if not any(t != token for t in tuple(self.streams.values())):
+            self._stream_token = token
 
     def release_aliases(self) -> None:
         """At the end of a run of the callable whose implicit region this is (see

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _engine
+from cudagraphify import _capture, _engine
+from conftest import SimBackend
 
 
 def _pair(seed: int = 0):
@@ -248,3 +249,107 @@ def test_a_piece_does_not_move_or_overwrite_an_alias_another_thread_holds(sim):
         assert torch.equal(out["A"], ref(xa)) and torch.equal(out["B"], ref(xb))
     assert inner.moved_outputs == moved
     assert cg.stats(g.a).eager_calls[_engine.HELD_BY_ANOTHER_THREAD] == 1
+
+
+class _Streams(SimBackend):
+    """The CPU double with a stream per thread (its token: the thread's name) that records
+    where a replay is ordered after another stream."""
+
+    def __init__(self):
+        super().__init__()
+        self.orders: list[tuple[str, str]] = []
+
+    def stream_token(self, device):
+        return threading.current_thread().name
+
+    def order_after(self, device, token):
+        self.orders.append((threading.current_thread().name, token))
+
+
+class _Drops(nn.Module):
+    """Two pieces around a host sync; on thread "A" the forward waits twice: holding a's output,
+    then after an op that read it and dropped it (on a GPU that op may still be queued on A's
+    stream)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.a(x)
+        if bool((y > 1e9).any()):
+            raise AssertionError
+        _pause("held")
+        y = y * 2 + 1  # (a's output dropped)
+        _pause("dropped")
+        return self.b(y)
+
+
+_PAUSES: dict = {}
+
+
+def _pause(stage):
+    p = _PAUSES.get((threading.current_thread().name, stage))
+    if p is not None:
+        p[0].set()
+        assert p[1].wait(30), stage
+
+
+def test_threads_on_streams_of_their_own_order_each_replay_after_the_others(monkeypatch):
+    # Thread A drops a's output with an op that reads it still queued on its stream (a GPU's);
+    # thread B, which replayed last on its own stream, then replays a: it must be ordered after
+    # A's stream first (before, a region ordered a replay only after the stream that replayed
+    # last: B's own, and B's replay overwrote a's output under A's queued op)
+    backend = _Streams()
+    old = _capture.set_backend(backend)
+    try:
+        torch.manual_seed(0)
+        ref = _Drops()
+        g = cg.graphify(copy.deepcopy(ref))
+        with torch.no_grad():
+            for _ in range(4):  # (on the main thread: the plan, then a and b replaying)
+                x = torch.randn(4, 8)
+                assert torch.equal(g(x), ref(x))
+        assert cg.stats(g.a).replays >= 1
+        e = [threading.Event() for _ in range(4)]
+        _PAUSES.update({("A", "held"): (e[0], e[1]), ("A", "dropped"): (e[2], e[3])})
+        xa, xb1, xb2, out = torch.randn(4, 8), torch.randn(4, 8), torch.randn(4, 8), {}
+
+        def a():
+            with torch.no_grad():
+                out["a"] = g(xa)
+
+        def b():
+            with torch.no_grad():
+                assert e[0].wait(30)
+                out["b1"] = g(xb1)  # (a held by A: eager; b replays on B's stream)
+                e[1].set()
+                assert e[2].wait(30)
+                del backend.orders[:]
+                out["b2"] = g(xb2)  # a replays on B's stream, A's run still under way
+                out["orders"] = list(backend.orders)
+                e[3].set()
+
+        ts = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        _PAUSES.clear()
+        with torch.no_grad():
+            for k, x in (("a", xa), ("b1", xb1), ("b2", xb2)):
+                assert torch.equal(out[k], ref(x)), k
+        assert ("B", "A") in out["orders"], out["orders"]
+        assert cg.stats(g.a).eager_calls[_engine.HELD_BY_ANOTHER_THREAD] == 1
+        # one thread again: after one replay ordered after the others, no more orders
+        del backend.orders[:]
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(4, 8)
+                assert torch.equal(g(x), ref(x))
+        # (A replayed last, after ordering its b after B's stream: one order, then none)
+        assert backend.orders == [("MainThread", "A")], backend.orders
+        assert g._cudagraphify_state._chain._stream_token == "MainThread"
+    finally:
+        _capture.set_backend(old)
+        _PAUSES.clear()
