@@ -254,7 +254,8 @@ class PieceRuns:
             _region.register(chain)  # (an invalidated piece forgets its graphs in it)
         stream = _run_stream(self._device)
         if stream is not None:
-            chain.enter_run(stream)
+            with chain.lock:  # (a replay under way reads and sets the region's last stream)
+                chain.enter_run(stream)
         token = _region_stack.set((chain,))
         try:
             out = fn(*args, **kwargs)
