@@ -23,7 +23,6 @@ Nothing here touches ``torch.cuda``: the backend (``_capture``) does.
 from __future__ import annotations
 
 import collections
-import contextvars
 import threading
 import weakref
 from typing import Any, Callable
@@ -37,7 +36,7 @@ from ._cache import (THRASH_EVICTIONS, THRASH_USES, CachePolicy, EagerEntry, Gra
 from ._errors import CudagraphifyUsageError, warn_once
 from ._fast import MISS, EagerFast, Fast
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
-from ._nested import in_graphed_call, plain_reason
+from ._nested import in_graphed_call, plain_reason, sizes_log
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
@@ -85,11 +84,6 @@ _MAX_RECAPTURES = 4
 # (_sizes) and in a keyed root's first run with pieces of a signature (_pieces.keyed_root: the
 # root's own first call of it was the first sight)
 _SEEN_ONCE = 64
-# While capture_sizes runs, in its thread (or context) only: a list where each call's slow path
-# notes (its GraphedState, whether it made a graph or replayed one, why it ran eagerly); other
-# threads' calls meanwhile are not its sizes'. Pieces capture at first sight there.
-sizes_log: contextvars.ContextVar[list | None] = contextvars.ContextVar(
-    "cudagraphify_sizes_log", default=None)
 HELD_BY_ANOTHER_THREAD = ("an output of this graph is held by another thread's run of the "
                           "same callable; running eagerly so that it is neither overwritten nor "
                           "moved while that thread reads it")

@@ -20,7 +20,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 
 from . import _guards, _region, _segrun, _statics, _watch
-from ._nested import nesting
+from ._nested import nesting, sizes_log
 from ._signature import is_constant, is_opaque, is_static_state, storage_of
 from ._state import StateUnkeyable, may_be_static_state, state_key
 
@@ -35,6 +35,7 @@ _Slot, _use_count = _region.Slot, torch._C._storage_Use_Count
 _saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _weakref = weakref.ref
 _get_ident = threading.get_ident
+_sizes_log = sizes_log.get
 
 
 def _none(values: tuple) -> tuple:
@@ -177,6 +178,8 @@ class EagerFast:
                 return _MISS
         state = self.state
         state.eager_calls[self.reason] += 1
+        if _sizes_log() is not None:  # (capture_sizes runs on this thread)
+            state._note(False, self.reason, final=True)
         # (``chained``'s answer where segments are off and no piece of its plans may replay:
         # the plain forward, without its frames)
         if self.chained and (state.options.segments or _segrun.ENABLED

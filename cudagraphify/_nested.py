@@ -6,7 +6,15 @@ outer graph's). ``nesting`` counts such runs on all threads: the fast paths' che
 
 from __future__ import annotations
 
+import contextvars
 import threading
+
+# While capture_sizes runs, in its thread (or context) only: a list where each call notes (its
+# GraphedState, whether it made a graph or replayed one, why it ran eagerly, whether that is
+# remembered for the signature; the fast path's replays note nothing); other threads' calls
+# meanwhile are not its sizes'. Pieces capture at first sight there.
+sizes_log: contextvars.ContextVar[list | None] = contextvars.ContextVar(
+    "cudagraphify_sizes_log", default=None)
 
 __all__ = ["Nested", "Plain", "in_graphed_call", "nesting", "plain_reason"]
 

@@ -264,7 +264,7 @@ class PieceRuns:
             with chain.lock:
                 chain.release_aliases()
                 if stream is not None:
-                    chain.exit_run(stream)
+                    chain.exit_run(stream, _capture.default_backend(), self._device)
             raise
         _region_stack.reset(token)
         with chain.lock:
@@ -274,7 +274,7 @@ class PieceRuns:
             del out
             chain.release_aliases()
             if stream is not None:
-                chain.exit_run(stream)
+                chain.exit_run(stream, _capture.default_backend(), self._device)
         return mine
 
     def _plan_timed(self, trial: PlanTrial, fn: Callable, args: tuple, kwargs: dict) -> Any:

@@ -122,11 +122,15 @@ class Slot:
         """Before this memory is overwritten: move a held alias to a copy. False if impossible."""
         extra = self.extra_users()
         if extra > 0:
-            if self.thread != threading.get_ident():
+            region = self.region
+            if self.thread != threading.get_ident() and (not region.implicit
+                                                         or self.thread in region.streams):
                 # another thread's alias, which an op of that thread may be reading at this
                 # moment, having released the GIL (on a GPU, queued on its stream): neither
-                # moved under it nor overwritten
-                self.region.held_elsewhere = True
+                # moved under it nor overwritten (in a callable's own region, while that
+                # thread runs it: after its run only a view it kept can be left, which
+                # cannot be moved and blocks as a view does)
+                region.held_elsewhere = True
                 return False
             return self.move(extra)
         self.region._live.pop(self, None)
@@ -206,19 +210,30 @@ class GraphRegion:
         its thread has dropped."""
         streams = self.streams
         streams[threading.get_ident()] = token
-        if self._stream_token is not None and self._stream_token != token \
-                and any(t != token for t in tuple(streams.values())):
-            self._stream_token = MULTI_STREAM
+        if any(t != token for t in tuple(streams.values())):
+            self._stream_token = MULTI_STREAM  # (whichever stream replayed last)
 
-    def exit_run(self, token: int) -> None:
+    def exit_run(self, token: int, backend, device) -> None:
         """The end of a run (``enter_run``), under ``lock``, after ``release_aliases``."""
-        self.streams.pop(threading.get_ident(), None)
+        streams = self.streams
+        streams.pop(threading.get_ident(), None)
         last = self._stream_token
-        if last is not None and last != token:  # (another stream replayed after this run did)
+        if last is None or last == token:
+            return
+        pending = self.pending_streams
+        if any(t != token for t in tuple(streams.values())):
+            # another thread runs on another stream: the next replay orders after this one
             if last != MULTI_STREAM:
-                self.pending_streams.add(last)
-            self.pending_streams.add(token)
+                pending.add(last)
+            pending.add(token)
             self._stream_token = MULTI_STREAM
+            return
+        # another stream replayed after this run began (its forward's side stream, a thread
+        # gone since): the caller's stream waits for it here, once, and is the last stream
+        for t in (pending | {last}) - {token, MULTI_STREAM}:
+            backend.order_after(device, t)
+        pending.clear()
+        self._stream_token = token
 
     def order_before_replay(self, backend, device, token: int) -> None:
         """Before a replay on stream ``token`` where several streams used this region: order

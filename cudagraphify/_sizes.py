@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import _engine
+from . import _nested
 from ._errors import CudagraphifyUsageError
 from ._options import Stats
 
@@ -85,7 +85,7 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
     before = stats(target)
     t0 = time.perf_counter()
-    token = _engine.sizes_log.set([])  # (its calls' outcomes; a plan's pieces capture at once)
+    token = _nested.sizes_log.set([])  # (its calls' outcomes; a plan's pieces capture at once)
     try:
         for n, size in enumerate(order, 1):
             if progress:
@@ -100,7 +100,7 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
             else:
                 done.eager[size] = why
     finally:
-        _engine.sizes_log.reset(token)
+        _nested.sizes_log.reset(token)
     done.seconds = time.perf_counter() - t0
     if cuda or (torch.cuda.is_available() and torch.cuda.is_initialized()):
         device = torch.cuda.current_device() if device is None else device
@@ -131,14 +131,14 @@ _CALLS = 3  # calls per size at most: a set-up (a cache's first update), a defer
 def _capture_one(target: Any, inputs: Callable[[int], Any], size: int, stats) -> str | None:
     """Call ``target`` with ``inputs(size)`` until the call replays a graph or a graph was made
     for it; None then, else the reason its last call ran eagerly. What the call's slow path
-    noted decides (``_engine.sizes_log``: this thread's calls only, not those of a thread that
+    noted decides (``_nested.sizes_log``: this thread's calls only, not those of a thread that
     serves meanwhile); after an eager outcome remembered for the signature the size is eager
     (the calls go on while a plan's pieces may still capture); a call that took a fast path
     noted nothing: its counters decide."""
     from .api import _state_of
 
     why, settled = "no graph after three calls", None
-    log = _engine.sizes_log.get()
+    log = _nested.sizes_log.get()
     for _ in range(_CALLS):
         args, kwargs = _arguments(inputs(size), size)
         before = stats(target)
