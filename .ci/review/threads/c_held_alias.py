@@ -101,6 +101,21 @@ class ReturnsRoot(nn.Module):
 
 
 INSIDE = {}
+DIFFS = []  # max|got - want| of each try (None: no result), printed with each check's line
+
+
+def _diff(got, want):
+    if got is None:
+        return None
+    d = (got - want).abs()
+    return f"{float(d.nan_to_num(float('inf')).max()):.2e}/{int((d != 0).sum())}"
+
+
+def diffs():
+    """The tries' largest differences and differing element counts since the last call."""
+    out = ", ".join(str(d) for d in DIFFS)
+    DIFFS.clear()
+    return out
 
 
 def randn():
@@ -123,9 +138,12 @@ def cache_case():
             got, e = race(lambda: slow_read(cache.keys), lambda: g(randn(), Cache()))
             errs += e
             bad += got is None or not torch.equal(got, want)
+            DIFFS.append(_diff(got, want))
     check(not bad and not errs, "[finding] (1) an alias a cache keeps, read by its thread "
           "between calls while another thread calls the model",
-          f"wrong in {bad}/{TRIES} errors={errs[:1]} moved={g._cudagraphify_state._chain.moved_outputs}")
+          f"wrong in {bad}/{TRIES} errors={errs[:1]} "
+          f"moved={g._cudagraphify_state._chain.moved_outputs} "
+          f"max|diff|/elements per try: {diffs()}")
 
 
 def returns_case():
@@ -144,6 +162,20 @@ def returns_case():
             got, e = race(lambda: slow_read(out.hidden), lambda: g(randn()))
             errs += e
             bad += got is None or not torch.equal(got, want)
+            DIFFS.append(_diff(got, want))
+        d2 = diffs()
+        # control of the script itself: the same race with the eager model (no graph at all)
+        ebad = 0
+        for _ in range(TRIES):
+            xa = randn()
+            out = ref(xa)
+            want = ref(xa).hidden.digamma()
+            got, e = race(lambda: slow_read(out.hidden), lambda: ref(randn()))
+            ebad += got is None or not torch.equal(got, want) or bool(e)
+            DIFFS.append(_diff(got, want))
+        check(not ebad, "[control] the same race with the eager model (a FAIL: the script's "
+              "own race, not cudagraphify's)",
+              f"wrong in {ebad}/{TRIES} max|diff|/elements per try: {diffs()}")
         # control: 8b11f19's case, the alias read inside the root's run
         cbad = 0
         for _ in range(TRIES):
@@ -167,12 +199,14 @@ def returns_case():
             ta.join(60)
             tb.join(60)
             sync()
-            cbad += not torch.equal(INSIDE["a"], ref.a(xa).digamma())
+            want = ref.a(xa).digamma()
+            cbad += not torch.equal(INSIDE["a"], want)
+            DIFFS.append(_diff(INSIDE["a"], want))
     check(not bad and not errs, "[finding] (2) a piece's alias returned inside an object "
           "pytree does not flatten, read while another thread calls the model",
-          f"wrong in {bad}/{TRIES} errors={errs[:1]}")
+          f"wrong in {bad}/{TRIES} errors={errs[:1]} max|diff|/elements per try: {d2}")
     check(not cbad, "[control] an alias read inside its thread's run of the root",
-          f"wrong in {cbad}/{TRIES}")
+          f"wrong in {cbad}/{TRIES} max|diff|/elements per try: {diffs()}")
 
 
 def region_case():
@@ -191,10 +225,12 @@ def region_case():
             got, e = race(lambda: slow_read(ya), lambda: ctx.run(f, randn()))
             errs += e
             bad += got is None or not torch.equal(got, want)
+            DIFFS.append(_diff(got, want))
         moved = region.moved_outputs
     check(not bad and not errs, "[finding] (3) an explicit graph_region reached from another "
           "thread through a copied context (asyncio.to_thread)",
-          f"wrong in {bad}/{TRIES} errors={errs[:1]} moved={moved}")
+          f"wrong in {bad}/{TRIES} errors={errs[:1]} moved={moved} "
+          f"max|diff|/elements per try: {diffs()}")
 
 
 def main():
