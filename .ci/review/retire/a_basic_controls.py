@@ -52,19 +52,24 @@ def pending_backward():
     with st.lock:
         st.give_back(FORCED)  # (as a plan trial's verdict does)
     waited = st._backward_pending and not plain(g.a)
-    ok = same(g, ref, calls=3)
+    parts = {"waited": waited, "same": same(g, ref, calls=3)}
     with torch.enable_grad():
         out.sum().backward(), want.sum().backward()
-    ok &= all(torch.equal(p.grad, q.grad) for p, q in zip(g.parameters(), ref.parameters()))
+    parts["grads"] = all(torch.equal(p.grad, q.grad)
+                         for p, q in zip(g.parameters(), ref.parameters()))
     with torch.enable_grad():
         g.zero_grad(), ref.zero_grad()
         x = torch.randn(8, 64, device=DEV)
         o2, w2 = g(x), ref(x)
-        ok &= torch.equal(o2, w2)
+        parts["after"] = torch.equal(o2, w2)
         o2.sum().backward(), w2.sum().backward()
-    ok &= all(torch.equal(p.grad, q.grad) for p, q in zip(g.parameters(), ref.parameters()))
-    check(waited and ok and plain(g.a),
-          "pending backward: retirement waits, outputs and grads equal eager, then retired",
+    parts["grads after"] = all(torch.equal(p.grad, q.grad)
+                               for p, q in zip(g.parameters(), ref.parameters()))
+    parts["retired"] = plain(g.a)
+    check(all(parts.values()),
+          "pending backward: retirement waits, outputs and grads equal eager, then retired "
+          f"({', '.join(k for k, v in parts.items() if not v) or 'every part'} "
+          f"{'failed' if not all(parts.values()) else 'held'})",
           counters(g.a))
 
 

@@ -32,7 +32,7 @@ def per_call(fn, n=2000):
 
 
 def main():
-    check(_state._ptrs_equal is not None, "CUDA build: _state._ptrs_equal is torch's C check")
+    check(_state.ptrs_equal is not None, "CUDA build: _state.ptrs_equal is torch's C check")
     c = cache()
     _state._memo.clear()
     k1 = _state.state_key(c)

@@ -104,11 +104,19 @@ INSIDE = {}
 DIFFS = []  # max|got - want| of each try (None: no result), printed with each check's line
 
 
+def same_bits(got, want):
+    """Bitwise equal. Not ``torch.equal``: digamma is NaN at the negative integers a random
+    output hits now and then (1-3 tries of 8 on the H100), and NaN != NaN made identical
+    results, the eager control's too, read as wrong."""
+    return got is not None and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
 def _diff(got, want):
+    """The largest finite difference and the number of elements whose bits differ."""
     if got is None:
         return None
-    d = (got - want).abs()
-    return f"{float(d.nan_to_num(float('inf')).max()):.2e}/{int((d != 0).sum())}"
+    d = (got - want).abs().nan_to_num(0.0, 0.0, 0.0)
+    return f"{float(d.max()):.2e}/{int((got.view(torch.int32) != want.view(torch.int32)).sum())}"
 
 
 def diffs():
@@ -137,7 +145,7 @@ def cache_case():
             want = ref.k(xa).digamma()
             got, e = race(lambda: slow_read(cache.keys), lambda: g(randn(), Cache()))
             errs += e
-            bad += got is None or not torch.equal(got, want)
+            bad += not same_bits(got, want)
             DIFFS.append(_diff(got, want))
     check(not bad and not errs, "[finding] (1) an alias a cache keeps, read by its thread "
           "between calls while another thread calls the model",
@@ -161,7 +169,7 @@ def returns_case():
             want = ref(xa).hidden.digamma()
             got, e = race(lambda: slow_read(out.hidden), lambda: g(randn()))
             errs += e
-            bad += got is None or not torch.equal(got, want)
+            bad += not same_bits(got, want)
             DIFFS.append(_diff(got, want))
         d2 = diffs()
         # control of the script itself: the same race with the eager model (no graph at all)
@@ -171,7 +179,7 @@ def returns_case():
             out = ref(xa)
             want = ref(xa).hidden.digamma()
             got, e = race(lambda: slow_read(out.hidden), lambda: ref(randn()))
-            ebad += got is None or not torch.equal(got, want) or bool(e)
+            ebad += not same_bits(got, want) or bool(e)
             DIFFS.append(_diff(got, want))
         check(not ebad, "[control] the same race with the eager model (a FAIL: the script's "
               "own race, not cudagraphify's)",
@@ -200,7 +208,7 @@ def returns_case():
             tb.join(60)
             sync()
             want = ref.a(xa).digamma()
-            cbad += not torch.equal(INSIDE["a"], want)
+            cbad += not same_bits(INSIDE["a"], want)
             DIFFS.append(_diff(INSIDE["a"], want))
     check(not bad and not errs, "[finding] (2) a piece's alias returned inside an object "
           "pytree does not flatten, read while another thread calls the model",
@@ -224,7 +232,7 @@ def region_case():
             ctx = contextvars.copy_context()  # (what asyncio.to_thread does)
             got, e = race(lambda: slow_read(ya), lambda: ctx.run(f, randn()))
             errs += e
-            bad += got is None or not torch.equal(got, want)
+            bad += not same_bits(got, want)
             DIFFS.append(_diff(got, want))
         moved = region.moved_outputs
     check(not bad and not errs, "[finding] (3) an explicit graph_region reached from another "
