@@ -219,6 +219,12 @@ class PieceRuns:
         Without segments, once the pieces settled, the plan is timed the same way against the
         forward with every piece run plain (:class:`~._trial.PlanTrial`), where the backend
         has a clock; where it is not faster, every piece is given back."""
+        if _capture.default_backend().in_capture():
+            # inside a capture of the caller's (reached through an eager fast path, which does
+            # not ask): part of it, plain, as the slow path decides; its stream is none of the
+            # implicit region's (another thread's replay waiting on it would join the capture,
+            # and it may not wait on work outside it)
+            return fn(*args, **kwargs)
         if entry is not None and (self.options.segments or _segrun.ENABLED) \
                 and self._device is not None and _guards.dual_level() < 0 \
                 and self.share is None and not torch.is_grad_enabled() \

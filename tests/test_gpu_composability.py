@@ -165,6 +165,60 @@ def test_graphify_over_an_inductor_compiled_block_captures_its_kernels():
     _graphify_a_wrapped_block(torch.compile)
 
 
+class _Ctx:
+    """An argument no signature can hold (as an HF DynamicCache): the root plans around it."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+
+class _AroundCtx(torch.nn.Module):
+    """Capturable whole (no host sync); piecewise only because of its opaque argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(DIM, DIM), torch.nn.Linear(DIM, DIM)
+
+    def forward(self, x, ctx):
+        return self.b(self.a(x) * ctx.scale)
+
+
+def test_a_root_with_graphed_pieces_inside_the_users_own_capture():
+    # The user captures a graphified root in a torch.cuda.graph of their own (its pieces
+    # replayed before, so the root's eager fast path and implicit region are set up). Before
+    # the fix its run entered the region with the capturing stream, whose end waited on the
+    # stream that had replayed last: work outside the capture, which a capture refuses.
+    torch.manual_seed(0)
+    ref = _AroundCtx().cuda()
+    g = cg.graphify(copy.deepcopy(ref))
+    ctx = _Ctx(0.5)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(4, DIM, device="cuda")
+            assert torch.equal(g(x, ctx), ref(x, ctx))
+        replays = cg.stats(g.a).replays
+        assert replays >= 1
+        static_x = torch.randn(4, DIM, device="cuda")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # (the user's warm-up, as torch.cuda.graph's recipe)
+            for _ in range(3):
+                g(static_x, ctx)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_y = g(static_x, ctx)
+        for _ in range(3):
+            static_x.copy_(torch.randn(4, DIM, device="cuda"))
+            graph.replay()
+            assert torch.equal(static_y, ref(static_x, ctx))
+        before = cg.stats(g.a).replays
+        for _ in range(2):  # (and outside it, the pieces replay again)
+            x = torch.randn(4, DIM, device="cuda")
+            assert torch.equal(g(x, ctx), ref(x, ctx))
+        assert cg.stats(g.a).replays > before
+
+
 def test_checkpoint_around_and_inside_graphified_blocks_gives_eager_gradients():
     from torch.utils.checkpoint import checkpoint
 

@@ -353,3 +353,63 @@ def test_threads_on_streams_of_their_own_order_each_replay_after_the_others(monk
     finally:
         _capture.set_backend(old)
         _PAUSES.clear()
+
+
+class _UserCapture(_Streams):
+    """``_Streams`` where thread "A" is inside a capture of the user's own (a
+    ``torch.cuda.graph`` around its call): its stream may not wait for work outside the
+    capture, and no other stream may wait for it (on a GPU that stream would join the capture:
+    its replay captured, not run)."""
+
+    def in_capture(self):
+        return self.capturing or threading.current_thread().name == "A"
+
+
+def test_a_run_inside_a_users_capture_is_no_stream_of_the_region(monkeypatch):
+    # A root with pieces, called by thread A inside a capture of A's own: its pieces run plain,
+    # as part of that capture. Before, the root's run still went through its implicit region
+    # (the EagerFast path of a piecewise root does not ask whether a capture is under way):
+    # A's capturing stream was listed in the region's streams, so B's replay waited on it, and
+    # at the end of A's run A's stream waited on the stream that had replayed last.
+    backend = _UserCapture()
+    old = _capture.set_backend(backend)
+    try:
+        torch.manual_seed(0)
+        ref = _Drops()
+        g = cg.graphify(copy.deepcopy(ref))
+        with torch.no_grad():
+            for _ in range(4):
+                x = torch.randn(4, 8)
+                assert torch.equal(g(x), ref(x))
+        assert cg.stats(g.a).replays >= 1
+        e = [threading.Event() for _ in range(2)]
+        _PAUSES[("A", "held")] = (e[0], e[1])
+        xa, xb, out = torch.randn(4, 8), torch.randn(4, 8), {}
+        replays = cg.stats(g.a).replays
+        del backend.orders[:]
+
+        def a():
+            with torch.no_grad():
+                out["a"] = g(xa)
+
+        def b():
+            with torch.no_grad():
+                assert e[0].wait(30)  # (A inside its run, inside its capture)
+                out["b"] = g(xb)
+                e[1].set()
+
+        ts = [threading.Thread(target=a, name="A"), threading.Thread(target=b, name="B")]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(30)
+        _PAUSES.clear()
+        with torch.no_grad():
+            for k, x in (("a", xa), ("b", xb)):
+                assert torch.equal(out[k], ref(x)), k
+        assert not [o for o in backend.orders if "A" in o], backend.orders
+        assert cg.stats(g.a).replays > replays  # (B's a replayed: the graph path)
+        assert "A" not in g._cudagraphify_state._chain.streams.values()
+    finally:
+        _capture.set_backend(old)
+        _PAUSES.clear()
