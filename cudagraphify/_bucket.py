@@ -28,7 +28,7 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 import torch.utils._pytree as pytree
 
-from . import _watch
+from . import _capture, _watch
 from ._errors import CudagraphifyUsageError, CudagraphifyWarning
 from ._nested import Nested
 from ._signature import storage_of
@@ -70,6 +70,10 @@ class Bucketed:
         padded = [self._pad(t, bucket) if isinstance(t, torch.Tensor) else t for t in leaves]
         ran = self.verified.get(key)
         if ran is None or not ran.same():
+            if _capture.default_backend().in_capture():
+                # inside a capture of the caller's own: the check's host syncs would break it
+                # (and read memory no kernel wrote yet); this call is part of it, at its size
+                return self._target(*args, **kwargs)
             return self._check(key, bucket, n, leaves, padded, spec)
         a, kw = pytree.tree_unflatten(padded, spec)
         self.padded_calls += 1

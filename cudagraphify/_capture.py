@@ -283,6 +283,14 @@ class CudaBackend:
         if torch.cuda.is_initialized() and not _stream_capturing():
             torch.cuda.synchronize(device)
 
+    def stream_capturing(self, device: torch.device, token: int) -> bool:
+        """Whether stream ``token`` is under a capture (another thread's own
+        ``torch.cuda.graph``): no stream may wait on it, nor the host (see _engine)."""
+        if not token or token == MULTI_STREAM:  # (the legacy default stream never captures)
+            return False
+        with torch.cuda.stream(torch.cuda.ExternalStream(token, device=device)):
+            return _stream_capturing()
+
     def order_after(self, device: torch.device, token: int) -> None:
         """Make the caller's current stream wait for work queued on stream ``token``."""
         torch.cuda.current_stream(device).wait_stream(torch.cuda.ExternalStream(token, device=device))

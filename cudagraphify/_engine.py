@@ -87,6 +87,10 @@ _SEEN_ONCE = 64
 HELD_BY_ANOTHER_THREAD = ("an output of this graph is held by another thread's run of the "
                           "same callable; running eagerly so that it is neither overwritten nor "
                           "moved while that thread reads it")
+CAPTURED_ELSEWHERE = ("the stream that replayed this callable's graphs last is under another "
+                      "thread's CUDA graph capture of its own: no stream may wait on it (it would "
+                      "join that capture), and work queued there before it may still read this "
+                      "graph's memory; running eagerly while that capture lasts")
 _BLOCKED_CALLS = 3  # blocked calls (see _BLOCKED_GAP) before it is captured again
 _BLOCKED_GAP = 8  # uses from one blocked call to the next that still count them together
 
@@ -504,6 +508,10 @@ class GraphedState(PieceRuns):
         holder = self._stream_holder(region)
         token = backend.stream_token(device)
         if token != holder._stream_token:
+            last = holder._stream_token
+            if _region.captured_among(backend, device, region.other_streams(token)
+                                      if last == MULTI_STREAM else (last,) if last else ()):
+                return self._eager(CAPTURED_ELSEWHERE, fn, args, kwargs)
             if holder._stream_token == MULTI_STREAM:
                 # (a callable's own region, run by threads on streams of their own)
                 region.order_before_replay(backend, device, token)

@@ -73,6 +73,15 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
+def captured_among(backend, device, tokens) -> bool:
+    """Whether one of the streams ``tokens`` is under a capture of another thread's own (a
+    user's ``torch.cuda.graph``): a stream that waited on it would join that capture (its
+    work captured, not run), and the host may not wait on it. False for a backend that cannot
+    tell (no streams)."""
+    capturing = getattr(backend, "stream_capturing", None)
+    return capturing is not None and any(capturing(device, t) for t in tokens)
+
+
 class Slot:
     """A static output of a region graph, handed out as an alias instead of a copy."""
 
@@ -230,18 +239,29 @@ class GraphRegion:
             return
         # another stream replayed after this run began (its forward's side stream, a thread
         # gone since): the caller's stream waits for it here, once, and is the last stream
-        for t in (pending | {last}) - {token, MULTI_STREAM}:
+        waits = (pending | {last}) - {token, MULTI_STREAM}
+        if captured_among(backend, device, waits):
+            # (one is under another thread's capture of its own now: no wait on it; the next
+            # replay finds it, and runs eagerly while the capture lasts: see _engine)
+            pending.update(waits)
+            pending.add(token)
+            self._stream_token = MULTI_STREAM
+            return
+        for t in waits:
             backend.order_after(device, t)
         pending.clear()
         self._stream_token = token
+
+    def other_streams(self, token: int) -> set:
+        """The streams a replay on ``token`` orders after while several streams use this
+        region (see ``order_before_replay``)."""
+        return {t for t in (*tuple(self.streams.values()), *self.pending_streams) if t != token}
 
     def order_before_replay(self, backend, device, token: int) -> None:
         """Before a replay on stream ``token`` where several streams used this region: order
         it after every other (see ``enter_run``); the stream that replayed last is then
         ``token``, unless another thread still runs on another stream."""
-        others = {t for t in (*tuple(self.streams.values()), *self.pending_streams)
-                  if t != token}
-        for t in others:
+        for t in self.other_streams(token):
             backend.order_after(device, t)
         self.pending_streams.clear()
         if not any(t != token for t in tuple(self.streams.values())):
