@@ -8,6 +8,7 @@ machine without a GPU substitute a simulated backend to exercise the engine's bo
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import gc
 import threading
@@ -285,9 +286,15 @@ class CudaBackend:
 
     def stream_capturing(self, device: torch.device, token: int) -> bool:
         """Whether stream ``token`` is under a capture (another thread's own
-        ``torch.cuda.graph``): no stream may wait on it, nor the host (see _engine)."""
+        ``torch.cuda.graph``): no stream may wait on it, nor the host (see _engine). The
+        driver's ``cuStreamIsCapturing`` (about 1 µs), else that stream made current a moment."""
         if not token or token == MULTI_STREAM:  # (the legacy default stream never captures)
             return False
+        query = _stream_capture_query()
+        if query is not None:
+            status = ctypes.c_int(0)
+            if query(ctypes.c_void_p(token), ctypes.byref(status)) == 0:
+                return status.value != 0  # (active, or invalidated and not yet ended)
         with torch.cuda.stream(torch.cuda.ExternalStream(token, device=device)):
             return _stream_capturing()
 
@@ -307,6 +314,21 @@ def _check_healthy(cause: BaseException) -> None:
 
 
 _backend: Any = CudaBackend()
+
+
+_query: list = []  # the driver's cuStreamIsCapturing, or None: looked up once
+
+
+def _stream_capture_query():
+    if not _query:
+        from ._cugraph import DriverError, _fn
+        try:
+            f = _fn("cuStreamIsCapturing")
+            f.argtypes, f.restype = [ctypes.c_void_p, ctypes.POINTER(ctypes.c_int)], ctypes.c_int
+        except DriverError:
+            f = None
+        _query.append(f)
+    return _query[0]
 
 
 # a stream token that stands for several streams: a callable's own region used by threads on

@@ -219,6 +219,32 @@ def test_a_root_with_graphed_pieces_inside_the_users_own_capture():
         assert cg.stats(g.a).replays > before
 
 
+def test_the_backend_tells_a_stream_under_another_threads_capture():
+    # (what keeps another thread's replay from waiting on a stream under the user's capture:
+    # _engine.CAPTURED_ELSEWHERE)
+    import threading
+
+    from cudagraphify import _capture
+    backend = _capture.CudaBackend()
+    s = torch.cuda.Stream()
+    x = torch.zeros(4, device="cuda")
+    assert backend.stream_capturing(x.device, s.cuda_stream) is False
+    seen = {}
+
+    def ask():
+        seen["inside"] = backend.stream_capturing(x.device, s.cuda_stream)
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=s, capture_error_mode="thread_local"):
+        x.add_(1)
+        t = threading.Thread(target=ask)
+        t.start()
+        t.join(10)
+    assert seen["inside"] is True
+    assert backend.stream_capturing(x.device, s.cuda_stream) is False
+    assert backend.stream_capturing(x.device, 0) is False  # (the legacy default stream)
+
+
 def test_checkpoint_around_and_inside_graphified_blocks_gives_eager_gradients():
     from torch.utils.checkpoint import checkpoint
 
