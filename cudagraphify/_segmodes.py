@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _guards
+from . import _guards, _region
 from ._opinfo import info_of, infos
 from ._probe import _user_frame
 from ._segcalls import (_META, P, S, VARYING, X, _Call, _MethodWrapper, _Opaque,
@@ -223,9 +223,15 @@ class _Run:
         if plan.cuda:
             # the graphs' memory was last used by a call on another stream, or read there by
             # eager calls of the last call (their results may still be in use): wait for them
-            for token in {plan.last, *plan.side} - {None, self.token}:
-                plan.backend.order_after(plan.device, token)
-            plan.side = set()
+            waits = {plan.last, *plan.side} - {None, self.token}
+            if _region.captured_among(plan.backend, plan.device, waits):
+                # (one is under another thread's capture of its own: no wait on it, and no
+                # segment replays in this call, as _engine.CAPTURED_ELSEWHERE)
+                self.diverged = True
+            else:
+                for token in waits:
+                    plan.backend.order_after(plan.device, token)
+                plan.side = set()
         self.side: set[int] = plan.side  # streams other than the call's that eager calls used
 
     def note(self) -> None:

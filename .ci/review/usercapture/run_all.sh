@@ -22,4 +22,8 @@ run() {  # script, seconds
 run a_same_stream 45
 run b_drain 22
 run c_single 18
+# d_elsewhere (review of 7ec8df7/dadf0ac): B's new shape captured during A's capture (a
+#   device-wide sync) [finding]; a release after B's run leaves the region MULTI_STREAM
+#   (drain_all) [finding]; B's calls after the capture replay again [control]
+run d_elsewhere 60
 exit 0
