@@ -182,9 +182,7 @@ def test_b_release_does_not_drain_a_stream_under_capture(streams):
     assert ("B", "A") not in out["drains"], out["drains"]
 
 
-def test_control_b_does_not_wait_on_a_when_a_captures_on_another_stream(streams):
-    # the commit's case: A's capture is on a stream that did not replay last (torch.cuda.graph
-    # without stream=: its own capture stream): nothing of B's orders after A
+def _settled_opaque():
     torch.manual_seed(0)
     ref = _OpaqueRoot()
     g = cg.graphify(copy.deepcopy(ref))
@@ -193,6 +191,14 @@ def test_control_b_does_not_wait_on_a_when_a_captures_on_another_stream(streams)
         for _ in range(4):
             x = torch.randn(4, 8)
             assert torch.equal(g(x, ctx), ref(x, ctx))
+    assert cg.stats(g.a).replays >= 1, "the pieces replay before the user's capture"
+    return ref, g, ctx
+
+
+def test_control_b_does_not_wait_on_a_when_a_captures_on_another_stream(streams):
+    # the commit's case: A's capture is on a stream that did not replay last (torch.cuda.graph
+    # without stream=: its own capture stream): nothing of B's orders after A
+    ref, g, ctx = _settled_opaque()
     inside, done = threading.Event(), threading.Event()
     xa, xb, out = torch.randn(4, 8), torch.randn(4, 8), {}
 
@@ -229,14 +235,8 @@ def test_control_b_does_not_wait_on_a_when_a_captures_on_another_stream(streams)
     "(GraphedState.slow: in_capture -> plain, uncounted but for a plan trial's Plain). The "
     "same call is counted or not depending on whether the previous call left a fast path"))
 def test_a_call_inside_the_users_capture_is_not_counted_by_the_eager_fast_path(sim):
-    torch.manual_seed(0)
-    ref = _OpaqueRoot()
-    g = cg.graphify(copy.deepcopy(ref))
-    ctx = _Ctx()
+    ref, g, ctx = _settled_opaque()
     with torch.no_grad():
-        for _ in range(3):
-            x = torch.randn(4, 8)
-            assert torch.equal(g(x, ctx), ref(x, ctx))
         state = g._cudagraphify_state
         assert state._fast is not None  # (EagerFast.opaque)
         before = sum(cg.stats(g).eager_calls.values())
@@ -293,19 +293,6 @@ def test_control_bucketed_after_its_check_is_captured_by_the_user(sim):
 
 
 # -- controls: the change itself ----------------------------------------------------------
-
-def _settled_opaque():
-    torch.manual_seed(0)
-    ref = _OpaqueRoot()
-    g = cg.graphify(copy.deepcopy(ref))
-    ctx = _Ctx()
-    with torch.no_grad():
-        for _ in range(4):
-            x = torch.randn(4, 8)
-            assert torch.equal(g(x, ctx), ref(x, ctx))
-    assert cg.stats(g.a).replays >= 1, "the pieces replay before the user's capture"
-    return ref, g, ctx
-
 
 def test_control_a_root_with_pieces_in_the_users_capture_is_captured_plain(sim):
     # the user's capture (sim.capture) holds the root's plain ops, pieces included: none of

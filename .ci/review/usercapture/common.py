@@ -132,3 +132,71 @@ def isolated(scenarios, timeout=10):
         except subprocess.TimeoutExpired:
             check(False, f"{name} timed out after {timeout} s")
         sys.stdout.flush()
+
+
+def capture_race(kind, same_stream, between, tag):
+    """Thread A warms ``pair(kind)``'s graphified model up on stream s (s replays last) and
+    captures it in a torch.cuda.graph of its own (thread_local mode), on s itself
+    (``same_stream``) or on the capture's own stream; meanwhile thread B, on its own stream,
+    runs ``between(g, call)`` -> [(x, y)]. Checks: A's capture and B's calls succeed, B's
+    outputs and the user's graph replays are eager's bits. Returns (ref, g, call)."""
+    ref, g, call = pair(kind)
+    s, sb = torch.cuda.Stream(), torch.cuda.Stream()
+    static_x = rand()
+    inside, done = threading.Event(), threading.Event()
+    box = {"keep": [p.data for p in g.parameters()]}  # (A's graph reads these)
+    with torch.no_grad():
+        sb.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(sb):
+            for _ in range(3):
+                call(g, rand())
+        torch.cuda.synchronize()
+
+    def a():
+        with torch.no_grad():
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):  # (the user's warm-up: s replays last)
+                for _ in range(3):
+                    call(g, static_x)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            try:
+                kw = {"stream": s} if same_stream else {}
+                with torch.cuda.graph(graph, capture_error_mode="thread_local", **kw):
+                    box["y"] = call(g, static_x)
+                    inside.set()
+                    assert done.wait(5), "B did not finish"
+            finally:
+                inside.set()
+            box["graph"] = graph
+
+    def b():
+        assert inside.wait(5)
+        try:
+            with torch.no_grad(), torch.cuda.stream(sb):
+                box["b"] = between(g, call)
+        finally:
+            done.set()
+
+    errors = run_threads(a, b, timeout=8)
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError as e:
+        errors["sync"] = str(e).splitlines()[0]
+    check("A" not in errors, f"{tag}: A's capture succeeds", errors.get("A", ""))
+    check("B" not in errors, f"{tag}: B's calls return", errors.get("B", ""))
+    with torch.no_grad():
+        if "b" in box:
+            ok = all(torch.equal(y, call(ref, x)) for x, y in box["b"])
+            check(ok, f"{tag}: B's outputs are eager's")
+        if "graph" in box and "A" not in errors:
+            ok = True
+            for _ in range(3):
+                static_x.copy_(rand())
+                box["graph"].replay()
+                torch.cuda.synchronize()
+                ok = ok and torch.equal(box["y"], call(ref, static_x))
+            check(ok, f"{tag}: the user's graph replays eager's bits")
+    if errors:
+        info(f"{tag}: {errors}")
+    return ref, g, call

@@ -12,74 +12,9 @@ thread B, on its own stream, calls the same graphified callable:
   after_capture [control]: B's call during the capture runs eagerly, and B's calls after it
     replay again (bitwise eager, graphs replayed).
 Every output is compared bitwise with an eager twin afterwards."""
-import threading
-
 import torch
 
-from common import check, finish, info, isolated, pair, rand, run_threads
-
-
-def scenario(kind, same_stream, between, tag):
-    ref, g, call = pair(kind)
-    s, sb = torch.cuda.Stream(), torch.cuda.Stream()
-    static_x = rand()
-    inside, done = threading.Event(), threading.Event()
-    box = {}
-    with torch.no_grad():
-        sb.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(sb):
-            for _ in range(3):
-                call(g, rand())
-        torch.cuda.synchronize()
-
-    def a():
-        with torch.no_grad():
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):  # (the user's warm-up: s replays last)
-                for _ in range(3):
-                    call(g, static_x)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            try:
-                kw = {"stream": s} if same_stream else {}
-                with torch.cuda.graph(graph, capture_error_mode="thread_local", **kw):
-                    box["y"] = call(g, static_x)
-                    inside.set()
-                    assert done.wait(5), "B did not finish"
-            finally:
-                inside.set()
-            box["graph"] = graph
-
-    def b():
-        assert inside.wait(5)
-        try:
-            with torch.no_grad(), torch.cuda.stream(sb):
-                box["b"] = between(g, call)
-        finally:
-            done.set()
-
-    errors = run_threads(a, b, timeout=8)
-    try:
-        torch.cuda.synchronize()
-    except RuntimeError as e:
-        errors["sync"] = str(e).splitlines()[0]
-    check("A" not in errors, f"{tag}: A's capture succeeds", errors.get("A", ""))
-    check("B" not in errors, f"{tag}: B's calls return", errors.get("B", ""))
-    with torch.no_grad():
-        if "b" in box:
-            ok = all(torch.equal(y, call(ref, x)) for x, y in box["b"])
-            check(ok, f"{tag}: B's outputs are eager's")
-        if "graph" in box and "A" not in errors:
-            ok = True
-            for _ in range(3):
-                static_x.copy_(rand())
-                box["graph"].replay()
-                torch.cuda.synchronize()
-                ok = ok and torch.equal(box["y"], call(ref, static_x))
-            check(ok, f"{tag}: the user's graph replays eager's bits")
-    if errors:
-        info(f"{tag}: {errors}")
-    return ref, g, call
+from common import capture_race, check, finish, isolated, rand
 
 
 def newsig(same_stream):
@@ -90,7 +25,7 @@ def newsig(same_stream):
             out.append((x, call(g, x)))
         return out
     where = "the stream that replayed last" if same_stream else "its own capture stream"
-    scenario("whole", same_stream, between,
+    capture_race("whole", same_stream, between,
              f"[finding] whole, A captures on {where}, B calls a new shape")
 
 
@@ -104,7 +39,7 @@ def release_multi():
         x = rand()
         out.append((x, call(g, x)))
         return out
-    scenario("pieces", True, between,
+    capture_race("pieces", True, between,
              "[finding] pieces, B's run during A's capture, then a piece's parameters moved")
 
 
@@ -115,7 +50,7 @@ def after_capture(kind):
         x = rand()
         return [(x, call(g, x))]
     tag = f"[control] {kind}, B's calls after A's capture"
-    ref, g, call = scenario(kind, True, between, f"[control] {kind}, B during A's capture")
+    ref, g, call = capture_race(kind, True, between, f"[control] {kind}, B during A's capture")
     stats = g if kind == "whole" else g.a
     before = cg.stats(stats).replays
     sb = torch.cuda.Stream()
