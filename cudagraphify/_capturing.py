@@ -12,7 +12,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from . import _cugraph
+from . import _cugraph, _writes
 from ._capture import _first_line
 from ._errors import CaptureFailed
 from ._nested import Nested
@@ -81,7 +81,9 @@ class Capturing:
 
     def _extra_warmups(self) -> None:
         """Warm-up runs beyond the real call: on copies of the inputs; what the real call
-        wrote in parameters and buffers is restored after them, so only its effect remains."""
+        wrote in parameters and buffers is restored after them, and the tensors it reads from
+        outside (plain tensor attributes, closures, globals) hold again what the real call left
+        in them, so only its effect remains."""
         n = self.state.options.num_warmup_iters - 1
         if self.training:
             n = max(n, 1)  # the backward needs a warm-up of its own
@@ -92,29 +94,38 @@ class Capturing:
             saved = [t.clone() for t in written]
         statics, leaves, sig, fn = self.statics, self.leaves, self.sig, self.fn
         try:
-            for _ in range(n):
-                copies = StaticInputs(leaves, [False] * len(leaves))
-                for i, buf in copies.copy:
-                    buf.requires_grad_(self.training and leaves[i].requires_grad)
-                a, kw = unflatten_call(copies.leaves, sig)
-                with Nested():
-                    if self.training:
-                        wrt = statics.grad_params() + [b for _, b in copies.copy]
-                        with saved_by_backward() as packed:
-                            self.backend.warmup(lambda: warmup_backward(
-                                lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
-                        self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
-                        storages = {storage_of(t) for t in packed} - {0}
-                        self.saved_statics = [t for t in statics.tensors if not t.requires_grad
-                                              and storage_of(t) in storages]
-                    else:
-                        self.backend.warmup(lambda: fn(*a, **kw), self.device)
+            with _writes.undone(self.held_tensors()):
+                for _ in range(n):
+                    copies = StaticInputs(leaves, [False] * len(leaves))
+                    for i, buf in copies.copy:
+                        buf.requires_grad_(self.training and leaves[i].requires_grad)
+                    a, kw = unflatten_call(copies.leaves, sig)
+                    with Nested():
+                        if self.training:
+                            wrt = statics.grad_params() + [b for _, b in copies.copy]
+                            with saved_by_backward() as packed:
+                                self.backend.warmup(lambda: warmup_backward(
+                                    lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
+                            self.saved = _saved_indices(packed, copies, self.tensor_idx,
+                                                        statics)
+                            storages = {storage_of(t) for t in packed} - {0}
+                            self.saved_statics = [t for t in statics.tensors
+                                                  if not t.requires_grad
+                                                  and storage_of(t) in storages]
+                        else:
+                            self.backend.warmup(lambda: fn(*a, **kw), self.device)
         finally:  # a failed extra run leaves no trace in the buffers either
             with torch.no_grad():
                 for t, v in zip(written, saved):
                     # through .data: the real call's autograd graph saved these buffers
                     # (BatchNorm's backward takes its running statistics) and checks versions
                     t.data.copy_(v)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The tensors the real call read from outside its arguments, parameters and buffers
+        (plain tensor attributes, closures, globals: the warm-up's guard holds them)."""
+        statics = self.static_storages
+        return [t for t in self.warm_guard.tensors if storage_of(t) not in statics]
 
     def _capture_inference(self, fn: Callable) -> CapturedGraph:
         region, leaves, state = self.region, self.leaves, self.state

@@ -41,7 +41,10 @@ def rehearse(first) -> Probe | None:
     if states is None:
         return None
     statics, buffers = first.statics.watchable()
-    with restored(statics, buffers, first.wrote_statics, first.device) as wrote:
+    # (and the tensors it reads from outside, plain attributes, closures, globals, hold again
+    # what the real call left in them)
+    with restored(statics, buffers, first.wrote_statics, first.device) as wrote, \
+            _writes.undone(first.held_tensors()):
         copies = StaticInputs(first.leaves, [False] * len(first.leaves))
         copy_marks = _writes.marks([b for _, b in copies.copy])
         rehearsal = _rehearsal_probe(first.state)

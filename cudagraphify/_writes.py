@@ -8,9 +8,11 @@ adds the writes made through other tensor objects on the same memory (see :mod:`
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-__all__ = ["marks", "written", "same_values", "inputs_alias"]
+__all__ = ["marks", "written", "same_values", "inputs_alias", "undone"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -42,3 +44,21 @@ def inputs_alias(leaves) -> bool:
     ptrs = [x.untyped_storage().data_ptr() for x in leaves
             if isinstance(x, torch.Tensor) and x.numel()]
     return len(set(ptrs)) != len(ptrs)
+
+
+@contextlib.contextmanager
+def undone(tensors: list[torch.Tensor]):
+    """Inside the block ``tensors`` may be written; afterwards each holds what it held before
+    (compared by value: a write through ``.data`` or a kernel launched outside torch's Python
+    API moves no version counter). For the runs beyond the real call (extra warm-ups, a
+    rehearsal) over tensors a forward reads from outside its arguments, parameters and buffers
+    (plain tensor attributes, closures, globals): only the real call's writes remain."""
+    with torch.no_grad():
+        saved = [t.clone() for t in tensors]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for t, v in zip(tensors, saved):
+                if not same_values(t, v):
+                    t.data.copy_(v)  # (through .data: see _capturing's restore of statics)

@@ -1417,6 +1417,36 @@ def test_a_captured_path_that_writes_what_the_eager_one_does_not_is_not_trusted(
     assert model.count.item() == 0  # the rehearsal's write was undone
 
 
+class _CountsInAPlainAttribute(nn.Module):
+    """Trusted capture-aware code (its eager path syncs: planned on a rehearsal) that writes a
+    tensor kept as a plain attribute (no buffer) on both paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.seen = torch.zeros(())
+
+    def forward(self, x):
+        self.seen.add_(1)
+        if not torch.cuda.is_current_stream_capturing() and bool((x > -1e9).all()):
+            return self.lin(x) + self.seen
+        return self.lin(x) + self.seen
+
+
+def test_a_rehearsal_leaves_a_plain_tensor_attribute_as_the_real_call_left_it(faithful):
+    # The rehearsal's write to the attribute was not undone (only parameters and buffers
+    # were): it counted 5 after 4 calls, and every output after the first was off by one.
+    model = _CountsInAPlainAttribute()
+    ref = copy.deepcopy(model)
+    g = cg.graphify(model, op_policy=_trusting(__name__))
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(2, 4)
+            assert torch.equal(g(x), ref(x))
+    assert model.seen.item() == ref.seen.item() == 4
+    assert cg.stats(g).replays >= 1
+
+
 _SHIFT = {"t": torch.ones(4)}  # a tensor that is no argument, parameter or buffer
 
 
