@@ -422,8 +422,8 @@ class StateGuard:
                       call_override(m)) for m in ran]
         for m in ran:
             watch(m)
-        # names outside modules (a graphed function's closure cells and globals) that held a
-        # tensor: (what, how to read it now, the tensor), checked on every call
+        # names outside modules (a graphed function's closure cells, and its globals that held
+        # a tensor): (what, how to read it now, the value), checked on every call
         self._bindings = list(bindings)
         self._hooks = hooks
         self._hooks_then = hooks() if hooks is not None else None
@@ -449,9 +449,18 @@ class StateGuard:
                 _watch_value(value, checks, tensors, seen, 0)
             except Unguardable as e:
                 self.unguardable = f"{where} ({type(value).__name__}) {e}"
-        for _, read, value in self._bindings:
+        for what, read, value in self._bindings:
             checks.append(lambda read=read, value=value: read() is value)
-            tensors.append(value)
+            if isinstance(value, torch.Tensor):
+                tensors.append(value)
+            elif isinstance(value, _CONTAINERS) and not self.unguardable:
+                # (what a closed-over container holds, as a read's: a dict of modules; an
+                # object other than a container by identity only: which of its attributes the
+                # function reads is not recorded, and a counter it keeps would make it eager)
+                try:
+                    _watch_value(value, checks, tensors, seen, 0)
+                except Unguardable as e:
+                    self.unguardable = f"{what} ({type(value).__name__}) {e}"
         self.tensors = _unique(tensors)  # held: never freed under a graph that reads them
         checks.extend(_tensor_checks(self.tensors))
         self._checks = checks
@@ -505,12 +514,17 @@ class StateGuard:
         return None
 
 
+_CONTAINERS = (dict, list, tuple, set, frozenset, bytearray, collections.deque)
+
+
 def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
-    """The tensors a graphed function (or forward) names directly, outside its arguments: in
-    its closure cells and among the globals its own code reads. Each as (what, how to read the
-    name now, the tensor); a :class:`StateGuard` holds them and checks the names still refer
-    to them, with their addresses and layouts. (Functions it calls are not looked into: a
-    tensor they read shows as a tensor from outside.)"""
+    """What a graphed function (or forward) names directly, outside its arguments: every
+    value in its closure cells, and the tensors among the globals its own code reads. Each as
+    (what, how to read the name now, the value); a :class:`StateGuard` checks the names still
+    refer to them, holds the tensors (with their addresses and layouts checked) and watches
+    what closed-over containers hold (a dict of modules). (Functions it calls are not
+    looked into: a tensor they read shows as a tensor from outside; globals that are not
+    tensors are not guarded: see the README's guard model.)"""
     func = getattr(fn, "__func__", fn)
     func = getattr(func, "__wrapped__", func)
     code = getattr(func, "__code__", None)
@@ -518,13 +532,14 @@ def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
         return []
     out = []
     for name, cell in zip(code.co_freevars, getattr(func, "__closure__", None) or ()):
+        if name == "__class__":  # (super()'s: the class a method was defined in)
+            continue
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        if isinstance(value, torch.Tensor):
-            out.append((f"closure variable {name!r} of {func.__qualname__}",
-                        lambda cell=cell: cell.cell_contents, value))
+        out.append((f"closure variable {name!r} of {func.__qualname__}",
+                    lambda cell=cell: cell.cell_contents, value))
     space = getattr(func, "__globals__", {})
     for name in code.co_names:
         value = space.get(name)

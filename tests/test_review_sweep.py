@@ -297,7 +297,7 @@ def test_fn_closure_list_tensor(sim):
         for i in range(3):
             x = torch.randn(2, 4); assert eq(g(x), f(x)), i
 
-@pytest.mark.xfail(strict=True, reason="FINDING F4 (medium): a graphed function reading a module through a closed-over dict; the entry replaced by another module replays the old module's graph")
+# (F4, fixed: closure cells are guarded whatever they hold)
 def test_fn_closure_module_swapped(sim):
     torch.manual_seed(0)
     mods = {"m": nn.Linear(4, 4)}
@@ -311,7 +311,7 @@ def test_fn_closure_module_swapped(sim):
         for i in range(3):
             x = torch.randn(2, 4); assert eq(g(x), f(x)), i
 
-@pytest.mark.xfail(strict=True, reason="FINDING F4 (medium): a graphed function's closure cell rebound to another nn.Module is not guarded (function_bindings only binds tensors); the old module's graph replays")
+# (F4, fixed: closure cells are guarded whatever they hold)
 def test_fn_closure_module_rebound(sim):
     torch.manual_seed(0)
     m = nn.Linear(4, 4)
@@ -325,7 +325,7 @@ def test_fn_closure_module_rebound(sim):
         for i in range(3):
             x = torch.randn(2, 4); assert eq(g(x), f(x)), i
 
-@pytest.mark.xfail(strict=True, reason="FINDING F4b (low): a closure cell holding a float rebound after capture is not guarded (README lists only non-tensor globals as unguarded)")
+# (F4, fixed: closure cells are guarded whatever they hold)
 def test_fn_closure_float_rebound(sim):
     k = 3.0
     def f(x):
