@@ -30,6 +30,7 @@ import torch.utils._pytree as pytree
 
 from . import _capture, _watch
 from ._errors import CudagraphifyUsageError, CudagraphifyWarning
+from ._guards import StateGuard
 from ._nested import Nested
 from ._signature import storage_of
 
@@ -120,14 +121,14 @@ class Bucketed:
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         probe = Probe(None, default_policy)  # the storages forward writes
         probe.known, probe.written = set(), set()
-        ran: list[torch.nn.Module] = []
-        hook = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda m, _: ran.append(m))
-        try:
-            with Nested(), probe:  # eagerly, on the call's own rows: this call's result
-                want = self._target(*args, **kwargs)
-        finally:
-            hook.remove()
+        rec = _watch.Recorder()  # the modules it ran and the module attributes it read
+        with Nested(), probe, _watch.recording(rec):  # eagerly, on the call's own rows: this
+            want = self._target(*args, **kwargs)      # call's result
+        # (a change of what it read, a flag that makes rows interact, checks the size again)
+        guard = StateGuard(list(rec.reads.values()), ran=list(rec.called.values()))
+        if guard.unguardable:
+            return self._refuse(key, want, f"what forward reads cannot be watched for a "
+                                f"change that would make rows interact: {guard.unguardable}")
         if probe.written_before_made:
             return self._refuse(key, want, "forward writes memory it did not make (an "
                                 "argument, a parameter, a buffer, a captured tensor): a padded "
@@ -150,8 +151,8 @@ class Bucketed:
         if why:
             return self._refuse(key, want, why)
         modules = list(self._target.modules()) if isinstance(self._target, torch.nn.Module) \
-            else list({id(m): m for m in ran}.values())
-        self.verified[key] = _Ran(modules)
+            else list(rec.called.values())
+        self.verified[key] = _Ran(modules, guard)
         return want
 
     def _refuse(self, key, result: Any, why: str) -> Any:
@@ -163,21 +164,23 @@ class Bucketed:
 
 class _Ran:
     """The modules a bucket's check ran and their training flags (BatchNorm, dropout: a
-    module switched to train mode computes across the batch), re-read only after a module
-    attribute was written (``_watch.epoch``)."""
+    module switched to train mode computes across the batch), and the module state its
+    forward read (a flag that makes it compute across rows), re-read only after a module
+    attribute was written (``_watch.epoch``; mutable values the guard watches, every call)."""
 
-    __slots__ = ("modules", "flags", "epoch")
+    __slots__ = ("modules", "flags", "epoch", "guard")
 
-    def __init__(self, modules: list[torch.nn.Module]):
+    def __init__(self, modules: list[torch.nn.Module], guard: StateGuard):
         self.modules = modules
         self.flags = [m.training for m in modules]
         self.epoch = _watch.epoch
+        self.guard = guard
 
     def same(self) -> bool:
-        if _watch.epoch == self.epoch:
+        if _watch.epoch == self.epoch and not self.guard.volatile:
             return True
         now = _watch.epoch
-        if [m.training for m in self.modules] != self.flags:
+        if [m.training for m in self.modules] != self.flags or not self.guard.valid():
             return False
         self.epoch = now
         return True
@@ -251,7 +254,11 @@ def _near(got: torch.Tensor, want: torch.Tensor) -> bool:
     if w.numel() == 0:
         return True
     scale = float(w.abs().max())
-    return float((g - w).abs().max()) <= _RTOL.get(want.dtype, 2**-20) * scale + 1e-6
+    # (relative to the output's own size, whatever it is: an absolute floor let outputs of
+    # 1e-5 that changed by a quarter with the batch size pass; the smallest normal number
+    # stands for all-zero outputs)
+    return float((g - w).abs().max()) <= _RTOL.get(want.dtype, 2**-20) * scale \
+        + torch.finfo(want.dtype).tiny
 
 
 def bucketed(target: Callable, sizes: Iterable[int], *, dim: int = 0) -> Bucketed:
