@@ -449,18 +449,13 @@ class StateGuard:
                 _watch_value(value, checks, tensors, seen, 0)
             except Unguardable as e:
                 self.unguardable = f"{where} ({type(value).__name__}) {e}"
-        for what, read, value in self._bindings:
+        for _, read, value in self._bindings:
             checks.append(lambda read=read, value=value: read() is value)
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
-            elif isinstance(value, _CONTAINERS) and not self.unguardable:
-                # (what a closed-over container holds, as a read's: a dict of modules; an
-                # object other than a container by identity only: which of its attributes the
-                # function reads is not recorded, and a counter it keeps would make it eager)
-                try:
-                    _watch_value(value, checks, tensors, seen, 0)
-                except Unguardable as e:
-                    self.unguardable = f"{what} ({type(value).__name__}) {e}"
+            # (anything else by identity only: what a closed-over container or object holds
+            # is not watched; a list the function appends to on every call would otherwise
+            # make an eager decision capture again on every call)
         self.tensors = _unique(tensors)  # held: never freed under a graph that reads them
         checks.extend(_tensor_checks(self.tensors))
         self._checks = checks
@@ -514,15 +509,12 @@ class StateGuard:
         return None
 
 
-_CONTAINERS = (dict, list, tuple, set, frozenset, bytearray, collections.deque)
-
-
 def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
     """What a graphed function (or forward) names directly, outside its arguments: every
     value in its closure cells, and the tensors among the globals its own code reads. Each as
     (what, how to read the name now, the value); a :class:`StateGuard` checks the names still
-    refer to them, holds the tensors (with their addresses and layouts checked) and watches
-    what closed-over containers hold (a dict of modules). (Functions it calls are not
+    refer to them (by identity) and holds the tensors, with their addresses and layouts
+    checked. (Functions it calls are not
     looked into: a tensor they read shows as a tensor from outside; globals that are not
     tensors are not guarded: see the README's guard model.)"""
     func = getattr(fn, "__func__", fn)

@@ -362,9 +362,6 @@ def test_grad_mode_gets_its_own_training_graph(sim):
     assert counts(g) == (3, 1, 0)  # and so is which parameters require grad
 
 
-_SEEN: list = []
-
-
 def test_warm_up_and_capture_differentiate_aliases_not_the_parameters(sim):
     # DDP keeps each parameter's AccumulateGrad node alive with the stream it was made on; a
     # capture that reached those nodes would sync with that stream and break. Our extra
@@ -376,18 +373,16 @@ def test_warm_up_and_capture_differentiate_aliases_not_the_parameters(sim):
             self.b.weight = self.a.weight
 
         def forward(self, x):
-            # (a global, not a closure: a closed-over list the forward changes is watched
-            # and makes it run eagerly, as a module attribute would)
-            _SEEN.append((self.a.weight is _SEEN[0], self.b.weight is self.a.weight))
+            seen.append((self.a.weight is param, self.b.weight is self.a.weight))
             return self.b(torch.tanh(self.a(x)))
 
     torch.manual_seed(0)
     g = cg.graphify(Tied(), num_warmup_iters=2)
     param = g.a.weight
-    _SEEN[:] = [param]
+    seen = []
     g(torch.randn(2, 3)).sum().backward()  # the real call, an extra warm-up, the capture
     assert counts(g) == (1, 0, 0) and sim.captures == 2
-    assert _SEEN[1:] == [(True, True), (False, True), (False, True)]
+    assert seen == [(True, True), (False, True), (False, True)]
     assert g.a.weight is param and g.b.weight is param
     assert cg.stats(g).invalidations == 0 and g(torch.randn(2, 3)) is not None
     assert counts(g) == (1, 1, 0)  # the stand-ins left no change the guard would see
@@ -460,18 +455,13 @@ def test_unknown_output_object_runs_eagerly(sim):
     assert "Box" in next(iter(cg.stats(f).eager_calls))
 
 
-_CALLS: list = []
-
-
 def test_warmup_exception_propagates_and_nothing_is_cached(sim):
-    # (the counter is a global: a closed-over list the function changes on every call is
-    # watched, and the function would run eagerly for it)
-    _CALLS.clear()
+    calls = []
 
     @cg.graphify
     def f(x):
-        _CALLS.append(1)
-        if len(_CALLS) == 1:
+        calls.append(1)
+        if len(calls) == 1:
             raise ValueError("first call fails")
         return x
 

@@ -123,22 +123,15 @@ def test_a_cache_of_another_layout_founds_its_own_family(fam):
     assert len(g._cudagraphify_state.families) == 2
 
 
-_SERIAL: dict[int, int] = {}
-
-
 def test_captures_that_differ_beyond_addresses_refuse_the_family(fam):
     """A forward that bakes a value the layout does not show (here: which cache it got, by
     identity) into its kernels: the diff finds a differing scalar; every cache is captured."""
 
-    # (the caches are kept alive: their ids are distinct; a global: a closed-over dict the
-    # forward adds to is watched, and would make those calls eager)
-    serial = _SERIAL
-    serial.clear()
+    serial: dict[int, int] = {}  # (the caches are kept alive: their ids are distinct)
 
     class ByIdentity(Net):
         def forward(self, x, cache, pos):
-            return super().forward(x, cache, pos) + _SERIAL.setdefault(id(cache),
-                                                                       len(_SERIAL))
+            return super().forward(x, cache, pos) + serial.setdefault(id(cache), len(serial))
 
     ref, g = _pair(ByIdentity)
     kept = []

@@ -392,7 +392,12 @@ def test_fn_closure_list_tensor(sim):
             assert eq(g(x), f(x)), i
 
 
-# (F4, fixed: closure cells are guarded whatever they hold)
+@pytest.mark.xfail(
+    strict=True,
+    reason="documented limitation (README, Limitations: not guarded): what a closed-over "
+    "container holds (by identity only; watching it broke functions that keep a counter or log "
+    "in a closed-over list or dict)",
+)
 def test_fn_closure_module_swapped(sim):
     torch.manual_seed(0)
     mods = {"m": nn.Linear(4, 4)}
