@@ -32,6 +32,16 @@ class Capturing:
     """Phase 3 of :class:`~._first_call.FirstCall` (its attributes are set there)."""
 
     def capture(self) -> Outcome:
+        # (the tensors the forward reads from outside, plain attributes, closures, globals,
+        # hold afterwards what the real call left in them, values and version counters: the
+        # extra warm-ups write them again, and a capture's in-place ops move their versions;
+        # the parameters and buffers it wrote, their versions: their values are restored by
+        # the extra warm-ups themselves)
+        written = [self.watchable[j] for j in self.wrote_statics]
+        with _writes.undone(self.held_tensors()), _writes.versions_kept(written):
+            return self._capture()
+
+    def _capture(self) -> Outcome:
         failed: CaptureFailed | None = None
         try:
             if not self.opaque:
@@ -81,9 +91,8 @@ class Capturing:
 
     def _extra_warmups(self) -> None:
         """Warm-up runs beyond the real call: on copies of the inputs; what the real call
-        wrote in parameters and buffers is restored after them, and the tensors it reads from
-        outside (plain tensor attributes, closures, globals) hold again what the real call left
-        in them, so only its effect remains."""
+        wrote in parameters and buffers is restored after them, so only its effect remains
+        (the tensors it reads from outside: see ``capture``)."""
         n = self.state.options.num_warmup_iters - 1
         if self.training:
             n = max(n, 1)  # the backward needs a warm-up of its own
@@ -94,26 +103,23 @@ class Capturing:
             saved = [t.clone() for t in written]
         statics, leaves, sig, fn = self.statics, self.leaves, self.sig, self.fn
         try:
-            with _writes.undone(self.held_tensors()):
-                for _ in range(n):
-                    copies = StaticInputs(leaves, [False] * len(leaves))
-                    for i, buf in copies.copy:
-                        buf.requires_grad_(self.training and leaves[i].requires_grad)
-                    a, kw = unflatten_call(copies.leaves, sig)
-                    with Nested():
-                        if self.training:
-                            wrt = statics.grad_params() + [b for _, b in copies.copy]
-                            with saved_by_backward() as packed:
-                                self.backend.warmup(lambda: warmup_backward(
-                                    lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
-                            self.saved = _saved_indices(packed, copies, self.tensor_idx,
-                                                        statics)
-                            storages = {storage_of(t) for t in packed} - {0}
-                            self.saved_statics = [t for t in statics.tensors
-                                                  if not t.requires_grad
-                                                  and storage_of(t) in storages]
-                        else:
-                            self.backend.warmup(lambda: fn(*a, **kw), self.device)
+            for _ in range(n):
+                copies = StaticInputs(leaves, [False] * len(leaves))
+                for i, buf in copies.copy:
+                    buf.requires_grad_(self.training and leaves[i].requires_grad)
+                a, kw = unflatten_call(copies.leaves, sig)
+                with Nested():
+                    if self.training:
+                        wrt = statics.grad_params() + [b for _, b in copies.copy]
+                        with saved_by_backward() as packed:
+                            self.backend.warmup(lambda: warmup_backward(
+                                lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
+                        self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
+                        storages = {storage_of(t) for t in packed} - {0}
+                        self.saved_statics = [t for t in statics.tensors if not t.requires_grad
+                                              and storage_of(t) in storages]
+                    else:
+                        self.backend.warmup(lambda: fn(*a, **kw), self.device)
         finally:  # a failed extra run leaves no trace in the buffers either
             with torch.no_grad():
                 for t, v in zip(written, saved):
@@ -123,9 +129,13 @@ class Capturing:
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors the real call read from outside its arguments, parameters and buffers
-        (plain tensor attributes, closures, globals: the warm-up's guard holds them)."""
+        (plain tensor attributes, closures, globals: the warm-up's guard holds them) and, where
+        its probe saw its writes, wrote (the others are not copied: a function that keeps its
+        weights outside parameters would need twice their memory)."""
         statics = self.static_storages
-        return [t for t in self.warm_guard.tensors if storage_of(t) not in statics]
+        written = self.warm_probe.written if self.warm_probe is not None else None
+        return [t for t in self.warm_guard.tensors if storage_of(t) not in statics
+                and (written is None or storage_of(t) in written)]
 
     def _capture_inference(self, fn: Callable) -> CapturedGraph:
         region, leaves, state = self.region, self.leaves, self.state

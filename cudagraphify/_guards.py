@@ -402,7 +402,7 @@ class StateGuard:
     """
 
     def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None,
-                 bindings: list[tuple[str, Callable[[], Any], Any]] = (),
+                 bindings: list[tuple[str, Callable[[], Any], Any, Any]] = (),
                  ran: list[nn.Module] = (), objects: list[tuple[str, Any]] = (),
                  owned: frozenset[int] = frozenset()):
         # the modules of the callable's own tree (ids in ``owned``) are held weakly: an entry
@@ -423,7 +423,8 @@ class StateGuard:
         for m in ran:
             watch(m)
         # names outside modules (a graphed function's closure cells, and its globals that held
-        # a tensor): (what, how to read it now, the value), checked on every call
+        # a tensor): (what, how to read it now, the value, how to put it back), checked on
+        # every call
         self._bindings = list(bindings)
         self._hooks = hooks
         self._hooks_then = hooks() if hooks is not None else None
@@ -449,7 +450,7 @@ class StateGuard:
                 _watch_value(value, checks, tensors, seen, 0)
             except Unguardable as e:
                 self.unguardable = f"{where} ({type(value).__name__}) {e}"
-        for _, read, value in self._bindings:
+        for _, read, value, _ in self._bindings:
             checks.append(lambda read=read, value=value: read() is value)
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
@@ -483,10 +484,14 @@ class StateGuard:
 
     def restore(self) -> None:
         """Put back the attributes of the objects this guard watches (their ``__dict__``
-        items): a run that was not a call (a capture's) changed them."""
+        items) and the closure cells it reads: a run that was not a call (a capture's) changed
+        them."""
         for check in self._checks:
             if type(check) is _DictCheck or type(check) is _ItemsCheck:
                 check.restore()
+        for _, read, value, put in self._bindings:
+            if put is not None and read() is not value:
+                put(value)  # (a closure cell the run rebound: ``nonlocal step; step += 1``)
 
     def _changed(self) -> str | None:
         for r in self._reads:
@@ -509,10 +514,11 @@ class StateGuard:
         return None
 
 
-def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
+def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any, Any]]:
     """What a graphed function (or forward) names directly, outside its arguments: every
     value in its closure cells, and the tensors among the globals its own code reads. Each as
-    (what, how to read the name now, the value); a :class:`StateGuard` checks the names still
+    (what, how to read the name now, the value, how to put it back: a closure cell's, else
+    None); a :class:`StateGuard` checks the names still
     refer to them (by identity) and holds the tensors, with their addresses and layouts
     checked. (Functions it calls are not
     looked into: a tensor they read shows as a tensor from outside; globals that are not
@@ -531,13 +537,14 @@ def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any]]:
         except ValueError:  # an empty cell
             continue
         out.append((f"closure variable {name!r} of {func.__qualname__}",
-                    lambda cell=cell: cell.cell_contents, value))
+                    lambda cell=cell: cell.cell_contents, value,
+                    lambda v, cell=cell: setattr(cell, "cell_contents", v)))
     space = getattr(func, "__globals__", {})
     for name in code.co_names:
         value = space.get(name)
         if isinstance(value, torch.Tensor):
             out.append((f"global {name!r} of {func.__module__}",
-                        lambda space=space, name=name: space.get(name), value))
+                        lambda space=space, name=name: space.get(name), value, None))
     return out
 
 

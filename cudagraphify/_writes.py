@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-__all__ = ["marks", "written", "same_values", "inputs_alias", "undone"]
+__all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "versions_kept"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -48,17 +48,42 @@ def inputs_alias(leaves) -> bool:
 
 @contextlib.contextmanager
 def undone(tensors: list[torch.Tensor]):
-    """Inside the block ``tensors`` may be written; afterwards each holds what it held before
-    (compared by value: a write through ``.data`` or a kernel launched outside torch's Python
-    API moves no version counter). For the runs beyond the real call (extra warm-ups, a
-    rehearsal) over tensors a forward reads from outside its arguments, parameters and buffers
-    (plain tensor attributes, closures, globals): only the real call's writes remain."""
+    """Inside the block ``tensors`` may be written; afterwards each holds what it held before,
+    and has the version it had (compared by value: a write through ``.data`` or a kernel
+    launched outside torch's Python API moves no version counter). For the runs beyond the
+    real call (extra warm-ups, a rehearsal, the capture) over tensors a forward reads from
+    outside its arguments, parameters and buffers (plain tensor attributes, closures, globals):
+    only the real call's writes remain."""
     with torch.no_grad():
         saved = [t.clone() for t in tensors]
     try:
-        yield
+        with versions_kept(tensors):
+            yield
     finally:
         with torch.no_grad():
             for t, v in zip(tensors, saved):
                 if not same_values(t, v):
                     t.data.copy_(v)  # (through .data: see _capturing's restore of statics)
+
+
+@contextlib.contextmanager
+def versions_kept(tensors: list[torch.Tensor]):
+    """Afterwards each of ``tensors`` has the version counter it had before the block, for a
+    block that leaves their values as it found them (runs beyond the real call, whose writes
+    are undone, and a capture, which runs no kernel): the real call's autograd graph checks
+    the versions of the tensors it saved (``self.lin(x) * self.acc``, ``acc`` written in place
+    by forward), and would refuse a backward that eager's runs."""
+    versions = [None if t.is_inference() else t._version for t in tensors]
+    try:
+        yield
+    finally:
+        for t, version in zip(tensors, versions):
+            if version is not None and t._version != version:
+                _set_version(t, version)
+
+
+def _set_version(t: torch.Tensor, version: int) -> None:
+    try:
+        torch._C._autograd._unsafe_set_version_counter((t,), (version,))
+    except TypeError:  # (an older torch: one tensor and one version)
+        torch._C._autograd._unsafe_set_version_counter(t, version)
