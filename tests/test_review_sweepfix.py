@@ -2,8 +2,8 @@
 a2aaf13 closure cells guarded whatever they hold, 38d0ade bucketed's StateGuard and relative
 closeness), on the simulated backend.
 
-Findings are ``xfail(strict=True)`` (they fail on the current code); the rest are controls;
-three findings were fixed after the review (marked where they were).
+All five findings were fixed after the review (each marked where its strict xfail was); the
+rest are controls.
 """
 
 from __future__ import annotations
@@ -402,13 +402,8 @@ class Calls(nn.Module):
         return self.lin(x)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FINDING (medium, performance, 38d0ade _bucket._Ran.same): a module attribute "
-    "the forward reads that moves between calls (a position counter) invalidates the "
-    "check's StateGuard, so every padded call runs the three-run check again (forward 3x, "
-    "host syncs) instead of once per size",
-)
+# (fixed: an attribute that changed between two checks that passed is left out of what the
+# check watches: one more check, not one per call)
 def test_bucketed_counter_attribute_rechecks_every_call(sim):
     torch.manual_seed(0)
     m = Pos().eval()
@@ -419,15 +414,12 @@ def test_bucketed_counter_attribute_rechecks_every_call(sim):
             x = torch.randn(3, 4)
             assert eq(b(x), m(x)), i
     assert not b.refused
-    assert b.padded_calls == 2 + 5  # the check's two padded runs, then one per call
+    # the check's two padded runs; the position moved: checked again (two more), and from
+    # then on left out of what is watched; then one padded run per call
+    assert b.padded_calls == 2 + 2 + 4
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FINDING (medium, 38d0ade _bucket._Ran.same): a forward that counts its calls "
-    "in a module attribute is checked again after every call, so it runs 3x per call "
-    "(calls == 11 after 5 calls; 7 before 38d0ade, 5 eagerly)",
-)
+# (fixed: what the check's own forward wrote, a call counter, is not watched)
 def test_bucketed_self_counter_reruns_forward(sim):
     torch.manual_seed(0)
     m = Calls().eval()
