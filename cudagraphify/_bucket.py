@@ -75,7 +75,17 @@ class Bucketed:
                 # inside a capture of the caller's own: the check's host syncs would break it
                 # (and read memory no kernel wrote yet); this call is part of it, at its size
                 return self._target(*args, **kwargs)
-            return self._check(key, bucket, n, leaves, padded, spec, ran)
+            if ran is not None and ran.rechecked:
+                # what the check read changed again after a check that passed: it changes
+                # from call to call (a position, a counter it keeps): a check per call would
+                # cost three forwards, and one that is left unwatched may come to make rows
+                # interact: unpadded from now on
+                del self.verified[key]
+                return self._refuse(key, self._target(*args, **kwargs),
+                                    f"module state its forward reads changes from call to "
+                                    f"call ({ran.guard._changed() or 'a value it watches'}): "
+                                    f"each call would need its own check")
+            return self._check(key, bucket, n, leaves, padded, spec, ran is not None)
         a, kw = pytree.tree_unflatten(padded, spec)
         self.padded_calls += 1
         return self._slice(self._target(*a, **kw), n)
@@ -115,7 +125,7 @@ class Bucketed:
     # -- a bucket's first call ---------------------------------------------------------------
 
     def _check(self, key, bucket: int, n: int, leaves: list, padded: list, spec,
-               before: "_Ran | None" = None) -> Any:
+               again: bool = False) -> Any:
         from ._probe import Probe
         from ._policy import default_policy
 
@@ -125,15 +135,8 @@ class Bucketed:
         rec = _watch.Recorder()  # the modules it ran and the module attributes it read
         with Nested(), probe, _watch.recording(rec):  # eagerly, on the call's own rows: this
             want = self._target(*args, **kwargs)      # call's result
-        # (a change of what it read, a flag that makes rows interact, checks the size again;
-        # not of what it writes itself, a call counter, nor of what changed between two
-        # checks that passed, a position the caller moves on every call)
-        varying = set(before.varying) if before is not None else set()
-        if before is not None:
-            varying |= before.changed()
-        varying |= {k for k, r in rec.reads.items() if not r.holds(r.now())}  # (it wrote)
-        guard = StateGuard([r for k, r in rec.reads.items() if k not in varying],
-                           ran=list(rec.called.values()))
+        # (a change of what it read, a flag that makes rows interact, checks the size again)
+        guard = StateGuard(list(rec.reads.values()), ran=list(rec.called.values()))
         if guard.unguardable:
             return self._refuse(key, want, f"what forward reads cannot be watched for a "
                                 f"change that would make rows interact: {guard.unguardable}")
@@ -160,7 +163,7 @@ class Bucketed:
             return self._refuse(key, want, why)
         modules = list(self._target.modules()) if isinstance(self._target, torch.nn.Module) \
             else list(rec.called.values())
-        self.verified[key] = _Ran(modules, guard, varying)
+        self.verified[key] = _Ran(modules, guard, again)
         return want
 
     def _refuse(self, key, result: Any, why: str) -> Any:
@@ -176,19 +179,14 @@ class _Ran:
     forward read (a flag that makes it compute across rows), re-read only after a module
     attribute was written (``_watch.epoch``; mutable values the guard watches, every call)."""
 
-    __slots__ = ("modules", "flags", "epoch", "guard", "varying")
+    __slots__ = ("modules", "flags", "epoch", "guard", "rechecked")
 
-    def __init__(self, modules: list[torch.nn.Module], guard: StateGuard,
-                 varying: set[tuple[int, str]]):
+    def __init__(self, modules: list[torch.nn.Module], guard: StateGuard, rechecked: bool):
         self.modules = modules
         self.flags = [m.training for m in modules]
         self.epoch = _watch.epoch
         self.guard = guard
-        self.varying = varying  # (module id, attribute) the guard leaves out
-
-    def changed(self) -> set[tuple[int, str]]:
-        """The attributes read whose values are not what the check read."""
-        return {(id(r.module), r.name) for r in self.guard._reads if not r.holds(r.now())}
+        self.rechecked = rechecked  # made by a check after a change (the next one refuses)
 
     def same(self) -> bool:
         if _watch.epoch == self.epoch and not self.guard.volatile:
