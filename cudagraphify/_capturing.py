@@ -33,12 +33,11 @@ class Capturing:
 
     def capture(self) -> Outcome:
         # (the tensors the forward reads from outside, plain attributes, closures, globals,
-        # hold afterwards what the real call left in them, values and version counters: the
-        # extra warm-ups write them again, and a capture's in-place ops move their versions;
-        # the parameters and buffers it wrote, their versions: their values are restored by
-        # the extra warm-ups themselves)
+        # and the parameters and buffers it wrote keep afterwards the versions the real call
+        # left: a capture's in-place ops move them, and the extra warm-ups', whose values are
+        # put back (see _extra_warmups); a capture runs no kernel)
         written = [self.watchable[j] for j in self.wrote_statics]
-        with _writes.undone(self.held_tensors()), _writes.versions_kept(written):
+        with _writes.versions_kept(self.held_tensors() + written):
             return self._capture()
 
     def _capture(self) -> Outcome:
@@ -91,8 +90,9 @@ class Capturing:
 
     def _extra_warmups(self) -> None:
         """Warm-up runs beyond the real call: on copies of the inputs; what the real call
-        wrote in parameters and buffers is restored after them, so only its effect remains
-        (the tensors it reads from outside: see ``capture``)."""
+        wrote in parameters and buffers is restored after them, and the tensors it reads from
+        outside (plain attributes, closures, globals) hold again what the real call left in
+        them, values and versions, so only its effect remains."""
         n = self.state.options.num_warmup_iters - 1
         if self.training:
             n = max(n, 1)  # the backward needs a warm-up of its own
@@ -101,25 +101,10 @@ class Capturing:
         written = [self.watchable[j] for j in self.wrote_statics]
         with torch.no_grad():
             saved = [t.clone() for t in written]
-        statics, leaves, sig, fn = self.statics, self.leaves, self.sig, self.fn
         try:
-            for _ in range(n):
-                copies = StaticInputs(leaves, [False] * len(leaves))
-                for i, buf in copies.copy:
-                    buf.requires_grad_(self.training and leaves[i].requires_grad)
-                a, kw = unflatten_call(copies.leaves, sig)
-                with Nested():
-                    if self.training:
-                        wrt = statics.grad_params() + [b for _, b in copies.copy]
-                        with saved_by_backward() as packed:
-                            self.backend.warmup(lambda: warmup_backward(
-                                lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
-                        self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
-                        storages = {storage_of(t) for t in packed} - {0}
-                        self.saved_statics = [t for t in statics.tensors if not t.requires_grad
-                                              and storage_of(t) in storages]
-                    else:
-                        self.backend.warmup(lambda: fn(*a, **kw), self.device)
+            with _writes.undone(self.held_tensors()):
+                for _ in range(n):
+                    self._warm_up_again()
         finally:  # a failed extra run leaves no trace in the buffers either
             with torch.no_grad():
                 for t, v in zip(written, saved):
@@ -127,15 +112,34 @@ class Capturing:
                     # (BatchNorm's backward takes its running statistics) and checks versions
                     t.data.copy_(v)
 
+    def _warm_up_again(self) -> None:
+        """One extra warm-up, on copies of the inputs (in training, with its backward)."""
+        statics, leaves, fn = self.statics, self.leaves, self.fn
+        copies = StaticInputs(leaves, [False] * len(leaves))
+        for i, buf in copies.copy:
+            buf.requires_grad_(self.training and leaves[i].requires_grad)
+        a, kw = unflatten_call(copies.leaves, self.sig)
+        with Nested():
+            if self.training:
+                wrt = statics.grad_params() + [b for _, b in copies.copy]
+                with saved_by_backward() as packed:
+                    self.backend.warmup(lambda: warmup_backward(
+                        lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
+                self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
+                storages = {storage_of(t) for t in packed} - {0}
+                self.saved_statics = [t for t in statics.tensors if not t.requires_grad
+                                      and storage_of(t) in storages]
+            else:
+                self.backend.warmup(lambda: fn(*a, **kw), self.device)
+
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors the real call read from outside its arguments, parameters and buffers
-        (plain tensor attributes, closures, globals: the warm-up's guard holds them) and, where
-        its probe saw its writes, wrote (the others are not copied: a function that keeps its
-        weights outside parameters would need twice their memory)."""
+        (plain tensor attributes, closures, globals: the warm-up's guard holds them). All of
+        them, not only those the probe saw written: a functional batch norm updates running
+        statistics kept there through no op the probe knows as a write (copied for the extra
+        warm-ups and a rehearsal: a function keeping large tensors there pays their size)."""
         statics = self.static_storages
-        written = self.warm_probe.written if self.warm_probe is not None else None
-        return [t for t in self.warm_guard.tensors if storage_of(t) not in statics
-                and (written is None or storage_of(t) in written)]
+        return [t for t in self.warm_guard.tensors if storage_of(t) not in statics]
 
     def _capture_inference(self, fn: Callable) -> CapturedGraph:
         region, leaves, state = self.region, self.leaves, self.state

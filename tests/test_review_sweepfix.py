@@ -72,7 +72,12 @@ def _spy_undone(monkeypatch):
     return seen
 
 
-# (fixed: only the held tensors the real call's probe saw written are copied)
+@pytest.mark.xfail(
+    strict=True,
+    reason="documented (README, the guard model): the tensors a forward reads from outside are "
+    "copied whole for the extra warm-ups and a rehearsal, read-only ones too: the probe does "
+    "not see every write (a functional batch norm's statistics, test_review_versions)",
+)
 def test_undone_clones_read_only_held_tensors(sim, monkeypatch):
     seen = _spy_undone(monkeypatch)
     table = torch.randn(1024, 1024)

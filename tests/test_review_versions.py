@@ -50,16 +50,7 @@ def _stats_pair(**kw):
     return ref, g
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FINDING (high, wrong values, regression of 490158f _capturing.held_tensors): a "
-    "plain tensor attribute written by an op the probe does not know as a write "
-    "(F.batch_norm's running statistics: _opinfo.written_by goes by names, in-place "
-    "'*_', out=, inplace=, custom-op schemas) is left out of "
-    "_writes.undone: the extra warm-ups update it again (num_warmup_iters=3: 3 updates per "
-    "call instead of 1), outputs and statistics are off from the first call, and the "
-    "function then runs eagerly every call. 32a10f1 (no filter) was right",
-)
+# (fixed: every held tensor is copied for the extra warm-ups again)
 def test_plain_running_stats_extra_warmups_inference(sim):
     ref, g = _stats_pair(num_warmup_iters=3)
     with torch.no_grad():
@@ -69,12 +60,7 @@ def test_plain_running_stats_extra_warmups_inference(sim):
             assert eq(g.mean, ref.mean), i
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FINDING (high, wrong values, same cause): in training (the default options: "
-    "one extra warm-up for the backward) the plain running statistics are updated twice "
-    "by the signature's first call",
-)
+# (fixed: every held tensor is copied for the extra warm-ups again)
 def test_plain_running_stats_training_default_options(sim):
     ref, g = _stats_pair()
     x = torch.randn(3, 4)
