@@ -33,11 +33,13 @@ class Capturing:
 
     def capture(self) -> Outcome:
         # (the tensors the forward reads from outside, plain attributes, closures, globals,
-        # and the parameters and buffers it wrote keep afterwards the versions the real call
-        # left: a capture's in-place ops move them, and the extra warm-ups', whose values are
-        # put back (see _extra_warmups); a capture runs no kernel)
+        # hold afterwards what the real call left in them, values and versions: a capture's
+        # in-place ops move their versions, and its run is real for CPU tensors (a step
+        # counter) and for the kernels a share_graph or family proof runs; the parameters and
+        # buffers it wrote keep their versions too, their values being put back by the extra
+        # warm-ups)
         written = [self.watchable[j] for j in self.wrote_statics]
-        with _writes.versions_kept(self.held_tensors() + written):
+        with _writes.undone(self.held_tensors()), _writes.versions_kept(written):
             return self._capture()
 
     def _capture(self) -> Outcome:
@@ -131,6 +133,11 @@ class Capturing:
                                       and storage_of(t) in storages]
             else:
                 self.backend.warmup(lambda: fn(*a, **kw), self.device)
+
+    def _wrote_held(self) -> bool:
+        """Whether the real call wrote a tensor it reads from outside (as its probe saw)."""
+        written = self.warm_probe.written if self.warm_probe is not None else None
+        return bool(written) and any(storage_of(t) in written for t in self.held_tensors())
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors the real call read from outside its arguments, parameters and buffers
@@ -227,10 +234,12 @@ class Capturing:
             # graph replays it and runs a second layer, each writing the cache once more
             group.refuse("an argument is passed as it is (a cache): sharing would write it")
             return None
-        if self.mutated or self.wrote_statics:
+        if self.mutated or self.wrote_statics or self._wrote_held():
             # Sharing replays graphs to check them (and runs a second layer once): each replay
-            # would apply the forward's writes (running statistics, a cache) once more.
-            group.refuse("forward writes to its buffers or inputs")
+            # would apply the forward's writes (running statistics, a cache, a counter kept as
+            # a plain tensor attribute) once more.
+            group.refuse("forward writes to its buffers, inputs or tensors it keeps as "
+                         "attributes")
             return None
         if not getattr(self.backend, "can_share", False):
             group.refuse("the capture backend cannot read graphs")
