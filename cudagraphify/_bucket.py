@@ -65,7 +65,8 @@ class Bucketed:
             return self._target(*args, **kwargs)  # its own size (or none): as it is
         # (n itself: a forward may compute with the batch size, which padding changes)
         key = (n, bucket, spec, tuple(_leaf_key(t, self.dim) for t in leaves),
-               torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+               torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+               getattr(self._target, "training", None))  # (a module's train/eval: each its own)
         if key in self.refused:
             return self._target(*args, **kwargs)
         padded = [self._pad(t, bucket) if isinstance(t, torch.Tensor) else t for t in leaves]
@@ -75,17 +76,17 @@ class Bucketed:
                 # inside a capture of the caller's own: the check's host syncs would break it
                 # (and read memory no kernel wrote yet); this call is part of it, at its size
                 return self._target(*args, **kwargs)
-            if ran is not None and ran.rechecked:
-                # what the check read changed again after a check that passed: it changes
-                # from call to call (a position, a counter it keeps): a check per call would
-                # cost three forwards, and one that is left unwatched may come to make rows
-                # interact: unpadded from now on
+            if ran is not None and len(ran.states) >= _STATES:
+                # what the check read is in none of the states checked so far: it changes from
+                # call to call (a position, a counter it keeps); a check per call would cost
+                # three forwards, and one left unwatched may come to make rows interact:
+                # unpadded from now on
                 del self.verified[key]
+                what = ran.states[-1].guard._changed() or "a value it watches"
                 return self._refuse(key, self._target(*args, **kwargs),
                                     f"module state its forward reads changes from call to "
-                                    f"call ({ran.guard._changed() or 'a value it watches'}): "
-                                    f"each call would need its own check")
-            return self._check(key, bucket, n, leaves, padded, spec, ran is not None)
+                                    f"call ({what}): each call would need its own check")
+            return self._check(key, bucket, n, leaves, padded, spec, ran)
         a, kw = pytree.tree_unflatten(padded, spec)
         self.padded_calls += 1
         return self._slice(self._target(*a, **kw), n)
@@ -125,7 +126,7 @@ class Bucketed:
     # -- a bucket's first call ---------------------------------------------------------------
 
     def _check(self, key, bucket: int, n: int, leaves: list, padded: list, spec,
-               again: bool = False) -> Any:
+               ran: "_Ran | None" = None) -> Any:
         from ._probe import Probe
         from ._policy import default_policy
 
@@ -163,7 +164,9 @@ class Bucketed:
             return self._refuse(key, want, why)
         modules = list(self._target.modules()) if isinstance(self._target, torch.nn.Module) \
             else list(rec.called.values())
-        self.verified[key] = _Ran(modules, guard, again)
+        if ran is None:
+            ran = self.verified[key] = _Ran()
+        ran.states.append(_State(modules, guard))
         return want
 
     def _refuse(self, key, result: Any, why: str) -> Any:
@@ -173,20 +176,41 @@ class Bucketed:
         return result
 
 
+_STATES = 4  # module states a size is checked in before state that keeps changing refuses it
+
+
 class _Ran:
+    """The module states a size's check passed in (a flag toggled back and forth: each checked
+    once), the last found first."""
+
+    __slots__ = ("states",)
+
+    def __init__(self):
+        self.states: list[_State] = []
+
+    def same(self) -> bool:
+        states = self.states
+        for k in range(len(states) - 1, -1, -1):
+            if states[k].same():
+                if k != len(states) - 1:
+                    states.append(states.pop(k))
+                return True
+        return False
+
+
+class _State:
     """The modules a bucket's check ran and their training flags (BatchNorm, dropout: a
     module switched to train mode computes across the batch), and the module state its
     forward read (a flag that makes it compute across rows), re-read only after a module
     attribute was written (``_watch.epoch``; mutable values the guard watches, every call)."""
 
-    __slots__ = ("modules", "flags", "epoch", "guard", "rechecked")
+    __slots__ = ("modules", "flags", "epoch", "guard")
 
-    def __init__(self, modules: list[torch.nn.Module], guard: StateGuard, rechecked: bool):
+    def __init__(self, modules: list[torch.nn.Module], guard: StateGuard):
         self.modules = modules
         self.flags = [m.training for m in modules]
         self.epoch = _watch.epoch
         self.guard = guard
-        self.rechecked = rechecked  # made by a check after a change (the next one refuses)
 
     def same(self) -> bool:
         if _watch.epoch == self.epoch and not self.guard.volatile:

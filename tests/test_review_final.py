@@ -165,9 +165,7 @@ def test_eval_called_every_step_control(sim):
     assert b.padded_calls >= 4  # the check's two, then padded calls
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING (speed, for good): an attribute toggled A -> B -> A (both states checked and "
-    "passed) refuses the size for good; the refusal is never lifted"))
+# (fixed: a size remembers the states its check passed in; train and eval are keys apart)
 def test_attribute_toggled_back_refuses_for_good(sim):
     ref, g, b = _bucketed(Scaled)
     with torch.no_grad():
@@ -178,10 +176,7 @@ def test_attribute_toggled_back_refuses_for_good(sim):
     assert not b.refused, b.refused
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "FINDING (speed, for good): calls of one size in train and eval mode by turns (a "
-    "model without dropout) refuse the size: the training flag is not in the key, and the "
-    "third flip is the 'second change'"))
+# (fixed: a size remembers the states its check passed in; train and eval are keys apart)
 def test_train_eval_calls_by_turns_refuse(sim):
     ref, g, b = _bucketed(Scaled)
     with torch.no_grad():

@@ -407,8 +407,8 @@ class Calls(nn.Module):
         return self.lin(x)
 
 
-# (fixed: what the check read changed again after a check that passed: refused, unpadded from
-# then on; before, every call ran the three-run check)
+# (fixed: what the check read changing from call to call refuses the size once four states
+# were checked, unpadded from then on; before, every call ran the three-run check)
 def test_bucketed_counter_attribute_rechecks_every_call(sim):
     torch.manual_seed(0)
     m = Pos().eval()
@@ -420,19 +420,19 @@ def test_bucketed_counter_attribute_rechecks_every_call(sim):
             assert eq(b(x), m(x)), i
     (why,) = b.refused.values()
     assert "changes from call to call" in why and "Pos.pos" in why, why
-    assert b.padded_calls == 2 + 2  # the check and one more, then unpadded
+    assert b.padded_calls == 2 * 4  # the check in four states, then unpadded
 
 
-# (fixed as above: a forward that counts its own calls is refused after one more check)
+# (fixed as above: a forward that counts its own calls is refused after four checks)
 def test_bucketed_self_counter_reruns_forward(sim):
     torch.manual_seed(0)
     m = Calls().eval()
     b = cg.bucketed(m, [4])
     with torch.no_grad():
-        for i in range(5):
+        for i in range(10):
             b(torch.randn(3, 4))
     assert b.refused
-    assert m.calls == 3 + 3 + 3, m.calls  # two checks of three runs, then one run a call
+    assert m.calls <= 3 * 4 + 10, m.calls  # four checks of three runs at most, one run a call
 
 
 def test_bucketed_params_read_not_volatile_control(sim):
@@ -444,4 +444,4 @@ def test_bucketed_params_read_not_volatile_control(sim):
             x = torch.randn(3, 4)
             assert torch.allclose(b(x), m(x), atol=1e-6), i
     assert b.padded_calls == 2 + 4
-    assert not any(r.guard.volatile for r in b.verified.values())
+    assert not any(st.guard.volatile for r in b.verified.values() for st in r.states)
