@@ -92,9 +92,8 @@ class Capturing:
 
     def _extra_warmups(self) -> None:
         """Warm-up runs beyond the real call: on copies of the inputs; what the real call
-        wrote in parameters and buffers is restored after them, and the tensors it reads from
-        outside (plain attributes, closures, globals) hold again what the real call left in
-        them, values and versions, so only its effect remains."""
+        wrote in parameters and buffers is restored after them (and, around the whole capture,
+        the tensors it reads from outside: see ``capture``), so only its effect remains."""
         n = self.state.options.num_warmup_iters - 1
         if self.training:
             n = max(n, 1)  # the backward needs a warm-up of its own
@@ -104,9 +103,8 @@ class Capturing:
         with torch.no_grad():
             saved = [t.clone() for t in written]
         try:
-            with _writes.undone(self.held_tensors()):
-                for _ in range(n):
-                    self._warm_up_again()
+            for _ in range(n):  # (the tensors it reads from outside: see ``capture``)
+                self._warm_up_again()
         finally:  # a failed extra run leaves no trace in the buffers either
             with torch.no_grad():
                 for t, v in zip(written, saved):
@@ -143,8 +141,9 @@ class Capturing:
         """The tensors the real call read from outside its arguments, parameters and buffers
         (plain tensor attributes, closures, globals: the warm-up's guard holds them). All of
         them, not only those the probe saw written: a functional batch norm updates running
-        statistics kept there through no op the probe knows as a write (copied for the extra
-        warm-ups and a rehearsal: a function keeping large tensors there pays their size)."""
+        statistics kept there through no op the probe knows as a write (copied around the
+        capture, its extra warm-ups included, and a rehearsal: a function keeping large tensors
+        there pays their size)."""
         statics = self.static_storages
         return [t for t in self.warm_guard.tensors if storage_of(t) not in statics]
 
