@@ -237,8 +237,9 @@ class Capturing:
             # Sharing replays graphs to check them (and runs a second layer once): each replay
             # would apply the forward's writes (running statistics, a cache, a counter kept as
             # a plain tensor attribute) once more.
-            group.refuse("forward writes to its buffers, inputs or tensors it keeps as "
-                         "attributes")
+            group.refuse("forward writes to its buffers or inputs" if self.mutated
+                         or self.wrote_statics else "forward writes a tensor it reads from "
+                         "outside (a plain tensor attribute, a closure, a global)")
             return None
         if not getattr(self.backend, "can_share", False):
             group.refuse("the capture backend cannot read graphs")
