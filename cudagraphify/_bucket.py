@@ -133,6 +133,7 @@ class Bucketed:
         args, kwargs = pytree.tree_unflatten(leaves, spec)
         probe = Probe(None, default_policy)  # the storages forward writes
         probe.known, probe.written = set(), set()
+        epoch = _watch.epoch  # (before its runs: a change they make is seen on the next call)
         rec = _watch.Recorder()  # the modules it ran and the module attributes it read
         with Nested(), probe, _watch.recording(rec):  # eagerly, on the call's own rows: this
             want = self._target(*args, **kwargs)      # call's result
@@ -166,7 +167,7 @@ class Bucketed:
             else list(rec.called.values())
         if ran is None:
             ran = self.verified[key] = _Ran()
-        ran.states.append(_State(modules, guard))
+        ran.states.append(_State(modules, guard, epoch))
         return want
 
     def _refuse(self, key, result: Any, why: str) -> Any:
@@ -206,10 +207,10 @@ class _State:
 
     __slots__ = ("modules", "flags", "epoch", "guard")
 
-    def __init__(self, modules: list[torch.nn.Module], guard: StateGuard):
+    def __init__(self, modules: list[torch.nn.Module], guard: StateGuard, epoch: int):
         self.modules = modules
         self.flags = [m.training for m in modules]
-        self.epoch = _watch.epoch
+        self.epoch = epoch
         self.guard = guard
 
     def same(self) -> bool:

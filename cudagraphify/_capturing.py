@@ -92,8 +92,8 @@ class Capturing:
 
     def _extra_warmups(self) -> None:
         """Warm-up runs beyond the real call: on copies of the inputs; what the real call
-        wrote in parameters and buffers is restored after them (and, around the whole capture,
-        the tensors it reads from outside: see ``capture``), so only its effect remains."""
+        wrote in parameters and buffers is restored after them, and the tensors it reads from
+        outside, so only its effect remains."""
         n = self.state.options.num_warmup_iters - 1
         if self.training:
             n = max(n, 1)  # the backward needs a warm-up of its own
@@ -103,8 +103,11 @@ class Capturing:
         with torch.no_grad():
             saved = [t.clone() for t in written]
         try:
-            for _ in range(n):  # (the tensors it reads from outside: see ``capture``)
-                self._warm_up_again()
+            # (the tensors it reads from outside, put back before the capture too: ``verify``
+            # compares a small CPU one by value; around the whole capture: see ``capture``)
+            with _writes.undone(self.held_tensors()):
+                for _ in range(n):
+                    self._warm_up_again()
         finally:  # a failed extra run leaves no trace in the buffers either
             with torch.no_grad():
                 for t, v in zip(written, saved):
@@ -133,9 +136,14 @@ class Capturing:
                 self.backend.warmup(lambda: fn(*a, **kw), self.device)
 
     def _wrote_held(self) -> bool:
-        """Whether the real call wrote a tensor it reads from outside (as its probe saw)."""
+        """Whether the real call may have written a tensor it reads from outside: as its probe
+        saw, or any such tensor where no probe looked. (A write the probe does not see, a
+        functional batch norm's running statistics, is not found: README, share_graph.)"""
+        held = self.held_tensors()
         written = self.warm_probe.written if self.warm_probe is not None else None
-        return bool(written) and any(storage_of(t) in written for t in self.held_tensors())
+        if written is None:
+            return bool(held)
+        return any(storage_of(t) in written for t in held)
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors the real call read from outside its arguments, parameters and buffers

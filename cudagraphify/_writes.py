@@ -49,21 +49,28 @@ def inputs_alias(leaves) -> bool:
 @contextlib.contextmanager
 def undone(tensors: list[torch.Tensor]):
     """Inside the block ``tensors`` may be written; afterwards each holds what it held before,
-    and has the version it had (compared by value: a write through ``.data`` or a kernel
-    launched outside torch's Python API moves no version counter). For the runs beyond the
-    real call (extra warm-ups, a rehearsal, the capture) over tensors a forward reads from
-    outside its arguments, parameters and buffers (plain tensor attributes, closures, globals):
-    only the real call's writes remain."""
+    and has the version it had. For the runs beyond the real call (extra warm-ups, a
+    rehearsal, the capture) over tensors a forward reads from outside its arguments,
+    parameters and buffers (plain tensor attributes, closures, globals): only the real call's
+    writes remain. Copied and put back by storage, bytes for bytes (a write through ``.data``
+    or by a kernel outside torch's Python API moves no version counter; a view, an expanded
+    one included, is put back with the memory it views); tensors without memory of their own
+    (meta, sparse) are left alone."""
+    storages: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
     with torch.no_grad():
-        saved = [t.clone() for t in tensors]
+        for t in tensors:
+            if t.layout is not torch.strided or t.device.type == "meta":
+                continue
+            st = t.untyped_storage()
+            if st.data_ptr() not in storages:
+                storages[st.data_ptr()] = (st, st.clone())
     try:
-        with versions_kept(tensors):
+        with versions_kept([t for t in tensors if t.layout is torch.strided]):
             yield
     finally:
         with torch.no_grad():
-            for t, v in zip(tensors, saved):
-                if not same_values(t, v):
-                    t.data.copy_(v)  # (through .data: see _capturing's restore of statics)
+            for st, saved in storages.values():
+                st.copy_(saved)
 
 
 @contextlib.contextmanager
