@@ -512,14 +512,14 @@ class GraphedState(PieceRuns):
             if _region.captured_among(backend, device, region.other_streams(token)
                                       if last == MULTI_STREAM else (last,) if last else ()):
                 return self._eager(CAPTURED_ELSEWHERE, fn, args, kwargs)
-            if holder._stream_token == MULTI_STREAM:
+            if last == MULTI_STREAM:
                 # (a callable's own region, run by threads on streams of their own)
                 region.order_before_replay(backend, device, token)
             else:
-                if holder._stream_token is not None:
+                if last is not None:
                     # Another stream replayed last: its copies may still be in flight (and the
                     # outputs protect_before copies below may not be written yet).
-                    backend.order_after(device, holder._stream_token)
+                    backend.order_after(device, last)
                 holder._stream_token = token
         if not training and entry.seq is not None and not region.protect_before(entry, leaves):
             # (blocked on calls of this graph on one thread, each within _BLOCKED_GAP uses of
