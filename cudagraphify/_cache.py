@@ -125,6 +125,7 @@ class Owned:
     written_statics: frozenset = frozenset()  # storages of parameters/buffers forward writes
     uses = 0  # (a graph's) calls that found it after its capture (see GraphCache.thrashing)
     state_storages: frozenset = frozenset()  # storages of the static states' tensors
+    held_storages: frozenset = frozenset()  # storages of tensors read from outside (attributes)
 
     @property
     def owner(self):

@@ -110,6 +110,10 @@ LAZY = ("uninitialized parameters (a LazyModule): this call initializes them; gr
         "the next call")
 STATE_ALIAS = ("an argument shares memory with a static state (a cache) the graph reads and "
                "writes in place: a graph would read a copy made before the forward's write")
+HELD_ALIAS = ("an argument shares memory with a tensor the forward reads from outside its "
+              "arguments, parameters and buffers (an attribute, closure or global): a graph "
+              "reads the argument from a copy and that tensor in place, so a write to either "
+              "is not seen through the other")
 
 
 class GraphedState(PieceRuns):
@@ -486,6 +490,9 @@ class GraphedState(PieceRuns):
         if entry.state_storages and any(storage_of(leaves[i]) in entry.state_storages
                                         for i in entry.copied_indices()):
             return self._eager(STATE_ALIAS, fn, args, kwargs)
+        if entry.held_storages and any(storage_of(leaves[i]) in entry.held_storages
+                                       for i in entry.copied_indices()):
+            return self._eager(HELD_ALIAS, fn, args, kwargs)
         if entry.mutated:
             if inputs_alias(leaves):
                 return self._eager("inputs share memory and forward writes to them", fn, args,

@@ -223,7 +223,7 @@ class Fast:
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "statics",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
-                 "state_copied", "slot", "grads", "base")
+                 "state_copied", "outside", "slot", "grads", "base")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -259,8 +259,10 @@ class Fast:
         self.grads = grads
         self.names = tuple(kwargs)
         self.mixed = mixed
-        # copied arguments checked not to share a static state's memory (see _engine)
-        self.state_copied = entry.copied_indices() if entry.state_storages else ()
+        # copied arguments checked not to share the memory of a static state or of a tensor
+        # read from outside the arguments, parameters and buffers (see _engine)
+        self.outside = entry.state_storages | entry.held_storages
+        self.state_copied = entry.copied_indices() if self.outside else ()
         self.tguard = _TensorGuards(*tensors,
                                     dynamic_dims_sizes=[list(a.shape) for a in tensors],
                                     dynamic_dims_strides=[list(a.stride()) for a in tensors])
@@ -334,6 +336,12 @@ class Fast:
                     return _MISS
                 if _forward_ad._current_level >= 0:  # (see _guards.dual_level)
                     return _MISS
+                copied = self.state_copied
+                if copied:  # (see _engine: an argument sharing a state's or held memory)
+                    outside = self.outside
+                    for i in copied:
+                        if storage_of(args[i]) in outside:
+                            return _MISS
                 if _guards.flags_epoch != self.flags_epoch:
                     now = _guards.flags_epoch
                     if self.read_flags() != self.flags:
@@ -432,9 +440,4 @@ class Fast:
                 return False
             if k is not key and k != key:
                 return False
-        if self.state_copied:
-            storages = self.entry.state_storages
-            for i in self.state_copied:
-                if storage_of(leaves[i]) in storages:
-                    return False
         return self.tguard.check(*[leaves[i] for i in tensor_idx])

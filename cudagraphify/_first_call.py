@@ -384,6 +384,9 @@ class FirstCall(Capturing):
         # the key, so the same for every call the entry serves)
         entry.state_storages = frozenset(storage_of(t) for _, obj in self.states
                                          for t in _tensors_in(obj)) - {0}
+        # and the tensors it reads in place from outside its arguments, parameters and buffers
+        # (plain attributes, closures, globals: the guard holds them), written or not
+        entry.held_storages = frozenset(storage_of(t) for t in self.held_tensors()) - {0}
         chain = self.region is not None and self.region.chain and entry.seq is not None
         replay = chain and not self.mutated and not self.wrote_statics and not self.opaque
         family = self.family
