@@ -3,17 +3,23 @@
 Each module node says: graphed (a graph of its own), part of a graph (inside a graphed
 ancestor), eager (and why: op, tags, file:line), or not run. Nodes with live graphs also show
 captures, replays, pool MB and capture ms. ``explain(module, *example_args)`` plans from a probe
-run on the example inputs (on a CPU too), restoring the module's buffers and the RNG state after.
+run on the example inputs (on a CPU too), restoring the module's buffers, attributes, plain tensor
+attributes, the example inputs and the RNG state after.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import warnings
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
+from . import _watch, _writes
+from ._errors import CudagraphifyWarning
 from ._nested import Nested
 from ._rehearsal import restored
 from ._options import Stats
@@ -21,6 +27,7 @@ from ._wrap import share_of, state_of_module
 from ._policy import default_policy
 from ._probe import Probe, control_flow_findings, plan_pieces
 from ._segments import TracingProbe, runs
+from ._watch import _REGISTRIES
 
 __all__ = ["Explanation", "probe_plan", "build"]
 
@@ -113,16 +120,17 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
             probes.append(probe)
         return probes
 
-    probes = two_runs(False)
-    if probes[0].findings and probes[0].may_rehearse():
-        # As graphify does: code that asks whether it is being captured takes another path
-        # while captured; where that path is safe, that path is the plan.
-        try:
-            rehearsed = two_runs(True)
-        except Exception:  # noqa: BLE001 - that path fails here: keep the plain runs
-            rehearsed = None
-        if rehearsed is not None and not any(p.findings for p in rehearsed):
-            probes = rehearsed
+    with left_as_they_were(module, args, kwargs):
+        probes = two_runs(False)
+        if probes[0].findings and probes[0].may_rehearse():
+            # As graphify does: code that asks whether it is being captured takes another path
+            # while captured; where that path is safe, that path is the plan.
+            try:
+                rehearsed = two_runs(True)
+            except Exception:  # noqa: BLE001 - that path fails here: keep the plain runs
+                rehearsed = None
+            if rehearsed is not None and not any(p.findings for p in rehearsed):
+                probes = rehearsed
     findings = probes[0].unsafe_paths()
     for p, f in control_flow_findings(*probes, "the op sequence differs between two "
                                       "runs").items():
@@ -130,6 +138,44 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
     ran = probes[0].ran()
     cut = runs(probes[0].trace) if probes[0].findings else []
     return findings, plan_pieces(module, set(findings), ran), ran, cut
+
+
+@contextlib.contextmanager
+def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
+    """Around explain's runs (not calls): the modules' attributes (a step counter, a cache set
+    on first use), the tensors kept as plain attributes and the example inputs hold again what
+    they held (values and versions). Parameters are not copied (a model's worth of memory):
+    one the runs wrote in place is named in a warning."""
+    modules = list(module.modules())
+    dicts = [(m, dict(m.__dict__)) for m in modules]
+    registered = {id(t) for m in modules for k in _REGISTRIES for t in m.__dict__[k].values()
+                  if t is not None}
+    tensors = [v for m in modules for v in m.__dict__.values()
+               if isinstance(v, torch.Tensor) and id(v) not in registered]
+    tensors += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    params = [(name, p, p._version) for name, p in module.named_parameters()
+              if not p.is_inference()]
+    try:
+        with _writes.undone(tensors):
+            yield
+    finally:
+        for m, before in dicts:
+            now = m.__dict__
+            for name in [k for k in now if k not in before and not k.startswith(_OURS)]:
+                del now[name]
+            for name, value in before.items():
+                if now.get(name, _MISSING) is not value:
+                    now[name] = value
+        _watch.bump()
+        wrote = [name for name, p, version in params if p._version != version]
+        if wrote:
+            warnings.warn(f"cudagraphify: explain's runs of {type(module).__name__} wrote "
+                          f"parameter(s) in place, which it does not put back: "
+                          f"{', '.join(wrote[:8])}", CudagraphifyWarning, stacklevel=4)
+
+
+_OURS = "_cudagraphify"
+_MISSING = object()
 
 
 def _live(module: torch.nn.Module) -> dict | None:

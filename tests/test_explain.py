@@ -58,6 +58,56 @@ def test_explain_leaves_the_module_and_rng_as_they_were():
     assert "_cudagraphify_state" not in model.__dict__
 
 
+class Stateful(nn.Module):
+    """Keeps state outside its buffers: a step counter, a plain tensor attribute it adds to, a
+    cache it sets on first use; and writes its argument in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.steps = 0
+        self.acc = torch.zeros(4)
+
+    def forward(self, x):
+        self.steps += 1
+        self.acc.add_(1)
+        if getattr(self, "cache", None) is None:
+            self.cache = torch.ones(4)
+        x.mul_(2)
+        return self.lin(x) + self.acc + self.cache
+
+
+def test_explain_leaves_attributes_plain_tensors_and_inputs_as_they_were():
+    model = Stateful()
+    x = torch.randn(2, 4)
+    x0, v0 = x.clone(), model.acc._version
+    cg.explain(model, x)
+    assert model.steps == 0
+    assert torch.equal(model.acc, torch.zeros(4)) and model.acc._version == v0
+    assert "cache" not in model.__dict__
+    assert torch.equal(x, x0)
+
+
+class WritesWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.mul_(0.5)
+        return self.lin(x)
+
+
+def test_explain_names_a_parameter_its_runs_wrote():
+    model = WritesWeight()
+    with pytest.warns(cg.CudagraphifyWarning, match=r"wrote parameter\(s\).*lin\.weight"):
+        cg.explain(model, torch.randn(2, 4))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cg.explain(Stateful(), torch.randn(2, 4))  # (writes none)
+
+
 def test_explain_gpt_with_item_keeps_attention_and_mlp_graphed():
     text = str(cg.explain(GPT(32, 2, 2, sync="item").eval(), torch.randn(1, 4, 32)))
     assert "blocks.0 (SyncBlock): eager" in text
