@@ -52,6 +52,9 @@ class Bucketed:
         # epoch they were read at (a module switched to train mode is checked again)
         self.verified: dict[Hashable, _Ran] = {}
         self.refused: dict[Hashable, str] = {}
+        # a function target's refusals (its key holds no training flag): the modules its check
+        # ran, with their flags then; a flag changed lifts the refusal (checked again)
+        self._refused_in: dict[Hashable, _State] = {}
         self.padded_calls = 0  # calls that ran padded to a bucket (checks included)
 
     def __repr__(self) -> str:
@@ -68,7 +71,10 @@ class Bucketed:
                torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                getattr(self._target, "training", None))  # (a module's train/eval: each its own)
         if key in self.refused:
-            return self._target(*args, **kwargs)
+            when = self._refused_in.get(key)
+            if when is None or when.flags_same():
+                return self._target(*args, **kwargs)
+            del self.refused[key], self._refused_in[key]
         padded = [self._pad(t, bucket) if isinstance(t, torch.Tensor) else t for t in leaves]
         ran = self.verified.get(key)
         if ran is None or not ran.same():
@@ -139,6 +145,9 @@ class Bucketed:
             want = self._target(*args, **kwargs)      # call's result
         # (a change of what it read, a flag that makes rows interact, checks the size again)
         guard = StateGuard(list(rec.reads.values()), ran=list(rec.called.values()))
+        if not isinstance(self._target, torch.nn.Module):
+            # (a refusal below holds while the modules it ran keep their training flags)
+            self._refused_in[key] = _State(list(rec.called.values()), guard, epoch)
         if guard.unguardable:
             return self._refuse(key, want, f"what forward reads cannot be watched for a "
                                 f"change that would make rows interact: {guard.unguardable}")
@@ -165,6 +174,7 @@ class Bucketed:
             return self._refuse(key, want, why)
         modules = list(self._target.modules()) if isinstance(self._target, torch.nn.Module) \
             else list(rec.called.values())
+        self._refused_in.pop(key, None)
         if ran is None:
             ran = self.verified[key] = _Ran()
         ran.states.append(_State(modules, guard, epoch))
@@ -212,6 +222,17 @@ class _State:
         self.flags = [m.training for m in modules]
         self.epoch = epoch
         self.guard = guard
+
+    def flags_same(self) -> bool:
+        """Whether the modules keep the training flags they had (module writes bump the
+        epoch: compared again only after one)."""
+        now = _watch.epoch
+        if now == self.epoch:
+            return True
+        if [m.training for m in self.modules] != self.flags:
+            return False
+        self.epoch = now
+        return True
 
     def same(self) -> bool:
         if _watch.epoch == self.epoch and not self.guard.volatile:

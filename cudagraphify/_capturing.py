@@ -6,6 +6,7 @@ its family's) or a training graph (forward and backward)."""
 
 from __future__ import annotations
 
+import contextlib
 import traceback
 from typing import Any, Callable
 
@@ -39,7 +40,16 @@ class Capturing:
         # buffers it wrote keep their versions too, their values being put back by the extra
         # warm-ups)
         written = [self.watchable[j] for j in self.wrote_statics]
-        with _writes.undone(self.held_tensors()), _writes.versions_kept(written):
+        with contextlib.ExitStack() as kept:
+            try:
+                kept.enter_context(_writes.undone(self.held_tensors()))
+            except torch.OutOfMemoryError as e:  # (their copies: the real call's result stands)
+                _forget_frames(e)
+                return Outcome(DEFERRED, self.result, reason=(
+                    "capture deferred (retried on a later call): out of memory copying the "
+                    "tensors the forward reads from outside its arguments, parameters and "
+                    f"buffers: {_first_line(e)}"), guard=self.warm_guard)
+            kept.enter_context(_writes.versions_kept(written))
             return self._capture()
 
     def _capture(self) -> Outcome:
@@ -70,6 +80,9 @@ class Capturing:
                     entry = self._capture_inference(run)
         except (CaptureFailed, torch.OutOfMemoryError) as e:
             _forget_frames(e)
+            # (the capture's run is not a call: its Python effects go, as in ``verify``)
+            rec.undo()
+            self.warm_guard.restore()
             if not isinstance(e, CaptureFailed):  # static buffers or a pool, before capturing
                 e = CaptureFailed(f"out of memory preparing the capture: {_first_line(e)}",
                                   transient=True)
@@ -102,13 +115,17 @@ class Capturing:
         written = [self.watchable[j] for j in self.wrote_statics]
         with torch.no_grad():
             saved = [t.clone() for t in written]
+        rec = Recorder()
         try:
             # (the tensors it reads from outside, put back before the capture too: ``verify``
             # compares a small CPU one by value; around the whole capture: see ``capture``)
-            with _writes.undone(self.held_tensors()):
+            with _writes.undone(self.held_tensors()), recording(rec):
                 for _ in range(n):
                     self._warm_up_again()
         finally:  # a failed extra run leaves no trace in the buffers either
+            # (nor in module attributes, containers and closure cells: ``self.n += 1``)
+            rec.undo()
+            self.warm_guard.restore()
             with torch.no_grad():
                 for t, v in zip(written, saved):
                     # through .data: the real call's autograd graph saved these buffers

@@ -337,7 +337,7 @@ class FirstCall(Capturing):
         probe = self.probe
         if rec.writes and not shared:
             entry.release()
-            _undo_writes(rec)  # the capture's run is not a call: its Python effects go too
+            rec.undo()  # the capture's run is not a call: its Python effects go too
             return self._writes_refused(rec)
         if not shared and ((self.warm_guard.volatile and not self.warm_guard.valid()) or (
                 self.states_guard is not None and not self.states_guard.valid())):
@@ -388,7 +388,11 @@ class FirstCall(Capturing):
         # (plain attributes, closures, globals: the guard holds them), written or not
         entry.held_storages = frozenset(storage_of(t) for t in self.held_tensors()) - {0}
         chain = self.region is not None and self.region.chain and entry.seq is not None
-        replay = chain and not self.mutated and not self.wrote_statics and not self.opaque
+        # (the real call ran the forward: a replay now gives the chain the graph's own outputs,
+        # and repeats its writes, fine for none but those the real call made; a tensor read from
+        # outside that it wrote would be written twice)
+        replay = chain and not self.mutated and not self.wrote_statics and not self.opaque \
+            and not self._wrote_held()
         family = self.family
         if family is not None:  # this call's graph is the family's template: it stands
             family.verified = True
@@ -463,16 +467,6 @@ def _leaf_label(sig: Signature, index: int) -> str:
             return f"argument {names[k - nargs]!r}" if k >= nargs else f"argument {k}"
         start += spec.num_leaves
     return f"argument leaf {index}"
-
-def _undo_writes(rec: Recorder) -> None:
-    """Put back the module attributes a run changed (the last write first)."""
-    for module, name, old, _ in reversed(rec.writes):
-        if old is _watch.MISSING:
-            module.__dict__.pop(name, None)
-        else:
-            module.__dict__[name] = old
-    _watch.bump()
-
 
 def _container_marks(values, depth: int = 0) -> list:
     """(container, its items as they are) for every list and dict in ``values``, nested

@@ -458,7 +458,15 @@ class StateGuard:
             # is not watched; a list the function appends to on every call would otherwise
             # make an eager decision capture again on every call)
         self.tensors = _unique(tensors)  # held: never freed under a graph that reads them
-        checks.extend(_tensor_checks(self.tensors))
+        without = [t for t in self.tensors if _no_address(t)]
+        if without and not self.unguardable:
+            t = without[0]
+            self.unguardable = (
+                f"forward reads a {type(t).__name__} ({t.layout}) from outside its arguments, "
+                "parameters and buffers (an attribute, closure or global) whose memory has no "
+                "single address to guard (a sparse tensor or a wrapper tensor subclass); "
+                "register it as a buffer or pass it in")
+        checks.extend(_tensor_checks([t for t in self.tensors if not _no_address(t)]))
         self._checks = checks
         self.volatile = bool(checks)
 
@@ -555,6 +563,20 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             seen.add(id(t))
             out.append(t)
     return out
+
+
+def _no_address(t: torch.Tensor) -> bool:
+    """Whether ``t`` has data but no storage of its own to watch (a sparse tensor, a wrapper
+    tensor subclass: its memory is in the tensors it wraps). Meta tensors have no data."""
+    if t.device.type == "meta":
+        return False
+    if t.layout is not torch.strided:
+        return True
+    try:
+        t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return True
+    return False
 
 
 def _tensor_check(t: torch.Tensor) -> Callable[[], bool]:

@@ -43,10 +43,12 @@ def rehearse(first) -> Probe | None:
     statics, buffers = first.statics.watchable()
     # (and the tensors it reads from outside, plain attributes, closures, globals, hold again
     # what the real call left in them)
+    held = first.held_tensors()
     with restored(statics, buffers, first.wrote_statics, first.device) as wrote, \
-            _writes.undone(first.held_tensors()):
+            _writes.undone(held):
         copies = StaticInputs(first.leaves, [False] * len(first.leaves))
         copy_marks = _writes.marks([b for _, b in copies.copy])
+        held_marks = _writes.marks(held)
         rehearsal = _rehearsal_probe(first.state)
         if first.probe.written is not None:  # what it writes: a family's proof asks
             rehearsal.written = set()
@@ -66,14 +68,30 @@ def rehearse(first) -> Probe | None:
             ran = True
         except Exception:  # noqa: BLE001 - that path fails eagerly: keep the warm-up's plan
             pass
+        wrote_held = {storage_of(held[j]) for j in _writes.written(held, held_marks)}
+        if rehearsal.written is not None:
+            wrote_held |= rehearsal.written & {storage_of(t) for t in held}
     # A path that writes what the eager one does not (or a parameter: restored only where
     # the real call wrote it too) is not the same computation.
     wrote_inputs = {copies.copy[k][0]
                     for k in _writes.written([b for _, b in copies.copy], copy_marks)}
     if not ran or rehearsal.findings or not set(wrote) <= set(first.wrote_statics) \
-            or wrote_inputs != set(first.mutated):
+            or wrote_inputs != set(first.mutated) or _held_differ(first, held, wrote_held):
         return None
     return rehearsal
+
+
+def _held_differ(first, held: list[torch.Tensor], wrote: set[int]) -> bool:
+    """Whether the rehearsal wrote other tensors read from outside (plain attributes,
+    closures, globals) than the real call did: by their versions (and as its probe saw),
+    against what the real call's probe saw (any written where no probe looked)."""
+    if not held:
+        return False
+    outside = {storage_of(t) for t in held}
+    probe = first.warm_probe
+    if probe is None or probe.written is None:
+        return bool(wrote)
+    return wrote != (probe.written & outside)
 
 
 def rehearsing(state, fn):

@@ -353,6 +353,17 @@ class Recorder:
         if not same(old, value):
             self.writes.append((module, name, old, value))
 
+    def undo(self) -> None:
+        """Put back the module attributes the run changed (the last write first): a run that
+        was not a call (an extra warm-up, a capture's)."""
+        for module, name, old, _ in reversed(self.writes):
+            if old is MISSING:
+                module.__dict__.pop(name, None)
+            else:
+                module.__dict__[name] = old
+        if self.writes:
+            bump()
+
     def _pre(self, module, args):
         if threading.get_ident() == self._thread:
             self.called.setdefault(id(module), module)

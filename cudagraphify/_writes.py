@@ -54,23 +54,41 @@ def undone(tensors: list[torch.Tensor]):
     parameters and buffers (plain tensor attributes, closures, globals): only the real call's
     writes remain. Copied and put back by storage, bytes for bytes (a write through ``.data``
     or by a kernel outside torch's Python API moves no version counter; a view, an expanded
-    one included, is put back with the memory it views); tensors without memory of their own
-    (meta, sparse) are left alone."""
-    storages: dict[int, tuple[torch.UntypedStorage, torch.UntypedStorage]] = {}
-    with torch.no_grad():
-        for t in tensors:
-            if t.layout is not torch.strided or t.device.type == "meta":
-                continue
+    one included, is put back with the memory it views; of a storage, the bytes from the first
+    its tensors view to the last, not more); tensors without memory of their own
+    (meta, sparse, wrapper subclasses: a guard refuses the last two) are left alone."""
+    spans: dict[int, list] = {}  # storage address -> [storage, first byte, end]
+    for t in tensors:
+        if t.layout is not torch.strided or t.device.type == "meta" or not t.numel():
+            continue
+        try:
             st = t.untyped_storage()
-            if st.data_ptr() not in storages:
-                storages[st.data_ptr()] = (st, st.clone())
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # (a wrapper tensor subclass: a guard refuses it, see _no_address)
+        size = t.element_size()
+        lo = t.storage_offset() * size
+        hi = lo + (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * size
+        span = spans.get(ptr)
+        if span is None:
+            spans[ptr] = [st, lo, hi]
+        else:
+            span[1], span[2] = min(span[1], lo), max(span[2], hi)
+    saved = []
+    with torch.no_grad():
+        for st, lo, hi in spans.values():
+            # (only the bytes the tensors view: a view of a large cache copies its own part)
+            hi = min(hi, st.nbytes())
+            view = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, lo, (hi - lo,),
+                                                                            (1,))
+            saved.append((view, view.clone()))
     try:
         with versions_kept([t for t in tensors if t.layout is torch.strided]):
             yield
     finally:
         with torch.no_grad():
-            for st, saved in storages.values():
-                st.copy_(saved)
+            for view, copy in saved:
+                view.copy_(copy)
 
 
 @contextlib.contextmanager

@@ -1268,7 +1268,10 @@ def test_a_failed_extra_warm_up_keeps_the_real_call_and_leaves_no_trace_in_buffe
         torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)  # the real call's result
         for name, buf in ref.bn.named_buffers():  # the failed run's update was rolled back
             torch.testing.assert_close(getattr(g.bn, name), buf, rtol=0, atol=0, msg=name)
-        ref.runs = 2  # the twin's second run must not fail
+        assert g.runs == ref.runs == 1  # nor in its attributes: the second call fails as eager's
+        for m in (ref, g):
+            with pytest.raises(RuntimeError, match="out of luck"):
+                m(x)
         torch.testing.assert_close(g(x), ref(x), rtol=0, atol=0)
     (reason, *_) = cg.stats(g).eager_calls
     assert "extra warm-up failed: RuntimeError: out of luck" in reason, cg.stats(g)

@@ -445,3 +445,25 @@ def test_bucketed_params_read_not_volatile_control(sim):
             assert torch.allclose(b(x), m(x), atol=1e-6), i
     assert b.padded_calls == 2 + 4
     assert not any(st.guard.volatile for r in b.verified.values() for st in r.states)
+
+
+def test_undone_copies_the_bytes_its_views_cover_not_their_whole_storage(monkeypatch):
+    """A plain attribute that views part of a large tensor (a layer's slice of a cache): its
+    own bytes are copied and put back, with its version, not the whole storage."""
+    base = torch.zeros(1000)
+    v, w = base[10:20], base[30:40:2]
+    before = (v._version, w._version)
+    sizes = []
+    real = torch.Tensor.clone
+
+    def clone(self, *a, **k):
+        sizes.append(self.nbytes)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(torch.Tensor, "clone", clone)
+    with _writes.undone([v, w]):
+        v.fill_(1)
+        w.fill_(2)
+    assert sizes == [(38 + 1 - 10) * 4], sizes  # from v's first element to w's last
+    assert not base.any()
+    assert (v._version, w._version) == before
