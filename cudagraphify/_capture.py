@@ -130,6 +130,8 @@ class CudaBackend:
                 cur.wait_stream(side)
 
     can_share = True  # captures can keep their CUgraph for share_graph to read
+    # a capture records the device's kernels without running them (host work runs for real)
+    capture_runs_kernels = False
 
     def capture(self, fn: Callable[[], Any], device: torch.device, pool=None,
                 keep_graph: bool = False) -> tuple[RawGraph, Any]:

@@ -38,11 +38,13 @@ class Capturing:
         # in-place ops move their versions, and its run is real for CPU tensors (a step
         # counter) and for the kernels a share_graph or family proof runs; the parameters and
         # buffers it wrote keep their versions too, their values being put back by the extra
-        # warm-ups)
+        # warm-ups, which put back these tensors too)
         written = [self.watchable[j] for j in self.wrote_statics]
+        held = self.held_tensors()
         with contextlib.ExitStack() as kept:
             try:
-                kept.enter_context(_writes.undone(self.held_tensors()))
+                kept.enter_context(_writes.undone(self._really_written(held)))
+                kept.enter_context(_writes.versions_kept(held))
             except torch.OutOfMemoryError as e:  # (their copies: the real call's result stands)
                 _forget_frames(e)
                 return Outcome(DEFERRED, self.result, reason=(
@@ -97,6 +99,17 @@ class Capturing:
         except OutputPlanError as e:
             return self._eager(str(e))
         return self.verify(entry, second, rec)
+
+    def _really_written(self, held: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Of the tensors read from outside, those the capture's own run may really write:
+        where a capture runs no kernel (CUDA), the host's only (CPU tensors), unless a
+        share_graph group or a static-state family checks its graph by running kernels.
+        (Copying the device's would cost a second copy of a large cache or table, and
+        nothing: the capture records their writes without running them.)"""
+        if getattr(self.backend, "capture_runs_kernels", True) or self.state.share is not None \
+                or self.sig.static_states:
+            return held
+        return [t for t in held if t.device.type == "cpu"]
 
     def _persistent(self) -> set[int]:
         """Storages the caller owns (parameters, buffers, tensors kept as module attributes):

@@ -776,3 +776,52 @@ def test_11_share_graph_bf16_per_layer_scale_within_assert_close_tolerance():
         for i in range(4):
             _layer_by_layer(layers, ref, make(), f"call {i}")
     assert _layer_replays(layers) > 0, [cg.stats(m) for m in layers]
+
+
+class _CountsHits(nn.Module):
+    """Counts its calls in a plain tensor attribute (not a buffer) that its output reads."""
+
+    def __init__(self, dim: int = 64, device=None):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim, device=device)
+        self.hits = torch.zeros(dim, device=device)
+
+    def forward(self, x):
+        self.hits.add_(1)
+        return self.lin(x) + self.hits
+
+
+@pytest.mark.parametrize("warmups", [1, 3])
+def test_5_plain_tensor_attribute_written_by_forward(warmups):
+    """Its writes happen once per call: not again in the extra warm-ups or the capture (a
+    CUDA capture runs no kernel, so the tensor is not copied around it)."""
+    torch.manual_seed(0)
+    ref = _CountsHits(device=DEV)
+    g = cg.graphify(copy.deepcopy(ref), num_warmup_iters=warmups)
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.randn(64, device=DEV)
+            _same(g(x), ref(x), f"call {i}")
+            _same(g.hits, ref.hits, f"hits after call {i}")
+    assert cg.stats(g).replays >= 3, cg.stats(g)
+
+
+def test_5_plain_tensor_attribute_passed_as_the_argument():
+    """The forward writes the attribute and reads its argument, which is that attribute: a
+    replay would read the argument's copy made before the write (it runs eagerly)."""
+    torch.manual_seed(0)
+    ref = _CountsHits(device=DEV)
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for i in range(3):
+            x = torch.randn(64, device=DEV)
+            _same(g(x), ref(x), f"call {i}")
+        replays = cg.stats(g).replays
+        assert replays >= 1, cg.stats(g)
+        for i in range(3):
+            _same(g(g.hits), ref(ref.hits), f"own attribute, call {i}")
+            _same(g.hits, ref.hits, f"hits after call {i}")
+        assert cg.stats(g).replays == replays, cg.stats(g)
+        x = torch.randn(64, device=DEV)
+        _same(g(x), ref(x), "after")
+        assert cg.stats(g).replays == replays + 1, cg.stats(g)

@@ -467,3 +467,25 @@ def test_undone_copies_the_bytes_its_views_cover_not_their_whole_storage(monkeyp
     assert sizes == [(38 + 1 - 10) * 4], sizes  # from v's first element to w's last
     assert not base.any()
     assert (v._version, w._version) == before
+
+
+def test_a_cuda_capture_copies_only_the_host_tensors_read_from_outside():
+    """Around a capture that runs no kernel (CUDA), only the CPU tensors read from outside
+    are copied (its run is real for them); around one that does (the CPU double), or where a
+    share_graph group or a static-state family checks its graph by running kernels, all."""
+    import types
+
+    from cudagraphify._capturing import Capturing
+
+    device, host = torch.empty(4, device="meta"), torch.zeros(4)  # (meta: a device tensor)
+
+    def really(runs, share=None, states=()):
+        me = types.SimpleNamespace(backend=types.SimpleNamespace(capture_runs_kernels=runs),
+                                   state=types.SimpleNamespace(share=share),
+                                   sig=types.SimpleNamespace(static_states=states))
+        return Capturing._really_written(me, [device, host])
+
+    assert really(False) == [host]
+    assert really(True) == [device, host]
+    assert really(False, share=object()) == [device, host]
+    assert really(False, states=(1,)) == [device, host]
