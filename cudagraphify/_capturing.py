@@ -43,7 +43,8 @@ class Capturing:
         held = self.held_tensors()
         with contextlib.ExitStack() as kept:
             try:
-                kept.enter_context(_writes.undone(self._really_written(held)))
+                kept.enter_context(_writes.kept(self._left(), self._really_written(held),
+                                                host_only=not self._runs_kernels()))
                 kept.enter_context(_writes.versions_kept(held))
             except torch.OutOfMemoryError as e:  # (their copies: the real call's result stands)
                 _forget_frames(e)
@@ -82,9 +83,7 @@ class Capturing:
                     entry = self._capture_inference(run)
         except (CaptureFailed, torch.OutOfMemoryError) as e:
             _forget_frames(e)
-            # (the capture's run is not a call: its Python effects go, as in ``verify``)
-            rec.undo()
-            self.warm_guard.restore()
+            self._put_back(rec)  # (the capture's run is not a call, as in ``verify``)
             if not isinstance(e, CaptureFailed):  # static buffers or a pool, before capturing
                 e = CaptureFailed(f"out of memory preparing the capture: {_first_line(e)}",
                                   transient=True)
@@ -100,16 +99,32 @@ class Capturing:
             return self._eager(str(e))
         return self.verify(entry, second, rec)
 
+    def _left(self) -> list:
+        """The objects the real call bound to module attributes (``self.ring =
+        torch.roll(...)``): runs that are not calls may write them in place."""
+        return [new for _, _, _, new in self.recorder.writes]
+
+    def _put_back(self, rec: Recorder) -> None:
+        """After runs that were not calls (extra warm-ups, the capture's, a rehearsal): the
+        module attributes they set (``rec``), and what the containers, objects and closure
+        cells the forward reads hold, are what the real call left."""
+        rec.undo()
+        self.warm_guard.restore()
+        if self.states_guard is not None:
+            self.states_guard.restore()
+
     def _really_written(self, held: list[torch.Tensor]) -> list[torch.Tensor]:
         """Of the tensors read from outside, those the capture's own run may really write:
         where a capture runs no kernel (CUDA), the host's only (CPU tensors), unless a
         share_graph group or a static-state family checks its graph by running kernels.
         (Copying the device's would cost a second copy of a large cache or table, and
         nothing: the capture records their writes without running them.)"""
-        if getattr(self.backend, "capture_runs_kernels", True) or self.state.share is not None \
-                or self.sig.static_states:
-            return held
-        return [t for t in held if t.device.type == "cpu"]
+        return held if self._runs_kernels() else [t for t in held if t.device.type == "cpu"]
+
+    def _runs_kernels(self) -> bool:
+        """Whether the capture's run may run kernels for real (see ``_really_written``)."""
+        return getattr(self.backend, "capture_runs_kernels", True) \
+            or self.state.share is not None or bool(self.sig.static_states)
 
     def _persistent(self) -> set[int]:
         """Storages the caller owns (parameters, buffers, tensors kept as module attributes):
@@ -132,13 +147,11 @@ class Capturing:
         try:
             # (the tensors it reads from outside, put back before the capture too: ``verify``
             # compares a small CPU one by value; around the whole capture: see ``capture``)
-            with _writes.undone(self.held_tensors()), recording(rec):
+            with _writes.kept(self._left(), self.held_tensors()), recording(rec):
                 for _ in range(n):
                     self._warm_up_again()
         finally:  # a failed extra run leaves no trace in the buffers either
-            # (nor in module attributes, containers and closure cells: ``self.n += 1``)
-            rec.undo()
-            self.warm_guard.restore()
+            self._put_back(rec)  # (nor in module attributes: ``self.n += 1``)
             with torch.no_grad():
                 for t, v in zip(written, saved):
                     # through .data: the real call's autograd graph saved these buffers

@@ -143,11 +143,14 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
 @contextlib.contextmanager
 def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     """Around explain's runs (not calls): the modules' attributes (a step counter, a cache set
-    on first use), the tensors kept as plain attributes and the example inputs hold again what
-    they held (values and versions). Parameters are not copied (a model's worth of memory):
+    on first use) and registered parameters, buffers and submodules, the tensors kept as plain
+    attributes and the example inputs hold again what they held (values and versions). Parameters are not copied (a model's worth of memory):
     one the runs wrote in place is named in a warning."""
     modules = list(module.modules())
     dicts = [(m, dict(m.__dict__)) for m in modules]
+    # (the parameters, buffers and submodules registered: a ``register_buffer`` in forward,
+    # a dynamic rotary embedding's rescaled ``inv_freq``)
+    registries = [(m.__dict__[k], dict(m.__dict__[k])) for m in modules for k in _REGISTRIES]
     registered = {id(t) for m in modules for k in _REGISTRIES for t in m.__dict__[k].values()
                   if t is not None}
     tensors = [v for m in modules for v in m.__dict__.values()
@@ -156,9 +159,21 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     params = [(name, p, p._version) for name, p in module.named_parameters()
               if not p.is_inference()]
     try:
-        with _writes.undone(tensors):
+        with contextlib.ExitStack() as stack:
+            try:
+                stack.enter_context(_writes.undone(tensors))
+            except torch.OutOfMemoryError:
+                warnings.warn("cudagraphify: explain could not copy the tensors kept as plain "
+                              "attributes and the example inputs (out of memory): what its runs "
+                              "write in them is not put back", CudagraphifyWarning,
+                              stacklevel=4)
             yield
     finally:
+        for registry, before in registries:
+            if registry.keys() != before.keys() \
+                    or any(registry[k] is not v for k, v in before.items()):
+                registry.clear()
+                registry.update(before)
         for m, before in dicts:
             now = m.__dict__
             for name in [k for k in now if k not in before and not k.startswith(_OURS)]:

@@ -337,7 +337,7 @@ class FirstCall(Capturing):
         probe = self.probe
         if rec.writes and not shared:
             entry.release()
-            rec.undo()  # the capture's run is not a call: its Python effects go too
+            self._put_back(rec)  # the capture's run is not a call: its Python effects go too
             return self._writes_refused(rec)
         if not shared and ((self.warm_guard.volatile and not self.warm_guard.valid()) or (
                 self.states_guard is not None and not self.states_guard.valid())):
@@ -345,9 +345,7 @@ class FirstCall(Capturing):
             # in a dict): a Python side effect on every call, which a replay cannot repeat.
             # The capture's run is not a call: the attributes it set are put back.
             entry.release()
-            self.warm_guard.restore()
-            if self.states_guard is not None:
-                self.states_guard.restore()
+            self._put_back(rec)
             return Outcome(EAGER, self.result, reason="forward changes a container, object or "
                            "tensor attribute it reads on every call (a side effect a replay "
                            "cannot repeat)")

@@ -21,6 +21,7 @@ from ._signature import storage_of, unflatten_call
 from ._state import tensors_in as _tensors_in
 from . import _writes
 from ._nested import Nested
+from ._watch import Recorder, recording
 
 __all__ = ["rehearse", "rehearsing", "restored", "snapshot_states"]
 
@@ -45,7 +46,7 @@ def rehearse(first) -> Probe | None:
     # what the real call left in them)
     held = first.held_tensors()
     with restored(statics, buffers, first.wrote_statics, first.device) as wrote, \
-            _writes.undone(held):
+            _writes.kept(first._left(), held):
         copies = StaticInputs(first.leaves, [False] * len(first.leaves))
         copy_marks = _writes.marks([b for _, b in copies.copy])
         held_marks = _writes.marks(held)
@@ -59,15 +60,18 @@ def rehearse(first) -> Probe | None:
             | first.statics.storage_ptrs() \
             | {storage_of(t) for obj in states.values() for t in _tensors_in(obj)}
         ran = False
+        rec = Recorder()
         try:
             leaves = [states.get(i, x) for i, x in enumerate(copies.leaves)]
             a, kw = unflatten_call(leaves, first.sig)
-            with Nested():
+            with Nested(), recording(rec):
                 first.backend.warmup(probed(rehearsal, lambda: first.fn(*a, **kw)),
                                     first.device)
             ran = True
         except Exception:  # noqa: BLE001 - that path fails eagerly: keep the warm-up's plan
             pass
+        finally:  # (not a call: the module attributes it set go, ``self.n += 1``)
+            first._put_back(rec)
         wrote_held = {storage_of(held[j]) for j in _writes.written(held, held_marks)}
         if rehearsal.written is not None:
             wrote_held |= rehearsal.written & {storage_of(t) for t in held}

@@ -12,7 +12,7 @@ import contextlib
 
 import torch
 
-__all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "versions_kept"]
+__all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "versions_kept"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -82,13 +82,103 @@ def undone(tensors: list[torch.Tensor]):
             view = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, lo, (hi - lo,),
                                                                             (1,))
             saved.append((view, view.clone()))
+    # (and their layouts: a forward's ``self.m.t_()`` or ``resize_`` runs again in each run)
+    layouts = [(t, _layout(t)) for t in tensors
+               if t.layout is torch.strided and t.device.type != "meta"]
+    layouts = [(t, lay) for t, lay in layouts if lay is not None]
     try:
         with versions_kept([t for t in tensors if t.layout is torch.strided]):
-            yield
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for t, (st, offset, size, stride) in layouts:
+                        if _layout(t) != (st, offset, size, stride):
+                            t.set_(st.st, offset, size, stride)
     finally:
         with torch.no_grad():
             for view, copy in saved:
                 view.copy_(copy)
+
+
+def _layout(t: torch.Tensor) -> tuple | None:
+    """(storage, offset, size, stride) of ``t``, compared by identity of the storage's memory
+    (None where it has none of its own)."""
+    try:
+        st = t.untyped_storage()
+        st.data_ptr()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return (_Same(st), t.storage_offset(), tuple(t.shape), t.stride())
+
+
+class _Same:
+    """A storage, equal to another one over the same memory."""
+
+    __slots__ = ("st",)
+
+    def __init__(self, st):
+        self.st = st
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, _Same) and self.st.data_ptr() == other.st.data_ptr() \
+            and self.st.nbytes() == other.st.nbytes()
+
+    __hash__ = None
+
+
+@contextlib.contextmanager
+def kept(values: list, tensors: list[torch.Tensor], host_only: bool = False):
+    """:func:`undone` over ``tensors`` and the tensors in ``values``, which also hold again
+    the items they held (lists, dicts, a plain object's attributes, nested a few levels):
+    ``values`` are the objects the real call bound to module attributes (a rolled ring
+    buffer, a trimmed log) and ``tensors`` those it read from outside, written in place by
+    the runs that are not calls. ``host_only``: of the tensors in ``values``, the CPU ones
+    (around a capture that runs no kernel, see ``Capturing._really_written``)."""
+    from ._state import tensors_in
+
+    marks = _contents(values, [], set(), 0)
+    inner = [t for v in values for t in tensors_in(v)
+             if not host_only or t.device.type == "cpu"]
+    try:
+        with undone(list(tensors) + inner):
+            yield
+    finally:
+        for obj, items in marks:
+            if isinstance(obj, list):
+                obj[:] = items
+            elif isinstance(obj, dict):
+                obj.clear()
+                obj.update(items)
+            else:
+                d = obj.__dict__
+                d.clear()
+                d.update(items)
+
+
+def _contents(values, out: list, seen: set, depth: int) -> list:
+    """(object, a shallow copy of what it holds) for the lists, dicts and plain objects in
+    ``values`` (modules aside: their attribute writes are recorded)."""
+    if depth > 4:
+        return out
+    for v in values:
+        if id(v) in seen or isinstance(v, (torch.Tensor, torch.nn.Module, type)):
+            continue
+        if isinstance(v, list):
+            seen.add(id(v))
+            out.append((v, list(v)))
+            _contents(v, out, seen, depth + 1)
+        elif isinstance(v, dict):
+            seen.add(id(v))
+            out.append((v, dict(v)))
+            _contents(v.values(), out, seen, depth + 1)
+        elif isinstance(v, tuple):
+            _contents(v, out, seen, depth + 1)
+        elif isinstance(getattr(v, "__dict__", None), dict) and not callable(v):
+            seen.add(id(v))
+            out.append((v, dict(v.__dict__)))
+            _contents(v.__dict__.values(), out, seen, depth + 1)
+    return out
 
 
 @contextlib.contextmanager

@@ -228,3 +228,20 @@ def test_runs_of_a_trace():
     assert [(r.start, r.end, r.first, r.last, r.modules, r.cut_by) for r in got] == \
         [(0, 2, "f.py:1", "f.py:2", ("a",), stop), (4, 5, "f.py:5", "f.py:5", ("b",), None)]
     assert runs([]) == [] and runs(trace[2:4]) == []
+
+
+def test_explain_without_room_for_its_copies_warns_and_still_puts_attributes_back(monkeypatch):
+    import contextlib
+
+    from cudagraphify import _writes
+
+    @contextlib.contextmanager
+    def short_of_memory(tensors):
+        raise torch.OutOfMemoryError("simulated")
+        yield
+
+    monkeypatch.setattr(_writes, "undone", short_of_memory)
+    model = Stateful()
+    with pytest.warns(cg.CudagraphifyWarning, match="out of memory"):
+        cg.explain(model, torch.randn(2, 4))
+    assert model.steps == 0 and "cache" not in model.__dict__

@@ -483,6 +483,7 @@ def test_a_cuda_capture_copies_only_the_host_tensors_read_from_outside():
         me = types.SimpleNamespace(backend=types.SimpleNamespace(capture_runs_kernels=runs),
                                    state=types.SimpleNamespace(share=share),
                                    sig=types.SimpleNamespace(static_states=states))
+        me._runs_kernels = lambda: Capturing._runs_kernels(me)
         return Capturing._really_written(me, [device, host])
 
     assert really(False) == [host]
