@@ -395,6 +395,7 @@ class FirstCall(Capturing):
         if family is not None:  # this call's graph is the family's template: it stands
             family.verified = True
             family.guard, family.flags, family.pinned = guard, self.flags, entry.pinned
+            family.held_storages = entry.held_storages
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
                        shared=shared, states=[obj for _, obj in self.states])
 

@@ -74,6 +74,7 @@ class Family:
     guard: Any = None  # what the template's capture read (a StateGuard)
     flags: Any = None  # the global flags it ran under (a FlagsGuard)
     pinned: tuple = ()  # (leaf, address) of parameters passed as arguments (CapturedGraph's)
+    held_storages: frozenset = frozenset()  # what it reads from outside (CapturedGraph's)
     made: tuple = ()  # the template's output plan: (actions, spec, static outputs)
     nodes: list = field(default_factory=list)
     edges: Any = None
@@ -190,6 +191,7 @@ class Families:
         entry = CapturedGraph(raw, family.inputs, [], *family.made, device=device)
         entry.shared = True
         entry.pinned = family.pinned
+        entry.held_storages = family.held_storages
         entry.state_storages = frozenset(start for start, _ in storages.ranges) - {0}
         return family, entry
 
