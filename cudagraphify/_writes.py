@@ -12,6 +12,8 @@ import contextlib
 
 import torch
 
+from ._state import tensors_in
+
 __all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "versions_kept"]
 
 
@@ -135,8 +137,6 @@ def kept(values: list, tensors: list[torch.Tensor], host_only: bool = False):
     buffer, a trimmed log) and ``tensors`` those it read from outside, written in place by
     the runs that are not calls. ``host_only``: of the tensors in ``values``, the CPU ones
     (around a capture that runs no kernel, see ``Capturing._really_written``)."""
-    from ._state import tensors_in
-
     marks = _contents(values, [], set(), 0)
     inner = [t for v in values for t in tensors_in(v)
              if not host_only or t.device.type == "cpu"]
