@@ -40,12 +40,12 @@ class Capturing:
         # buffers it wrote keep their versions too, their values being put back by the extra
         # warm-ups, which put back these tensors too)
         written = [self.watchable[j] for j in self.wrote_statics]
-        held = self.held_tensors()
         with contextlib.ExitStack() as kept:
             try:
-                kept.enter_context(_writes.kept(self._left(), self._really_written(held),
+                # (where the capture's run is real only for the host: the CPU tensors' bytes;
+                # the layouts and versions of all)
+                kept.enter_context(_writes.kept(self._left(), self.held_tensors(),
                                                 host_only=not self._runs_kernels()))
-                kept.enter_context(_writes.versions_kept(held))
             except torch.OutOfMemoryError as e:  # (their copies: the real call's result stands)
                 _forget_frames(e)
                 return Outcome(DEFERRED, self.result, reason=(
@@ -96,6 +96,7 @@ class Capturing:
                                ran=self.probe.ran(), guard=self.warm_guard)
             return self._eager(f"capture failed: {e}")
         except OutputPlanError as e:
+            self._put_back(rec)  # (the capture's run is not a call)
             return self._eager(str(e))
         return self.verify(entry, second, rec)
 
@@ -113,16 +114,11 @@ class Capturing:
         if self.states_guard is not None:
             self.states_guard.restore()
 
-    def _really_written(self, held: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Of the tensors read from outside, those the capture's own run may really write:
-        where a capture runs no kernel (CUDA), the host's only (CPU tensors), unless a
-        share_graph group or a static-state family checks its graph by running kernels.
-        (Copying the device's would cost a second copy of a large cache or table, and
-        nothing: the capture records their writes without running them.)"""
-        return held if self._runs_kernels() else [t for t in held if t.device.type == "cpu"]
-
     def _runs_kernels(self) -> bool:
-        """Whether the capture's run may run kernels for real (see ``_really_written``)."""
+        """Whether the capture's run may run kernels for real: where a capture runs none
+        (CUDA) only the host's tensors are written by it, unless a share_graph group or a
+        static-state family checks its graph by running kernels. (Copying the device's would
+        cost a second copy of a large cache or table, and nothing.)"""
         return getattr(self.backend, "capture_runs_kernels", True) \
             or self.state.share is not None or bool(self.sig.static_states)
 
@@ -190,13 +186,18 @@ class Capturing:
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The tensors the real call read from outside its arguments, parameters and buffers
-        (plain tensor attributes, closures, globals: the warm-up's guard holds them). All of
+        (plain tensor attributes, closures, globals: the warm-up's guard holds them), and
+        those it bound to module attributes. All of
         them, not only those the probe saw written: a functional batch norm updates running
         statistics kept there through no op the probe knows as a write (copied around the
         capture, its extra warm-ups included, and a rehearsal: a function keeping large tensors
         there pays their size)."""
         statics = self.static_storages
-        return [t for t in self.warm_guard.tensors if storage_of(t) not in statics]
+        # (and those the real call bound to module attributes: ``self.acc = pool.pop()``
+        # where it read None, then written)
+        bound = [t for v in self._left() for t in _tensors_in(v)]
+        return [t for t in {id(t): t for t in (*self.warm_guard.tensors, *bound)}.values()
+                if storage_of(t) not in statics]
 
     def _capture_inference(self, fn: Callable) -> CapturedGraph:
         region, leaves, state = self.region, self.leaves, self.state

@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch.nn.parameter import is_lazy
 
 from . import _watch, _writes
-from ._errors import CudagraphifyWarning
+from ._errors import CudagraphifyUsageError, CudagraphifyWarning
 from ._nested import Nested
 from ._rehearsal import restored
 from ._options import Stats
@@ -100,6 +101,13 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
     of calls between refused ones, see :mod:`._segments`).
     """
     policy = policy or default_policy
+    lazy = next((name for name, t in (*module.named_parameters(), *module.named_buffers())
+                 if is_lazy(t)), None)
+    if lazy is not None:
+        raise CudagraphifyUsageError(
+            f"explain with example inputs: {type(module).__name__}.{lazy} is not initialized "
+            "yet (a lazy module): explain's runs would initialize it; call the module once, "
+            "then explain")
     on_gpu = any(t.is_cuda for t in list(module.parameters()) + list(module.buffers())) or any(
         isinstance(a, torch.Tensor) and a.is_cuda for a in list(args) + list(kwargs.values()))
     # planned as if on a GPU: on a CPU, CPU tensors stand for CUDA tensors
@@ -143,14 +151,18 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
 @contextlib.contextmanager
 def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     """Around explain's runs (not calls): the modules' attributes (a step counter, a cache set
-    on first use) and registered parameters, buffers and submodules, the tensors kept as plain
-    attributes and the example inputs hold again what they held (values and versions). Parameters are not copied (a model's worth of memory):
+    on first use), what their dicts hold (registered parameters, buffers and submodules,
+    hooks), their classes, the tensors kept as plain attributes and the example inputs hold
+    again what they held (values and versions). Parameters are not copied (a model's worth of memory):
     one the runs wrote in place is named in a warning."""
     modules = list(module.modules())
     dicts = [(m, dict(m.__dict__)) for m in modules]
-    # (the parameters, buffers and submodules registered: a ``register_buffer`` in forward,
-    # a dynamic rotary embedding's rescaled ``inv_freq``)
-    registries = [(m.__dict__[k], dict(m.__dict__[k])) for m in modules for k in _REGISTRIES]
+    # (and what the dicts a module holds hold: its parameters, buffers and submodules
+    # registered (a ``register_buffer`` in forward, a dynamic rotary embedding's rescaled
+    # ``inv_freq``), its hooks (one registered on first use, or removing itself after it),
+    # a dict attribute; and its class: a parametrization swaps it)
+    held = [(d, dict(d)) for m in modules for d in m.__dict__.values() if isinstance(d, dict)]
+    classes = [(m, type(m)) for m in modules]
     registered = {id(t) for m in modules for k in _REGISTRIES for t in m.__dict__[k].values()
                   if t is not None}
     tensors = [v for m in modules for v in m.__dict__.values()
@@ -169,11 +181,11 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
                               stacklevel=4)
             yield
     finally:
-        for registry, before in registries:
-            if registry.keys() != before.keys() \
-                    or any(registry[k] is not v for k, v in before.items()):
-                registry.clear()
-                registry.update(before)
+        for m, cls in classes:
+            if type(m) is not cls:
+                m.__class__ = cls
+        for d, before in held:
+            _writes.refill(d, before)
         for m, before in dicts:
             now = m.__dict__
             for name in [k for k in now if k not in before and not k.startswith(_OURS)]:

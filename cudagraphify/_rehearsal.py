@@ -45,8 +45,13 @@ def rehearse(first) -> Probe | None:
     # (and the tensors it reads from outside, plain attributes, closures, globals, hold again
     # what the real call left in them)
     held = first.held_tensors()
-    with restored(statics, buffers, first.wrote_statics, first.device) as wrote, \
-            _writes.kept(first._left(), held):
+    with contextlib.ExitStack() as stack:
+        try:
+            wrote = stack.enter_context(restored(statics, buffers, first.wrote_statics,
+                                                 first.device))
+            stack.enter_context(_writes.kept(first._left(), held))
+        except torch.OutOfMemoryError:
+            return None  # (no room for the copies: no rehearsal, the warm-up's plan stands)
         copies = StaticInputs(first.leaves, [False] * len(first.leaves))
         copy_marks = _writes.marks([b for _, b in copies.copy])
         held_marks = _writes.marks(held)

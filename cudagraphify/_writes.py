@@ -8,6 +8,7 @@ adds the writes made through other tensor objects on the same memory (see :mod:`
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -49,19 +50,23 @@ def inputs_alias(leaves) -> bool:
 
 
 @contextlib.contextmanager
-def undone(tensors: list[torch.Tensor]):
+def undone(tensors: list[torch.Tensor], host_only: bool = False):
     """Inside the block ``tensors`` may be written; afterwards each holds what it held before,
-    and has the version it had. For the runs beyond the real call (extra warm-ups, a
-    rehearsal, the capture) over tensors a forward reads from outside its arguments,
+    and has the version and layout it had. For the runs beyond the real call (extra warm-ups,
+    a rehearsal, the capture) over tensors a forward reads from outside its arguments,
     parameters and buffers (plain tensor attributes, closures, globals): only the real call's
     writes remain. Copied and put back by storage, bytes for bytes (a write through ``.data``
     or by a kernel outside torch's Python API moves no version counter; a view, an expanded
     one included, is put back with the memory it views; of a storage, the bytes from the first
     its tensors view to the last, not more); tensors without memory of their own
-    (meta, sparse, wrapper subclasses: a guard refuses the last two) are left alone."""
+    (meta, sparse, wrapper subclasses: a guard refuses the last two) are left alone.
+    ``host_only``: the bytes of CPU tensors only (around a capture that runs no kernel, whose
+    in-place ops on the device are recorded, not run: their versions and layouts, which
+    change on the host, are put back all the same)."""
     spans: dict[int, list] = {}  # storage address -> [storage, first byte, end]
     for t in tensors:
-        if t.layout is not torch.strided or t.device.type == "meta" or not t.numel():
+        if t.layout is not torch.strided or t.device.type == "meta" or not t.numel() \
+                or (host_only and t.device.type != "cpu"):
             continue
         try:
             st = t.untyped_storage()
@@ -132,28 +137,45 @@ class _Same:
 @contextlib.contextmanager
 def kept(values: list, tensors: list[torch.Tensor], host_only: bool = False):
     """:func:`undone` over ``tensors`` and the tensors in ``values``, which also hold again
-    the items they held (lists, dicts, a plain object's attributes, nested a few levels):
-    ``values`` are the objects the real call bound to module attributes (a rolled ring
-    buffer, a trimmed log) and ``tensors`` those it read from outside, written in place by
-    the runs that are not calls. ``host_only``: of the tensors in ``values``, the CPU ones
-    (around a capture that runs no kernel, see ``Capturing._really_written``)."""
+    the items they held (lists, dicts, a plain object's attributes, nested a few levels; put
+    back where they changed): ``values`` are the objects the real call bound to module
+    attributes (a rolled ring buffer, a trimmed log) and ``tensors`` those it read from
+    outside, written in place by the runs that are not calls. ``host_only``: see
+    :func:`undone`."""
     marks = _contents(values, [], set(), 0)
-    inner = [t for v in values for t in tensors_in(v)
-             if not host_only or t.device.type == "cpu"]
+    inner = [t for v in values for t in tensors_in(v)]
     try:
-        with undone(list(tensors) + inner):
+        with undone(list(tensors) + inner, host_only):
             yield
     finally:
         for obj, items in marks:
-            if isinstance(obj, list):
-                obj[:] = items
-            elif isinstance(obj, dict):
-                obj.clear()
-                obj.update(items)
-            else:
-                d = obj.__dict__
-                d.clear()
-                d.update(items)
+            _put_items(obj, items)
+
+
+def _put_items(obj, items) -> None:
+    """``obj`` (a list, a dict, a plain object) holds ``items`` again, where it holds other
+    ones now (through the built-in types' own methods: a dict subclass such as HF's
+    ``ModelOutput`` refuses ``update``)."""
+    if isinstance(obj, list):
+        if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
+            list.__setitem__(obj, slice(None), items)
+        return
+    refill(obj if isinstance(obj, dict) else obj.__dict__, items)
+
+
+def refill(d: dict, items: dict) -> None:
+    """``d`` holds ``items`` again where it holds other ones now, through the base type's
+    own methods (an ``OrderedDict`` keeps its order links; a subclass that refuses
+    ``update``, HF's ``ModelOutput``, is filled all the same)."""
+    if d.keys() == items.keys() and all(d[k] is v for k, v in items.items()):
+        return
+    base = collections.OrderedDict if isinstance(d, collections.OrderedDict) else dict
+    try:
+        base.clear(d)
+        for k, v in items.items():
+            base.__setitem__(d, k, v)
+    except TypeError:  # (an immutable mapping: nothing could have changed it)
+        pass
 
 
 def _contents(values, out: list, seen: set, depth: int) -> list:

@@ -470,23 +470,35 @@ def test_undone_copies_the_bytes_its_views_cover_not_their_whole_storage(monkeyp
 
 
 def test_a_cuda_capture_copies_only_the_host_tensors_read_from_outside():
-    """Around a capture that runs no kernel (CUDA), only the CPU tensors read from outside
-    are copied (its run is real for them); around one that does (the CPU double), or where a
-    share_graph group or a static-state family checks its graph by running kernels, all."""
+    """A capture that runs no kernel (CUDA) copies only the CPU tensors read from outside
+    (its run is real for them); one that does (the CPU double), or where a share_graph group
+    or a static-state family checks its graph by running kernels, copies all."""
     import types
 
     from cudagraphify._capturing import Capturing
 
-    device, host = torch.empty(4, device="meta"), torch.zeros(4)  # (meta: a device tensor)
-
-    def really(runs, share=None, states=()):
-        me = types.SimpleNamespace(backend=types.SimpleNamespace(capture_runs_kernels=runs),
+    def runs(kernels, share=None, states=()):
+        me = types.SimpleNamespace(backend=types.SimpleNamespace(capture_runs_kernels=kernels),
                                    state=types.SimpleNamespace(share=share),
                                    sig=types.SimpleNamespace(static_states=states))
-        me._runs_kernels = lambda: Capturing._runs_kernels(me)
-        return Capturing._really_written(me, [device, host])
+        return Capturing._runs_kernels(me)
 
-    assert really(False) == [host]
-    assert really(True) == [device, host]
-    assert really(False, share=object()) == [device, host]
-    assert really(False, states=(1,)) == [device, host]
+    assert not runs(False)
+    assert runs(True) and runs(False, share=object()) and runs(False, states=(1,))
+
+
+def test_undone_host_only_puts_back_bytes_of_cpu_tensors_and_layouts_and_versions_of_all(
+        monkeypatch):
+    """Around a capture that runs no kernel: the CPU tensors' bytes are copied; every tensor's
+    layout (a ``t_()`` runs on the host) and version are put back."""
+    host, dev = torch.zeros(6), torch.zeros(2, 3)
+    monkeypatch.setattr(torch.Tensor, "device", property(
+        lambda t: torch.device("cuda") if t is dev else torch.device("cpu")))
+    before = (host._version, dev._version)
+    with _writes.undone([host, dev], host_only=True):
+        host.add_(1)
+        dev.add_(1)  # (recorded, not run, by a real capture: not put back here)
+        dev.t_()
+    assert not host.any() and bool((dev == 1).all())
+    assert dev.shape == (2, 3) and dev.stride() == (3, 1)
+    assert (host._version, dev._version) == before
