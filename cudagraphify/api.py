@@ -228,9 +228,10 @@ def explain(target: Any, *example_args: Any, **example_kwargs: Any):
 
     With example inputs, the plan comes from a probe run of ``target`` on them (twice, to see
     data-dependent control flow), with Thunder's tags too; this works on a CPU (CPU tensors
-    stand for CUDA ones) and leaves the module as it was (buffers, module attributes, tensors
-    kept as plain attributes, the example inputs and the RNG state restored, no graphs made; a
-    parameter its runs wrote in place is named in a warning, not restored). Without inputs, it reports the plan and counters of the calls made so far.
+    stand for CUDA ones) and leaves the module as it was (buffers, module attributes,
+    registries, hooks and classes, tensors kept as plain attributes, the example inputs and
+    the RNG state restored, no graphs made; a parameter its runs wrote in place is named in a
+    warning, not restored; a lazy module not yet initialized is refused). Without inputs, it reports the plan and counters of the calls made so far.
     ``str()`` of the result is the tree; ``.to_dict()`` / ``.to_json()`` the same as data.
     """
     from ._explain import build, probe_plan
