@@ -175,29 +175,40 @@ class Capturing:
                 self.backend.warmup(lambda: fn(*a, **kw), self.device)
 
     def _wrote_held(self) -> bool:
-        """Whether the real call may have written a tensor it reads from outside: as its probe
-        saw, or any such tensor where no probe looked. (A write the probe does not see, a
-        functional batch norm's running statistics, is not found: README, share_graph.)"""
-        held = self.held_tensors()
-        written = self.warm_probe.written if self.warm_probe is not None else None
-        if written is None:
-            return bool(held)
-        return any(storage_of(t) in written for t in held)
+        """Whether the real call may have written a tensor it reads from outside, or one it
+        bound to a module attribute that it did not make (``self.acc = pool.pop()``): as its
+        probe saw, or any such tensor where no probe looked. (A write the probe does not see,
+        a functional batch norm's running statistics, is not found: README, share_graph.)"""
+        read, bound = self.read_tensors(), self._bound_tensors()
+        probe = self.warm_probe
+        if probe is None or probe.written is None:
+            return bool(read or bound)
+        return any(storage_of(t) in probe.written for t in read) \
+            or any(storage_of(t) in probe.written_before_made for t in bound)
+
+    def read_tensors(self) -> list[torch.Tensor]:
+        """The tensors the real call read from outside its arguments, parameters and buffers
+        (plain tensor attributes, closures, globals: the warm-up's guard holds them): a graph
+        reads them in place."""
+        statics = self.static_storages
+        return [t for t in self.warm_guard.tensors if storage_of(t) not in statics]
+
+    def _bound_tensors(self) -> list[torch.Tensor]:
+        """The tensors in the objects the real call bound to module attributes, but those it
+        read and the statics."""
+        statics = self.static_storages
+        read = {id(t) for t in self.warm_guard.tensors}
+        return [t for t in {id(t): t for v in self._left() for t in _tensors_in(v)}.values()
+                if id(t) not in read and storage_of(t) not in statics]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The tensors the real call read from outside its arguments, parameters and buffers
-        (plain tensor attributes, closures, globals: the warm-up's guard holds them), and
-        those it bound to module attributes. All of
-        them, not only those the probe saw written: a functional batch norm updates running
-        statistics kept there through no op the probe knows as a write (copied around the
-        capture, its extra warm-ups included, and a rehearsal: a function keeping large tensors
-        there pays their size)."""
-        statics = self.static_storages
-        # (and those the real call bound to module attributes: ``self.acc = pool.pop()``
-        # where it read None, then written)
-        bound = [t for v in self._left() for t in _tensors_in(v)]
-        return [t for t in {id(t): t for t in (*self.warm_guard.tensors, *bound)}.values()
-                if storage_of(t) not in statics]
+        """What the runs that are not calls may write in place and must leave as the real call
+        did: the tensors it read from outside (:meth:`read_tensors`) and those it bound to
+        module attributes. All of them, not only those the probe saw written: a functional
+        batch norm updates running statistics kept there through no op the probe knows as a
+        write (copied around the capture, its extra warm-ups included, and a rehearsal: a
+        function keeping large tensors there pays their size)."""
+        return self.read_tensors() + self._bound_tensors()
 
     def _capture_inference(self, fn: Callable) -> CapturedGraph:
         region, leaves, state = self.region, self.leaves, self.state

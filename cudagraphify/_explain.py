@@ -28,6 +28,7 @@ from ._wrap import share_of, state_of_module
 from ._policy import default_policy
 from ._probe import Probe, control_flow_findings, plan_pieces
 from ._segments import TracingProbe, runs
+from ._statics import _WatchedDict
 from ._watch import _REGISTRIES
 
 __all__ = ["Explanation", "probe_plan", "build"]
@@ -101,19 +102,13 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
     of calls between refused ones, see :mod:`._segments`).
     """
     policy = policy or default_policy
-    lazy = next((name for name, t in (*module.named_parameters(), *module.named_buffers())
-                 if is_lazy(t)), None)
-    if lazy is not None:
-        raise CudagraphifyUsageError(
-            f"explain with example inputs: {type(module).__name__}.{lazy} is not initialized "
-            "yet (a lazy module): explain's runs would initialize it; call the module once, "
-            "then explain")
     on_gpu = any(t.is_cuda for t in list(module.parameters()) + list(module.buffers())) or any(
         isinstance(a, torch.Tensor) and a.is_cuda for a in list(args) + list(kwargs.values()))
     # planned as if on a GPU: on a CPU, CPU tensors stand for CUDA tensors
     accel = frozenset({"cuda"}) if on_gpu else frozenset({"cuda", "cpu"})
-    buffers = list(module.buffers())
-    device = next((t.device for t in (*module.parameters(), *buffers)), torch.device("cpu"))
+    buffers = [b for b in module.buffers() if not is_lazy(b)]
+    device = next((t.device for t in (*module.parameters(), *buffers) if not is_lazy(t)),
+                  torch.device("cpu"))
 
     def two_runs(rehearse: bool) -> list[Probe]:
         probes = []
@@ -128,7 +123,7 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
             probes.append(probe)
         return probes
 
-    with left_as_they_were(module, args, kwargs):
+    with left_as_they_were(module, args, kwargs), _lazy_refused(module):
         probes = two_runs(False)
         if probes[0].findings and probes[0].may_rehearse():
             # As graphify does: code that asks whether it is being captured takes another path
@@ -149,6 +144,26 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
 
 
 @contextlib.contextmanager
+def _lazy_refused(module: torch.nn.Module):
+    """Inside the block, a lazy submodule not yet initialized that explain's runs reach raises
+    a usage error before it initializes itself (which cannot be undone); one they do not
+    reach (a head used on request) is no matter."""
+    def refuse(m, args):
+        raise CudagraphifyUsageError(
+            f"explain with example inputs reaches {type(m).__name__}, a lazy module not "
+            "initialized yet: its run would initialize it; call the model once, then explain")
+
+    handles = [m.register_forward_pre_hook(refuse, prepend=True) for m in module.modules()
+               if any(is_lazy(t) for t in (*m.parameters(recurse=False),
+                                           *m.buffers(recurse=False)))]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextlib.contextmanager
 def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     """Around explain's runs (not calls): the modules' attributes (a step counter, a cache set
     on first use), what their dicts hold (registered parameters, buffers and submodules,
@@ -157,11 +172,15 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     one the runs wrote in place is named in a warning."""
     modules = list(module.modules())
     dicts = [(m, dict(m.__dict__)) for m in modules]
-    # (and what the dicts a module holds hold: its parameters, buffers and submodules
-    # registered (a ``register_buffer`` in forward, a dynamic rotary embedding's rescaled
-    # ``inv_freq``), its hooks (one registered on first use, or removing itself after it),
-    # a dict attribute; and its class: a parametrization swaps it)
-    held = [(d, dict(d)) for m in modules for d in m.__dict__.values() if isinstance(d, dict)]
+    # (and what the dicts a module holds hold, by name: its parameters, buffers and
+    # submodules registered (a ``register_buffer`` in forward, a dynamic rotary embedding's
+    # rescaled ``inv_freq``), its hooks (one registered on first use, or removing itself after
+    # it), a dict attribute; and its class: a parametrization swaps it)
+    named = [(m, k, dict(v)) for m in modules for k, v in m.__dict__.items()
+             if isinstance(v, dict) and not _ours(k, v)]
+    # (and what the containers and objects it keeps hold, a record's attributes included)
+    held = _writes.contents([v for m in modules for k, v in m.__dict__.items()
+                             if not _ours(k, v)])
     classes = [(m, type(m)) for m in modules]
     registered = {id(t) for m in modules for k in _REGISTRIES for t in m.__dict__[k].values()
                   if t is not None}
@@ -169,7 +188,7 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
                if isinstance(v, torch.Tensor) and id(v) not in registered]
     tensors += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     params = [(name, p, p._version) for name, p in module.named_parameters()
-              if not p.is_inference()]
+              if not is_lazy(p) and not p.is_inference()]
     try:
         with contextlib.ExitStack() as stack:
             try:
@@ -184,15 +203,19 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
         for m, cls in classes:
             if type(m) is not cls:
                 m.__class__ = cls
-        for d, before in held:
-            _writes.refill(d, before)
         for m, before in dicts:
             now = m.__dict__
-            for name in [k for k in now if k not in before and not k.startswith(_OURS)]:
+            for name in [k for k in now if k not in before and not _ours(k, now[k])]:
                 del now[name]
             for name, value in before.items():
-                if now.get(name, _MISSING) is not value:
+                current = now.get(name, _MISSING)
+                if current is not value and not _ours(name, current):
                     now[name] = value
+        for m, name, before in named:
+            d = m.__dict__.get(name)
+            if isinstance(d, dict):  # (the same dict, or cudagraphify's watched copy of it)
+                _writes.refill(d, before)
+        _writes.put_back(held)
         _watch.bump()
         wrote = [name for name, p, version in params if p._version != version]
         if wrote:
@@ -201,8 +224,14 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
                           f"{', '.join(wrote[:8])}", CudagraphifyWarning, stacklevel=4)
 
 
-_OURS = "_cudagraphify"
 _MISSING = object()
+
+
+def _ours(name: str, value: Any) -> bool:
+    """Whether a module attribute is cudagraphify's own (its state, its call, its watched
+    registries, made by a graphed module's first call): left as explain's runs leave it."""
+    return name.startswith("_cudagraphify") or isinstance(value, _WatchedDict) \
+        or (name == "_compiled_call_impl" and _watch.own_call_impl(value))
 
 
 def _live(module: torch.nn.Module) -> dict | None:

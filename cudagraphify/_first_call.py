@@ -42,6 +42,10 @@ from ._writes import inputs_alias
 
 __all__ = ["FirstCall", "Outcome", "GRAPHED", "EAGER", "PIECEWISE", "DEFERRED"]
 
+LAZY = ("uninitialized parameters (a LazyModule): this call initializes them; graphed from "
+        "the next call")
+
+
 class FirstCall(Capturing):
     """The pipeline for one signature's first call (see the module docs). ``run()`` returns
     the :class:`Outcome`; ``warmup_seconds`` how long the eager runs took."""
@@ -85,6 +89,11 @@ class FirstCall(Capturing):
 
     def run(self) -> Outcome:
         self.warm_up()
+        if self.initialized:
+            # a lazy module (a head used on request) initialized itself while it ran: the scan
+            # of the parameters it would be captured against is stale (next call: scanned)
+            return Outcome(EAGER, self.result, reason=LAZY, remember=False,
+                           guard=self.warm_guard)
         outcome = self.screen()
         if outcome is None:
             outcome = self.capture()
@@ -133,9 +142,12 @@ class FirstCall(Capturing):
         # copies of these, not of what it leaves
         self.states_before = snapshot_states(leaves, self.sig.static_states, self.device)
         t0 = time.perf_counter()
+        reached = self.state.lazy_reached
         with Nested(), recording(rec):
             self.result = self.backend.warmup(
                 probed(probe, lambda: self.fn(*self.args, **self.kwargs)), self.device)
+        # (a lazy module it reached initialized itself: see GraphedState._watch_lazy)
+        self.initialized = self.state.lazy_reached != reached
         self.warmup_seconds += time.perf_counter() - t0
         # a forward that draws random numbers: a graph launched by the driver (a family's
         # rebased graph, see _rebase) would replay the template's draws
@@ -282,8 +294,9 @@ class FirstCall(Capturing):
         return None
 
     def _hook_findings(self) -> list[tuple[str, Finding]]:
-        """Hooks are Python that must run on every call: a module with hooks is graphed on its
-        own (its hooks run around its graph), so its parent cannot hold it in a graph."""
+        """Hooks are Python that must run on every call: a module with hooks that the call ran
+        is graphed on its own (its hooks run around its graph), so its parent cannot hold it in
+        a graph."""
         root = self.statics.root
         names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
         out = []
@@ -291,8 +304,11 @@ class FirstCall(Capturing):
             out.append(("", Finding("", "global module hooks", ("PYTHON_HOOK",),
                                     "torch.nn.modules.module.register_module_*_hook: they run "
                                     "around every module, on every call")))
+        ran = self.recorder.called
         for m in self.statics.modules:
-            if m is root or not _watch.hooked(m):
+            # (a module the call did not run holds no graph: its hooks run when it does, a
+            # lazy head's initializer among them)
+            if m is root or not _watch.hooked(m) or id(m) not in ran:
                 continue
             path = names.get(id(m))
             if path is None:  # a module outside the tree (a graphed function ran it)
@@ -384,7 +400,7 @@ class FirstCall(Capturing):
                                          for t in _tensors_in(obj)) - {0}
         # and the tensors it reads in place from outside its arguments, parameters and buffers
         # (plain attributes, closures, globals: the guard holds them), written or not
-        entry.held_storages = frozenset(storage_of(t) for t in self.held_tensors()) - {0}
+        entry.held_storages = frozenset(storage_of(t) for t in self.read_tensors()) - {0}
         chain = self.region is not None and self.region.chain and entry.seq is not None
         # (the real call ran the forward: a replay now gives the chain the graph's own outputs,
         # and repeats its writes, fine for none but those the real call made; a tensor read from

@@ -34,7 +34,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
-from . import _watch
+from . import _watch, _writes
 from ._signature import is_constant
 from ._statics import ptrs_equal, watch
 from ._watch import GONE, MISSING, Read, call_override, global_hooks_present, same, short
@@ -275,6 +275,12 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     owner = None
     if isinstance(value, dict):
         d = value
+        extra = getattr(value, "__dict__", None)
+        if isinstance(extra, dict) and extra:  # (items kept as attributes too: ModelOutput)
+            out.append(_DictCheck(extra, value))
+            for item in list(extra.values()):
+                if isinstance(item, torch.Tensor) or not is_constant(item):
+                    _watch_value(item, out, tensors, seen, depth + 1)
     elif isinstance(value, (list, set, frozenset, bytearray, collections.deque)):
         check = _ItemsCheck(value)
         out.append(check)
@@ -290,11 +296,9 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
         d = getattr(value, "__dict__", None)
         if not isinstance(d, dict):
             if dataclasses.is_dataclass(value):  # a dataclass with slots: its fields
-                names = [f.name for f in dataclasses.fields(value)]
-                held = [getattr(value, n) for n in names]
-                out.append(lambda v=value, ns=names, h=held: all(
-                    getattr(v, n) is x for n, x in zip(ns, h)))
-                for item in held:
+                check = _FieldsCheck(value)
+                out.append(check)
+                for item in check.held:
                     _watch_value(item, out, tensors, seen, depth + 1)
                 return
             if _mutable_data(value):
@@ -306,6 +310,28 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     for item in list(d.values()):
         if isinstance(item, torch.Tensor) or not is_constant(item):
             _watch_value(item, out, tensors, seen, depth + 1)
+
+
+class _FieldsCheck:
+    """A per-call check that a dataclass with slots holds the same field values (by identity);
+    ``restore()`` puts them back."""
+
+    __slots__ = ("v", "names", "held")
+
+    def __init__(self, v: Any):
+        self.v = v
+        self.names = [f.name for f in dataclasses.fields(v)]
+        self.held = [getattr(v, n) for n in self.names]
+
+    def __call__(self) -> bool:
+        v = self.v
+        return all(getattr(v, n) is x for n, x in zip(self.names, self.held))
+
+    def restore(self) -> None:
+        """Put the fields back as they were (a run that was not a call changed them)."""
+        for n, x in zip(self.names, self.held):
+            if getattr(self.v, n) is not x:
+                object.__setattr__(self.v, n, x)
 
 
 class _ItemsCheck:
@@ -343,12 +369,15 @@ class _DictCheck:
     write of the same value (``cache.flag = True`` before every generate) costs one compare,
     not the graph."""
 
-    __slots__ = ("d", "version", "items", "owner", "cls")
+    __slots__ = ("d", "version", "items", "owner", "cls", "order")
 
     def __init__(self, d: dict, owner: Any = None):
         self.d = d
         self.version = _dict_version(d)
         self.items = list(d.items())  # held: an id compared below is never reused
+        # an OrderedDict's order (``move_to_end`` moves no version): its keys, compared too
+        self.order = [k for k, _ in self.items] if isinstance(d, collections.OrderedDict) \
+            else None
         # the object whose __dict__ it is: a new __dict__ or class (``obj.__dict__ = {...}``,
         # ``obj.__class__ = Other``) leaves the old dict's version as it was
         self.owner, self.cls = owner, type(owner)
@@ -358,7 +387,8 @@ class _DictCheck:
         if owner is not None and (type(owner) is not self.cls or owner.__dict__ is not self.d):
             return False
         if _dict_version(self.d) == self.version:
-            return True
+            order = self.order
+            return order is None or all(a is b or a == b for a, b in zip(self.d, order))
         now = list(self.d.items())
         if len(now) != len(self.items) or any(
                 k is not k0 and k != k0 or not same(v, v0)
@@ -369,9 +399,8 @@ class _DictCheck:
 
     def restore(self) -> None:
         """Put the items back as they were (a run that was not a call changed them)."""
-        if _dict_version(self.d) != self.version:
-            self.d.clear()
-            self.d.update(self.items)
+        if not self():
+            _writes.refill(self.d, dict(self.items))
             self.version = _dict_version(self.d)
 
 
@@ -495,7 +524,8 @@ class StateGuard:
         items) and the closure cells it reads: a run that was not a call (a capture's) changed
         them."""
         for check in self._checks:
-            if type(check) is _DictCheck or type(check) is _ItemsCheck:
+            if type(check) is _DictCheck or type(check) is _ItemsCheck \
+                    or type(check) is _FieldsCheck:
                 check.restore()
         for _, read, value, put in self._bindings:
             if put is not None and read() is not value:

@@ -148,8 +148,8 @@ def storage_of(t: torch.Tensor) -> int:
     """The address of ``t``'s storage (0 for an empty one, or where it has none)."""
     try:
         return t.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError, TypeError):
-        return 0
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return 0  # (ValueError: a lazy module's uninitialized parameter)
 
 
 def tensor_meta(t: torch.Tensor, static: bool) -> tuple:

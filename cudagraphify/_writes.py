@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 
 import torch
 
 from ._state import tensors_in
 
-__all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "versions_kept"]
+__all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "contents",
+           "put_back", "refill", "versions_kept"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -142,32 +144,55 @@ def kept(values: list, tensors: list[torch.Tensor], host_only: bool = False):
     attributes (a rolled ring buffer, a trimmed log) and ``tensors`` those it read from
     outside, written in place by the runs that are not calls. ``host_only``: see
     :func:`undone`."""
-    marks = _contents(values, [], set(), 0)
+    marks = contents(values)
     inner = [t for v in values for t in tensors_in(v)]
     try:
         with undone(list(tensors) + inner, host_only):
             yield
     finally:
-        for obj, items in marks:
-            _put_items(obj, items)
+        put_back(marks)
+
+
+def contents(values: list) -> list:
+    """What the containers and objects in ``values`` hold (see :func:`_contents`), for
+    :func:`put_back`."""
+    return _contents(values, [], set(), 0)
+
+
+def put_back(marks: list) -> None:
+    """Each object of :func:`contents`'s ``marks`` holds what it held then, where it holds
+    other items now."""
+    for obj, items in marks:
+        _put_items(obj, items)
 
 
 def _put_items(obj, items) -> None:
-    """``obj`` (a list, a dict, a plain object) holds ``items`` again, where it holds other
-    ones now (through the built-in types' own methods: a dict subclass such as HF's
-    ``ModelOutput`` refuses ``update``)."""
+    """``obj`` (see :func:`_contents`) holds ``items`` again, where it holds other ones now."""
     if isinstance(obj, list):
         if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
             list.__setitem__(obj, slice(None), items)
-        return
-    refill(obj if isinstance(obj, dict) else obj.__dict__, items)
+    elif isinstance(obj, collections.deque):
+        if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
+            obj.clear()
+            obj.extend(items)
+    elif isinstance(obj, set):
+        if {id(x) for x in obj} != {id(x) for x in items}:
+            set.clear(obj)
+            set.update(obj, items)
+    elif isinstance(obj, dict):
+        refill(obj, items)
+    else:  # (a dataclass with slots: its fields)
+        for name, value in items.items():
+            if getattr(obj, name) is not value:
+                object.__setattr__(obj, name, value)
 
 
 def refill(d: dict, items: dict) -> None:
-    """``d`` holds ``items`` again where it holds other ones now, through the base type's
-    own methods (an ``OrderedDict`` keeps its order links; a subclass that refuses
-    ``update``, HF's ``ModelOutput``, is filled all the same)."""
-    if d.keys() == items.keys() and all(d[k] is v for k, v in items.items()):
+    """``d`` holds ``items`` again, in their order, where it holds other ones now, through
+    the base type's own methods (an ``OrderedDict`` keeps its order links; a subclass that
+    refuses ``update``, HF's ``ModelOutput``, is filled all the same)."""
+    if len(d) == len(items) and all(k is k0 or k == k0 for k, k0 in zip(d, items)) \
+            and all(d[k] is v for k, v in items.items()):
         return
     base = collections.OrderedDict if isinstance(d, collections.OrderedDict) else dict
     try:
@@ -179,27 +204,43 @@ def refill(d: dict, items: dict) -> None:
 
 
 def _contents(values, out: list, seen: set, depth: int) -> list:
-    """(object, a shallow copy of what it holds) for the lists, dicts and plain objects in
-    ``values`` (modules aside: their attribute writes are recorded)."""
+    """(object, a shallow copy of what it holds) for the lists, deques, sets, dicts (and the
+    attributes of a dict subclass that keeps its items as attributes too, HF's
+    ``ModelOutput``), plain objects and dataclasses with slots in ``values`` (modules aside:
+    their attribute writes are recorded)."""
     if depth > 4:
         return out
     for v in values:
         if id(v) in seen or isinstance(v, (torch.Tensor, torch.nn.Module, type)):
             continue
-        if isinstance(v, list):
+        if isinstance(v, (list, collections.deque)):
             seen.add(id(v))
             out.append((v, list(v)))
             _contents(v, out, seen, depth + 1)
+        elif isinstance(v, set):
+            seen.add(id(v))
+            out.append((v, set(v)))
         elif isinstance(v, dict):
             seen.add(id(v))
             out.append((v, dict(v)))
             _contents(v.values(), out, seen, depth + 1)
+            extra = getattr(v, "__dict__", None)
+            if isinstance(extra, dict) and extra:
+                out.append((extra, dict(extra)))
+                _contents(extra.values(), out, seen, depth + 1)
         elif isinstance(v, tuple):
             _contents(v, out, seen, depth + 1)
-        elif isinstance(getattr(v, "__dict__", None), dict) and not callable(v):
+        elif callable(v):
+            continue
+        elif isinstance(getattr(v, "__dict__", None), dict):
             seen.add(id(v))
-            out.append((v, dict(v.__dict__)))
+            out.append((v.__dict__, dict(v.__dict__)))
             _contents(v.__dict__.values(), out, seen, depth + 1)
+        elif dataclasses.is_dataclass(v):
+            seen.add(id(v))
+            fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+            out.append((v, fields))
+            _contents(fields.values(), out, seen, depth + 1)
     return out
 
 
