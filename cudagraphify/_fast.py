@@ -211,6 +211,22 @@ def _mixed(leaves: tuple) -> tuple | None:
     return tensors, consts, states
 
 
+def _ranges(guard, storages: frozenset) -> tuple | None:
+    """(first byte, end) of each of ``storages`` (addresses), from the tensors ``guard``
+    holds, or None where it holds none of one: a tensor whose address lies in one shares its
+    memory (storages do not overlap; an empty tensor's address lies in none)."""
+    spans = {}
+    for t in getattr(guard, "tensors", ()):
+        try:
+            st = t.untyped_storage()
+            ptr = st.data_ptr()
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):
+            continue
+        if ptr in storages:
+            spans[ptr] = max(spans.get(ptr, 0), ptr + st.nbytes())
+    return tuple(spans.items()) if spans.keys() == storages else None
+
+
 class Fast:
     """Every check of the entry the previous call replayed, in a few C calls, then its replay.
 
@@ -223,7 +239,7 @@ class Fast:
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "statics",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
-                 "state_copied", "outside", "slot", "grads", "base")
+                 "state_copied", "outside", "ranges", "slot", "grads", "base")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -263,6 +279,7 @@ class Fast:
         # read from outside the arguments, parameters and buffers (see _engine)
         self.outside = entry.state_storages | entry.held_storages
         self.state_copied = entry.copied_indices() if self.outside else ()
+        self.ranges = _ranges(entry.state, self.outside) if self.outside else None
         self.tguard = _TensorGuards(*tensors,
                                     dynamic_dims_sizes=[list(a.shape) for a in tensors],
                                     dynamic_dims_strides=[list(a.stride()) for a in tensors])
@@ -338,10 +355,18 @@ class Fast:
                     return _MISS
                 copied = self.state_copied
                 if copied:  # (see _engine: an argument sharing a state's or held memory)
-                    outside = self.outside
-                    for i in copied:
-                        if storage_of(args[i]) in outside:
-                            return _MISS
+                    ranges = self.ranges
+                    if ranges is not None:  # (an address inside one: half the cost)
+                        for i in copied:
+                            ptr = args[i].data_ptr()
+                            for lo, hi in ranges:
+                                if lo <= ptr < hi:
+                                    return _MISS
+                    else:
+                        outside = self.outside
+                        for i in copied:
+                            if storage_of(args[i]) in outside:
+                                return _MISS
                 if _guards.flags_epoch != self.flags_epoch:
                     now = _guards.flags_epoch
                     if self.read_flags() != self.flags:
