@@ -67,6 +67,7 @@ class Capturing:
         second = new_probe(self.state, thunder=False)
         if second is not None:
             second.known = set()  # track what the capture's ops produce (see verify)
+            second.written = set()  # and what they write (verify: held_storages)
             second.locate = False  # (what it reads from outside is the warm-up's business)
         rec = Recorder()
         try:
@@ -174,17 +175,20 @@ class Capturing:
             else:
                 self.backend.warmup(lambda: fn(*a, **kw), self.device)
 
-    def _wrote_held(self) -> bool:
+    def _wrote_held(self, made_ok: bool = False) -> bool:
         """Whether the real call may have written a tensor it reads from outside, or one it
-        bound to a module attribute that it did not make (``self.acc = pool.pop()``): as its
-        probe saw, or any such tensor where no probe looked. (A write the probe does not see,
-        a functional batch norm's running statistics, is not found: README, share_graph.)"""
+        bound to a module attribute (``made_ok``: one it did not make itself, ``self.acc =
+        pool.pop()``, where a layer's own activation kept as ``self.sample = h`` does not
+        matter: share_graph's check): as its probe saw, or any such tensor where no probe
+        looked. (A write the probe does not see, a functional batch norm's running
+        statistics, is not found: README, share_graph.)"""
         read, bound = self.read_tensors(), self._bound_tensors()
         probe = self.warm_probe
         if probe is None or probe.written is None:
             return bool(read or bound)
+        written = probe.written_before_made if made_ok else probe.written
         return any(storage_of(t) in probe.written for t in read) \
-            or any(storage_of(t) in probe.written_before_made for t in bound)
+            or any(storage_of(t) in written for t in bound)
 
     def read_tensors(self) -> list[torch.Tensor]:
         """The tensors the real call read from outside its arguments, parameters and buffers
@@ -296,7 +300,7 @@ class Capturing:
             # graph replays it and runs a second layer, each writing the cache once more
             group.refuse("an argument is passed as it is (a cache): sharing would write it")
             return None
-        if self.mutated or self.wrote_statics or self._wrote_held():
+        if self.mutated or self.wrote_statics or self._wrote_held(made_ok=True):
             # Sharing replays graphs to check them (and runs a second layer once): each replay
             # would apply the forward's writes (running statistics, a cache, a counter kept as
             # a plain tensor attribute) once more.

@@ -28,15 +28,14 @@ import weakref
 from typing import Any, Callable
 
 import torch
-from torch.nn.parameter import is_lazy
 
-from . import _capture, _guards, _region, _segrun, _statics, _trial, _watch
+from . import _capture, _guards, _region, _segrun, _trial, _watch
 from ._capture import MULTI_STREAM, drain
 from ._cache import (THRASH_EVICTIONS, THRASH_USES, CachePolicy, EagerEntry, GraphCache,
                      SetUpEntry)
 from ._errors import CudagraphifyUsageError, warn_once
 from ._fast import MISS, EagerFast, Fast
-from ._first_call import DEFERRED, EAGER, GRAPHED, LAZY, PIECEWISE, FirstCall, Outcome
+from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
 from ._nested import in_graphed_call, plain_reason, sizes_log
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
@@ -107,6 +106,8 @@ FORWARD_AD = ("inside a forward-mode AD level (torch.autograd.forward_ad.dual_le
 FUNCTORCH = ("inside a torch.func transform (grad, vjp, jacrev, vmap): its tensors are "
              "wrapped, a graph's copy-in and outputs are not")
 _functorch_stack = torch._C._functorch.peek_interpreter_stack
+LAZY = ("uninitialized parameters (a LazyModule): this call initializes them; graphed from "
+        "the next call")
 STATE_ALIAS = ("an argument shares memory with a static state (a cache) the graph reads and "
                "writes in place: a graph would read a copy made before the forward's write")
 HELD_ALIAS = ("an argument shares memory with a tensor the forward reads from outside its "
@@ -162,10 +163,6 @@ class GraphedState(PieceRuns):
         self._state_died: list[tuple[GraphCache, weakref.ref]] = []
         self._moves = 0  # calls that found parameters or buffers moved, since they last stood
         self._still = 0  # calls in a row since the last move
-        # forward pre-hooks on lazy modules that a call left uninitialized (a head used on
-        # request): graphs are made while they stay so (see _call)
-        self._lazy_hooks: list = []
-        self.lazy_reached = 0  # calls that reached one of them (FirstCall compares)
         self._moved_why = ""
         # captures that were never replayed (see _MAX_FRUITLESS): ``replays`` right after the
         # last capture's call, how many in a row, and new signatures run eagerly since
@@ -280,15 +277,12 @@ class GraphedState(PieceRuns):
             self._still += 1
             if self._still >= _STILL_CALLS:
                 self._moves = 0
-        if self.statics.lazy and not self._lazy_hooks:
+        if self.statics.lazy:
             # (materialized in place by its module's first forward: no registry write to see)
-            lazy = list(self.statics.lazy_tensors)
             try:
                 return self._eager(LAZY, fn, args, kwargs)
             finally:
                 self.statics.rescan()
-                if self.statics.lazy and all(is_lazy(t) for t in lazy):
-                    self._watch_lazy()
         if torch.is_grad_enabled():
             why = self._training_refused()
             if why is not None:
@@ -752,25 +746,6 @@ class GraphedState(PieceRuns):
         return None
 
     # -- upkeep ----------------------------------------------------------------------------
-
-    def _watch_lazy(self) -> None:
-        """A call left lazy modules uninitialized (they did not run): graphs are made without
-        them, and the first forward that reaches one (initializing it: no registry write to
-        see) bumps the statics' generation, so that the graphs made before are dropped on the
-        next call and its parameters scanned; the calls then run as on a first call again."""
-        owners = {id(m): m for m in self.statics.modules
-                  if any(is_lazy(t) for t in (*m.parameters(recurse=False),
-                                              *m.buffers(recurse=False)))}
-
-        def reached(_module, _args) -> None:
-            for h in self._lazy_hooks:
-                h.remove()
-            self._lazy_hooks = []
-            self.lazy_reached += 1
-            _statics._bump()
-
-        self._lazy_hooks = [m.register_forward_pre_hook(reached, prepend=True)
-                            for m in owners.values()]
 
     def invalidate(self, why: str) -> None:
         """Drop every graph (they read memory that is no longer the module's)."""

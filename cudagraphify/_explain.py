@@ -19,7 +19,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch.nn.parameter import is_lazy
 
-from . import _watch, _writes
+from . import _statics, _watch, _writes
 from ._errors import CudagraphifyUsageError, CudagraphifyWarning
 from ._nested import Nested
 from ._rehearsal import restored
@@ -177,10 +177,10 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     # rescaled ``inv_freq``), its hooks (one registered on first use, or removing itself after
     # it), a dict attribute; and its class: a parametrization swaps it)
     named = [(m, k, dict(v)) for m in modules for k, v in m.__dict__.items()
-             if isinstance(v, dict) and not _ours(k, v)]
+             if isinstance(v, dict) and not _own_state(k, v)]
     # (and what the containers and objects it keeps hold, a record's attributes included)
     held = _writes.contents([v for m in modules for k, v in m.__dict__.items()
-                             if not _ours(k, v)])
+                             if not _own_state(k, v)])
     classes = [(m, type(m)) for m in modules]
     registered = {id(t) for m in modules for k in _REGISTRIES for t in m.__dict__[k].values()
                   if t is not None}
@@ -217,6 +217,7 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
                 _writes.refill(d, before)
         _writes.put_back(held)
         _watch.bump()
+        _statics.generation_bump()  # (refill writes a watched registry past its report)
         wrote = [name for name, p, version in params if p._version != version]
         if wrote:
             warnings.warn(f"cudagraphify: explain's runs of {type(module).__name__} wrote "
@@ -227,11 +228,17 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
 _MISSING = object()
 
 
-def _ours(name: str, value: Any) -> bool:
-    """Whether a module attribute is cudagraphify's own (its state, its call, its watched
-    registries, made by a graphed module's first call): left as explain's runs leave it."""
-    return name.startswith("_cudagraphify") or isinstance(value, _WatchedDict) \
+def _own_state(name: str, value: Any) -> bool:
+    """Whether a module attribute is cudagraphify's own state or call (made by a graphed
+    module's first call): left as explain's runs leave it, and not looked into."""
+    return name.startswith("_cudagraphify") \
         or (name == "_compiled_call_impl" and _watch.own_call_impl(value))
+
+
+def _ours(name: str, value: Any) -> bool:
+    """:func:`_own_state`, or a registry cudagraphify watches (the object stays; what it
+    holds is put back)."""
+    return _own_state(name, value) or isinstance(value, _WatchedDict)
 
 
 def _live(module: torch.nn.Module) -> dict | None:

@@ -42,10 +42,6 @@ from ._writes import inputs_alias
 
 __all__ = ["FirstCall", "Outcome", "GRAPHED", "EAGER", "PIECEWISE", "DEFERRED"]
 
-LAZY = ("uninitialized parameters (a LazyModule): this call initializes them; graphed from "
-        "the next call")
-
-
 class FirstCall(Capturing):
     """The pipeline for one signature's first call (see the module docs). ``run()`` returns
     the :class:`Outcome`; ``warmup_seconds`` how long the eager runs took."""
@@ -89,11 +85,6 @@ class FirstCall(Capturing):
 
     def run(self) -> Outcome:
         self.warm_up()
-        if self.initialized:
-            # a lazy module (a head used on request) initialized itself while it ran: the scan
-            # of the parameters it would be captured against is stale (next call: scanned)
-            return Outcome(EAGER, self.result, reason=LAZY, remember=False,
-                           guard=self.warm_guard)
         outcome = self.screen()
         if outcome is None:
             outcome = self.capture()
@@ -142,12 +133,9 @@ class FirstCall(Capturing):
         # copies of these, not of what it leaves
         self.states_before = snapshot_states(leaves, self.sig.static_states, self.device)
         t0 = time.perf_counter()
-        reached = self.state.lazy_reached
         with Nested(), recording(rec):
             self.result = self.backend.warmup(
                 probed(probe, lambda: self.fn(*self.args, **self.kwargs)), self.device)
-        # (a lazy module it reached initialized itself: see GraphedState._watch_lazy)
-        self.initialized = self.state.lazy_reached != reached
         self.warmup_seconds += time.perf_counter() - t0
         # a forward that draws random numbers: a graph launched by the driver (a family's
         # rebased graph, see _rebase) would replay the template's draws
@@ -399,8 +387,15 @@ class FirstCall(Capturing):
         entry.state_storages = frozenset(storage_of(t) for _, obj in self.states
                                          for t in _tensors_in(obj)) - {0}
         # and the tensors it reads in place from outside its arguments, parameters and buffers
-        # (plain attributes, closures, globals: the guard holds them), written or not
-        entry.held_storages = frozenset(storage_of(t) for t in self.read_tensors()) - {0}
+        # (plain attributes, closures, globals: the guard holds them), written or not, and
+        # those the real call bound to attributes that the capture's ops read or wrote (one
+        # kept and never used again, ``self.first = x`` on the first call, is no matter)
+        touched = None if second is None or second.written is None \
+            else set(second.outside) | second.written
+        entry.held_storages = frozenset(
+            [storage_of(t) for t in self.read_tensors()]
+            + [p for p in map(storage_of, self._bound_tensors())
+               if touched is None or p in touched]) - {0}
         chain = self.region is not None and self.region.chain and entry.seq is not None
         # (the real call ran the forward: a replay now gives the chain the graph's own outputs,
         # and repeats its writes, fine for none but those the real call made; a tensor read from

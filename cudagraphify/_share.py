@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
 import torch
+from torch.nn.parameter import is_lazy
 import torch.utils._pytree as pytree
 
 from ._errors import CudagraphifyError, CudagraphifyUsageError
@@ -61,6 +62,8 @@ class _TensorLayout(NamedTuple):
 def _describe(t: torch.Tensor | None) -> _TensorLayout | None:
     if t is None:
         return None
+    if is_lazy(t):  # (a lazy module's, not initialized: no shape yet; its calls run eagerly)
+        return _TensorLayout(("uninitialized",), t.dtype, (), t.device, t.requires_grad, 0, 0)
     return _TensorLayout(tuple(t.shape), t.dtype, t.stride(), t.device, t.requires_grad,
                          t.storage_offset(), t.untyped_storage().nbytes())
 

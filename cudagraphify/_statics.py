@@ -29,17 +29,21 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["StaticState", "generation", "watch", "watched"]
+__all__ = ["StaticState", "generation", "generation_bump", "watch", "watched"]
 
 _generation = 0
 _lock = threading.Lock()
 
 
 def _bump(*_args) -> None:
-    """(also: a lazy module about to initialize itself, see ``GraphedState``)"""
     global _generation
     with _lock:
         _generation += 1
+
+
+def generation_bump() -> None:
+    """Bump the generation by hand (a registry written past its report: ``dict`` methods)."""
+    _bump()
 
 
 def generation() -> int:
@@ -168,19 +172,17 @@ class StaticState:
         self._edges = [(id(m), name, id(c)) for m in modules for name, c in m._modules.items()]
         slots = []
         seen = set()
-        # uninitialized parameters and buffers (a LazyModule's) in the tree
-        self.lazy_tensors: list[torch.Tensor] = []
+        self.lazy = False  # an uninitialized parameter or buffer (a LazyModule's) in the tree
         for m in self.modules:
             for d in (m._parameters, m._buffers):
                 for name, t in d.items():
                     if t is None or id(t) in seen:
                         continue
                     if is_lazy(t):  # (no memory yet: its module's first forward makes it)
-                        self.lazy_tensors.append(t)
+                        self.lazy = True
                         continue
                     seen.add(id(t))
                     slots.append((d, name))
-        self.lazy = bool(self.lazy_tensors)
         self._slots = slots
         self.tensors = [d[n] for d, n in slots]
         self._is_buffer = [any(d is m._buffers for m in self.modules) for d, _ in slots]

@@ -4,8 +4,8 @@ every dict its modules hold, their classes and hooks, and refuses lazy modules).
 simulated backend.
 
 Tests named ``test_finding_*`` failed on the code reviewed (one group per finding, A-H); all
-were fixed after the review (H's graphify test: the first call with lazy modules still runs
-eagerly, then graphs). The others are controls. Every comparison is with eager PyTorch on a ``copy.deepcopy`` twin of the
+were fixed after the review but H's graphify test (a model whose lazy head the calls never run
+stays eager: documented, strict xfail). The others are controls. Every comparison is with eager PyTorch on a ``copy.deepcopy`` twin of the
 module, outputs and state. Speed findings assert the counters. Findings that need a GPU:
 ``.ci/review/r63/`` (F on a GPU, I: a held device tensor resized by a CUDA capture's run).
 """
@@ -512,6 +512,11 @@ def test_finding_h_explain_refuses_a_model_with_an_unused_lazy_head(sim):
     assert "graph" in str(report)
 
 
+@pytest.mark.xfail(strict=True, reason="documented (README, Limitations): calls run eagerly "
+                   "while any lazy parameter of the tree is uninitialized; a fix that graphed "
+                   "around an unused lazy head (forward pre-hooks on it) was withdrawn after "
+                   "helper-64's review (the head initialized in a run that is not a call; the "
+                   "hook broke torch.save and deepcopy)")
 def test_finding_h_graphify_never_graphs_a_model_with_an_unused_lazy_head(sim):
     """``StaticState.rescan`` sets ``lazy`` for any uninitialized parameter in the tree
     (_statics.py:170-178) and ``_call`` runs every such call eagerly ("this call initializes
