@@ -312,6 +312,13 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
             _watch_value(item, out, tensors, seen, depth + 1)
 
 
+def _ends(d: dict) -> tuple:
+    """The first and last keys of ``d`` (by identity: keys are held), or () where empty."""
+    if not d:
+        return ()
+    return (id(next(iter(d))), id(next(reversed(d))))
+
+
 class _FieldsCheck:
     """A per-call check that a dataclass with slots holds the same field values (by identity);
     ``restore()`` puts them back."""
@@ -375,9 +382,9 @@ class _DictCheck:
         self.d = d
         self.version = _dict_version(d)
         self.items = list(d.items())  # held: an id compared below is never reused
-        # an OrderedDict's order (``move_to_end`` moves no version): its keys, compared too
-        self.order = [k for k, _ in self.items] if isinstance(d, collections.OrderedDict) \
-            else None
+        # an OrderedDict's order: ``move_to_end`` moves no version, and puts the key first or
+        # last (any other reordering writes): its first and last keys, compared too
+        self.order = _ends(d) if isinstance(d, collections.OrderedDict) else None
         # the object whose __dict__ it is: a new __dict__ or class (``obj.__dict__ = {...}``,
         # ``obj.__class__ = Other``) leaves the old dict's version as it was
         self.owner, self.cls = owner, type(owner)
@@ -388,7 +395,7 @@ class _DictCheck:
             return False
         if _dict_version(self.d) == self.version:
             order = self.order
-            return order is None or all(a is b or a == b for a, b in zip(self.d, order))
+            return order is None or _ends(self.d) == order
         now = list(self.d.items())
         if len(now) != len(self.items) or any(
                 k is not k0 and k != k0 or not same(v, v0)
@@ -402,6 +409,8 @@ class _DictCheck:
         if not self():
             _writes.refill(self.d, dict(self.items))
             self.version = _dict_version(self.d)
+            if self.order is not None:
+                self.order = _ends(self.d)
 
 
 # the type of graphify's forward wrapper (``_wrap.GraphedForward`` registers itself)
