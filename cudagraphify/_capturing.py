@@ -177,10 +177,10 @@ class Capturing:
 
     def _wrote_held(self, made_ok: bool = False) -> bool:
         """Whether the real call may have written a tensor it reads from outside, or one it
-        bound to a module attribute (``made_ok``: one it did not make itself, ``self.acc =
-        pool.pop()``, where a layer's own activation kept as ``self.sample = h`` does not
-        matter: share_graph's check): as its probe saw, or any such tensor where no probe
-        looked. (A write the probe does not see, a functional batch norm's running
+        bound to a module attribute (with ``made_ok``, share_graph's check, only one it did not
+        make itself, ``self.acc = pool.pop()``: a layer's own activation kept as
+        ``self.sample = h`` does not count): as its probe saw, or any such tensor where no
+        probe looked. (A write the probe does not see, a functional batch norm's running
         statistics, is not found: README, share_graph.)"""
         read, bound = self.read_tensors(), self._bound_tensors()
         probe = self.warm_probe
