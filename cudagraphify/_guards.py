@@ -312,13 +312,6 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
             _watch_value(item, out, tensors, seen, depth + 1)
 
 
-def _ends(d: dict) -> tuple:
-    """The first and last keys of ``d`` (by identity: keys are held), or () where empty."""
-    if not d:
-        return ()
-    return (id(next(iter(d))), id(next(reversed(d))))
-
-
 class _FieldsCheck:
     """A per-call check that a dataclass with slots holds the same field values (by identity);
     ``restore()`` puts them back."""
@@ -382,9 +375,9 @@ class _DictCheck:
         self.d = d
         self.version = _dict_version(d)
         self.items = list(d.items())  # held: an id compared below is never reused
-        # an OrderedDict's order: ``move_to_end`` moves no version, and puts the key first or
-        # last (any other reordering writes): its first and last keys, compared too
-        self.order = _ends(d) if isinstance(d, collections.OrderedDict) else None
+        # an OrderedDict's order: ``move_to_end`` moves no version (two moves can keep both
+        # ends): its keys, by identity, compared too (one pass in C, as _ItemsCheck's)
+        self.order = list(map(id, d)) if isinstance(d, collections.OrderedDict) else None
         # the object whose __dict__ it is: a new __dict__ or class (``obj.__dict__ = {...}``,
         # ``obj.__class__ = Other``) leaves the old dict's version as it was
         self.owner, self.cls = owner, type(owner)
@@ -395,13 +388,15 @@ class _DictCheck:
             return False
         if _dict_version(self.d) == self.version:
             order = self.order
-            return order is None or _ends(self.d) == order
+            return order is None or list(map(id, self.d)) == order
         now = list(self.d.items())
         if len(now) != len(self.items) or any(
                 k is not k0 and k != k0 or not same(v, v0)
                 for (k, v), (k0, v0) in zip(now, self.items)):
             return False
         self.version = _dict_version(self.d)
+        if self.order is not None:  # (an equal key put back: another object)
+            self.order = list(map(id, self.d))
         return True
 
     def restore(self) -> None:
@@ -410,7 +405,7 @@ class _DictCheck:
             _writes.refill(self.d, dict(self.items))
             self.version = _dict_version(self.d)
             if self.order is not None:
-                self.order = _ends(self.d)
+                self.order = list(map(id, self.d))
 
 
 # the type of graphify's forward wrapper (``_wrap.GraphedForward`` registers itself)
