@@ -28,11 +28,12 @@ from typing import Any, Callable, Hashable, Iterable
 import torch
 import torch.utils._pytree as pytree
 
-from . import _capture, _watch
+from . import _capture, _watch, _writes
 from ._errors import CudagraphifyUsageError, CudagraphifyWarning
 from ._guards import StateGuard
 from ._nested import Nested
 from ._signature import storage_of
+from ._statics import watch
 
 __all__ = ["Bucketed", "bucketed"]
 
@@ -140,6 +141,9 @@ class Bucketed:
         probe = Probe(None, default_policy)  # the storages forward writes
         probe.known, probe.written = set(), set()
         epoch = _watch.epoch  # (before its runs: a change they make is seen on the next call)
+        if isinstance(self._target, torch.nn.Module):
+            for m in self._target.modules():  # (so that its recorder sees attribute writes)
+                watch(m)
         rec = _watch.Recorder()  # the modules it ran and the module attributes it read
         with Nested(), probe, _watch.recording(rec):  # eagerly, on the call's own rows: this
             want = self._target(*args, **kwargs)      # call's result
@@ -161,14 +165,29 @@ class Bucketed:
                if isinstance(t, torch.Tensor)):
             return self._refuse(key, want, "forward returns an argument or a view of one: "
                                 "padded, it would return the padded copy")
+        if rec.writes:
+            names = ", ".join(sorted({f"{type(m).__name__}.{n}" for m, n, _, _ in rec.writes}))
+            return self._refuse(key, want, f"forward sets module attributes ({names}): the "
+                                "check's padded runs would set them again")
+        # (the containers and objects it read hold afterwards what the call left: a log the
+        # padded runs append to)
+        marks = _writes.contents([r.value for r in rec.reads.values()])
         runs = []
-        for pad in (padded, [self._pad(t, bucket, zeros=True) if isinstance(t, torch.Tensor)
-                             else t for t in leaves]):
-            a, kw = pytree.tree_unflatten(pad, spec)
-            out = self._target(*a, **kw)
-            # (a copy: with copy_outputs=False the next replay writes the same memory)
-            runs.append(pytree.tree_map_only(torch.Tensor, torch.clone, out))
-            self.padded_calls += 1
+        try:
+            for pad in (padded, [self._pad(t, bucket, zeros=True)
+                                 if isinstance(t, torch.Tensor) else t for t in leaves]):
+                a, kw = pytree.tree_unflatten(pad, spec)
+                out = self._target(*a, **kw)
+                # (a copy: with copy_outputs=False the next replay writes the same memory)
+                runs.append(pytree.tree_map_only(torch.Tensor, torch.clone, out))
+                self.padded_calls += 1
+        finally:
+            changed = _writes.differ(marks)
+            _writes.put_back(marks)
+        if changed:
+            return self._refuse(key, want, "forward changes the containers or objects it reads "
+                                "on every call (a log, a counter in a dict): padded calls would "
+                                "change them with the padded batch")
         why = _disagree(want, runs[0], runs[1], self.dim, bucket, n)
         if why:
             return self._refuse(key, want, why)

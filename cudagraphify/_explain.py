@@ -28,6 +28,7 @@ from ._wrap import share_of, state_of_module
 from ._policy import default_policy
 from ._probe import Probe, control_flow_findings, plan_pieces
 from ._segments import TracingProbe, runs
+from ._state import tensors_in as _tensors_in
 from ._statics import _WatchedDict
 from ._watch import _REGISTRIES
 
@@ -184,8 +185,12 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     classes = [(m, type(m)) for m in modules]
     registered = {id(t) for m in modules for k in _REGISTRIES for t in m.__dict__[k].values()
                   if t is not None}
-    tensors = [v for m in modules for v in m.__dict__.values()
-               if isinstance(v, torch.Tensor) and id(v) not in registered]
+    # (the tensors kept as plain attributes, and in the containers and objects kept there: a
+    # layer's KV cache as ``self.caches = [k, v]``)
+    tensors = [t for m in modules for k, v in m.__dict__.items()
+               if k not in _REGISTRIES and not _own_state(k, v)
+               and not isinstance(v, torch.nn.Module)
+               for t in _tensors_in(v) if id(t) not in registered]
     tensors += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     params = [(name, p, p._version) for name, p in module.named_parameters()
               if not is_lazy(p) and not p.is_inference()]

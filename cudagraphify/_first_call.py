@@ -185,6 +185,14 @@ class FirstCall(Capturing):
                     # call; changed on two calls, it is taken to be such)
                     if id(obj) in states and changed_again(obj):
                         demote(obj)
+        if self.set_up is None and not self.side_effect:
+            # an attribute it bound to tensors where it held none (a cache or an EMA allocated
+            # on first use: ``if self.kc is None: self.kc = torch.zeros(...)``): the next calls
+            # take the other path, the capture's run would too (ops that differ)
+            made = next(((module, name) for module, name, old, new in rec.writes
+                         if (old is None or old is _watch.MISSING) and _tensors_in(new)), None)
+            if made is not None:
+                self.set_up = (f"{type(made[0]).__name__}.{made[1]}", False)
         if not self.side_effect and _containers_changed(containers):
             self.side_effect = "a list or dict it is passed"
         del containers
@@ -388,27 +396,30 @@ class FirstCall(Capturing):
                                          for t in _tensors_in(obj)) - {0}
         # and the tensors it reads in place from outside its arguments, parameters and buffers
         # (plain attributes, closures, globals: the guard holds them), written or not, and
-        # those the real call bound to attributes that the capture's ops read or wrote (one
-        # kept and never used again, ``self.first = x`` on the first call, is no matter)
-        touched = None if second is None or second.written is None \
-            else set(second.outside) | second.written
+        # those the real call bound to attributes
+        # (only those some op of the real call or the capture read or wrote: one read for
+        # ``is None`` or its shape, ``if self.first is None: self.first = x``, is no matter)
+        warm = self.warm_probe
+        touched = None if second is None or second.written is None or warm is None \
+            or warm.written is None \
+            else set(second.outside) | second.written | set(warm.outside) | warm.written
         entry.held_storages = frozenset(
-            [storage_of(t) for t in self.read_tensors()]
-            + [p for p in map(storage_of, self._bound_tensors())
-               if touched is None or p in touched]) - {0}
+            p for p in map(storage_of, self.held_tensors())
+            if touched is None or p in touched) - {0}
         chain = self.region is not None and self.region.chain and entry.seq is not None
         # (the real call ran the forward: a replay now gives the chain the graph's own outputs,
         # and repeats its writes, fine for none but those the real call made; a tensor read from
         # outside that it wrote would be written twice)
         replay = chain and not self.mutated and not self.wrote_statics and not self.opaque \
             and not self._wrote_held()
+        held = self.read_tensors() if replay else []
         family = self.family
         if family is not None:  # this call's graph is the family's template: it stands
             family.verified = True
             family.guard, family.flags, family.pinned = guard, self.flags, entry.pinned
             family.held_storages = entry.held_storages
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
-                       shared=shared, states=[obj for _, obj in self.states])
+                       shared=shared, states=[obj for _, obj in self.states], held=held)
 
     def _outside_outputs(self, entry, second: Probe | None) -> list[Finding]:
         """Outputs that no op of the capture made and that are none of the arguments,

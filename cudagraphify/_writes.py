@@ -17,7 +17,7 @@ import torch
 from ._state import tensors_in
 
 __all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "contents",
-           "put_back", "refill", "versions_kept"]
+           "differ", "put_back", "refill", "versions_kept"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -157,6 +157,28 @@ def contents(values: list) -> list:
     """What the containers and objects in ``values`` hold (see :func:`_contents`), for
     :func:`put_back`."""
     return _contents(values, [], set(), 0)
+
+
+def differ(marks: list) -> bool:
+    """Whether an object of :func:`contents`'s ``marks`` holds other items now."""
+    for obj, items in marks:
+        if isinstance(obj, set):
+            now, then = {id(x) for x in obj}, {id(x) for x in items}
+            if now != then:
+                return True
+        elif isinstance(obj, (list, collections.deque)):
+            if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
+                return True
+        else:
+            d = obj if isinstance(obj, dict) else None
+            if d is not None:
+                if len(d) != len(items) or any(k is not k0 and k != k0
+                                               for k, k0 in zip(d, items)) \
+                        or any(d[k] is not v for k, v in items.items()):
+                    return True
+            elif any(getattr(obj, n) is not v for n, v in items.items()):
+                return True
+    return False
 
 
 def put_back(marks: list) -> None:

@@ -67,7 +67,10 @@ def test_finding_a_an_argument_bound_by_the_real_call_runs_eagerly_for_good(sim,
             m = mask if passed == "same" else mask[:]
             assert close(g(x, m), ref(x, m)), i
     s = cg.stats(g)
-    assert s.replays == 4 and not s.eager_calls, (s.replays, dict(s.eager_calls))
+    # (the first call binds the attribute where it held None: a set-up, its capture deferred
+    # to the next call, helper-66's D)
+    assert s.replays == 3 and all("set up" in r for r in s.eager_calls), \
+        (s.replays, dict(s.eager_calls))
 
 
 def test_bound_argument_not_passed_again_replays_control(sim):
@@ -80,7 +83,8 @@ def test_bound_argument_not_passed_again_replays_control(sim):
             assert close(g(x, mask), ref(x, mask)), i
             assert torch.equal(g.first_mask, ref.first_mask), i
     s = cg.stats(g)
-    assert s.replays == 4 and not s.eager_calls, (s.replays, dict(s.eager_calls))
+    assert s.replays == 3 and all("set up" in r for r in s.eager_calls), \
+        (s.replays, dict(s.eager_calls))
 
 
 # -- F-B (wrong values, introduced by b4ea731 (A, D)): refill does not put an order back --------
@@ -577,7 +581,7 @@ def test_bound_input_read_and_returned_later_control(sim, copy_outputs):
             x = torch.randn(2, 4)
             (a, b), (c, d) = g(x), ref(x)
             assert close(a, c) and torch.equal(b, d), i
-    assert cg.stats(g).replays == 3
+    assert cg.stats(g).replays == 2  # (the first call a set-up: see above)
 
 
 class KeepsOut(nn.Module):
@@ -617,7 +621,7 @@ def test_training_bound_once_control(sim, what, warmups):
         opt_g.zero_grad()
         opt_r.zero_grad()
     assert torch.equal(g.kept, ref.kept)
-    assert cg.stats(g).replays == 3
+    assert cg.stats(g).replays == 2  # (the first call a set-up: see above)
 
 
 class Registers(nn.Module):
