@@ -30,10 +30,10 @@ import torch.utils._pytree as pytree
 
 from . import _capture, _watch, _writes
 from ._errors import CudagraphifyUsageError, CudagraphifyWarning
+from ._explain import _own_state
 from ._guards import StateGuard
 from ._nested import Nested
 from ._signature import storage_of
-from ._statics import watch
 
 __all__ = ["Bucketed", "bucketed"]
 
@@ -141,9 +141,6 @@ class Bucketed:
         probe = Probe(None, default_policy)  # the storages forward writes
         probe.known, probe.written = set(), set()
         epoch = _watch.epoch  # (before its runs: a change they make is seen on the next call)
-        if isinstance(self._target, torch.nn.Module):
-            for m in self._target.modules():  # (so that its recorder sees attribute writes)
-                watch(m)
         rec = _watch.Recorder()  # the modules it ran and the module attributes it read
         with Nested(), probe, _watch.recording(rec):  # eagerly, on the call's own rows: this
             want = self._target(*args, **kwargs)      # call's result
@@ -165,13 +162,16 @@ class Bucketed:
                if isinstance(t, torch.Tensor)):
             return self._refuse(key, want, "forward returns an argument or a view of one: "
                                 "padded, it would return the padded copy")
-        if rec.writes:
-            names = ", ".join(sorted({f"{type(m).__name__}.{n}" for m, n, _, _ in rec.writes}))
-            return self._refuse(key, want, f"forward sets module attributes ({names}): the "
-                                "check's padded runs would set them again")
-        # (the containers and objects it read hold afterwards what the call left: a log the
-        # padded runs append to)
-        marks = _writes.contents([r.value for r in rec.reads.values()])
+        # (the modules it ran and the containers and objects it read hold afterwards what the
+        # call left: a step counter, a log the padded runs would advance; a forward that
+        # changes them on every call is refused below, one that sets up an attribute once,
+        # ``if self.scale is None``, is not: its padded runs leave it)
+        modules = list(self._target.modules()) \
+            if isinstance(self._target, torch.nn.Module) else []
+        modules += [m for m in rec.called.values() if all(m is not x for x in modules)]
+        attrs = [(m, _own(m)) for m in modules]
+        marks = _writes.contents([r.value for r in rec.reads.values()]
+                                 + [v for _, a in attrs for v in a.values()])
         runs = []
         try:
             for pad in (padded, [self._pad(t, bucket, zeros=True)
@@ -182,12 +182,19 @@ class Bucketed:
                 runs.append(pytree.tree_map_only(torch.Tensor, torch.clone, out))
                 self.padded_calls += 1
         finally:
-            changed = _writes.differ(marks)
+            changed = [f"{type(m).__name__}'s attributes" for m, a in attrs
+                       if _writes.differ([(_own(m), a)])] \
+                or (["the containers it reads"] if _writes.differ(marks, added_ok=True) else [])
+            for m, a in attrs:
+                d = m.__dict__
+                for k in [k for k in _own(m) if k not in a]:
+                    del d[k]
+                d.update(a)
             _writes.put_back(marks)
         if changed:
-            return self._refuse(key, want, "forward changes the containers or objects it reads "
-                                "on every call (a log, a counter in a dict): padded calls would "
-                                "change them with the padded batch")
+            return self._refuse(key, want, f"forward changes {changed[0]} on every call (a "
+                                "step counter, a log): padded calls would change them with the "
+                                "padded batch")
         why = _disagree(want, runs[0], runs[1], self.dim, bucket, n)
         if why:
             return self._refuse(key, want, why)
@@ -204,6 +211,13 @@ class Bucketed:
         warnings.warn(f"cudagraphify: bucketed: batch {key[0]} bucket runs unpadded: {why}",
                       CudagraphifyWarning, stacklevel=3)
         return result
+
+
+def _own(m: torch.nn.Module) -> dict:
+    """A module's own attributes (a step counter, a cache), not its registries and hooks
+    (dicts of torch's) nor cudagraphify's state and call."""
+    return {k: v for k, v in m.__dict__.items()
+            if not (k.startswith("_") and isinstance(v, dict)) and not _own_state(k, v)}
 
 
 _STATES = 4  # module states a size is checked in before state that keeps changing refuses it

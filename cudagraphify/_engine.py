@@ -23,14 +23,13 @@ Nothing here touches ``torch.cuda``: the backend (``_capture``) does.
 from __future__ import annotations
 
 import collections
-import contextlib
 import threading
 import weakref
 from typing import Any, Callable
 
 import torch
 
-from . import _capture, _guards, _region, _segrun, _trial, _watch, _writes
+from . import _capture, _guards, _region, _segrun, _trial, _watch
 from ._capture import MULTI_STREAM, drain
 from ._cache import (THRASH_EVICTIONS, THRASH_USES, CachePolicy, EagerEntry, GraphCache,
                      SetUpEntry)
@@ -715,17 +714,11 @@ class GraphedState(PieceRuns):
         if outcome.replay:
             # In a chaining region the first call returns the graph's own (aliased) outputs, so
             # the next graphed call is captured reading them in place. Nothing was written, so
-            # replaying once more has no effect beyond its outputs (what it reads from outside
-            # is put back after it: a write the probe does not see). A family's rebased graph
+            # replaying once more has no effect beyond its outputs (none is made where it reads
+            # tensors from outside: see verify). A family's rebased graph
             # was not captured (no device synchronisation): it shares the template's memory,
             # so the replay orders after the stream that replayed last (in _replay).
-            with contextlib.ExitStack() as kept:
-                try:
-                    kept.enter_context(_writes.undone(outcome.held))
-                except torch.OutOfMemoryError:  # (no room for the copies: the call's result)
-                    kept.close()
-                else:
-                    return self._replay(backend, region, entry, leaves, fn, args, kwargs)
+            return self._replay(backend, region, entry, leaves, fn, args, kwargs)
         holder = self._stream_holder(region)
         if holder._stream_token != MULTI_STREAM:
             holder._stream_token = backend.stream_token(entry.device)

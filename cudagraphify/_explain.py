@@ -21,6 +21,7 @@ from torch.nn.parameter import is_lazy
 
 from . import _statics, _watch, _writes
 from ._errors import CudagraphifyUsageError, CudagraphifyWarning
+from ._guards import WRAPPERS
 from ._nested import Nested
 from ._rehearsal import restored
 from ._options import Stats
@@ -28,6 +29,7 @@ from ._wrap import share_of, state_of_module
 from ._policy import default_policy
 from ._probe import Probe, control_flow_findings, plan_pieces
 from ._segments import TracingProbe, runs
+from ._signature import storage_of
 from ._state import tensors_in as _tensors_in
 from ._statics import _WatchedDict
 from ._watch import _REGISTRIES
@@ -183,14 +185,17 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     held = _writes.contents([v for m in modules for k, v in m.__dict__.items()
                              if not _own_state(k, v)])
     classes = [(m, type(m)) for m in modules]
-    registered = {id(t) for m in modules for k in _REGISTRIES for t in m.__dict__[k].values()
-                  if t is not None}
+    # (by memory: a view of a parameter kept in a list is the parameter's, whose writes are
+    # named in the warning below, not put back)
+    registered = {storage_of(t) for m in modules for k in _REGISTRIES
+                  for t in m.__dict__[k].values() if isinstance(t, torch.Tensor)
+                  and not is_lazy(t)}
     # (the tensors kept as plain attributes, and in the containers and objects kept there: a
     # layer's KV cache as ``self.caches = [k, v]``)
     tensors = [t for m in modules for k, v in m.__dict__.items()
                if k not in _REGISTRIES and not _own_state(k, v)
                and not isinstance(v, torch.nn.Module)
-               for t in _tensors_in(v) if id(t) not in registered]
+               for t in _tensors_in(v) if storage_of(t) not in registered]
     tensors += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     params = [(name, p, p._version) for name, p in module.named_parameters()
               if not is_lazy(p) and not p.is_inference()]
@@ -234,10 +239,12 @@ _MISSING = object()
 
 
 def _own_state(name: str, value: Any) -> bool:
-    """Whether a module attribute is cudagraphify's own state or call (made by a graphed
-    module's first call): left as explain's runs leave it, and not looked into."""
+    """Whether a module attribute is cudagraphify's own state, call or forward wrapper (made by
+    a graphed module's first call, or a piece's): left as runs that are not calls leave it,
+    and not looked into."""
     return name.startswith("_cudagraphify") \
-        or (name == "_compiled_call_impl" and _watch.own_call_impl(value))
+        or (name == "_compiled_call_impl" and _watch.own_call_impl(value)) \
+        or (name == "forward" and type(value) in WRAPPERS)
 
 
 def _ours(name: str, value: Any) -> bool:

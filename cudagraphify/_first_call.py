@@ -410,16 +410,18 @@ class FirstCall(Capturing):
         # (the real call ran the forward: a replay now gives the chain the graph's own outputs,
         # and repeats its writes, fine for none but those the real call made; a tensor read from
         # outside that it wrote would be written twice)
+        # (nor where it reads tensors from outside: a write to them the probe does not see, a
+        # functional batch norm's running statistics, would be made twice, and the replay's
+        # outputs computed from it)
         replay = chain and not self.mutated and not self.wrote_statics and not self.opaque \
-            and not self._wrote_held()
-        held = self.read_tensors() if replay else []
+            and not self._wrote_held() and not self.read_tensors()
         family = self.family
         if family is not None:  # this call's graph is the family's template: it stands
             family.verified = True
             family.guard, family.flags, family.pinned = guard, self.flags, entry.pinned
             family.held_storages = entry.held_storages
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
-                       shared=shared, states=[obj for _, obj in self.states], held=held)
+                       shared=shared, states=[obj for _, obj in self.states])
 
     def _outside_outputs(self, entry, second: Probe | None) -> list[Finding]:
         """Outputs that no op of the capture made and that are none of the arguments,

@@ -295,7 +295,8 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     else:
         d = getattr(value, "__dict__", None)
         if not isinstance(d, dict):
-            if dataclasses.is_dataclass(value):  # a dataclass with slots: its fields
+            if dataclasses.is_dataclass(value) or _writes.slot_names(type(value)):
+                # a dataclass with slots, or a plain class with slots: its fields
                 check = _FieldsCheck(value)
                 out.append(check)
                 for item in check.held:
@@ -313,14 +314,16 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
 
 
 class _FieldsCheck:
-    """A per-call check that a dataclass with slots holds the same field values (by identity);
-    ``restore()`` puts them back."""
+    """A per-call check that a dataclass (or a plain class) with slots holds the same field
+    values (by identity); ``restore()`` puts them back."""
 
     __slots__ = ("v", "names", "held")
 
     def __init__(self, v: Any):
         self.v = v
-        self.names = [f.name for f in dataclasses.fields(v)]
+        names = [f.name for f in dataclasses.fields(v)] if dataclasses.is_dataclass(v) \
+            else _writes.slot_names(type(v))
+        self.names = [n for n in names if hasattr(v, n)]  # (the slots set)
         self.held = [getattr(v, n) for n in self.names]
 
     def __call__(self) -> bool:

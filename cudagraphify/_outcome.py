@@ -30,7 +30,3 @@ class Outcome:
     quiet: bool = False  # DEFERRED: an expected first call (no warning)
     states: list = field(default_factory=list)  # GRAPHED: static state it is keyed to
     set_up: tuple = ()  # EAGER: leaves of the static states this call set up (allocated)
-    # GRAPHED with replay: the tensors it reads from outside, put back after that replay (a
-    # write the probe does not see, a functional batch norm's running statistics, would be
-    # made twice)
-    held: list = field(default_factory=list)

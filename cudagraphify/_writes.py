@@ -17,7 +17,7 @@ import torch
 from ._state import tensors_in
 
 __all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "contents",
-           "differ", "put_back", "refill", "versions_kept"]
+           "differ", "put_back", "refill", "slot_names", "versions_kept"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -159,8 +159,9 @@ def contents(values: list) -> list:
     return _contents(values, [], set(), 0)
 
 
-def differ(marks: list) -> bool:
-    """Whether an object of :func:`contents`'s ``marks`` holds other items now."""
+def differ(marks: list, added_ok: bool = False) -> bool:
+    """Whether an object of :func:`contents`'s ``marks`` holds other items now (with
+    ``added_ok``, a dict that only gained keys does not count: a memo)."""
     for obj, items in marks:
         if isinstance(obj, set):
             now, then = {id(x) for x in obj}, {id(x) for x in items}
@@ -172,8 +173,11 @@ def differ(marks: list) -> bool:
         else:
             d = obj if isinstance(obj, dict) else None
             if d is not None:
-                if len(d) != len(items) or any(k is not k0 and k != k0
-                                               for k, k0 in zip(d, items)) \
+                if added_ok and len(d) > len(items):
+                    if any(k not in d or d[k] is not v for k, v in items.items()):
+                        return True
+                elif len(d) != len(items) or any(k is not k0 and k != k0
+                                                 for k, k0 in zip(d, items)) \
                         or any(d[k] is not v for k, v in items.items()):
                     return True
             elif any(getattr(obj, n) is not v for n, v in items.items()):
@@ -203,7 +207,7 @@ def _put_items(obj, items) -> None:
             set.update(obj, items)
     elif isinstance(obj, dict):
         refill(obj, items)
-    else:  # (a dataclass with slots: its fields)
+    else:  # (a dataclass or a plain class with slots: its fields)
         for name, value in items.items():
             if getattr(obj, name) is not value:
                 object.__setattr__(obj, name, value)
@@ -258,12 +262,24 @@ def _contents(values, out: list, seen: set, depth: int) -> list:
             seen.add(id(v))
             out.append((v.__dict__, dict(v.__dict__)))
             _contents(v.__dict__.values(), out, seen, depth + 1)
-        elif dataclasses.is_dataclass(v):
+        elif dataclasses.is_dataclass(v) or slot_names(type(v)):
             seen.add(id(v))
-            fields = {f.name: getattr(v, f.name) for f in dataclasses.fields(v)}
+            names = [f.name for f in dataclasses.fields(v)] if dataclasses.is_dataclass(v) \
+                else slot_names(type(v))
+            fields = {n: getattr(v, n) for n in names if hasattr(v, n)}
             out.append((v, fields))
             _contents(fields.values(), out, seen, depth + 1)
     return out
+
+
+def slot_names(cls: type) -> list[str]:
+    """The ``__slots__`` names of ``cls`` and its bases (a plain class with slots: no
+    ``__dict__`` to copy)."""
+    names = []
+    for c in cls.__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        names += [slots] if isinstance(slots, str) else [n for n in slots if n != "__weakref__"]
+    return names
 
 
 @contextlib.contextmanager
