@@ -75,8 +75,16 @@ def pair(kind):
     return ref, cg.graphify(copy.deepcopy(ref)), (lambda m, x: m(x, ctx))
 
 
-def rand():
-    return torch.randn(8, DIM, device="cuda")
+_GEN = []
+
+
+def rand(rows=8):
+    """Inputs from a CUDA generator of their own: thread B draws them during A's capture,
+    which holds the default generator (a draw from it there raises "Offset increment outside
+    graph capture", the script's error, not cudagraphify's)."""
+    if not _GEN:
+        _GEN.append(torch.Generator(device="cuda").manual_seed(0))
+    return torch.randn(rows, DIM, device="cuda", generator=_GEN[0])
 
 
 def run_threads(a, b, timeout=8):
@@ -143,7 +151,7 @@ def capture_race(kind, same_stream, between, tag):
     ref, g, call = pair(kind)
     s, sb = torch.cuda.Stream(), torch.cuda.Stream()
     static_x = rand()
-    inside, done = threading.Event(), threading.Event()
+    inside, done, ready = threading.Event(), threading.Event(), threading.Event()
     box = {"keep": [p.data for p in g.parameters()]}  # (A's graph reads these)
     with torch.no_grad():
         sb.wait_stream(torch.cuda.current_stream())
@@ -153,6 +161,7 @@ def capture_race(kind, same_stream, between, tag):
         torch.cuda.synchronize()
 
     def a():
+        assert ready.wait(5), "B did not warm up"
         with torch.no_grad():
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s):  # (the user's warm-up: s replays last)
@@ -171,6 +180,12 @@ def capture_race(kind, same_stream, between, tag):
             box["graph"] = graph
 
     def b():
+        # (a thread's first cuBLAS call creates its handle: during A's capture CUDA refuses
+        # that, and A's capture is invalidated whatever runs it, eager torch included)
+        with torch.no_grad(), torch.cuda.stream(sb):
+            call(ref, rand())
+        torch.cuda.synchronize()
+        ready.set()
         assert inside.wait(5)
         try:
             with torch.no_grad(), torch.cuda.stream(sb):
