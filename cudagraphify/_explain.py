@@ -218,7 +218,7 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
             for name in [k for k in now if k not in before and not _ours(k, now[k])]:
                 del now[name]
             for name, value in before.items():
-                current = now.get(name, _MISSING)
+                current = now.get(name, _watch.MISSING)
                 if current is not value and not _ours(name, current):
                     now[name] = value
         for m, name, before in named:
@@ -233,9 +233,6 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
             warnings.warn(f"cudagraphify: explain's runs of {type(module).__name__} wrote "
                           f"parameter(s) in place, which it does not put back: "
                           f"{', '.join(wrote[:8])}", CudagraphifyWarning, stacklevel=4)
-
-
-_MISSING = object()
 
 
 def _own_state(name: str, value: Any) -> bool:

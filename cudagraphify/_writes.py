@@ -163,26 +163,26 @@ def differ(marks: list, added_ok: bool = False) -> bool:
     """Whether an object of :func:`contents`'s ``marks`` holds other items now (with
     ``added_ok``, a dict that only gained keys does not count: a memo)."""
     for obj, items in marks:
-        if isinstance(obj, set):
-            now, then = {id(x) for x in obj}, {id(x) for x in items}
-            if now != then:
+        if added_ok and isinstance(obj, dict) and len(obj) > len(items):
+            if any(k not in obj or obj[k] is not v for k, v in items.items()):
                 return True
-        elif isinstance(obj, (list, collections.deque)):
-            if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
-                return True
-        else:
-            d = obj if isinstance(obj, dict) else None
-            if d is not None:
-                if added_ok and len(d) > len(items):
-                    if any(k not in d or d[k] is not v for k, v in items.items()):
-                        return True
-                elif len(d) != len(items) or any(k is not k0 and k != k0
-                                                 for k, k0 in zip(d, items)) \
-                        or any(d[k] is not v for k, v in items.items()):
-                    return True
-            elif any(getattr(obj, n) is not v for n, v in items.items()):
-                return True
+        elif not _same_items(obj, items):
+            return True
     return False
+
+
+def _same_items(obj, items) -> bool:
+    """Whether ``obj`` (see :func:`_contents`) holds ``items``, its snapshot: the same
+    objects, in the same order (a set's by identity; a dict's keys by equality too; an
+    object's fields by name)."""
+    if isinstance(obj, set):
+        return {id(x) for x in obj} == {id(x) for x in items}
+    if isinstance(obj, (list, collections.deque)):
+        return len(obj) == len(items) and all(a is b for a, b in zip(obj, items))
+    if isinstance(obj, dict):
+        return len(obj) == len(items) and all(k is k0 or k == k0 for k, k0 in zip(obj, items)) \
+            and all(obj[k] is v for k, v in items.items())
+    return all(getattr(obj, n) is v for n, v in items.items())
 
 
 def put_back(marks: list) -> None:
@@ -194,19 +194,18 @@ def put_back(marks: list) -> None:
 
 def _put_items(obj, items) -> None:
     """``obj`` (see :func:`_contents`) holds ``items`` again, where it holds other ones now."""
+    if _same_items(obj, items):
+        return
     if isinstance(obj, list):
-        if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
-            list.__setitem__(obj, slice(None), items)
+        list.__setitem__(obj, slice(None), items)
     elif isinstance(obj, collections.deque):
-        if len(obj) != len(items) or any(a is not b for a, b in zip(obj, items)):
-            obj.clear()
-            obj.extend(items)
+        obj.clear()
+        obj.extend(items)
     elif isinstance(obj, set):
-        if {id(x) for x in obj} != {id(x) for x in items}:
-            set.clear(obj)
-            set.update(obj, items)
+        set.clear(obj)
+        set.update(obj, items)
     elif isinstance(obj, dict):
-        refill(obj, items)
+        _fill(obj, items)
     else:  # (a dataclass or a plain class with slots: its fields)
         for name, value in items.items():
             if getattr(obj, name) is not value:
@@ -217,9 +216,11 @@ def refill(d: dict, items: dict) -> None:
     """``d`` holds ``items`` again, in their order, where it holds other ones now, through
     the base type's own methods (an ``OrderedDict`` keeps its order links; a subclass that
     refuses ``update``, HF's ``ModelOutput``, is filled all the same)."""
-    if len(d) == len(items) and all(k is k0 or k == k0 for k, k0 in zip(d, items)) \
-            and all(d[k] is v for k, v in items.items()):
-        return
+    if not _same_items(d, items):
+        _fill(d, items)
+
+
+def _fill(d: dict, items: dict) -> None:
     base = collections.OrderedDict if isinstance(d, collections.OrderedDict) else dict
     try:
         base.clear(d)
