@@ -266,6 +266,8 @@ class FirstCall(Capturing):
                 self.probe = probe = rehearsal  # what the capture must match
         for path, f in self._hook_findings():
             findings.setdefault(path, []).append(f)
+        for f in self._resized_kept():  # (its module runs eagerly, its neighbours graphed)
+            findings.setdefault(f.path, []).append(f)
         # tensors read from outside, on the eager path and on the rehearsed one (its copies of
         # the inputs are known to it)
         for f in self._outside_tensors(warm, probe):
@@ -288,6 +290,19 @@ class FirstCall(Capturing):
         if self.mutated and self.training:
             return self._eager("forward writes to its tensor arguments while autograd records")
         return None
+
+    def _resized_kept(self) -> list[Finding]:
+        """Where the real call resized (another shape, or moved memory) a tensor that outlives
+        it: an argument, a parameter or buffer, or one it read from outside (a log kept as a
+        plain attribute, grown by ``resize_`` on every call). A replay resizes nothing, and a
+        CUDA capture's run would move its memory into the graph's pool without the bytes.
+        Tensors the call made are its own."""
+        probe = self.warm_probe
+        if probe is None or not probe.resized:
+            return []
+        kept = {id(t) for t in self.warm_guard.tensors} | {id(t) for t in self.statics.tensors} \
+            | {id(x) for x in self.leaves if isinstance(x, torch.Tensor)}
+        return [f for t, f in probe.resized if id(t) in kept]
 
     def _hook_findings(self) -> list[tuple[str, Finding]]:
         """Hooks are Python that must run on every call: a module with hooks that the call ran

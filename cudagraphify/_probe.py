@@ -128,10 +128,21 @@ class _Mode(TorchFunctionMode):
         written = probe.written
         if written is not None and (info[2] or kwargs):
             probe.note_writes(func, args, kwargs, info[2])
-        out = func(*args, **kwargs)
+        if info[1] in _RESIZES and written is not None and args \
+                and isinstance(args[0], torch.Tensor):
+            t = args[0]
+            before = (storage_of(t), t.shape)  # (a resize within capacity keeps the address)
+            out = func(*args, **kwargs)
+            probe.note_resize(t, before, info[1])
+        else:
+            out = func(*args, **kwargs)
         if probe.known is not None:
             probe.note_tensors(func, args, kwargs, out)
         return out
+
+
+# in-place ops that may change a tensor's shape and move its memory
+_RESIZES = frozenset({"Tensor.resize_", "Tensor.resize_as_", "torch.resize_as_"})
 
 
 _resolved: dict[str, tuple[Any, str] | None] = {}
@@ -258,6 +269,11 @@ class Probe:
         # _first_call)
         self.grad_on = False
         self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
+        # (tensor, where) of resizes (where ``written`` is tracked) that changed a tensor's
+        # shape or moved its memory: a replay resizes nothing, and a capture's run would move
+        # memory into its pool without copying the bytes (see _first_call.screen)
+        self.resized: list[tuple[torch.Tensor, Finding]] = []
+        self.made_empty: set[int] = set()  # ids of the run's tensors without memory
 
     def ran(self) -> set[str]:
         """The module paths that ran: made ops of their own, or had their forward called."""
@@ -311,6 +327,19 @@ class Probe:
                     if ptr not in self.produced:
                         self.written_before_made.add(ptr)
 
+    def note_resize(self, t: torch.Tensor, before: tuple, name: str) -> None:
+        """Note a resize that changed ``t``'s shape or moved its memory (``before``: its
+        storage address and shape then); which tensors matter is the caller's question."""
+        ptr = storage_of(t)
+        if (ptr, t.shape) == before:
+            return
+        self.resized.append((t, Finding.at_caller(self.path, name, ("RESIZES",))))
+        if ptr and (before[0] in self.produced
+                    or (not before[0] and id(t) in self.made_empty)):
+            # memory this resize allocated for a tensor the run made (``torch.empty(0)``, no
+            # memory yet, then ``resize_``): the run's own, not read from outside
+            self.produced.add(ptr)
+
     def note_tensors(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Note the storages ``func`` read that no earlier op of the run produced and that are
         not ``known``, and the storages it produced."""
@@ -328,6 +357,8 @@ class Probe:
                 # not made by the run: a write through it writes that memory)
                 if ptr and ptr not in known and ptr not in outside:
                     produced.add(ptr)
+                elif not ptr:  # (no memory yet: an op's empty output, see note_resize)
+                    self.made_empty.add(id(value))
 
     def _read(self, func: Any, t: torch.Tensor, ptr: int) -> None:
         """``t`` (storage ``ptr``) is read and comes from outside the run: noted where."""

@@ -825,3 +825,35 @@ def test_5_plain_tensor_attribute_passed_as_the_argument():
         x = torch.randn(64, device=DEV)
         _same(g(x), ref(x), "after")
         assert cg.stats(g).replays == replays + 1, cg.stats(g)
+
+
+class _GrowsLog(nn.Module):
+    """Logs a row of each output into a plain tensor attribute grown by ``resize_`` (r63 I)."""
+
+    def __init__(self, dim: int = 64, device=None):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim, device=device)
+        self.log = torch.zeros(0, device=device)
+
+    def forward(self, x):
+        h = self.lin(x)
+        n = self.log.numel()
+        self.log.resize_(n + h.shape[-1])
+        self.log[n:].copy_(h[0])
+        return h
+
+
+@pytest.mark.parametrize("warmups", [1, 3])
+def test_6_plain_tensor_attribute_grown_by_resize(warmups):
+    """A replay resizes nothing, and the capture's run would move the log into the graph's
+    pool without the real call's bytes: the root runs eagerly, its Linear graphed."""
+    torch.manual_seed(0)
+    ref = _GrowsLog(device=DEV)
+    g = cg.graphify(copy.deepcopy(ref), num_warmup_iters=warmups)
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.randn(2, 64, device=DEV)
+            _same(g(x), ref(x), f"call {i}")
+            _same(g.log, ref.log, f"log after call {i}")
+    s = cg.stats(g)
+    assert s.replays >= 2 and any("RESIZES" in k for k in s.eager_calls), s

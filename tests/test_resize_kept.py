@@ -1,0 +1,116 @@
+"""A forward that resizes a tensor outliving the call (a plain attribute, a buffer, an argument)
+runs its module eagerly, its submodules graphed: a replay resizes nothing, and a CUDA capture's
+run would move that memory into the graph's pool without its bytes (GPU:
+tests/test_gpu_guards.py::test_6_plain_tensor_attribute_grown_by_resize). A tensor the call
+makes and resizes itself, or a resize that changes nothing, leaves the whole forward graphed.
+CPU, the simulated backend (it replays what it recorded)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+
+pytestmark = pytest.mark.usefixtures("sim", "quiet")
+
+
+class GrowsLog(nn.Module):
+    def __init__(self, as_buffer=False):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        if as_buffer:
+            self.register_buffer("log", torch.zeros(0))
+        else:
+            self.log = torch.zeros(0)
+
+    def forward(self, x):
+        h = self.lin(x)
+        n = self.log.numel()
+        self.log.resize_(n + 4)
+        self.log[n:].copy_(h[0])
+        return h
+
+
+class OwnScratch(nn.Module):
+    """Resizes only a tensor it makes, and a kept one to the size it has."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.kept = torch.rand(4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        scratch = torch.empty(0)
+        scratch.resize_(4)
+        scratch.copy_(h[0])
+        self.kept.resize_(4)  # (its size already: nothing changes)
+        return h * scratch * self.kept
+
+
+def _calls(ref, g, n=5):
+    with torch.no_grad():
+        for i in range(n):
+            x = torch.randn(2, 4)
+            assert torch.equal(g(x), ref(x)), f"call {i}"
+            assert torch.equal(g.log if hasattr(g, "log") else g.kept,
+                               ref.log if hasattr(ref, "log") else ref.kept), f"state, call {i}"
+
+
+@pytest.mark.parametrize("as_buffer", [False, True])
+@pytest.mark.parametrize("warmups", [1, 3])
+def test_a_kept_tensor_grown_by_resize_runs_its_module_eagerly(as_buffer, warmups):
+    torch.manual_seed(0)
+    ref = GrowsLog(as_buffer)
+    g = cg.graphify(copy.deepcopy(ref), num_warmup_iters=warmups)
+    _calls(ref, g)
+    assert g.log.shape == (20,)
+    s = cg.stats(g)
+    reason = next(k for k in s.eager_calls if "RESIZES" in k)
+    assert "piecewise" in reason and "Tensor.resize_" in reason, reason
+    assert s.eager_calls[reason] == 5
+    if not as_buffer:  # (a buffer resized moves the statics: the root decides every call)
+        assert cg.stats(g.lin).replays >= 2  # (its neighbour stays graphed)
+
+
+def test_an_argument_resized_in_place_is_not_replayed():
+    def grow(buf, x):
+        buf.resize_(buf.numel() + 2)
+        buf[-2:].copy_(x)
+        return x * 2
+
+    g = cg.graphify(grow)
+    a, b = torch.zeros(0), torch.zeros(0)
+    for _ in range(4):
+        x = torch.randn(2)
+        assert torch.equal(g(a, x), grow(b, x))
+        assert torch.equal(a, b)
+    assert cg.stats(g).replays == 0
+
+
+def test_resizes_of_its_own_tensors_or_to_the_same_size_stay_graphed():
+    torch.manual_seed(0)
+    ref = OwnScratch()
+    g = cg.graphify(copy.deepcopy(ref))
+    _calls(ref, g)
+    s = cg.stats(g)
+    assert s.captures == 1 and s.replays >= 3 and not s.eager_calls, s
+
+
+def test_an_empty_closure_tensor_grown_by_resize_is_not_replayed():
+    """Memory a resize gives an empty tensor from outside the call is not the run's own."""
+    log = torch.zeros(0)
+
+    def fn(x):
+        n = log.numel()
+        log.resize_(n + 2)
+        log[n:].copy_(x)
+        return x * 2
+
+    g = cg.graphify(fn)
+    for i in range(4):
+        x = torch.randn(2)
+        assert torch.equal(g(x), x * 2)
+        assert log.numel() == 2 * (i + 1), f"call {i}: {log.numel()}"
+    assert cg.stats(g).replays == 0
