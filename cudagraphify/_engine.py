@@ -555,11 +555,18 @@ class GraphedState(PieceRuns):
             return self._eager("an output of an earlier call in this graph_region is still "
                                "referenced through a view; running eagerly so it is not "
                                "overwritten (clone outputs you keep)", fn, args, kwargs)
-        trial = None if training else entry.trial
+        trial = entry.trial
         if trial is not None:
             if trial.eager_next():
                 self.timed_calls += 1
                 out = trial.timed(lambda: fn(*args, **kwargs), True)
+            elif training:  # (its forward only: no fast path replays a training graph)
+                self.replays += 1
+                if region is not None:
+                    region.replays += 1
+                self._note(True)
+                out = trial.timed(lambda: entry.run(leaves, self.statics.grad_params(), self),
+                                  False)
             else:
                 out = self._timed_replay(trial, backend, region, entry, leaves, fn, args,
                                          kwargs, token)
@@ -692,7 +699,9 @@ class GraphedState(PieceRuns):
             region.record_capture(entry)
         clock = getattr(backend, "clock", None)
         if self.options.piece and clock is not None and (region is None or region.implicit) \
-                and self.share is None and type(entry) is CapturedGraph:
+                and self.share is None and type(entry) in (CapturedGraph, TrainingGraph):
+            # (a training graph's forward is timed: what its backward graph saves is not
+            # counted, so a piece kept is faster than eager in its forward at least)
             entry.trial = Trial(clock(entry.device))  # (see _trial)
         evicted = cache.put(key, entry)
         if evicted and region is None:

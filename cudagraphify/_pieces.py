@@ -121,7 +121,9 @@ class PieceRuns:
         """After a timed call of a piece's graph (see _trial): once timed enough, keep the
         graph, or give the piece back (it runs as plain PyTorch, its graphs released)."""
         trial = entry.trial
-        if trial.done:
+        if trial.done and not (type(entry) is TrainingGraph and entry.pending()):
+            # (a training graph whose last replay's backward is still to run is judged on a
+            # later call: its graph, discarded now, would be released under that backward)
             entry.trial = None
             why = trial.verdict()
             cache = region.cache_for(self) if region is not None else self.cache

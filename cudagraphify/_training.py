@@ -111,6 +111,7 @@ class TrainingGraph(Owned):
     """The forward and backward graphs of one signature, and their static buffers."""
 
     handed = ()  # (its outputs are always copies: see CapturedGraph.handed)
+    trial = None  # a piece's forward graph timed against its eager run (see _trial)
 
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
                  out_tensors: list[torch.Tensor], out_diff: list[bool], rebuild, spec,

@@ -78,12 +78,10 @@ def test_F1_give_back_keeps_a_pending_backward_working(timed):
         for p, q in zip(g.parameters(), ref.parameters()):
             assert torch.equal(p.grad, q.grad), step
         opt_g.step(), opt_r.step(), opt_g.zero_grad(), opt_r.zero_grad()
-    # the piece has a training graph besides: only the no_grad signature runs eagerly from
-    # the verdict on (the training graph, its backward pending, stays and keeps replaying)
+    # the training graph is timed too (its forward) and costs more: judged when no backward
+    # of it is pending, the piece ends given back whole
     state = g.a._cudagraphify_state
-    assert state.given_back is None
-    assert any(r.startswith("signature run eagerly") for r in state.eager_calls), state
-    assert cg.stats(g.a).graphs == 1 and state.replays >= 10
+    assert state.given_back is not None and cg.stats(g.a).graphs == 0, state
 
 
 def test_F1_control_no_backward_pending_is_fine(timed):
@@ -102,7 +100,7 @@ def test_F1_control_no_backward_pending_is_fine(timed):
             assert torch.equal(p.grad, q.grad), step
         g.zero_grad(), ref.zero_grad()
     state = g.a._cudagraphify_state
-    assert state.given_back is None and cg.stats(g.a).graphs == 1, state
+    assert state.given_back is not None and cg.stats(g.a).graphs == 0, state
     assert any(r.startswith("signature run eagerly") for r in state.eager_calls), state
 
 
