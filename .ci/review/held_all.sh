@@ -2,8 +2,8 @@
 # The GPU scripts of the reviews of the "runs that are not calls" (held tensors, objects the
 # real call bound, layouts, versions): .ci/review/r60 .. r64. Each prints PASS/FAIL lines
 # against eager (torch.equal); a script that exits non-zero is one FAIL line. Expected after
-# the fixes: every line PASS but r63's i_resize_held_in_capture (a device tensor attribute
-# resized by forward: documented in the README's limitations).
+# the fixes: every line PASS (r63's i_resize_held_in_capture since 7f4bbe3: a module whose
+# forward resizes a tensor that outlives the call runs eagerly, its submodules graphed).
 cd "$(dirname "$0")/../.." || exit 1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 for script in .ci/review/r6[0-9]/*.py; do
