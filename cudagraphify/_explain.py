@@ -113,12 +113,18 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
     device = next((t.device for t in (*module.parameters(), *buffers) if not is_lazy(t)),
                   torch.device("cpu"))
 
+    statics = {storage_of(t) for t in (*module.parameters(), *buffers)}
+
     def two_runs(rehearse: bool) -> list[Probe]:
         probes = []
         for _ in range(2):
             probe = (TracingProbe if not probes else Probe)(module, policy, accel=accel,
                                                             thunder=True)
             probe.rehearse = rehearse
+            if probes:  # (the second run looks at writes too: a layout changed, RELAYOUT)
+                probe.known = statics | {storage_of(a) for a in (*args, *kwargs.values())
+                                         if isinstance(a, torch.Tensor)}
+                probe.written = set()
             # each run leaves the buffers and the random state as they were
             with restored(buffers, [True] * len(buffers), [], device), torch.no_grad(), \
                     Nested(), probe:
@@ -138,6 +144,9 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
             if rehearsed is not None and not any(p.findings for p in rehearsed):
                 probes = rehearsed
     findings = probes[0].unsafe_paths()
+    for f in probes[1].findings:
+        if "RELAYOUT" in f.tags:
+            findings.setdefault(f.path, []).append(f)
     for p, f in control_flow_findings(*probes, "the op sequence differs between two "
                                       "runs").items():
         findings.setdefault(p, []).append(f)

@@ -162,7 +162,10 @@ class FirstCall(Capturing):
         wrote = set(_writes.written(self.watchable, static_marks)) | {
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
         self.wrote_statics = sorted(wrote)
-        self.warm_guard = self._guard(rec)
+        # (a tensor whose layout it changed, ``resize_`` on a log kept as an attribute, is held
+        # but its layout not checked: its module runs eagerly for it, see note_relayouts, and
+        # that decision holds while the tensor changes on every call)
+        self.warm_guard = self._guard(rec, loose=probe.relaid if probe is not None else ())
         changed = [(where, obj) for where, obj, guard in before_each
                    if not guard.unguardable and not guard.valid()]
         del before_each
@@ -193,6 +196,12 @@ class FirstCall(Capturing):
                          if (old is None or old is _watch.MISSING) and _tensors_in(new)), None)
             if made is not None:
                 self.set_up = (f"{type(made[0]).__name__}.{made[1]}", False)
+        if self.set_up is None and not self.side_effect and probe is not None \
+                and probe.first_memory:
+            # an empty tensor kept outside the call given its memory (a workspace that
+            # ``resize_`` sets up on first use): decided again on the next call, which may not
+            # change its layout (a log grown on every call does: then it runs eagerly)
+            self.set_up = (f"{probe.first_memory[0]}, an empty tensor given memory", False)
         if not self.side_effect and _containers_changed(containers):
             self.side_effect = "a list or dict it is passed"
         del containers
@@ -266,8 +275,6 @@ class FirstCall(Capturing):
                 self.probe = probe = rehearsal  # what the capture must match
         for path, f in self._hook_findings():
             findings.setdefault(path, []).append(f)
-        for f in self._resized_kept():  # (its module runs eagerly, its neighbours graphed)
-            findings.setdefault(f.path, []).append(f)
         # tensors read from outside, on the eager path and on the rehearsed one (its copies of
         # the inputs are known to it)
         for f in self._outside_tensors(warm, probe):
@@ -290,19 +297,6 @@ class FirstCall(Capturing):
         if self.mutated and self.training:
             return self._eager("forward writes to its tensor arguments while autograd records")
         return None
-
-    def _resized_kept(self) -> list[Finding]:
-        """Where the real call resized (another shape, or moved memory) a tensor that outlives
-        it: an argument, a parameter or buffer, or one it read from outside (a log kept as a
-        plain attribute, grown by ``resize_`` on every call). A replay resizes nothing, and a
-        CUDA capture's run would move its memory into the graph's pool without the bytes.
-        Tensors the call made are its own."""
-        probe = self.warm_probe
-        if probe is None or not probe.resized:
-            return []
-        kept = {id(t) for t in self.warm_guard.tensors} | {id(t) for t in self.statics.tensors} \
-            | {id(x) for x in self.leaves if isinstance(x, torch.Tensor)}
-        return [f for t, f in probe.resized if id(t) in kept]
 
     def _hook_findings(self) -> list[tuple[str, Finding]]:
         """Hooks are Python that must run on every call: a module with hooks that the call ran
@@ -484,15 +478,17 @@ class FirstCall(Capturing):
                           "a Python side effect on every call, which a replay cannot repeat")
         return self._eager_or_piecewise([finding], guard)
 
-    def _guard(self, rec: Recorder, leave_out: set[tuple[int, str]] = frozenset()) -> StateGuard:
-        """What ``rec``'s run read, as a guard (less the attributes ``leave_out`` names)."""
+    def _guard(self, rec: Recorder, leave_out: set[tuple[int, str]] = frozenset(),
+               loose=()) -> StateGuard:
+        """What ``rec``'s run read, as a guard (less the attributes ``leave_out`` names; the
+        layouts of the tensors on the storages ``loose`` names unchecked)."""
         root = self.statics.root
         modules = [weakref.ref(m) for m in self.statics.modules if m is not root]
         ran = [m for m in rec.called.values() if m is not root]
         return StateGuard([r for key, r in rec.reads.items() if key not in leave_out],
                           hooks=lambda: _watch.hook_fingerprint(modules),
                           bindings=function_bindings(self.fn), ran=ran, objects=self.objects,
-                          owned=frozenset(map(id, self.statics.modules)))
+                          owned=frozenset(map(id, self.statics.modules)), loose=loose)
 
 
 def _leaf_label(sig: Signature, index: int) -> str:

@@ -35,7 +35,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
 from . import _watch, _writes
-from ._signature import is_constant
+from ._signature import is_constant, storage_of
 from ._statics import ptrs_equal, watch
 from ._watch import GONE, MISSING, Read, call_override, global_hooks_present, same, short
 
@@ -440,7 +440,7 @@ class StateGuard:
     def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None,
                  bindings: list[tuple[str, Callable[[], Any], Any, Any]] = (),
                  ran: list[nn.Module] = (), objects: list[tuple[str, Any]] = (),
-                 owned: frozenset[int] = frozenset()):
+                 owned: frozenset[int] = frozenset(), loose=()):
         # the modules of the callable's own tree (ids in ``owned``) are held weakly: an entry
         # in a shared or a region's cache must not keep its owner alive (its owner's deletion
         # drops it). A module outside it (built by forward, or a global) is held as it was
@@ -502,7 +502,10 @@ class StateGuard:
                 "parameters and buffers (an attribute, closure or global) whose memory has no "
                 "single address to guard (a sparse tensor or a wrapper tensor subclass); "
                 "register it as a buffer or pass it in")
-        checks.extend(_tensor_checks([t for t in self.tensors if not _no_address(t)]))
+        # (``loose``: storages of tensors whose layout the run changes itself, the decision
+        # being to run that code eagerly: held, not checked)
+        checks.extend(_tensor_checks([t for t in self.tensors if not _no_address(t)
+                                      and (not loose or storage_of(t) not in loose)]))
         self._checks = checks
         self.volatile = bool(checks)
 

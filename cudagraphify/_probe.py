@@ -125,24 +125,24 @@ class _Mode(TorchFunctionMode):
                 isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and any(
                     isinstance(b, torch.Tensor) for b in a)) for a in args):
             probe.grad_on = True
-        written = probe.written
-        if written is not None and (info[2] or kwargs):
-            probe.note_writes(func, args, kwargs, info[2])
-        if info[1] in _RESIZES and written is not None and args \
-                and isinstance(args[0], torch.Tensor):
-            t = args[0]
-            before = (storage_of(t), t.shape)  # (a resize within capacity keeps the address)
-            out = func(*args, **kwargs)
-            probe.note_resize(t, before, info[1])
-        else:
-            out = func(*args, **kwargs)
+        layouts = None
+        if probe.written is not None and (info[2] or kwargs):
+            layouts = probe.note_writes(func, args, kwargs, info[2])
+        out = func(*args, **kwargs)
+        if layouts:
+            probe.note_relayouts(layouts, info[1])
         if probe.known is not None:
             probe.note_tensors(func, args, kwargs, out)
         return out
 
 
-# in-place ops that may change a tensor's shape and move its memory
-_RESIZES = frozenset({"Tensor.resize_", "Tensor.resize_as_", "torch.resize_as_"})
+def _layout(t: torch.Tensor) -> tuple | None:
+    """(storage address, shape, strides, offset) of ``t``; None where it has none of these
+    (a sparse tensor, a wrapper subclass)."""
+    try:
+        return storage_of(t), t.shape, t.stride(), t.storage_offset()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 _resolved: dict[str, tuple[Any, str] | None] = {}
@@ -269,11 +269,12 @@ class Probe:
         # _first_call)
         self.grad_on = False
         self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
-        # (tensor, where) of resizes (where ``written`` is tracked) that changed a tensor's
-        # shape or moved its memory: a replay resizes nothing, and a capture's run would move
-        # memory into its pool without copying the bytes (see _first_call.screen)
-        self.resized: list[tuple[torch.Tensor, Finding]] = []
+        # where ``written`` is tracked: the storages (as they are after the op) of tensors from
+        # before the call whose layout an op changed (see note_relayouts)
+        self.relaid: set[int] = set()
         self.made_empty: set[int] = set()  # ids of the run's tensors without memory
+        self.first_memory: list[Finding] = []  # those relayouts that gave an empty one memory
+        self._relaid: dict[int, tuple] = {}  # id -> (tensor, layout before, where), in the run
 
     def ran(self) -> set[str]:
         """The module paths that ran: made ops of their own, or had their forward called."""
@@ -306,19 +307,22 @@ class Probe:
         if not self.policy.can_graph(func, tags):  # asked about every call, tagged or not
             self.findings.append(Finding.at_caller(self.path, name, tuple(sorted(tags))))
 
-    def note_writes(self, func: Any, args: tuple, kwargs: dict, writes: int = W_SCHEMA) -> None:
+    def note_writes(self, func: Any, args: tuple, kwargs: dict,
+                    writes: int = W_SCHEMA) -> list[tuple[torch.Tensor, tuple | None]]:
         """Note the storages ``func`` writes: the first argument of an in-place op
         (``add_``, ``copy_``, ``__setitem__``, ``__iadd__``, ``inplace=True``), ``out=``, and
         what a custom op's schema declares written (``writes``: what
-        :func:`~._opinfo.info_of` found; the default looks at everything)."""
+        :func:`~._opinfo.info_of` found; the default looks at everything). Returns each
+        tensor written with its layout before the op (see :meth:`note_relayouts`)."""
         if kwargs or writes == W_SCHEMA:
             targets = written_by(func, args, kwargs)
         elif writes == W_FIRST and args:
             first = args[0]
             targets = first if isinstance(first, (list, tuple)) else (first,)
         else:
-            return
+            return []
         written = self.written
+        layouts = []
         for t in targets:
             if isinstance(t, torch.Tensor):
                 ptr = storage_of(t)
@@ -326,19 +330,48 @@ class Probe:
                     written.add(ptr)
                     if ptr not in self.produced:
                         self.written_before_made.add(ptr)
+                layouts.append((t, _layout(t)))
+        return layouts
 
-    def note_resize(self, t: torch.Tensor, before: tuple, name: str) -> None:
-        """Note a resize that changed ``t``'s shape or moved its memory (``before``: its
-        storage address and shape then); which tensors matter is the caller's question."""
-        ptr = storage_of(t)
-        if (ptr, t.shape) == before:
-            return
-        self.resized.append((t, Finding.at_caller(self.path, name, ("RESIZES",))))
-        if ptr and (before[0] in self.produced
-                    or (not before[0] and id(t) in self.made_empty)):
-            # memory this resize allocated for a tensor the run made (``torch.empty(0)``, no
-            # memory yet, then ``resize_``): the run's own, not read from outside
-            self.produced.add(ptr)
+    def note_relayouts(self, layouts: list[tuple[torch.Tensor, tuple | None]],
+                       name: str) -> None:
+        """After an op that wrote ``layouts``' tensors: one that changed the shape, strides,
+        offset or memory of a tensor from before the call (``resize_``, an ``out=`` that
+        grows it, ``t_``, ``unsqueeze_``; through a view of it too; not ``set_``, which no
+        torch function mode sees) is a finding
+        (RELAYOUT) where it differs at the run's end (:meth:`_settle_relayouts`): a replay
+        changes no layout, and a CUDA capture's run would move that memory into the graph's
+        pool without its bytes. The run's own tensors may change theirs."""
+        for t, before in layouts:
+            if before is None:
+                continue
+            now = _layout(t)
+            if now == before:
+                continue
+            ptr = before[0]
+            if ptr in self.produced or (not ptr and id(t) in self.made_empty):
+                if now is not None and now[0]:
+                    # memory a resize gave a tensor the run made (``torch.empty(0)``, no
+                    # memory yet, then ``resize_``): the run's own, not read from outside
+                    self.produced.add(now[0])
+                continue
+            if id(t) not in self._relaid:  # (its layout before the call: its first change's)
+                self._relaid[id(t)] = (t, before, Finding.at_caller(self.path, name,
+                                                                    ("RELAYOUT",)))
+
+    def _settle_relayouts(self) -> None:
+        """At the run's end: the tensors from before the call whose layout differs from what
+        it was (a forward that transposes its argument and back changed none)."""
+        for t, before, finding in self._relaid.values():
+            now = _layout(t)
+            if now == before:
+                continue
+            if now is not None and now[0]:
+                self.relaid.add(now[0])
+            self.findings.append(finding)
+            if not before[0]:  # (an empty tensor given memory: a workspace set up on first use?)
+                self.first_memory.append(finding)
+        self._relaid.clear()
 
     def note_tensors(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         """Note the storages ``func`` read that no earlier op of the run produced and that are
@@ -357,7 +390,9 @@ class Probe:
                 # not made by the run: a write through it writes that memory)
                 if ptr and ptr not in known and ptr not in outside:
                     produced.add(ptr)
-                elif not ptr:  # (no memory yet: an op's empty output, see note_resize)
+                elif not ptr and not value._is_view():
+                    # (no memory yet: an op's empty output, not a view of an empty tensor from
+                    # before the call; see note_relayouts)
                     self.made_empty.add(id(value))
 
     def _read(self, func: Any, t: torch.Tensor, ptr: int) -> None:
@@ -423,6 +458,8 @@ class Probe:
             self._undo.pop()()
         self._stack.clear()
         self._seq = None
+        if self._relaid:
+            self._settle_relayouts()
 
     def unsafe_paths(self) -> dict[str, list[Finding]]:
         out: dict[str, list[Finding]] = collections.defaultdict(list)

@@ -92,7 +92,7 @@ def undone(tensors: list[torch.Tensor], host_only: bool = False):
                                                                             (1,))
             saved.append((view, view.clone()))
     # (and their layouts: a forward's ``self.m.t_()`` or ``resize_`` runs again in each run)
-    layouts = [(t, _layout(t)) for t in tensors
+    layouts = [(t, layout(t)) for t in tensors
                if t.layout is torch.strided and t.device.type != "meta"]
     layouts = [(t, lay) for t, lay in layouts if lay is not None]
     try:
@@ -102,7 +102,7 @@ def undone(tensors: list[torch.Tensor], host_only: bool = False):
             finally:
                 with torch.no_grad():
                     for t, (st, offset, size, stride) in layouts:
-                        if _layout(t) != (st, offset, size, stride):
+                        if layout(t) != (st, offset, size, stride):
                             t.set_(st.st, offset, size, stride)
     finally:
         with torch.no_grad():
@@ -110,7 +110,7 @@ def undone(tensors: list[torch.Tensor], host_only: bool = False):
                 view.copy_(copy)
 
 
-def _layout(t: torch.Tensor) -> tuple | None:
+def layout(t: torch.Tensor) -> tuple | None:
     """(storage, offset, size, stride) of ``t``, compared by identity of the storage's memory
     (None where it has none of its own)."""
     try:

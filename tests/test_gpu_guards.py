@@ -846,7 +846,7 @@ class _GrowsLog(nn.Module):
 @pytest.mark.parametrize("warmups", [1, 3])
 def test_6_plain_tensor_attribute_grown_by_resize(warmups):
     """A replay resizes nothing, and the capture's run would move the log into the graph's
-    pool without the real call's bytes: the root runs eagerly, its Linear graphed."""
+    pool without the real call's bytes: the root runs eagerly (piecewise)."""
     torch.manual_seed(0)
     ref = _GrowsLog(device=DEV)
     g = cg.graphify(copy.deepcopy(ref), num_warmup_iters=warmups)
@@ -855,5 +855,6 @@ def test_6_plain_tensor_attribute_grown_by_resize(warmups):
             x = torch.randn(2, 64, device=DEV)
             _same(g(x), ref(x), f"call {i}")
             _same(g.log, ref.log, f"log after call {i}")
+    # (its Linear graphed, or given back by its trial: one kernel; the machine decides)
     s = cg.stats(g)
-    assert s.replays >= 2 and any("RESIZES" in k for k in s.eager_calls), s
+    assert any("RELAYOUT" in k and "piecewise" in k for k in s.eager_calls), s
