@@ -237,6 +237,14 @@ class TrainingGraph(Owned):
                 for o, s in zip(self._outs, self._strided)]
 
     def backward(self, ctx, grads: tuple) -> tuple:
+        # (under the state's lock: another thread's call of it, which checks ``pending`` under
+        # that lock, must neither replay the forward, overwriting the activations this replay
+        # reads, nor take a trial's verdict that releases this graph, while it runs)
+        state = ctx.state
+        with state.lock if state is not None else contextlib.nullcontext():
+            return self._backward(ctx, grads)
+
+    def _backward(self, ctx, grads: tuple) -> tuple:
         if self._bwd_raw is None:
             raise CudagraphifyError(
                 "backward of a graphed call whose graph was released before the backward ran "

@@ -777,11 +777,11 @@ def test_backward_checks_the_callers_statics_not_the_capturing_modules(sim):
         _bwd_raw=types.SimpleNamespace(replay=lambda: replays.append(1)), gen=1, out_diff=[],
         _grad_out=[], _hand_out=lambda ctx: ())
     ctx = types.SimpleNamespace(done=False, gen=1, state=state, params=(torch.randn(3),))
-    assert TrainingGraph.backward(graph, ctx, ()) == () and replays == [1]
+    assert TrainingGraph._backward(graph, ctx, ()) == () and replays == [1]
     frozen.data = frozen.data.clone()  # a frozen weight the backward graph reads moved
     ctx.done = False
     with pytest.raises(cg.CudagraphifyError, match="moved to new memory between a graphed"):
-        TrainingGraph.backward(graph, ctx, ())
+        TrainingGraph._backward(graph, ctx, ())
     assert replays == [1] and "between a forward and its backward" in state.train_eager
 
 
