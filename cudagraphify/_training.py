@@ -237,12 +237,14 @@ class TrainingGraph(Owned):
                 for o, s in zip(self._outs, self._strided)]
 
     def backward(self, ctx, grads: tuple) -> tuple:
-        # (under the state's lock: another thread's call of it, which checks ``pending`` under
-        # that lock, must neither replay the forward, overwriting the activations this replay
-        # reads, nor take a trial's verdict that releases this graph, while it runs)
-        state = ctx.state
-        with state.lock if state is not None else contextlib.nullcontext():
+        # (``pending`` stays true until it is done: another thread's call of it must neither
+        # replay the forward, overwriting the activations this replay reads, nor take a
+        # trial's verdict that releases this graph, while it runs. Not under the state's lock:
+        # a caller holding it, a shared policy's or a region's, may be the one waiting here)
+        try:
             return self._backward(ctx, grads)
+        finally:
+            ctx.done = True
 
     def _backward(self, ctx, grads: tuple) -> tuple:
         if self._bwd_raw is None:
@@ -250,7 +252,7 @@ class TrainingGraph(Owned):
                 "backward of a graphed call whose graph was released before the backward ran "
                 "(evicted by max_graphs, invalidated by a parameter change, or its graph_region "
                 "closed); run backward first, or raise max_graphs")
-        if getattr(ctx, "done", False):
+        if getattr(ctx, "done", False) or getattr(ctx, "started", False):
             raise CudagraphifyError(
                 "backward ran twice through one graphed call (retain_graph=True); graphs do "
                 "not keep activations for that: run this module eagerly (enabled=False) for it")
@@ -259,7 +261,7 @@ class TrainingGraph(Owned):
                 "backward of a graphed call after a later call with the same signature "
                 "overwrote its saved activations; run backward before calling the module again, "
                 "or call it under torch.no_grad() when no backward follows")
-        ctx.done = True
+        ctx.started = True  # (``done`` once it returns: see ``backward``)
         statics = ctx.state.statics if ctx.state is not None else None
         if statics is not None and [t.data_ptr() for t in statics.tensors] != statics.ptrs:
             # The caller's parameters or buffers (frozen ones included) moved since its forward,

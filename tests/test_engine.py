@@ -779,7 +779,7 @@ def test_backward_checks_the_callers_statics_not_the_capturing_modules(sim):
     ctx = types.SimpleNamespace(done=False, gen=1, state=state, params=(torch.randn(3),))
     assert TrainingGraph._backward(graph, ctx, ()) == () and replays == [1]
     frozen.data = frozen.data.clone()  # a frozen weight the backward graph reads moved
-    ctx.done = False
+    ctx.done = ctx.started = False
     with pytest.raises(cg.CudagraphifyError, match="moved to new memory between a graphed"):
         TrainingGraph._backward(graph, ctx, ())
     assert replays == [1] and "between a forward and its backward" in state.train_eager

@@ -449,8 +449,8 @@ def _during_backward_of(piece, monkeypatch, call):
 
             t = threading.Thread(target=run)
             t.start()
-            # (a moment for it to run inside the backward's window: since the fix it waits on
-            # the state's lock, which the backward holds, and runs once the backward is done)
+            # (a moment for it to run inside the backward's window: since the fix that call
+            # finds the backward pending and runs eagerly)
             t.join(0.3)
             started.append((t, errors))
         return replay(self)
@@ -459,8 +459,8 @@ def _during_backward_of(piece, monkeypatch, call):
     return armed
 
 
-# T1 (crash, fixed: the backward runs under the state's lock, which another thread's call
-# takes before it checks pending(); the window was pending() False while a backward ran)
+# T1 (crash, fixed: pending() stays true until the backward returned; it was False while the
+# backward graph replayed, and another thread's call took the trial's verdict then)
 def test_T1_a_verdict_on_another_thread_during_a_backward(timed, monkeypatch):
     _COST.update(GIVE_BACK)
     ref, g = _pair()

@@ -1,6 +1,6 @@
 """Review of d043b8d (a piece's training graph timed against its eager run) on a GPU.
 
-T1 (FAILed on d043b8d; fixed: the backward holds the state's lock): TrainingGraph.backward sets ctx.done before it replays its
+T1 (FAILed on d043b8d; fixed: pending() stays true until the backward returned): TrainingGraph.backward sets ctx.done before it replays its
 backward graph, so entry.pending() is False while that backward runs; another thread's grad-mode
 call then takes the trial's last eager turn, reaches the verdict (forced here: give back) and
 releases the training graph under the backward under way. The other thread's call is made from
@@ -111,8 +111,7 @@ def t1():
             armed.clear()
             t = threading.Thread(target=other)
             t.start()
-            # (a moment for it to run inside the backward's window; since the fix it waits on
-            # the state's lock, which the backward holds: joined after the backward)
+            # (a moment for it to run inside the backward's window; joined after it)
             t.join(0.3)
             threads.append(t)
             return inner()
