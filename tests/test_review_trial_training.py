@@ -25,44 +25,20 @@ GPU side: .ci/review/trialtrain/run_all.sh.
 from __future__ import annotations
 
 import copy
-import warnings
 
 import pytest
 import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _capture, _trial
-from conftest import SimBackend, SimGraph
+from cudagraphify import _trial
+from conftest import SimGraph
 
 from test_trial import _COST, _HOST, _NOW, _Root
+from test_trial_training import timed  # noqa: F401 - the fixture (clocked simulated backend)
 
 GIVE_BACK = dict(graph=30e-6, eager=10e-6)
 KEEP = dict(graph=5e-6, eager=50e-6)
-
-
-@pytest.fixture
-def timed(monkeypatch):
-    backend = SimBackend()
-    backend.clock = lambda device: lambda: _NOW[0]
-    monkeypatch.setattr(_trial, "host_clock", lambda: _HOST[0])
-    monkeypatch.setattr(_trial, "PLAN_TRIAL", False)
-    old = _capture.set_backend(backend)
-    replay = SimGraph.replay
-
-    def costly(self):
-        _NOW[0] += _COST["graph"]
-        _HOST[0] += _COST["graph"]
-        return replay(self)
-
-    monkeypatch.setattr(SimGraph, "replay", costly)
-    _COST.update(eager=0.0, graph=0.0, eager_host=None, graph_host=None)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            yield backend
-    finally:
-        _capture.set_backend(old)
 
 
 def _pair(cls=_Root):
