@@ -338,10 +338,10 @@ class Probe:
         """After an op that wrote ``layouts``' tensors: one that changed the shape, strides,
         offset or memory of a tensor from before the call (``resize_``, an ``out=`` that
         grows it, ``t_``, ``unsqueeze_``; through a view of it too; not ``set_``, which no
-        torch function mode sees) is a finding
-        (RELAYOUT) where it differs at the run's end (:meth:`_settle_relayouts`): a replay
-        changes no layout, and a CUDA capture's run would move that memory into the graph's
-        pool without its bytes. The run's own tensors may change theirs."""
+        torch function mode sees) is a finding (RELAYOUT) where it differs at the run's end
+        (:meth:`_settle_relayouts`): a replay changes no layout, and a CUDA capture's run
+        would move that memory into the graph's pool without its bytes. The run's own tensors
+        may change theirs."""
         for t, before in layouts:
             if before is None:
                 continue
