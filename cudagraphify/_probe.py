@@ -273,6 +273,7 @@ class Probe:
         # before the call whose layout an op changed (see note_relayouts)
         self.relaid: set[int] = set()
         self.made_empty: set[int] = set()  # ids of the run's tensors without memory
+        self.made: set[int] = set()  # ids of the tensors its ops returned (written tracked)
         self.first_memory: list[Finding] = []  # those relayouts that gave an empty one memory
         self._relaid: dict[int, tuple] = {}  # id -> (tensor, layout before, where), in the run
 
@@ -355,6 +356,8 @@ class Probe:
                     # memory yet, then ``resize_``): the run's own, not read from outside
                     self.produced.add(now[0])
                 continue
+            if id(t) in self.made and now is not None and now[0] == ptr:
+                continue  # (a view the run made changed its own layout: ``x.view(..).t_()``)
             if id(t) not in self._relaid:  # (its layout before the call: its first change's)
                 self._relaid[id(t)] = (t, before, Finding.at_caller(self.path, name,
                                                                     ("RELAYOUT",)))
@@ -388,6 +391,8 @@ class Probe:
                 ptr = storage_of(value)
                 # (a view or alias of memory from before the call, ``x.data``, ``x[0]``, is
                 # not made by the run: a write through it writes that memory)
+                if self.written is not None:
+                    self.made.add(id(value))  # (see note_relayouts)
                 if ptr and ptr not in known and ptr not in outside:
                     produced.add(ptr)
                 elif not ptr and not value._is_view():

@@ -117,3 +117,30 @@ def test_an_empty_closure_tensor_grown_by_resize_is_not_replayed():
         assert torch.equal(g(x), x * 2)
         assert log.numel() == 2 * (i + 1), f"call {i}: {log.numel()}"
     assert cg.stats(g).replays == 0
+
+
+def test_a_view_the_call_makes_may_change_its_own_layout():
+    """``x.view(...).t_()`` on an argument (or a parameter) changes that view's layout only:
+    the forward stays one graph. A view's ``resize_`` that moves the memory it shares with a
+    kept tensor does not (tests/test_review_resize.py, "view alias")."""
+    class Local(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+
+        def forward(self, x):
+            v = x.view(4, 2)
+            v.t_()
+            w = self.lin.weight.view(4, 4)
+            w.t_()
+            return self.lin(v.t().reshape(2, 4)) + w.sum()
+
+    torch.manual_seed(0)
+    ref = Local()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(2, 4)
+            assert torch.equal(g(x), ref(x)), i
+    s = cg.stats(g)
+    assert s.captures == 1 and s.replays == 3 and not s.eager_calls, s
