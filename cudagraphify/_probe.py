@@ -356,8 +356,10 @@ class Probe:
                     # memory yet, then ``resize_``): the run's own, not read from outside
                     self.produced.add(now[0])
                 continue
-            if id(t) in self.made and now is not None and now[0] == ptr:
-                continue  # (a view the run made changed its own layout: ``x.view(..).t_()``)
+            if id(t) in self.made and t._is_view() and now is not None and now[0] == ptr:
+                # (a view the run made changed its own layout: ``x.view(..).t_()``; a getter's
+                # tensor from before the call, ``self.v._base``, is no view of its own)
+                continue
             if id(t) not in self._relaid:  # (its layout before the call: its first change's)
                 self._relaid[id(t)] = (t, before, Finding.at_caller(self.path, name,
                                                                     ("RELAYOUT",)))
@@ -380,9 +382,11 @@ class Probe:
         """Note the storages ``func`` read that no earlier op of the run produced and that are
         not ``known``, and the storages it produced."""
         produced, known, outside = self.produced, self.known, self.outside
+        inputs = set()  # (an in-place or out= op returns its input: that object is not made)
         for value in (*args, *kwargs.values()) if kwargs else args:
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor):
+                    inputs.add(id(t))
                     ptr = storage_of(t)
                     if ptr and ptr not in produced and ptr not in known and ptr not in outside:
                         self._read(func, t, ptr)
@@ -391,6 +395,8 @@ class Probe:
                 ptr = storage_of(value)
                 # (a view or alias of memory from before the call, ``x.data``, ``x[0]``, is
                 # not made by the run: a write through it writes that memory)
+                if id(value) in inputs:
+                    continue
                 if self.written is not None:
                     self.made.add(id(value))  # (see note_relayouts)
                 if ptr and ptr not in known and ptr not in outside:

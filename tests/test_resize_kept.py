@@ -144,3 +144,35 @@ def test_a_view_the_call_makes_may_change_its_own_layout():
             assert torch.equal(g(x), ref(x)), i
     s = cg.stats(g)
     assert s.captures == 1 and s.replays == 3 and not s.eager_calls, s
+
+
+class WritesThenRelays(nn.Module):
+    """An in-place op on the kept tensor first (it returns that tensor object), then a change
+    of its layout: the object is the kept one, not one the call made."""
+
+    def __init__(self, empty):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.kept = torch.zeros(0) if empty else torch.zeros(1, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.kept.mul_(1.0)
+        if self.kept.numel() == 0 or self.kept.dim() < 2:
+            self.kept.resize_(self.kept.numel() + 4)
+        else:
+            self.kept.unsqueeze_(0)
+        return h
+
+
+@pytest.mark.parametrize("empty", [False, True])
+def test_a_layout_change_after_an_in_place_op_on_the_kept_tensor_is_seen(empty):
+    torch.manual_seed(0)
+    ref = WritesThenRelays(empty)
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for i in range(4):
+            x = torch.randn(2, 4)
+            assert torch.equal(g(x), ref(x)), i
+            assert g.kept.shape == ref.kept.shape, (i, g.kept.shape, ref.kept.shape)
+    assert any("RELAYOUT" in k for k in cg.stats(g).eager_calls), cg.stats(g)
