@@ -560,13 +560,6 @@ class GraphedState(PieceRuns):
             if trial.eager_next():
                 self.timed_calls += 1
                 out = trial.timed(lambda: fn(*args, **kwargs), True)
-            elif training:  # (its forward only: no fast path replays a training graph)
-                self.replays += 1
-                if region is not None:
-                    region.replays += 1
-                self._note(True)
-                out = trial.timed(lambda: entry.run(leaves, self.statics.grad_params(), self),
-                                  False)
             else:
                 out = self._timed_replay(trial, backend, region, entry, leaves, fn, args,
                                          kwargs, token)
@@ -587,7 +580,9 @@ class GraphedState(PieceRuns):
         replay it: through the fast path, its checks included (they cost a one-kernel piece
         what its graph saves), where this call can have one."""
         fast = trial.fast  # (one for all its turns: what a first fast call pays once, too)
-        if fast is None or fast.region is not region or fast.entry is not entry:
+        training = type(entry) is TrainingGraph  # (its forward only: no fast path for it)
+        if not training and (fast is None or fast.region is not region
+                             or fast.entry is not entry):
             fast = trial.fast = Fast.make(self, entry, region, backend, args, kwargs, token)
         if fast is not None:
             self._fast = fast  # (for this call only: the trial's next call decides afresh)
@@ -603,6 +598,9 @@ class GraphedState(PieceRuns):
         if region is not None:
             region.replays += 1
         self._note(True)
+        if training:
+            return trial.timed(lambda: entry.run(leaves, self.statics.grad_params(), self),
+                               False)
         return trial.timed(lambda: entry.run(leaves), False)
 
     def _last_move(self, moved: str | None) -> str:
