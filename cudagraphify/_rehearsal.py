@@ -152,7 +152,7 @@ def restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: lis
     before. Yields the list (filled on exit) of the statics the block wrote."""
     marks = _writes.marks(statics, buffers)  # buffers by value: the copies restore them
     # (and their layouts: a forward that grows a buffer with ``resize_`` grows it here too)
-    layouts = [_writes.layout(t) for t in statics]
+    layouts = _writes.layouts_of(statics)
     with torch.no_grad():
         saved = {j: statics[j].clone() for j in wrote_before}
     rng = (torch.random.get_rng_state(),
@@ -162,11 +162,8 @@ def restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: lis
         yield wrote
     finally:
         wrote.extend(_writes.written(statics, marks))
+        _writes.put_layouts_back(layouts)
         with torch.no_grad():
-            for t, lay in zip(statics, layouts):
-                if lay is not None and _writes.layout(t) != lay:
-                    st, offset, size, stride = lay
-                    t.set_(st.st, offset, size, stride)
             for j in wrote:
                 if isinstance(marks[j], torch.Tensor):
                     statics[j].data.copy_(marks[j])

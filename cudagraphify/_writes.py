@@ -17,7 +17,8 @@ import torch
 from ._state import tensors_in
 
 __all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "contents",
-           "differ", "put_back", "refill", "slot_names", "versions_kept"]
+           "differ", "put_back", "refill", "slot_names", "versions_kept", "layout",
+           "layouts_of", "put_layouts_back"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -92,22 +93,38 @@ def undone(tensors: list[torch.Tensor], host_only: bool = False):
                                                                             (1,))
             saved.append((view, view.clone()))
     # (and their layouts: a forward's ``self.m.t_()`` or ``resize_`` runs again in each run)
-    layouts = [(t, layout(t)) for t in tensors
-               if t.layout is torch.strided and t.device.type != "meta"]
-    layouts = [(t, lay) for t, lay in layouts if lay is not None]
+    layouts = layouts_of(tensors)
     try:
         with versions_kept([t for t in tensors if t.layout is torch.strided]):
             try:
                 yield
             finally:
-                with torch.no_grad():
-                    for t, (st, offset, size, stride) in layouts:
-                        if layout(t) != (st, offset, size, stride):
-                            t.set_(st.st, offset, size, stride)
+                put_layouts_back(layouts)
     finally:
         with torch.no_grad():
             for view, copy in saved:
                 view.copy_(copy)
+
+
+def layouts_of(tensors: list[torch.Tensor]) -> list[tuple]:
+    """(tensor, :func:`layout`) of each of ``tensors`` that has one, for
+    :func:`put_layouts_back`."""
+    out = []
+    for t in tensors:
+        if t.layout is torch.strided and t.device.type != "meta":
+            lay = layout(t)
+            if lay is not None:
+                out.append((t, lay))
+    return out
+
+
+def put_layouts_back(layouts: list[tuple]) -> None:
+    """Each tensor of :func:`layouts_of`'s list over its storage, offset, size and stride
+    then, where they changed (``set_``: a grown storage keeps its new memory)."""
+    with torch.no_grad():
+        for t, (st, offset, size, stride) in layouts:
+            if layout(t) != (st, offset, size, stride):
+                t.set_(st.st, offset, size, stride)
 
 
 def layout(t: torch.Tensor) -> tuple | None:
