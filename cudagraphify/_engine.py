@@ -65,6 +65,10 @@ _MAX_DEFERRED = 8  # transient capture failures before a signature is decided fo
 _saved_tensors_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _MAX_MOVES = 4  # calls that find the statics moved (with under _STILL_CALLS calls between)
 _STILL_CALLS = 16  # calls without a move after which re-capturing is tried again
+# Training graphs of one signature that may wait for their backward at once: a grad-mode call
+# while every one of them waits gets a graph of its own (gradient accumulation over two
+# forwards, a forward whose output is kept and never backpropagated); past this it runs eagerly
+_IN_FLIGHT = 2
 # graphs captured in a row, none replayed before the next new signature (at least this many,
 # and as many as the cache holds: a warm-up over the sizes a server will see is no storm),
 # after which new signatures run eagerly, _STORM_CALLS distinct ones (a shape or a cache's
@@ -318,6 +322,7 @@ class GraphedState(PieceRuns):
         key = self.policy.full_key(sig)
         if sig.state.grad and self.statics.tensors:  # which parameters require grad
             key = (key, self.statics.grad_pattern())
+        busy = None  # training graphs of the key waiting for their backward
         for entry in cache.get(key):
             owner = entry.owner
             if owner is not self:
@@ -332,8 +337,11 @@ class GraphedState(PieceRuns):
                     continue
             if not entry.fits(leaves):
                 continue
-            cache.touch(entry)
             kind = type(entry)
+            if kind is TrainingGraph and entry.pending():
+                busy = [entry] if busy is None else busy + [entry]
+                continue  # (another graph of the key may be free)
+            cache.touch(entry)
             if kind is CapturedGraph or kind is TrainingGraph:
                 entry.uses += 1  # (the key came back while its graph was kept)
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
@@ -352,6 +360,11 @@ class GraphedState(PieceRuns):
             self._fast = EagerFast.decided(self, region, entry, args, kwargs)
             return self._eager(entry.reason, fn, args, kwargs,
                                chained=type(entry) is PiecewiseEntry, entry=entry)
+        if busy is not None and not self._another_in_flight(busy, region):
+            # (the next calls like this one run eagerly at a fast path's cost while it stays so)
+            self._fast = EagerFast.pending(self, region, busy[0], PENDING, args, kwargs,
+                                           busy[1:])
+            return self._eager(PENDING, fn, args, kwargs)
         reason = self._ineligible(backend, leaves, cache)
         if reason is not None:
             cache.put(key, EagerEntry(reason, self))
@@ -388,10 +401,27 @@ class GraphedState(PieceRuns):
             outcome = first.run()
         finally:
             self.warmup_seconds += first.warmup_seconds
+        if busy is not None and outcome.kind != GRAPHED:
+            # a second graph of a signature that has one: not made (its reason is not the
+            # key's: an entry for it would hide the graph that is), not tried again
+            busy[0].no_other = outcome.reason or "not captured"
+            self.eager_calls[PENDING] += 1
+            self._note(False, PENDING)
+            return outcome.result
         out = self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs)
         if outcome.kind == GRAPHED:
             self._capture_mark = self.replays  # (its call's own replay counted)
         return out
+
+    def _another_in_flight(self, busy: list, region) -> bool:
+        """Whether a grad-mode call whose signature's training graphs (``busy``) all wait for
+        their backward gets a graph of its own (captured by this call): fewer than
+        :data:`_IN_FLIGHT` of them, each with a pool of its own (its saved activations stay
+        apart), outside an explicit region and a shared policy, none of them another
+        callable's, and no earlier attempt that failed."""
+        return len(busy) < _IN_FLIGHT and (region is None or region.implicit) \
+            and not self.policy.shared and all(e.owner is self for e in busy) \
+            and busy[0].no_other is None
 
     def _demote_unkeyable(self, args: tuple, kwargs: dict) -> bool:
         """Demote the static states among the call's top-level arguments that
@@ -503,9 +533,7 @@ class GraphedState(PieceRuns):
                                    "as an input the forward writes: the copy-back would "
                                    "overwrite the new output", fn, args, kwargs)
         training = type(entry) is TrainingGraph
-        if training and entry.pending():
-            # (the next calls like this one run eagerly at a fast path's cost while it stays so)
-            self._fast = EagerFast.pending(self, region, entry, PENDING, args, kwargs)
+        if training and entry.pending():  # (a fresh graph's own first replay: see _call)
             return self._eager(PENDING, fn, args, kwargs)
         if training and entry.grads_held(self.statics.grad_params()):
             return self._eager("a gradient this graph handed out as .grad is still referenced "

@@ -77,8 +77,8 @@ class EagerFast:
         return self
 
     @staticmethod
-    def pending(state, region, entry, reason: str, args: tuple,
-                kwargs: dict) -> "EagerFast | None":
+    def pending(state, region, entry, reason: str, args: tuple, kwargs: dict,
+                others: list = ()) -> "EagerFast | None":
         if entry.flags is None or state.static_positions or state.static_names:
             return None  # (static arguments are keyed by address: decide each call)
         self = EagerFast.decided(state, region, entry, args, kwargs, reason)
@@ -86,7 +86,9 @@ class EagerFast:
             return None  # (objects held by identity would be kept alive: decide each call)
         # another signature of these tensors (other flags, another set of parameters that
         # require grad) may have a graph that is not pending: checked on every call too
-        self.still = entry.pending
+        # (and the signature's other training graphs: each waits for its backward)
+        self.still = entry.pending if not others else \
+            (lambda graphs=(entry, *others): all(g.pending() for g in graphs))
         self.flags, self.flags_epoch = entry.flags, entry.flags.epoch
         self.grads = state.statics.grad_pattern()
         self.chained = False

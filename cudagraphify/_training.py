@@ -10,8 +10,9 @@ No gradient autograd or the caller keeps is ever a static buffer (see ``_hand_ou
 
 Never a wrong gradient: a backward whose forward's saved activations were overwritten by a
 later replay of the same graph raises; so does a second backward through the same call
-(``retain_graph=True``) and double backward (``create_graph=True``). A call made while an earlier call of the same
-signature still waits for its backward runs eagerly instead.
+(``retain_graph=True``) and double backward (``create_graph=True``). A call made while the
+signature's graph still waits for an earlier call's backward gets a second graph of its own
+(``_engine._IN_FLIGHT``); past that it runs eagerly instead.
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ class TrainingGraph(Owned):
 
     handed = ()  # (its outputs are always copies: see CapturedGraph.handed)
     trial = None  # a piece's forward graph timed against its eager run (see _trial)
+    # why no second graph of its signature could be made while it waits for its backward
+    # (see _engine._another_in_flight): then calls like that run eagerly
+    no_other: str | None = None
 
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
                  out_tensors: list[torch.Tensor], out_diff: list[bool], rebuild, spec,

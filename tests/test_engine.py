@@ -1708,11 +1708,12 @@ def test_an_eviction_starts_a_new_pool_and_a_failed_capture_drops_its_own(sim, m
     assert cg.stats(f).captures == 0 and f._cudagraphify_state._pools == {}
 
 
-def test_grad_mode_calls_while_a_backward_is_pending_run_eagerly_on_the_fast_path(sim):
-    """A forward under grad mode whose output is kept and never backpropagated: the next calls
-    of that signature run eagerly (their activations would be overwritten), decided by the
-    fast path while the backward stays pending; once it ran, they replay again; a no_grad call
-    of the same tensors is not kept eager by that decision."""
+def test_grad_mode_calls_while_backwards_are_pending_get_a_second_graph_then_run_eagerly(sim):
+    """A forward under grad mode whose output is kept and never backpropagated: the next call
+    of that signature captures a second training graph (the first one's activations must not
+    be overwritten), the one after replays it; while both wait for their backward, the calls
+    run eagerly, decided by the fast path; once one backward ran, they replay again; a no_grad
+    call of the same tensors is not kept eager by that decision."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     m = cg.graphify(copy.deepcopy(ref))
@@ -1729,11 +1730,14 @@ def test_grad_mode_calls_while_a_backward_is_pending_run_eagerly_on_the_fast_pat
             outs = [m(x) for _ in range(5)]
         finally:
             del state.slow
-    assert len(calls) == 1, calls  # (the first decides; the next four take the fast path)
+    # (the first captures a second graph, the second replays it, the third decides that the
+    # last three run eagerly; the last two take the fast path)
+    assert len(calls) == 3, calls
     assert all(torch.equal(o, ref(x)) for o in outs)
     s = cg.stats(m)
-    assert sum(n for r, n in s.eager_calls.items() if "has not run yet" in r) == 5, s
-    kept.sum().backward()  # its backward runs: nothing pending
+    assert sum(n for r, n in s.eager_calls.items() if "has not run yet" in r) == 3, s
+    assert s.captures == 2 and s.replays == 2, s
+    kept.sum().backward()  # its backward runs: the first graph waits no more
     replays = s.replays
     y = m(x)
     assert torch.equal(y, ref(x)) and cg.stats(m).replays == replays + 1
@@ -1744,7 +1748,7 @@ def test_grad_mode_calls_while_a_backward_is_pending_run_eagerly_on_the_fast_pat
             warnings.simplefilter("ignore")
             m(x), m(x)
         assert torch.equal(m(x), ref(x))
-    assert cg.stats(m).captures == 2 and keep is not None  # (the inference graph's)
+    assert cg.stats(m).captures == 3 and keep is not None  # (the inference graph's)
     with torch.enable_grad():
         held = m(x)
         before = cg.stats(m).eager_calls.copy()

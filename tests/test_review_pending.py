@@ -17,6 +17,16 @@ from torch import nn
 import cudagraphify as cg
 from cudagraphify._engine import PENDING
 from cudagraphify._fast import EagerFast
+from cudagraphify import _engine
+
+
+@pytest.fixture(autouse=True)
+def _one_graph_in_flight(monkeypatch):
+    """These tests are about the calls made while a signature's training graph waits for its
+    backward, which run eagerly (on a fast path). Since a second graph of the signature is made
+    for such a call (``_engine._IN_FLIGHT`` graphs may wait at once), they keep to one: the
+    eager path they test is the one past the last graph in flight (tests/test_in_flight.py)."""
+    monkeypatch.setattr(_engine, "_IN_FLIGHT", 1)
 
 
 @pytest.fixture(autouse=True)

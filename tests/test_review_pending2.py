@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from test_review_pending import _make_pending, _pending  # (one definition)
+from test_review_pending import _make_pending, _one_graph_in_flight, _pending  # (one definition)
 
 
 @pytest.fixture(autouse=True)

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _trial
+from cudagraphify import _engine, _trial
 from conftest import SimGraph
 
 from test_trial import _COST, _HOST, _NOW, _Root
@@ -80,7 +80,9 @@ def test_accumulation_over_several_forwards(timed, costs, micro):
         opt_g.step(), opt_r.step(), opt_g.zero_grad(), opt_r.zero_grad()
     st = g.a._cudagraphify_state
     assert (st.given_back is None) == (costs is KEEP), st.given_back
-    assert st.timed_calls == 3
+    # (a piece kept: the training graph made for the second forward while the first waits for
+    # its backward is timed too; one given back is given back at the first verdict)
+    assert st.timed_calls == (3 * min(micro, _engine._IN_FLIGHT) if costs is KEEP else 3)
 
 
 class _GPiece(nn.Linear):
