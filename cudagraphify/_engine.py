@@ -408,7 +408,8 @@ class GraphedState(PieceRuns):
             self.eager_calls[PENDING] += 1
             self._note(False, PENDING)
             return outcome.result
-        out = self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs)
+        out = self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs,
+                           timed=busy is None)
         if outcome.kind == GRAPHED:
             self._capture_mark = self.replays  # (its call's own replay counted)
         return out
@@ -418,10 +419,13 @@ class GraphedState(PieceRuns):
         their backward gets a graph of its own (captured by this call): fewer than
         :data:`_IN_FLIGHT` of them, each with a pool of its own (its saved activations stay
         apart), outside an explicit region and a shared policy, none of them another
-        callable's, and no earlier attempt that failed."""
+        callable's, no earlier attempt that failed, and (a piece's) each one's trial over with
+        a verdict to keep it: the new one is not timed again (a verdict to give back one graph
+        of a signature, made while another stays, would leave that one behind its eager
+        entry)."""
         return len(busy) < _IN_FLIGHT and (region is None or region.implicit) \
             and not self.policy.shared and all(e.owner is self for e in busy) \
-            and busy[0].no_other is None
+            and busy[0].no_other is None and all(e.trial is None for e in busy)
 
     def _demote_unkeyable(self, args: tuple, kwargs: dict) -> bool:
         """Demote the static states among the call's top-level arguments that
@@ -664,13 +668,13 @@ class GraphedState(PieceRuns):
     # -- recording a first call's outcome -----------------------------------------------------
 
     def _record(self, outcome: Outcome, backend, region, cache: GraphCache, key, leaves: list,
-                fn, args, kwargs) -> Any:
+                fn, args, kwargs, timed: bool = True) -> Any:
         kind = outcome.kind
         if kind != GRAPHED and self._pools and region is None and not self.cache.graphs(self):
             self._pools.clear()  # a failed capture's memory goes with its pool
         if kind == GRAPHED:
             return self._record_graph(outcome, backend, region, cache, key, leaves, fn, args,
-                                      kwargs)
+                                      kwargs, timed)
         if kind == EAGER and not outcome.remember:
             return self._eager(outcome.reason, lambda: outcome.result, (), {})
         if kind == DEFERRED and (outcome.quiet or self._deferred < _MAX_DEFERRED):
@@ -710,7 +714,7 @@ class GraphedState(PieceRuns):
         return outcome.result
 
     def _record_graph(self, outcome: Outcome, backend, region, cache, key, leaves, fn, args,
-                      kwargs) -> Any:
+                      kwargs, timed: bool = True) -> Any:
         entry = outcome.entry
         entry.owner = self
         entry.state = outcome.guard
@@ -724,7 +728,10 @@ class GraphedState(PieceRuns):
         if region is not None:
             region.record_capture(entry)
         clock = getattr(backend, "clock", None)
-        if self.options.piece and clock is not None and (region is None or region.implicit) \
+        # (not a second training graph of a signature in flight: its twin's verdict, to keep
+        # it, was given before it was made, see _another_in_flight)
+        if timed and self.options.piece and clock is not None \
+                and (region is None or region.implicit) \
                 and self.share is None and type(entry) in (CapturedGraph, TrainingGraph):
             # (a training graph's forward is timed: what its backward graph saves is not
             # counted, so a piece kept is faster than eager in its forward at least)
