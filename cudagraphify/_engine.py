@@ -360,7 +360,10 @@ class GraphedState(PieceRuns):
             self._fast = EagerFast.decided(self, region, entry, args, kwargs)
             return self._eager(entry.reason, fn, args, kwargs,
                                chained=type(entry) is PiecewiseEntry, entry=entry)
-        if busy is not None and not self._another_in_flight(busy, region):
+        if busy is not None:
+            if self._another_in_flight(busy, region, cache):
+                return self._in_flight(busy, backend, region, cache, key, sig, leaves,
+                                       static_flags, fn, args, kwargs)
             # (the next calls like this one run eagerly at a fast path's cost while it stays so)
             self._fast = EagerFast.pending(self, region, busy[0], PENDING, args, kwargs,
                                            busy[1:])
@@ -401,31 +404,45 @@ class GraphedState(PieceRuns):
             outcome = first.run()
         finally:
             self.warmup_seconds += first.warmup_seconds
-        if busy is not None and outcome.kind != GRAPHED:
-            # a second graph of a signature that has one: not made (its reason is not the
-            # key's: an entry for it would hide the graph that is), not tried again
-            busy[0].no_other = outcome.reason or "not captured"
-            self.eager_calls[PENDING] += 1
-            self._note(False, PENDING)
-            return outcome.result
-        out = self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs,
-                           timed=busy is None)
+        out = self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs)
         if outcome.kind == GRAPHED:
             self._capture_mark = self.replays  # (its call's own replay counted)
         return out
 
-    def _another_in_flight(self, busy: list, region) -> bool:
+    def _in_flight(self, busy: list, backend, region, cache, key, sig, leaves, static_flags,
+                   fn, args, kwargs) -> Any:
+        """The call captures another training graph of its signature, whose graphs (``busy``)
+        all wait for their backward. Nothing but that graph is recorded under the key (an
+        eager entry would hide the graphs it has): a capture that does not come out graphed
+        runs eagerly, and no other graph of the key is tried again."""
+        first = FirstCall(self, backend, region, key, sig, leaves, static_flags, fn, args,
+                          kwargs, self._device)
+        try:
+            outcome = first.run()
+        finally:
+            self.warmup_seconds += first.warmup_seconds
+        if outcome.kind != GRAPHED:
+            busy[0].no_other = outcome.reason or "not captured"
+            self.eager_calls[PENDING] += 1
+            self._note(False, PENDING)
+            return outcome.result
+        return self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs,
+                            timed=False)
+
+    def _another_in_flight(self, busy: list, region, cache) -> bool:
         """Whether a grad-mode call whose signature's training graphs (``busy``) all wait for
         their backward gets a graph of its own (captured by this call): fewer than
         :data:`_IN_FLIGHT` of them, each with a pool of its own (its saved activations stay
         apart), outside an explicit region and a shared policy, none of them another
-        callable's, no earlier attempt that failed, and (a piece's) each one's trial over with
-        a verdict to keep it: the new one is not timed again (a verdict to give back one graph
+        callable's, no earlier attempt that failed, (a piece's) each one's trial over with a
+        verdict to keep it: the new one is not timed again (a verdict to give back one graph
         of a signature, made while another stays, would leave that one behind its eager
-        entry)."""
+        entry), and room in the cache for it without evicting a graph (a graph waiting for
+        its backward would be the first to go, and the backward would raise)."""
         return len(busy) < _IN_FLIGHT and (region is None or region.implicit) \
             and not self.policy.shared and all(e.owner is self for e in busy) \
-            and busy[0].no_other is None and all(e.trial is None for e in busy)
+            and busy[0].no_other is None and all(e.trial is None for e in busy) \
+            and len(cache.graphs()) < cache.policy.max_graphs
 
     def _demote_unkeyable(self, args: tuple, kwargs: dict) -> bool:
         """Demote the static states among the call's top-level arguments that

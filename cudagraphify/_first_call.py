@@ -110,6 +110,9 @@ class FirstCall(Capturing):
             self.short_of_memory = f"out of memory preparing the capture: {_first_line(e)}"
         self.watchable, buffers = statics.watchable()
         static_marks = _writes.marks(self.watchable, buffers)
+        # (how far the call moves their version counters: a training graph's replay moves them
+        # as much, see TrainingGraph.written; BatchNorm's running statistics move by none)
+        versions = [None if t.is_inference() else t._version for t in self.watchable]
         self.probe = self.warm_probe = probe = new_probe(self.state)
         if probe is not None:
             probe.known = {storage_of(x) for _, x in tensors} | statics.storage_ptrs()
@@ -159,6 +162,8 @@ class FirstCall(Capturing):
             | {i for i, x in tensors if storage_of(x) in written}
             | {i for i, b in (before or {}).items() if not _writes.same_values(leaves[i], b)})
         del before
+        self.version_moves = [(t, t._version - v) for t, v in zip(self.watchable, versions)
+                              if v is not None and t._version > v]
         wrote = set(_writes.written(self.watchable, static_marks)) | {
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
         self.wrote_statics = sorted(wrote)
@@ -399,6 +404,8 @@ class FirstCall(Capturing):
         # not be read from a copy (checked on every call)
         entry.written_statics = frozenset(storage_of(self.watchable[j])
                                           for j in self.wrote_statics) - {0}
+        if self.training:  # (their versions move on each replay: see TrainingGraph.written)
+            entry.written = tuple(self.version_moves)
         # likewise a static state's memory (read and written in place; its addresses are in
         # the key, so the same for every call the entry serves)
         entry.state_storages = frozenset(storage_of(t) for _, obj in self.states

@@ -36,6 +36,7 @@ __all__ = ["TrainingGraph", "capture_training", "saved_by_backward", "warmup_bac
 _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 _use_count = torch._C._storage_Use_Count
+_increment_version = torch.autograd.graph.increment_version
 # Why a module's training calls run eagerly once a backward found its parameters moved.
 MOVED_IN_BACKWARD = ("its parameters moved to new memory between a forward and its backward "
                      "(FSDP2's reshard_after_forward): a backward graph cannot follow them")
@@ -116,6 +117,9 @@ class TrainingGraph(Owned):
     # why no second graph of its signature could be made while it waits for its backward
     # (see _engine._another_in_flight): then calls like that run eagerly
     no_other: str | None = None
+    # (buffer or frozen parameter, count): the version counters its forward's in-place writes
+    # move, and by how much, in the real call; a replay moves them as much (set by verify)
+    written: tuple = ()
 
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
                  out_tensors: list[torch.Tensor], out_diff: list[bool], rebuild, spec,
@@ -234,6 +238,9 @@ class TrainingGraph(Owned):
                 self.input_copies += 1
         self.raw.replay()
         self.gen += 1
+        for t, n in self.written:  # (as the in-place ops the replay ran would have)
+            for _ in range(n):
+                _increment_version(t)
         if self._strided is None:
             return [o.clone() for o in self._outs]
         return [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype,
@@ -347,8 +354,10 @@ class _GraphedFunction(torch.autograd.Function):
         # What eager autograd would save (found in the warm-up): its version counters are
         # checked at backward, so an in-place change in between raises as it does eagerly.
         ctx.save_for_backward(*[tensors[i] for i in graph.saved])
-        ctx.versions = [t._version for t in graph.saved_statics]
         outs = graph.forward(tensors)
+        # (after the replay, which moved the versions of the buffers it writes as eager's
+        # in-place ops do: another graph's backward that saved one of them raises, as eagerly)
+        ctx.versions = [t._version for t in graph.saved_statics]
         ctx.graph, ctx.state, ctx.gen, ctx.done = graph, state, graph.gen, False
         ctx.params = tensors[graph._n_user:]
         graph._last_ctx = weakref.ref(ctx)
