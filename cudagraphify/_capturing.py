@@ -74,6 +74,8 @@ class Capturing:
             if failed is not None:
                 raise failed
             run = probed(second, self.fn)
+            if self.training:
+                run = self._counting_versions(run)
             with Nested(), recording(rec):
                 if self.training:
                     entry = capture_training(
@@ -100,6 +102,23 @@ class Capturing:
             self._put_back(rec)  # (the capture's run is not a call)
             return self._eager(str(e))
         return self.verify(entry, second, rec)
+
+    def _counting_versions(self, run: Callable) -> Callable:
+        """``run`` (the capture's run of a training forward) noting how far it moves the
+        version counters of the parameters and buffers (``version_moves``): the graph's
+        replay moves them as much (see TrainingGraph.written), as the in-place ops it runs
+        would eagerly (BatchNorm's running statistics by none). The capture's run, not the
+        real call's: a write only a first call makes (behind a Python flag) is not
+        replayed."""
+        def counted(*args, **kwargs):
+            watch, _ = self.statics.watchable()
+            before = [None if t.is_inference() else t._version for t in watch]
+            try:
+                return run(*args, **kwargs)
+            finally:
+                self.version_moves = [(t, t._version - v) for t, v in zip(watch, before)
+                                      if v is not None and t._version > v]
+        return counted
 
     def _left(self) -> list:
         """The objects the real call bound to module attributes (``self.ring =

@@ -80,6 +80,8 @@ class FirstCall(Capturing):
         self.side_effect = ""  # which of them this call changed otherwise (a step count)
         self.changed_states = False  # and whether a static state among them
         self.states_before: dict | None = {}  # copies of the states before the call
+        # (tensor, count): how far a training capture's run moved the statics' version counters
+        self.version_moves: list = []
 
     # -- 1. warm up ------------------------------------------------------------------------
 
@@ -110,9 +112,6 @@ class FirstCall(Capturing):
             self.short_of_memory = f"out of memory preparing the capture: {_first_line(e)}"
         self.watchable, buffers = statics.watchable()
         static_marks = _writes.marks(self.watchable, buffers)
-        # (how far the call moves their version counters: a training graph's replay moves them
-        # as much, see TrainingGraph.written; BatchNorm's running statistics move by none)
-        versions = [None if t.is_inference() else t._version for t in self.watchable]
         self.probe = self.warm_probe = probe = new_probe(self.state)
         if probe is not None:
             probe.known = {storage_of(x) for _, x in tensors} | statics.storage_ptrs()
@@ -147,7 +146,7 @@ class FirstCall(Capturing):
         written = probe.written if probe is not None else set()
         # A graphed function (or a forward) may run modules outside the tree it was given:
         # their parameters and buffers are guarded too.
-        statics.adopt(rec.called.values())
+        adopted = statics.adopt(rec.called.values())
         self.static_storages = statics.storage_ptrs()
         # Inputs that are parameters or buffers are read in place (never copied in or back);
         # their address is checked on every call (a user-marked input's is in the key).
@@ -162,10 +161,18 @@ class FirstCall(Capturing):
             | {i for i, x in tensors if storage_of(x) in written}
             | {i for i, b in (before or {}).items() if not _writes.same_values(leaves[i], b)})
         del before
-        self.version_moves = [(t, t._version - v) for t, v in zip(self.watchable, versions)
-                              if v is not None and t._version > v]
         wrote = set(_writes.written(self.watchable, static_marks)) | {
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
+        if adopted:
+            # the buffers of modules first met in this call (one it reached outside its tree, a
+            # graphed function's), which had no marks before it: written where the probe saw an
+            # in-place op on their memory (any, where no probe looked), so that runs that are
+            # not calls (the extra warm-ups) put them back too
+            old = {id(t): j for j, t in enumerate(self.watchable)}
+            self.watchable, _ = statics.watchable()
+            wrote = {k for k, t in enumerate(self.watchable)
+                     if (old[id(t)] in wrote if id(t) in old
+                         else probe is None or storage_of(t) in written)}
         self.wrote_statics = sorted(wrote)
         # (a tensor whose layout it changed, ``resize_`` on a log kept as an attribute, is held
         # but its layout not checked: its module runs eagerly for it, see note_relayouts, and
