@@ -110,9 +110,12 @@ class Capturing:
         would eagerly (BatchNorm's running statistics by none). The capture's run, not the
         real call's: a write only a first call makes (behind a Python flag) is not
         replayed."""
+        # (and the tensors it reads from outside, plain attributes: autograd may save them too)
+        watch = list({id(t): t for t in (*self.statics.watchable()[0],
+                                         *self.held_tensors())}.values())
+
         def counted(*args, **kwargs):
-            watch, _ = self.statics.watchable()
-            before = [None if t.is_inference() else t._version for t in watch]
+            before = [_version_of(t) for t in watch]
             try:
                 return run(*args, **kwargs)
             finally:
@@ -189,8 +192,11 @@ class Capturing:
                         lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
                 self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
                 storages = {storage_of(t) for t in packed} - {0}
-                self.saved_statics = [t for t in statics.tensors if not t.requires_grad
-                                      and storage_of(t) in storages]
+                # (and the tensors read from outside it saves, plain attributes: their versions
+                # are checked at backward as a buffer's are)
+                self.saved_statics = [t for t in (*statics.tensors, *self.held_tensors())
+                                      if not t.requires_grad and storage_of(t) in storages
+                                      and _version_of(t) is not None]
             else:
                 self.backend.warmup(lambda: fn(*a, **kw), self.device)
 
@@ -442,6 +448,14 @@ class Capturing:
                     rehearsing(self.state, lambda: self.fn(*a, **kw)) if rehearsed
                     else lambda: self.fn(*a, **kw), self.device)
         return run
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t._version``, or None where it has none (an inference tensor, a wrapper subclass)."""
+    try:
+        return None if t.is_inference() else t._version
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
 
 
 def _saved_indices(packed: list[torch.Tensor], copies: StaticInputs, tensor_idx: list[int],

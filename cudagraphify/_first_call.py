@@ -82,6 +82,7 @@ class FirstCall(Capturing):
         self.states_before: dict | None = {}  # copies of the states before the call
         # (tensor, count): how far a training capture's run moved the statics' version counters
         self.version_moves: list = []
+        self.new_buffers = 0  # buffers of modules the call ran that were first met in it
 
     # -- 1. warm up ------------------------------------------------------------------------
 
@@ -164,15 +165,18 @@ class FirstCall(Capturing):
         wrote = set(_writes.written(self.watchable, static_marks)) | {
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
         if adopted:
-            # the buffers of modules first met in this call (one it reached outside its tree, a
-            # graphed function's), which had no marks before it: written where the probe saw an
-            # in-place op on their memory (any, where no probe looked), so that runs that are
-            # not calls (the extra warm-ups) put them back too
+            # modules first met in this call (one it reached outside its tree, a graphed
+            # function's): their parameters are written where the probe saw an in-place op on
+            # their memory; their buffers had no marks before the call (BatchNorm's running
+            # statistics move through no op the probe knows as a write): the next call decides
+            # (see screen), with marks for them
             old = {id(t): j for j, t in enumerate(self.watchable)}
-            self.watchable, _ = statics.watchable()
-            wrote = {k for k, t in enumerate(self.watchable)
-                     if (old[id(t)] in wrote if id(t) in old
-                         else probe is None or storage_of(t) in written)}
+            watchable, is_buffer = statics.watchable()
+            self.new_buffers = sum(1 for t, b in zip(watchable, is_buffer)
+                                   if b and id(t) not in old)
+            self.watchable = watchable
+            wrote = {k for k, t in enumerate(watchable)
+                     if (old[id(t)] in wrote if id(t) in old else storage_of(t) in written)}
         self.wrote_statics = sorted(wrote)
         # (a tensor whose layout it changed, ``resize_`` on a log kept as an attribute, is held
         # but its layout not checked: its module runs eagerly for it, see note_relayouts, and
@@ -247,6 +251,12 @@ class FirstCall(Capturing):
             return Outcome(EAGER, self.result, remember=False,
                            reason="the forward ran a module outside its own whose parameters "
                            "require grad: decided again on the next call, with them")
+        if self.new_buffers:
+            # (once per such module: the next call knows its buffers)
+            return Outcome(DEFERRED, self.result, reason="capture deferred (retried on a later "
+                           f"call): the call ran modules first met in it, with {self.new_buffers} "
+                           "buffer(s) whose writes it could not see (no copy of them was taken "
+                           "before it)", guard=self.warm_guard, quiet=True)
         if self.set_up is not None:
             where, state = self.set_up
             if state:  # keyed by what it held: calls with it in that state set it up again
