@@ -161,6 +161,9 @@ class GraphedState(PieceRuns):
         # keys whose first call set up an object passed as it is (a cache's first update) and
         # was put off once: the next one is decided as it comes
         self.set_up_keys: set = set()
+        # keys whose first call met modules with tensors it could not see written (deferred
+        # once: see FirstCall.warm_up)
+        self.adopt_keys: set = set()
         # graphs keyed to static state that died (an HF StaticCache generate() dropped):
         # (cache, weak reference to the graph), queued by a weakref callback, released by the
         # next call (not an eviction: no later call can pass that cache)

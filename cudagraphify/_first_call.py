@@ -166,17 +166,28 @@ class FirstCall(Capturing):
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
         if adopted:
             # modules first met in this call (one it reached outside its tree, a graphed
-            # function's): their parameters are written where the probe saw an in-place op on
-            # their memory; their buffers had no marks before the call (BatchNorm's running
-            # statistics move through no op the probe knows as a write): the next call decides
-            # (see screen), with marks for them
+            # function's): their tensors had no marks before the call. A parameter is written
+            # where the probe saw an in-place op on its memory; a buffer's write may be none the
+            # probe knows (BatchNorm's running statistics), and with no probe neither is seen:
+            # the next call of the key decides (see screen), with marks for them; a key met
+            # with new modules again (one made on every call) counts those as written (the runs
+            # that are not calls put them back)
             old = {id(t): j for j, t in enumerate(self.watchable)}
             watchable, is_buffer = statics.watchable()
-            self.new_buffers = sum(1 for t, b in zip(watchable, is_buffer)
-                                   if b and id(t) not in old)
+            new = [k for k, t in enumerate(watchable) if id(t) not in old]
+            unseen = [k for k in new if is_buffer[k] or probe is None]
             self.watchable = watchable
             wrote = {k for k, t in enumerate(watchable)
                      if (old[id(t)] in wrote if id(t) in old else storage_of(t) in written)}
+            if unseen:
+                seen = self.state.adopt_keys
+                if self.key in seen:
+                    wrote |= set(unseen)
+                else:
+                    if len(seen) >= 64:
+                        seen.clear()
+                    seen.add(self.key)
+                    self.new_buffers = len(unseen)
         self.wrote_statics = sorted(wrote)
         # (a tensor whose layout it changed, ``resize_`` on a log kept as an attribute, is held
         # but its layout not checked: its module runs eagerly for it, see note_relayouts, and
@@ -255,7 +266,7 @@ class FirstCall(Capturing):
             # (once per such module: the next call knows its buffers)
             return Outcome(DEFERRED, self.result, reason="capture deferred (retried on a later "
                            f"call): the call ran modules first met in it, with {self.new_buffers} "
-                           "buffer(s) whose writes it could not see (no copy of them was taken "
+                           "tensor(s) whose writes it could not see (no copy of them was taken "
                            "before it)", guard=self.warm_guard, quiet=True)
         if self.set_up is not None:
             where, state = self.set_up
