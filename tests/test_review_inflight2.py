@@ -78,6 +78,8 @@ def _twins(make, *, prep=None, warm=(3,), warm_backward=True, **kw):
     ref = make()
     g = make()
     g.load_state_dict(ref.state_dict())
+    if hasattr(g, "sync_from"):  # (state kept outside the module: a twin of its own)
+        g.sync_from(ref)
     g = cg.graphify(g, **kw)
     for n in warm:
         x = torch.randn(n, 4)
@@ -108,8 +110,12 @@ def _step(m, xs):
     return res, outs, grads
 
 
-def _same_as_eager(ref, g, shapes, steps=3):
+def _same_as_eager(ref, g, shapes, steps=3, extra=None, before=None):
+    """``steps`` steps of ``_step`` on both twins: outcome, outputs, gradients and buffers
+    alike (bitwise); ``before(m)`` runs on each first, ``extra(ref, g, step)`` checks more."""
     for step in range(steps):
+        if before is not None:
+            before(ref), before(g)
         xs = [torch.randn(n, 4) for n in shapes]
         r, w, gr = _step(ref, xs)
         o, v, gg = _step(g, xs)
@@ -120,6 +126,8 @@ def _same_as_eager(ref, g, shapes, steps=3):
                        for a, b in zip(gr, gg)), step
         for (n, a), b in zip(ref.named_buffers(), g.buffers()):
             assert torch.equal(a, b), (step, n)
+        if extra is not None:
+            extra(ref, g, step)
     return g
 
 

@@ -62,73 +62,14 @@ import cudagraphify as cg
 from cudagraphify import _fast
 from cudagraphify.api import _state_of
 
+from test_review_inflight2 import _outcome, _same_as_eager, _step, _twins  # (one definition)
+
 
 @pytest.fixture(autouse=True)
 def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-def _outcome(fn) -> str:
-    try:
-        fn()
-        return "ok"
-    except RuntimeError as e:
-        return "inplace" if "inplace operation" in str(e) else f"RuntimeError: {e}"[:200]
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"[:200]
-
-
-def _twins(make, *, warm=(3,), warm_backward=True, **kw):
-    torch.manual_seed(0)
-    ref = make()
-    g = make()
-    g.load_state_dict(ref.state_dict())
-    if hasattr(g, "sync_from"):
-        g.sync_from(ref)
-    g = cg.graphify(g, **kw)
-    for n in warm:
-        x = torch.randn(n, 4)
-        seen = [_outcome(lambda m=m: m(x).sum().backward() if warm_backward else m(x))
-                for m in (ref, g)]
-        assert seen[0] == seen[1], ("first calls", n, seen)
-        ref.zero_grad(), g.zero_grad()
-    return ref, g
-
-
-def _step(m, xs):
-    outs = []
-
-    def go():
-        total = 0
-        for x in xs:
-            o = m(x)
-            outs.append(o)
-            total = total + o.sum()
-        total.backward()
-
-    res = _outcome(go)
-    grads = [None if p.grad is None else p.grad.clone() for p in m.parameters()]
-    m.zero_grad()
-    return res, outs, grads
-
-
-def _same_as_eager(ref, g, shapes, steps=3, extra=None):
-    for step in range(steps):
-        xs = [torch.randn(n, 4) for n in shapes]
-        r, w, gr = _step(ref, xs)
-        o, v, gg = _step(g, xs)
-        assert r == o, (step, "eager:", r, "graphed:", o)
-        assert len(w) == len(v) and all(torch.equal(a, b) for a, b in zip(w, v)), step
-        if r == "ok":
-            assert all((a is None) == (b is None) and (a is None or torch.equal(a, b))
-                       for a, b in zip(gr, gg)), step
-        for (n, a), b in zip(ref.named_buffers(), g.buffers()):
-            assert torch.equal(a, b), (step, n)
-        if extra is not None:
-            extra(ref, g, step)
-    return g
 
 
 # -- T1: an adopted BatchNorm's running statistics ------------------------------------------------
