@@ -82,7 +82,8 @@ class FirstCall(Capturing):
         self.states_before: dict | None = {}  # copies of the states before the call
         # (tensor, count): how far a training capture's run moved the statics' version counters
         self.version_moves: list = []
-        self.new_buffers = 0  # buffers of modules the call ran that were first met in it
+        # tensors of modules first met in the call whose writes it could not see (see screen)
+        self.new_unseen = 0
 
     # -- 1. warm up ------------------------------------------------------------------------
 
@@ -187,7 +188,7 @@ class FirstCall(Capturing):
                     if len(seen) >= 64:
                         seen.clear()
                     seen.add(self.key)
-                    self.new_buffers = len(unseen)
+                    self.new_unseen = len(unseen)
         self.wrote_statics = sorted(wrote)
         # (a tensor whose layout it changed, ``resize_`` on a log kept as an attribute, is held
         # but its layout not checked: its module runs eagerly for it, see note_relayouts, and
@@ -262,10 +263,10 @@ class FirstCall(Capturing):
             return Outcome(EAGER, self.result, remember=False,
                            reason="the forward ran a module outside its own whose parameters "
                            "require grad: decided again on the next call, with them")
-        if self.new_buffers:
+        if self.new_unseen:
             # (once per such module: the next call knows its buffers)
             return Outcome(DEFERRED, self.result, reason="capture deferred (retried on a later "
-                           f"call): the call ran modules first met in it, with {self.new_buffers} "
+                           f"call): the call ran modules first met in it, with {self.new_unseen} "
                            "tensor(s) whose writes it could not see (no copy of them was taken "
                            "before it)", guard=self.warm_guard, quiet=True)
         if self.set_up is not None:

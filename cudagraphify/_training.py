@@ -117,8 +117,9 @@ class TrainingGraph(Owned):
     # why no second graph of its signature could be made while it waits for its backward
     # (see _engine._another_in_flight): then calls like that run eagerly
     no_other: str | None = None
-    # (buffer or frozen parameter, count): the version counters its forward's in-place writes
-    # move, and by how much, in the real call; a replay moves them as much (set by verify)
+    # (tensor, count): the version counters its forward's in-place writes move (buffers,
+    # frozen parameters, tensors read from outside), and by how much, in the capture's run
+    # (_capturing._counting_versions); a replay moves them as much (set by verify)
     written: tuple = ()
 
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
