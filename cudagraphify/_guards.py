@@ -498,9 +498,11 @@ class StateGuard:
         if without and not self.unguardable:
             t = without[0]
             self.unguardable = (
-                f"forward reads a {type(t).__name__} ({t.layout}) from outside its arguments, "
+                f"forward reads a {'nested ' if t.is_nested else ''}{type(t).__name__} "
+                f"({t.layout}) from outside its arguments, "
                 "parameters and buffers (an attribute, closure or global) whose memory has no "
-                "single address to guard (a sparse tensor or a wrapper tensor subclass); "
+                "single address and layout to guard (a sparse or nested tensor, a wrapper tensor "
+                "subclass); "
                 "register it as a buffer or pass it in")
         # (``loose``: storages of tensors whose layout the run changes itself, the decision
         # being to run that code eagerly: held, not checked)
@@ -607,10 +609,11 @@ def _unique(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _no_address(t: torch.Tensor) -> bool:
     """Whether ``t`` has data but no storage of its own to watch (a sparse tensor, a wrapper
-    tensor subclass: its memory is in the tensors it wraps). Meta tensors have no data."""
+    tensor subclass: its memory is in the tensors it wraps; a nested tensor, whose buffer has
+    no one shape to guard). Meta tensors have no data."""
     if t.device.type == "meta":
         return False
-    if t.layout is not torch.strided:
+    if t.layout is not torch.strided or t.is_nested:
         return True
     try:
         t.untyped_storage().data_ptr()

@@ -411,7 +411,8 @@ class Probe:
         if not self.locate:
             self.outside[ptr] = None
             return
-        what = f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
+        shape = "nested" if t.is_nested else tuple(t.shape)  # (a nested one has no one shape)
+        what = f"{shape} {str(t.dtype).replace('torch.', '')} tensor"
         self.outside[ptr] = Finding(self.path, op_name(func), ("OUTSIDE_TENSOR",),
                                     f"{_user_frame()} (reads a {what})")
 
