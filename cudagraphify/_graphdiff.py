@@ -120,7 +120,10 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     device address there. (Struct
     padding that held a stack or a return address, seen on the H200 in HF Llama's mean
     reduction, stable across two captures of one layer; in a comparison kernel of HF's mask,
-    a stack address against an address in the pool.) Anything else refuses.
+    a stack address against an address in the pool.) Bytes of a PyTorch reduction's argument
+    that its kernel never reads (its offset calculators' entries past their ``dims``, left
+    unset on the host: :func:`reduce_unread`) may differ too, not counted. Anything else
+    refuses.
 
     ``tied``: a storage at the same address in ``a`` and ``b`` is one storage both layers
     share (tied weights: kept, and :meth:`RebasePlan.check` refuses a layer with its own).
@@ -141,6 +144,7 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
         raise Refused("the layers' storages differ in number or size")
     shared = {j for j, (sa, sb) in enumerate(zip(a.ranges, b.ranges)) if sa[0] == sb[0]}
     plan = RebasePlan(shared=frozenset(shared) if tied else frozenset())
+    unread = _Unread()
     if not tied and shared:
         _same_address_slots(plan, nodes0, nodes1, a, shared)
         shared = set()
@@ -166,6 +170,8 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                 elif hit is None and b.find(v1) is None and (
                         w2 != w0 or (len(w0) == 8 and _in(pool, v0) and _in(pool, v1))):
                     continue  # capture-dependent: the template's own value stands for every layer
+                elif unread(i, c, n0, x, y, z) >= _differing(pos, w0, w1, w2):
+                    continue  # bytes the kernel never reads (an offset calculator's tail)
                 elif len(x) == 1 or (device is not None
                                      and _stale(v0, v1, device, one_sided, a, b)):
                     plan.unproven += 1  # a one-byte argument, or a stale struct byte
@@ -176,6 +182,97 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                     raise Refused(f"node {i} ({n0.name}): argument {c} at byte {pos} differs "
                                   f"({v0:#x} vs {v1:#x}) and is not a rebased parameter address")
     return plan
+
+
+def _differing(pos: int, *words: bytes) -> frozenset[int]:
+    """Positions (in the argument) of the bytes of an argument's window at ``pos`` that are
+    not the same in all ``words``."""
+    return frozenset(pos + k for k in range(len(words[0]))
+                     if len({w[k] for w in words}) > 1)
+
+
+class _Unread:
+    """Bytes of a node's argument its kernel never reads, found once per node and argument
+    (see :func:`reduce_unread`); empty where none are known."""
+
+    def __init__(self):
+        self._found: dict[tuple[int, int], frozenset[int]] = {}
+
+    def __call__(self, i: int, c: int, node, *chunks: bytes) -> frozenset[int]:
+        key = (i, c)
+        if key not in self._found:
+            self._found[key] = reduce_unread(node.name, chunks) \
+                if node.kind == 0 and c == 0 and len(node.chunks) == 1 else frozenset()
+        return self._found[key]
+
+
+# PyTorch's CUDA reductions: ``at::native::reduce_kernel<...>(ReduceOp<...> r)`` takes one
+# argument, a ReduceOp struct holding (after its functor, identity and launch config) an
+# ``OffsetCalculator<1, uint32_t>`` for the input and an ``OffsetCalculator<2, uint32_t>`` for
+# the output, back to back. Each is ``int dims; IntDivider<uint32_t> sizes_[25]; uint32_t
+# strides_[25][NARGS]``, and its ``get`` stops at ``dims``: the entries past it are never read.
+# Its constructor fills only the first ``dims`` of them, so the rest hold whatever the host
+# stack held (seen on the H200 and the H100 in HF Llama's RMSNorm mean: another value in every
+# layer's capture, stable across two captures of one layer).
+_REDUCE_KERNEL = "_ZN2at6native13reduce_kernel"
+_MAX_DIMS = 25
+
+
+def _calc_dims(buf: bytes, at: int, nargs: int) -> int | None:
+    """``dims`` of an ``OffsetCalculator<nargs, uint32_t>`` at byte ``at`` of ``buf``: None
+    unless ``dims`` is 0..25 and each of its ``dims`` dividers is one IntDivider makes."""
+    end = at + 4 + _MAX_DIMS * (12 + 4 * nargs)
+    if at < 0 or end > len(buf):
+        return None
+    dims = int.from_bytes(buf[at:at + 4], "little", signed=True)
+    if not 0 <= dims <= _MAX_DIMS:
+        return None
+    for k in range(dims):
+        p = at + 4 + 12 * k
+        d, m1, shift = (int.from_bytes(buf[q:q + 4], "little") for q in (p, p + 4, p + 8))
+        if not _divider(d, m1, shift):
+            return None
+    return dims
+
+
+def _divider(d: int, m1: int, shift: int) -> bool:
+    """Whether (d, m1, shift) is what ``IntDivider<unsigned int>(d)`` holds: the magic
+    number of division by ``d``."""
+    if not 1 <= d <= 0x7FFFFFFF:
+        return False
+    s = 0
+    while s < 32 and (1 << s) < d:
+        s += 1
+    magic = ((1 << 32) * ((1 << s) - d)) // d + 1
+    return shift == s and m1 == magic < 1 << 32
+
+
+def reduce_unread(name: str, chunks) -> frozenset[int]:
+    """Byte positions of a reduction kernel's argument (``chunks``: the same argument in
+    several captures) that the kernel never reads: the entries past ``dims`` of its two offset
+    calculators. Found where ``name`` is ``at::native::reduce_kernel``'s and exactly one byte
+    offset holds, in every capture alike, a valid input calculator (at least one dimension)
+    followed by a valid output calculator; else none (the layout is not recognised: nothing
+    is taken for unread)."""
+    if not name.startswith(_REDUCE_KERNEL) or not chunks:
+        return frozenset()
+    size1 = 4 + _MAX_DIMS * (12 + 4)  # OffsetCalculator<1, uint32_t>
+    found = []
+    for at in range(0, min(256, len(chunks[0])), 4):
+        dims = {(_calc_dims(c, at, 1), _calc_dims(c, at + size1, 2)) for c in chunks}
+        if len(dims) == 1:
+            d_in, d_out = dims.pop()
+            if d_in and d_out is not None:
+                found.append((at, d_in, d_out))
+    if len(found) != 1:
+        return frozenset()
+    at, d_in, d_out = found[0]
+    out = set()
+    for start, dims, nargs in ((at, d_in, 1), (at + size1, d_out, 2)):
+        sizes, strides = start + 4, start + 4 + 12 * _MAX_DIMS
+        out.update(range(sizes + 12 * dims, strides))
+        out.update(range(strides + 4 * nargs * dims, strides + 4 * nargs * _MAX_DIMS))
+    return frozenset(out)
 
 
 def _same_address_slots(plan: RebasePlan, nodes0: list, nodes1: list, a: Storages,
