@@ -290,6 +290,8 @@ class GraphedState(PieceRuns):
                 return self._eager(LAZY, fn, args, kwargs)
             finally:
                 self.statics.rescan()
+        if self.statics.opaque is not None:
+            return self._eager(self.statics.opaque, fn, args, kwargs)
         if torch.is_grad_enabled():
             why = self._training_refused()
             if why is not None:

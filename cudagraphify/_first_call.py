@@ -295,6 +295,8 @@ class FirstCall(Capturing):
             return out
         if self.states_guard is not None and self.states_guard.unguardable:
             return self._eager(self.states_guard.unguardable)
+        if self.statics.opaque is not None:  # (a module the call ran outside its tree)
+            return self._eager(self.statics.opaque)
         if self.short_of_memory:  # writes could not be checked: try again on a later call
             return Outcome(DEFERRED, self.result, reason=f"capture deferred (retried on a later "
                            f"call): {self.short_of_memory}", guard=self.warm_guard)

@@ -250,29 +250,51 @@ def _divider(d: int, m1: int, shift: int) -> bool:
 def reduce_unread(name: str, chunks) -> frozenset[int]:
     """Byte positions of a reduction kernel's argument (``chunks``: the same argument in
     several captures) that the kernel never reads: the entries past ``dims`` of its two offset
-    calculators. Found where ``name`` is ``at::native::reduce_kernel``'s and exactly one byte
-    offset holds, in every capture alike, a valid input calculator (at least one dimension)
-    followed by a valid output calculator; else none (the layout is not recognised: nothing
-    is taken for unread)."""
+    calculators. Found where ``name`` is ``at::native::reduce_kernel``'s and the layout is
+    recognised alike in every capture; else none (nothing is taken for unread)."""
     if not name.startswith(_REDUCE_KERNEL) or not chunks:
         return frozenset()
-    size1 = 4 + _MAX_DIMS * (12 + 4)  # OffsetCalculator<1, uint32_t>
-    found = []
-    for at in range(0, min(256, len(chunks[0])), 4):
-        dims = {(_calc_dims(c, at, 1), _calc_dims(c, at + size1, 2)) for c in chunks}
-        if len(dims) == 1:
-            d_in, d_out = dims.pop()
-            if d_in and d_out is not None:
-                found.append((at, d_in, d_out))
-    if len(found) != 1:
+    layouts = {_reduce_layout(c) for c in chunks}
+    if len(layouts) != 1:
         return frozenset()
-    at, d_in, d_out = found[0]
+    layout = layouts.pop()
+    if layout is None:
+        return frozenset()
+    at, d_in, d_out = layout
     out = set()
-    for start, dims, nargs in ((at, d_in, 1), (at + size1, d_out, 2)):
+    for start, dims, nargs in ((at, d_in, 1), (at + _CALC1, d_out, 2)):
         sizes, strides = start + 4, start + 4 + 12 * _MAX_DIMS
         out.update(range(sizes + 12 * dims, strides))
         out.update(range(strides + 4 * nargs * dims, strides + 4 * nargs * _MAX_DIMS))
     return frozenset(out)
+
+
+_CALC1 = 4 + _MAX_DIMS * (12 + 4)  # sizeof(OffsetCalculator<1, uint32_t>)
+_CALC2 = 4 + _MAX_DIMS * (12 + 8)
+# what follows the output calculator: src, dst[2], acc_buf, cta_buf, semaphores, base_idx (8
+# bytes each), accumulate, final_output (bools), noutputs (int); 4 bytes of padding before src
+# where the calculators end off an 8-byte boundary
+_AFTER = 7 * 8 + 8
+
+
+def _reduce_layout(buf: bytes) -> tuple[int, int, int] | None:
+    """(offset of the input calculator, its dims, the output one's) of a ReduceOp's bytes, or
+    None. Not searched for (the launch config's own small ints look like a calculator): the
+    calculators end a fixed distance before the struct's end, so the input one starts at one
+    of two offsets; exactly one of them must hold a valid input calculator with at least one
+    dimension (with none, ``thread_reduce`` still reads its first stride: not recognised)
+    followed by a valid output calculator, and ``noutputs``, the last field, must be 1 or 2."""
+    if len(buf) % 8 or int.from_bytes(buf[-4:], "little") not in (1, 2):
+        return None
+    found = []
+    for pad in (0, 4):
+        at = len(buf) - _AFTER - pad - _CALC2 - _CALC1
+        if at < 0 or at % 4 or (at + _CALC1 + _CALC2 + pad) % 8:
+            continue
+        d_in, d_out = _calc_dims(buf, at, 1), _calc_dims(buf, at + _CALC1, 2)
+        if d_in and d_out is not None:
+            found.append((at, d_in, d_out))
+    return found[0] if len(found) == 1 else None
 
 
 def _same_address_slots(plan: RebasePlan, nodes0: list, nodes1: list, a: Storages,

@@ -502,8 +502,7 @@ class StateGuard:
                 f"({t.layout}) from outside its arguments, "
                 "parameters and buffers (an attribute, closure or global) whose memory has no "
                 "single address and layout to guard (a sparse or nested tensor, a wrapper tensor "
-                "subclass); "
-                "register it as a buffer or pass it in")
+                "subclass): calls that read it run eagerly")
         # (``loose``: storages of tensors whose layout the run changes itself, the decision
         # being to run that code eagerly: held, not checked)
         checks.extend(_tensor_checks([t for t in self.tensors if not _no_address(t)

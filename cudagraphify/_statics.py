@@ -173,6 +173,9 @@ class StaticState:
         slots = []
         seen = set()
         self.lazy = False  # an uninitialized parameter or buffer (a LazyModule's) in the tree
+        # why calls run eagerly: a parameter or buffer with no one address and layout to guard
+        # (a nested or sparse tensor), None where there is none
+        self.opaque: str | None = None
         for m in self.modules:
             for d in (m._parameters, m._buffers):
                 for name, t in d.items():
@@ -180,6 +183,14 @@ class StaticState:
                         continue
                     if is_lazy(t):  # (no memory yet: its module's first forward makes it)
                         self.lazy = True
+                        continue
+                    if t.is_nested or t.layout is not torch.strided:
+                        if self.opaque is None:
+                            kind = "nested" if t.is_nested else str(t.layout).replace(
+                                "torch.", "")
+                            self.opaque = (f"parameter or buffer {name!r} of a "
+                                           f"{type(m).__name__} is a {kind} tensor, whose memory "
+                                           "has no one address and layout to guard")
                         continue
                     seen.add(id(t))
                     slots.append((d, name))

@@ -29,7 +29,8 @@ def divider(d):
 
 def reduce_op(in_dims=((512, 4),), out_dims=((16, 4, 2048),), garbage=0, block_width=32,
               src=0x7F0000900000):
-    """A ReduceOp<float, MeanOps, uint32_t, float, 4, 4>'s bytes: its functor, identity and
+    """A ReduceOp<float, MeanOps, uint32_t, float, 4, 4>'s bytes (1048, as PyTorch 2.13 lays
+    it out): its functor, identity and
     config, the input and output offset calculators (used entries from ``in_dims``: (size,
     stride), ``out_dims``: (size, stride0, stride1)), then its pointers and flags. The unused
     tails hold random bytes from ``garbage`` (a seed; 0: zeros)."""
@@ -50,7 +51,8 @@ def reduce_op(in_dims=((512, 4),), out_dims=((16, 4, 2048),), garbage=0, block_w
             + junk(4 * nargs * (25 - len(dims)))
         return struct.pack("<i", len(dims)) + sizes + strides
 
-    tail = struct.pack("<6Q", src, 0x7F0000900800, 0, 0, 0, 0) + struct.pack("<??xxi", 0, 1, 1)
+    # src, dst[2], acc_buf, cta_buf, semaphores, base_idx, accumulate, final_output, noutputs
+    tail = struct.pack("<7Q", src, 0x7F0000900800, 0, 0, 0, 0, 0) + struct.pack("<??xxi", 0, 1, 1)
     return head + calc(in_dims, 1) + calc(out_dims, 2) + struct.pack("<I", 0) + tail
 
 
