@@ -161,6 +161,13 @@ def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], A
     kinds: list[tuple[str, Any]] = []
     for leaf in flat:
         if isinstance(leaf, torch.Tensor):
+            try:
+                leaf.untyped_storage().data_ptr()
+            except (RuntimeError, NotImplementedError, TypeError) as e:
+                raise OutputPlanError(
+                    f"forward returns a {type(leaf).__name__} with no storage of its own (a "
+                    f"wrapper tensor subclass, a jagged nested tensor): a graph cannot hand "
+                    f"out its memory ({type(e).__name__}: {str(e)[:80]})") from None
             kinds.append(("tensor", leaf))
         elif id(leaf) in by_id:
             kinds.append(("arg", by_id[id(leaf)]))

@@ -400,3 +400,17 @@ def test_strided_nested_output_runs_eagerly(sim):
             got, want = g(x), fn(x)
             assert all(torch.equal(a, b) for a, b in zip(got.unbind(), want.unbind()))
     assert cg.stats(g).replays == 0
+
+
+def test_an_output_with_no_storage_of_its_own_is_refused_by_the_output_plan():
+    # (a jagged nested tensor returned by forward crashed the first call on the H100 with
+    # "Attempted to access the data pointer on an invalid python storage"; the CPU double
+    # cannot record its ops, so the output rule is tested alone)
+    from cudagraphify._replay import OutputPlanError, output_leaves
+
+    values, offsets = torch.randn(5, 4), torch.tensor([0, 2, 5])
+    jagged = torch.nested.nested_tensor_from_jagged(values, offsets)
+    with pytest.raises(OutputPlanError, match="no storage of its own"):
+        output_leaves((jagged, values), [values, offsets])
+    kinds, _ = output_leaves((values * 2, torch.nested.nested_tensor([values])), [values])
+    assert [k for k, _ in kinds] == ["tensor", "tensor"]  # a strided nested one has storage
