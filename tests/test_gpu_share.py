@@ -221,3 +221,39 @@ def test_blocks_with_a_host_sync_share_each_graphed_piece():
             (path, piece)
     # call 1 decides piecewise, call 2 makes the pieces, calls 3 and 4 replay them
     assert all(cg.stats(b.attn).replays == 2 for b in model.blocks)
+
+
+def test_a_reductions_unread_tails_are_found_in_real_captures():
+    # (share_graph's diff keeps the bytes past the offset calculators' dims as the template has
+    # them: host-stack leftovers, another value in every HF Llama layer's capture)
+    from cudagraphify._cugraph import driver_available, read_graph
+    from cudagraphify._graphdiff import _reduce_layout, reduce_unread
+
+    if not driver_available():
+        pytest.skip("the CUDA driver cannot report kernel argument sizes")
+    chunks, name = [], None
+    for _ in range(2):
+        x = torch.randn(16, 512, device=DEV)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x.pow(2).mean(-1, keepdim=True)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(g):
+            x.pow(2).mean(-1, keepdim=True)
+        torch.cuda.synchronize()
+        node = next(n for n in read_graph(int(g.raw_cuda_graph()))[0]
+                    if n.name.startswith("_ZN2at6native13reduce_kernel"))
+        chunks.append(node.chunks[0])
+        name = node.name
+    at, d_in, d_out = _reduce_layout(chunks[0])
+    assert (d_in, d_out) == (1, 1) and len(chunks[0]) - at in (972, 976)
+    unread = reduce_unread(name, chunks)
+    assert len(unread) == (300 - 12 + 100 - 4) + (300 - 12 + 200 - 8)
+    # what the kernel reads is not in it: the head (functor, identity, config), each
+    # calculator's dims, first divider and first row of strides, the pointers and flags after
+    read = set(range(at + 16)) | set(range(at + 304, at + 308)) \
+        | set(range(at + 404, at + 420)) | set(range(at + 708, at + 716)) \
+        | set(range(at + 908, len(chunks[0])))
+    assert not read & unread
