@@ -250,7 +250,7 @@ def _divider(d: int, m1: int, shift: int) -> bool:
 def reduce_unread(name: str, chunks) -> frozenset[int]:
     """Byte positions of a reduction kernel's argument (``chunks``: the same argument in
     several captures) that the kernel never reads: the entries past ``dims`` of its two offset
-    calculators. Found where ``name`` is ``at::native::reduce_kernel``'s and the layout is
+    calculators, and the struct's padding. Found where ``name`` is ``at::native::reduce_kernel``'s and the layout is
     recognised alike in every capture; else none (nothing is taken for unread)."""
     if not name.startswith(_REDUCE_KERNEL) or not chunks:
         return frozenset()
@@ -266,6 +266,18 @@ def reduce_unread(name: str, chunks) -> frozenset[int]:
         sizes, strides = start + 4, start + 4 + 12 * _MAX_DIMS
         out.update(range(sizes + 12 * dims, strides))
         out.update(range(strides + 4 * nargs * dims, strides + 4 * nargs * _MAX_DIMS))
+    # padding, never a field: after the calculators where ``src`` needs 8-byte alignment;
+    # after the config's ``bool vectorize_input`` (its last fields: that bool, then ``int
+    # output_vec_size``, a power of two up to 16); after the ``accumulate`` and
+    # ``final_output`` bools, before ``noutputs`` (seen on the H100: the config's held heap
+    # address bytes, another in every layer's capture)
+    end = at + _CALC1 + _CALC2
+    out.update(range(end, len(chunks[0]) - _AFTER))
+    if all(c[at - 8] in (0, 1) and int.from_bytes(c[at - 4:at], "little") in (1, 2, 4, 8, 16)
+           for c in chunks):
+        out.update(range(at - 7, at - 4))
+    if all(c[-8] in (0, 1) and c[-7] in (0, 1) for c in chunks):
+        out.update(range(len(chunks[0]) - 6, len(chunks[0]) - 4))
     return frozenset(out)
 
 

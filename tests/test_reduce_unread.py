@@ -76,12 +76,27 @@ def test_the_dividers_pytorch_makes():
 def test_the_bytes_that_differed_on_the_h100_are_unread():
     unread = reduce_unread(MEAN, [reduce_op(garbage=1), reduce_op(garbage=2)])
     assert set(range(176, 184)) <= unread and set(range(648, 656)) <= unread
+    # and the struct's padding: after the config's vectorize_input bool (byte 64), before src
+    # (980..983), after the two flag bools (1040, 1041)
+    padding = {65, 66, 67, 980, 981, 982, 983, 1042, 1043}
+    assert padding <= unread
     # the used entries, the dims, the head and the pointers are not
     used = set(range(IN_AT, IN_AT + 16)) | set(range(OUT_AT, OUT_AT + 16)) \
         | set(range(IN_AT + 304, IN_AT + 308)) | set(range(OUT_AT + 304, OUT_AT + 312)) \
         | set(range(IN_AT)) | set(range(OUT_AT + 504, len(reduce_op())))
-    assert not used & unread
-    assert len(unread) == (300 - 12 + 100 - 4) + (300 - 12 + 200 - 8)
+    assert not (used - padding) & unread
+    assert len(unread) == (300 - 12 + 100 - 4) + (300 - 12 + 200 - 8) + len(padding)
+
+
+def test_padding_is_taken_for_unread_only_where_the_fields_around_it_are_what_they_must_be():
+    a = bytearray(reduce_op(garbage=1))
+    a[64] = 7  # not a bool: vectorize_input is not where it was taken to be
+    unread = reduce_unread(MEAN, [bytes(a), reduce_op(garbage=2)])
+    assert unread and not {65, 66, 67} & unread and {1042, 1043} <= unread
+    b = bytearray(reduce_op(garbage=1))
+    b[1041] = 2  # final_output is a bool
+    unread = reduce_unread(MEAN, [reduce_op(garbage=2), bytes(b)])
+    assert unread and not {1042, 1043} & unread and {65, 66, 67} <= unread
 
 
 def test_layers_whose_reductions_differ_only_in_the_tails_share():

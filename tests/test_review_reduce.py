@@ -128,6 +128,10 @@ def truly_unread(d_in, d_out):
         out.update(range(at + 4 + 12 * dims, at + 304))
         out.update(range(at + 304 + 4 * nargs * dims, at + 304 + 4 * nargs * 25))
     out -= set(range(IN_AT + 304, IN_AT + 308))
+    # padding (never read; recognised since this review): after vectorize_input's bool, before
+    # src, before noutputs
+    out |= {IN_AT - 7, IN_AT - 6, IN_AT - 5} | set(range(OUT_AT + SIZE2, SRC_AT)) \
+        | {SIZE - 6, SIZE - 5}
     return frozenset(out)
 
 

@@ -33,6 +33,12 @@ def truly_unread(at, d_in, d_out):
     return frozenset(out)
 
 
+def padding(at, n):
+    """ReduceOp's padding bytes (recognised as unread after this review): after the config's
+    vectorize_input bool, between the output calculator and src, before noutputs."""
+    return frozenset({at - 7, at - 6, at - 5} | set(range(at + 908, n - 64)) | {n - 6, n - 5})
+
+
 def candidates(chunks):
     out = []
     for at in range(0, min(256, len(chunks[0])), 4):
@@ -82,8 +88,8 @@ def case(name, make, fn):
                 bad.append(f"node {i}: layout from the size not unique: {real}")
                 continue
             at, di, do = real[0]
-            if got and not got <= truly_unread(at, di, do):
-                wrong = sorted(got - truly_unread(at, di, do))
+            if got and not got <= truly_unread(at, di, do) | padding(at, len(chunks[0])):
+                wrong = sorted(got - truly_unread(at, di, do) - padding(at, len(chunks[0])))
                 bad.append(f"node {i}: read bytes taken for unread (R1): {wrong[:6]}.. "
                            f"({len(wrong)}), real at {at} dims {di},{do}, found {cands}")
             elif not got and di >= 1:
