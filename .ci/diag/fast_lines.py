@@ -15,6 +15,7 @@ from torch import nn
 
 import cudagraphify as cg
 from cudagraphify import _fast
+from cudagraphify.bench._common import hand_capture
 
 DEV = "cuda" if torch.cuda.is_available() and "--cpu" not in sys.argv else "cpu"
 if DEV == "cpu":
@@ -93,15 +94,7 @@ lin = nn.Linear(64, 64).to(DEV)
 x = torch.randn(4, 64, device=DEV)
 with torch.no_grad():
     if DEV == "cuda":
-        static_x = x.clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            lin(static_x)
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_y = lin(static_x)
+        graph, static_x, static_y = hand_capture(lin, x)  # (the bench's reference row)
 
         def hand(inp):
             static_x.copy_(inp)
