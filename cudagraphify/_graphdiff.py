@@ -122,8 +122,8 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     reduction, stable across two captures of one layer; in a comparison kernel of HF's mask,
     a stack address against an address in the pool.) Bytes of a PyTorch reduction's argument
     that its kernel never reads (its offset calculators' entries past their ``dims``, left
-    unset on the host: :func:`reduce_unread`) may differ too, not counted. Anything else
-    refuses.
+    unset on the host, and its padding: :func:`reduce_unread`) may differ too, not counted.
+    Anything else refuses.
 
     ``tied``: a storage at the same address in ``a`` and ``b`` is one storage both layers
     share (tied weights: kept, and :meth:`RebasePlan.check` refuses a layer with its own).
@@ -171,7 +171,7 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
                         w2 != w0 or (len(w0) == 8 and _in(pool, v0) and _in(pool, v1))):
                     continue  # capture-dependent: the template's own value stands for every layer
                 elif unread(i, c, n0, x, y, z) >= _differing(pos, w0, w1, w2):
-                    continue  # bytes the kernel never reads (an offset calculator's tail)
+                    continue  # bytes the kernel never reads (a reduction's unused entries, padding)
                 elif len(x) == 1 or (device is not None
                                      and _stale(v0, v1, device, one_sided, a, b)):
                     plan.unproven += 1  # a one-byte argument, or a stale struct byte
@@ -250,8 +250,9 @@ def _divider(d: int, m1: int, shift: int) -> bool:
 def reduce_unread(name: str, chunks) -> frozenset[int]:
     """Byte positions of a reduction kernel's argument (``chunks``: the same argument in
     several captures) that the kernel never reads: the entries past ``dims`` of its two offset
-    calculators, and the struct's padding. Found where ``name`` is ``at::native::reduce_kernel``'s and the layout is
-    recognised alike in every capture; else none (nothing is taken for unread)."""
+    calculators, and the struct's padding. Found where ``name`` is
+    ``at::native::reduce_kernel``'s and the layout is recognised alike in every capture; else
+    none (nothing is taken for unread)."""
     if not name.startswith(_REDUCE_KERNEL) or not chunks:
         return frozenset()
     layouts = {_reduce_layout(c) for c in chunks}
