@@ -200,7 +200,11 @@ def test_hf_layers_share_with_no_option(arch):
                 got = got.logits if arch == "gpt2" else got.last_hidden_state
                 assert torch.equal(got, want)
     s = group.stats()
-    # (the reasons first: the Stats repr is cut short in pytest's report)
+    # (the reasons first: the Stats repr is cut short in pytest's report. Known to fail now and
+    # then for GPT-2 (2026-12-05, H100: 1 run in 5, passed on a rerun of the same code): a
+    # layer's capture holds other host-stack leftovers in bytes of a kernel argument no kernel
+    # reads, which strict mode cannot tell from a per-layer value; see the README's share_graph
+    # paragraph and .ci/diag/share_slots.py)
     assert (s.retargets, s.per_layer) == (6 * len(seqs), 0), (list(s.reasons), s)
     assert s.replays >= 6 * len(seqs) * 2, s  # the later calls replay the shared graphs
 
