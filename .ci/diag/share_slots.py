@@ -3,8 +3,11 @@ captures and each layer's, with where each value lies in this process's memory m
 README's byte-176 question: what the mean reduction's struct tail holds, layer by layer).
 Prints, for every plan_rebase call (template vs partner, each layer's own proof): the node,
 byte, the values (template, other, template again) and their /proc/self/maps mappings;
-"(unread)" where _graphdiff.reduce_unread finds that the kernel never reads those bytes."""
+"(unread)" where _graphdiff.reduce_unread finds that the kernel never reads those bytes. With
+$OUT set, the first diff's whole arguments of the elementwise and cat kernels go to
+$OUT/share_args.txt (hex), for the layouts of the next recognisers."""
 import bisect
+import os
 
 import torch
 
@@ -34,6 +37,11 @@ def where(v, maps):
 
 
 orig = _graphdiff.plan_rebase
+# the whole arguments of these kernels (template and partner) go to $OUT/share_args.txt: the
+# layouts the next recognisers need (elementwise lambdas' offset calculators, cat's metadata)
+DUMP = os.path.join(os.environ["OUT"], "share_args.txt") if os.environ.get("OUT") else None
+DUMP_KERNELS = ("18elementwise_kernel", "CatArrayBatchedCopy", "unrolled_elementwise_kernel",
+                "vectorized_elementwise_kernel")
 n = [0]
 
 
@@ -56,6 +64,12 @@ def traced(nodes0, nodes1, e0, e1, a, b, pool, again=None, *rest, **kw):
                 print(f"  node {i} {x0.name[:50]} arg {c} ({len(p)} bytes) byte {pos}: "
                       f"{v0:#x} [{where(v0, maps)}] vs {v1:#x} [{where(v1, maps)}] again "
                       f"{v2:#x}{' (unread)' if diff <= unread else ''}", flush=True)
+    if n[0] == 1 and DUMP:  # the first diff's arguments of the kernels named, whole, as hex
+        with open(DUMP, "a") as f:
+            for i, (x0, x1) in enumerate(zip(nodes0, nodes1)):
+                if any(k in x0.name for k in DUMP_KERNELS):
+                    for c, (p, q) in enumerate(zip(x0.chunks, x1.chunks)):
+                        f.write(f"node {i} arg {c} {x0.name}\n  a {p.hex()}\n  b {q.hex()}\n")
     try:
         return orig(nodes0, nodes1, e0, e1, a, b, pool, again, *rest, **kw)
     except Exception as e:
