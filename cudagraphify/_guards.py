@@ -36,7 +36,7 @@ from torch import nn
 
 from . import _watch, _writes
 from ._signature import is_constant, storage_of
-from ._statics import ptrs_equal, watch
+from ._statics import no_one_layout, ptrs_equal, watch
 from ._watch import GONE, MISSING, Read, call_override, global_hooks_present, same, short
 
 __all__ = ["StateGuard", "FlagsGuard", "Unguardable", "function_bindings"]
@@ -612,7 +612,7 @@ def _no_address(t: torch.Tensor) -> bool:
     no one shape to guard). Meta tensors have no data."""
     if t.device.type == "meta":
         return False
-    if t.layout is not torch.strided or t.is_nested:
+    if no_one_layout(t):
         return True
     try:
         t.untyped_storage().data_ptr()

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["StaticState", "generation", "generation_bump", "watch", "watched"]
+__all__ = ["StaticState", "generation", "generation_bump", "no_one_layout", "watch", "watched"]
 
 _generation = 0
 _lock = threading.Lock()
@@ -184,7 +184,7 @@ class StaticState:
                     if is_lazy(t):  # (no memory yet: its module's first forward makes it)
                         self.lazy = True
                         continue
-                    if t.is_nested or t.layout is not torch.strided:
+                    if no_one_layout(t):
                         if self.opaque is None:
                             kind = "nested" if t.is_nested else str(t.layout).replace(
                                 "torch.", "")
@@ -308,6 +308,12 @@ class StaticState:
         self.rescan()
         return f"parameter or buffer {_first_moved(old_slots, self._layout, old_layout)} " \
             "moved to new memory or changed shape in place"
+
+
+def no_one_layout(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory has no one shape and strides over one storage to guard: a sparse
+    (or other non-strided) tensor, a nested one."""
+    return t.layout is not torch.strided or t.is_nested
 
 
 def _layout(t: torch.Tensor) -> tuple:
