@@ -106,6 +106,7 @@ class GraphNode:
     chunks: list[bytes]
     name: str = ""
     form: str = ""  # "params" | "extra" | "" (not a kernel)
+    grid: tuple = ()  # a kernel's (gridDimX, gridDimY, gridDimZ)
 
 
 def _kernel_args(p: _KernelParams) -> tuple[str, list[bytes]]:
@@ -215,7 +216,8 @@ def read_graph(graph: int) -> tuple[list[GraphNode], frozenset[tuple[int, int]]]
             form, chunks = _kernel_args(p)
             key = (k, p.func or p.kern, p.gridDimX, p.gridDimY, p.gridDimZ, p.blockDimX,
                    p.blockDimY, p.blockDimZ, p.sharedMemBytes, form, tuple(map(len, chunks)))
-            out.append(GraphNode(k, key, chunks, _func_name(p), form))
+            out.append(GraphNode(k, key, chunks, _func_name(p), form,
+                                 (p.gridDimX, p.gridDimY, p.gridDimZ)))
         elif k == MEMSET:
             m = _MemsetParams()
             _check(_fn("cuGraphMemsetNodeGetParams")(_ptr(h), ctypes.byref(m)),

@@ -15,6 +15,8 @@ from typing import Callable
 
 import torch
 
+from ._unread import unread_bytes
+
 __all__ = ["Refused", "Storages", "RebasePlan", "plan_rebase", "memory_ranges",
            "readable_ranges", "host_ranges", "RetargetedRaw"]
 
@@ -120,9 +122,10 @@ def plan_rebase(nodes0: list, nodes1: list, edges0, edges1, a: Storages, b: Stor
     device address there. (Struct
     padding that held a stack or a return address, seen on the H200 in HF Llama's mean
     reduction, stable across two captures of one layer; in a comparison kernel of HF's mask,
-    a stack address against an address in the pool.) Bytes of a PyTorch reduction's argument
-    that its kernel never reads (its offset calculators' entries past their ``dims``, left
-    unset on the host, and its padding: :func:`reduce_unread`) may differ too, not counted.
+    a stack address against an address in the pool.) Bytes of a PyTorch kernel's arguments
+    that the kernel never reads (offset calculators' entries past their ``dims``, a cat's
+    entries past its launch's inputs, padding: :func:`._unread.unread_bytes`), left unset on
+    the host, may differ too, not counted.
     Anything else refuses.
 
     ``tied``: a storage at the same address in ``a`` and ``b`` is one storage both layers
@@ -193,7 +196,7 @@ def _differing(pos: int, *words: bytes) -> frozenset[int]:
 
 class _Unread:
     """Bytes of a node's argument its kernel never reads, found once per node and argument
-    (see :func:`reduce_unread`); empty where none are known."""
+    (see :func:`._unread.unread_bytes`); empty where none are known."""
 
     def __init__(self):
         self._found: dict[tuple[int, int], frozenset[int]] = {}
@@ -201,113 +204,8 @@ class _Unread:
     def __call__(self, i: int, c: int, node, *chunks: bytes) -> frozenset[int]:
         key = (i, c)
         if key not in self._found:
-            self._found[key] = reduce_unread(node.name, chunks) \
-                if node.kind == 0 and c == 0 and len(node.chunks) == 1 else frozenset()
+            self._found[key] = unread_bytes(node, c, chunks)
         return self._found[key]
-
-
-# PyTorch's CUDA reductions: ``at::native::reduce_kernel<...>(ReduceOp<...> r)`` takes one
-# argument, a ReduceOp struct holding (after its functor, identity and launch config) an
-# ``OffsetCalculator<1, uint32_t>`` for the input and an ``OffsetCalculator<2, uint32_t>`` for
-# the output, back to back. Each is ``int dims; IntDivider<uint32_t> sizes_[25]; uint32_t
-# strides_[25][NARGS]``, and its ``get`` stops at ``dims``: the entries past it are never read.
-# Its constructor fills only the first ``dims`` of them, so the rest hold whatever the host
-# stack held (seen on the H200 and the H100 in HF Llama's RMSNorm mean: another value in every
-# layer's capture, stable across two captures of one layer).
-_REDUCE_KERNEL = "_ZN2at6native13reduce_kernel"
-_MAX_DIMS = 25
-
-
-def _calc_dims(buf: bytes, at: int, nargs: int) -> int | None:
-    """``dims`` of an ``OffsetCalculator<nargs, uint32_t>`` at byte ``at`` of ``buf``: None
-    unless ``dims`` is 0..25 and each of its ``dims`` dividers is one IntDivider makes."""
-    end = at + 4 + _MAX_DIMS * (12 + 4 * nargs)
-    if at < 0 or end > len(buf):
-        return None
-    dims = int.from_bytes(buf[at:at + 4], "little", signed=True)
-    if not 0 <= dims <= _MAX_DIMS:
-        return None
-    for k in range(dims):
-        p = at + 4 + 12 * k
-        d, m1, shift = (int.from_bytes(buf[q:q + 4], "little") for q in (p, p + 4, p + 8))
-        if not _divider(d, m1, shift):
-            return None
-    return dims
-
-
-def _divider(d: int, m1: int, shift: int) -> bool:
-    """Whether (d, m1, shift) is what ``IntDivider<unsigned int>(d)`` holds: the magic
-    number of division by ``d``."""
-    if not 1 <= d <= 0x7FFFFFFF:
-        return False
-    s = 0
-    while s < 32 and (1 << s) < d:
-        s += 1
-    magic = ((1 << 32) * ((1 << s) - d)) // d + 1
-    return shift == s and m1 == magic < 1 << 32
-
-
-def reduce_unread(name: str, chunks) -> frozenset[int]:
-    """Byte positions of a reduction kernel's argument (``chunks``: the same argument in
-    several captures) that the kernel never reads: the entries past ``dims`` of its two offset
-    calculators, and the struct's padding. Found where ``name`` is
-    ``at::native::reduce_kernel``'s and the layout is recognised alike in every capture; else
-    none (nothing is taken for unread)."""
-    if not name.startswith(_REDUCE_KERNEL) or not chunks:
-        return frozenset()
-    layouts = {_reduce_layout(c) for c in chunks}
-    if len(layouts) != 1:
-        return frozenset()
-    layout = layouts.pop()
-    if layout is None:
-        return frozenset()
-    at, d_in, d_out = layout
-    out = set()
-    for start, dims, nargs in ((at, d_in, 1), (at + _CALC1, d_out, 2)):
-        sizes, strides = start + 4, start + 4 + 12 * _MAX_DIMS
-        out.update(range(sizes + 12 * dims, strides))
-        out.update(range(strides + 4 * nargs * dims, strides + 4 * nargs * _MAX_DIMS))
-    # padding, never a field: after the calculators where ``src`` needs 8-byte alignment;
-    # after the config's ``bool vectorize_input`` (its last fields: that bool, then ``int
-    # output_vec_size``, a power of two up to 16); after the ``accumulate`` and
-    # ``final_output`` bools, before ``noutputs`` (seen on the H100: the config's held heap
-    # address bytes, another in every layer's capture)
-    end = at + _CALC1 + _CALC2
-    out.update(range(end, len(chunks[0]) - _AFTER))
-    if all(c[at - 8] in (0, 1) and int.from_bytes(c[at - 4:at], "little") in (1, 2, 4, 8, 16)
-           for c in chunks):
-        out.update(range(at - 7, at - 4))
-    if all(c[-8] in (0, 1) and c[-7] in (0, 1) for c in chunks):
-        out.update(range(len(chunks[0]) - 6, len(chunks[0]) - 4))
-    return frozenset(out)
-
-
-_CALC1 = 4 + _MAX_DIMS * (12 + 4)  # sizeof(OffsetCalculator<1, uint32_t>)
-_CALC2 = 4 + _MAX_DIMS * (12 + 8)
-# what follows the output calculator: src, dst[2], acc_buf, cta_buf, semaphores, base_idx (8
-# bytes each), accumulate, final_output (bools), noutputs (int); 4 bytes of padding before src
-# where the calculators end off an 8-byte boundary
-_AFTER = 7 * 8 + 8
-
-
-def _reduce_layout(buf: bytes) -> tuple[int, int, int] | None:
-    """(offset of the input calculator, its dims, the output one's) of a ReduceOp's bytes, or
-    None. Not searched for (the launch config's own small ints look like a calculator): the
-    calculators end a fixed distance before the struct's end, so the input one starts at one
-    of two offsets; exactly one of them must hold a valid input calculator with at least one
-    dimension (with none, ``thread_reduce`` still reads its first stride: not recognised)
-    followed by a valid output calculator, and ``noutputs``, the last field, must be 1 or 2."""
-    if len(buf) % 8 or int.from_bytes(buf[-4:], "little") not in (1, 2):
-        return None
-    found = []
-    for pad in (0, 4):
-        at = len(buf) - _AFTER - pad - _CALC2 - _CALC1
-        if at < 0 or at % 4 or (at + _CALC1 + _CALC2 + pad) % 8:
-            continue
-        d_in, d_out = _calc_dims(buf, at, 1), _calc_dims(buf, at + _CALC1, 2)
-        if d_in and d_out is not None:
-            found.append((at, d_in, d_out))
-    return found[0] if len(found) == 1 else None
 
 
 def _same_address_slots(plan: RebasePlan, nodes0: list, nodes1: list, a: Storages,

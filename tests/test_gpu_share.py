@@ -171,16 +171,24 @@ def test_hf_llama_layers_share_one_capture():
     assert all("not a rebased parameter address" in r for r in s.reasons), s.reasons
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "bert"])
+@pytest.mark.parametrize("arch", ["gpt2", "bert", "llama"])
 def test_hf_layers_share_with_no_option(arch):
-    """GPT-2's and BERT's layers differ in layer_idx only: share_graph with no option proves
-    each layer (its own capture diffed with the template's) and every layer shares."""
+    """GPT-2's, BERT's and Llama's layers differ in layer_idx only: share_graph with no option
+    proves each layer (its own capture diffed with the template's) and every layer shares
+    (Llama's since the bytes its elementwise, cat and copy kernels never read are known)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     if arch == "gpt2":
         cfg = transformers.GPT2Config(n_embd=256, n_layer=6, n_head=8, vocab_size=1000,
                                       n_positions=256, bos_token_id=0, eos_token_id=0)
         ref = transformers.GPT2LMHeadModel(cfg).to(DEV).eval()
+        kw = dict(use_cache=False)
+    elif arch == "llama":
+        cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=688,
+                                       num_hidden_layers=6, num_attention_heads=8,
+                                       num_key_value_heads=4, vocab_size=1000,
+                                       max_position_embeddings=256)
+        ref = transformers.LlamaForCausalLM(cfg).to(DEV).eval()
         kw = dict(use_cache=False)
     else:
         cfg = transformers.BertConfig(hidden_size=256, num_hidden_layers=6,
@@ -189,15 +197,17 @@ def test_hf_layers_share_with_no_option(arch):
         ref = transformers.BertModel(cfg).to(DEV).eval()
         kw = {}
     model = copy.deepcopy(ref)
-    group = cg.share_graph(model.transformer.h if arch == "gpt2" else model.encoder.layer)
+    layers = {"gpt2": lambda: model.transformer.h, "llama": lambda: model.model.layers,
+              "bert": lambda: model.encoder.layer}[arch]()
+    group = cg.share_graph(layers)
     seqs = (12, 20)
     with torch.no_grad():
         for seq in seqs:
             for _ in range(3):
                 ids = torch.randint(0, 1000, (1, seq), device=DEV)
                 want, got = ref(ids, **kw), model(ids, **kw)
-                want = want.logits if arch == "gpt2" else want.last_hidden_state
-                got = got.logits if arch == "gpt2" else got.last_hidden_state
+                want = want.last_hidden_state if arch == "bert" else want.logits
+                got = got.last_hidden_state if arch == "bert" else got.logits
                 assert torch.equal(got, want)
     s = group.stats()
     # (the reasons first: the Stats repr is cut short in pytest's report. Known to fail now and
@@ -231,7 +241,7 @@ def test_a_reductions_unread_tails_are_found_in_real_captures():
     # (share_graph's diff keeps the bytes past the offset calculators' dims as the template has
     # them: host-stack leftovers, another value in every HF Llama layer's capture)
     from cudagraphify._cugraph import driver_available, read_graph
-    from cudagraphify._graphdiff import _reduce_layout, reduce_unread
+    from cudagraphify._unread import _reduce_layout, reduce_unread
 
     if not driver_available():
         pytest.skip("the CUDA driver cannot report kernel argument sizes")
@@ -264,3 +274,61 @@ def test_a_reductions_unread_tails_are_found_in_real_captures():
         | set(range(at + 404, at + 420)) | set(range(at + 708, at + 716)) \
         | set(range(at + 908, n))
     assert not (read - padding) & unread
+
+
+def _two_captures(fn, prefix):
+    """The first node named ``prefix...`` in each of two captures of ``fn`` (fresh graphs)."""
+    from cudagraphify._cugraph import read_graph
+
+    found = []
+    for _ in range(2):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph(keep_graph=True)
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize()
+        found.append(next(n for n in read_graph(int(g.raw_cuda_graph()))[0]
+                          if prefix in n.name))
+    return found
+
+
+@pytest.mark.parametrize("op", ["mul", "cat", "cat_contig", "to"])
+def test_kernels_unread_bytes_are_found_in_real_captures(op):
+    # (the layouts _unread recognises, on PyTorch's own launches: HF Llama's strided mul, its
+    # rotary cat of two slices, a cat of contiguous tensors, its bf16 -> fp32 copy)
+    from cudagraphify._cugraph import driver_available
+    from cudagraphify._unread import _CAT, unread_bytes
+
+    if not driver_available():
+        pytest.skip("the CUDA driver cannot report kernel argument sizes")
+    x = torch.randn(2, 8, 16, 32, device=DEV, dtype=torch.bfloat16)
+    y = torch.randn(2, 1, 16, 32, device=DEV, dtype=torch.bfloat16)
+    fn, prefix, c = {
+        "mul": (lambda: x.transpose(1, 2) * y.transpose(1, 2), "gpu_kernel_impl_nocast", 1),
+        "cat": (lambda: torch.cat((-x[..., 16:], x[..., :16]), dim=-1), "CatArrayBatchedCopy", 1),
+        "cat_contig": (lambda: torch.cat((x, y), dim=1), "CatArrayBatchedCopy", 1),
+        "to": (lambda: x.to(torch.float32), "unrolled_elementwise_kernel", 5),
+    }[op]
+    nodes = _two_captures(fn, prefix)
+    chunks = [n.chunks[c] for n in nodes]
+    unread = unread_bytes(nodes[0], c, chunks)
+    assert unread, (nodes[0].name, nodes[0].grid, [len(ch) for ch in nodes[0].chunks])
+    if op == "mul":  # the calculator's dims, its first divider and strides row: read
+        assert not unread & {*range(16), *range(304, 304 + 12)}
+        dims = int.from_bytes(chunks[0][:4], "little")
+        assert 4 + 12 * dims in unread and 4 + 12 * dims - 1 not in unread
+    elif op.startswith("cat"):  # two inputs: their entries are read, the third's not
+        n = int(_CAT.fullmatch(nodes[0].name)[4])  # entries the metadata holds
+        assert nodes[0].grid[1] == 2 and not unread & {*range(16), 8 * n, 8 * n + 4}
+        assert {16, 8 * n + 8} <= unread
+    else:  # the dtype and the element size are read, the three bytes between are not
+        assert unread == frozenset({1, 2, 3}) and chunks[0][0] == 15  # bfloat16
+    # what differs between the two captures past the operands' addresses is unread
+    addresses = {p for ch in chunks for p in range(0, len(ch) - 7, 8)
+                 if int.from_bytes(ch[p:p + 8], "little") >> 40 in (0x7f, 0x7e)}
+    differ = {p for p in range(len(chunks[0])) if chunks[0][p] != chunks[1][p]}
+    assert not {p for p in differ - unread if p - p % 8 not in addresses}, sorted(differ - unread)

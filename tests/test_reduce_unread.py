@@ -9,7 +9,7 @@ import struct
 import pytest
 
 from cudagraphify._cugraph import GraphNode
-from cudagraphify._graphdiff import _divider, reduce_unread
+from cudagraphify._unread import _divider, reduce_unread
 from cudagraphify._share import Refused, Storages, plan_rebase
 
 MEAN = ("_ZN2at6native13reduce_kernelILi512ELi1ENS0_8ReduceOpIfNS0_7MeanOpsIffffEEjfLi4ELi4EEE"

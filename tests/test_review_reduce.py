@@ -70,7 +70,7 @@ from torch import nn
 
 import cudagraphify as cg
 from cudagraphify._cugraph import GraphNode
-from cudagraphify._graphdiff import reduce_unread
+from cudagraphify._unread import reduce_unread
 from cudagraphify._share import Refused, Storages, plan_rebase
 
 MEAN = ("_ZN2at6native13reduce_kernelILi512ELi1ENS0_8ReduceOpIfNS0_7MeanOpsIffffEEjfLi4ELi4EEE"

@@ -3,7 +3,7 @@ captures and each layer's, with where each value lies in this process's memory m
 README's byte-176 question: what the mean reduction's struct tail holds, layer by layer).
 Prints, for every plan_rebase call (template vs partner, each layer's own proof): the node,
 byte, the values (template, other, template again) and their /proc/self/maps mappings;
-"(unread)" where _graphdiff.reduce_unread finds that the kernel never reads those bytes. With
+"(unread)" where _unread.unread_bytes finds that the kernel never reads those bytes. With
 $OUT set, the first diff's whole arguments of the elementwise and cat kernels go to
 $OUT/share_args.txt (hex), for the layouts of the next recognisers."""
 import bisect
@@ -13,7 +13,7 @@ import torch
 
 import cudagraphify as cg
 from cudagraphify import _graphdiff, _share
-from cudagraphify._graphdiff import reduce_unread
+from cudagraphify._unread import unread_bytes
 from cudagraphify.bench.sections import _hf_model
 
 
@@ -54,7 +54,7 @@ def traced(nodes0, nodes1, e0, e1, a, b, pool, again=None, *rest, **kw):
             if p == q and (again is None or again[i].chunks[c] == p):
                 continue
             z = again[i].chunks[c] if again is not None else p
-            unread = reduce_unread(x0.name, [p, q, z]) if c == 0 else frozenset()
+            unread = unread_bytes(x0, c, [p, q, z])
             for pos in range(0, len(p), 8):
                 w0, w1, w2 = p[pos:pos + 8], q[pos:pos + 8], z[pos:pos + 8]
                 if w0 == w1 == w2:

@@ -6,7 +6,7 @@ refusal only). Three captures per case, each on fresh inputs (as two layers and 
 capture)."""
 from common import DEV, check, info, torch
 from cudagraphify._cugraph import read_graph
-from cudagraphify._graphdiff import _calc_dims, reduce_unread
+from cudagraphify._unread import _calc_dims, reduce_unread
 
 S1 = 4 + 25 * 16
 
