@@ -167,7 +167,8 @@ _TAIL = (16, 32)  # the bytes after the data pointers: the functor (1 to 24) and
 # alone cannot tell n operands and a large functor from n + 1 and a small one.
 _NOCAST_TAIL = r"EEv(?:RNS_18TensorIteratorBaseE|S\d*_)RKT_EUliE_EEviT1_"
 _FUNCTORS = {"13BinaryFunctor": 3, "15CUDAFunctor_add": 3, "13AUnaryFunctor": 2,
-             "13BUnaryFunctor": 2, "21CUDAFunctorOnSelf_add": 2, "22CUDAFunctorOnOther_add": 2}
+             "13BUnaryFunctor": 2, "21CUDAFunctorOnSelf_add": 2, "22CUDAFunctorOnOther_add": 2,
+             "11FillFunctor": 1}
 _STRUCT = re.compile(r".*?gpu_kernel_impl_nocastINS0_(\d+)(.*)" + _NOCAST_TAIL)
 # a lambda local to an at::native function; its parameters (none: ``v``), each a builtin,
 # Half, BFloat16 or a back-reference to one

@@ -302,6 +302,12 @@ def test_the_operands_come_from_the_functors_type():
     assert _nocast_operands(NEG.replace("UlN3c108BFloat16EE_", "UlvE_")) == 1  # a fill
     assert _nocast_operands(NEG.replace("UlN3c108BFloat16EE_", "UlfS5_E0_")) == 3
     assert _nocast_operands(MUL.replace("13BinaryFunctor", "13AUnaryFunctor")) == 2  # x * 2.0
+    fill = ("_ZN2at6native18elementwise_kernelILi128ELi2EZNS0_22gpu_kernel_impl_nocastINS0_11Fill"
+            "FunctorIfEEEEvRNS_18TensorIteratorBaseERKT_EUliE_EEviT1_")  # a strided fill_
+    assert _nocast_operands(fill) == 1
+    one = lam(dims=((16, 8),), data=(0x7F0000900000,), functor=struct.pack("<f", 3.25) + bytes(4))
+    assert len(one) == 432  # as on the H100
+    assert nocast_unread(fill, [one, one]) >= {28, 408 - 4} | set(range(424, 432))
     assert _nocast_operands(MUL.replace("13BinaryFunctor", "13TernaryFunctr")) is None
     assert _nocast_operands(MUL.replace("13BinaryFunctor", "14BinaryFunctorX")) is None
     assert _nocast_operands(NEG.replace("UlN3c108BFloat16EE_", "UlN2my4TypeEE_")) is None
