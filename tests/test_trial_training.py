@@ -138,3 +138,84 @@ def test_only_the_training_signature_that_does_not_pay_runs_eagerly(timed):
         assert state.replays == replays + 3
     finally:
         type(g.a).forward = piece_forward
+
+
+def _grad_calls_with_one_output_kept(g, ref, warm=6, calls=12, dims=(4, 8)):
+    """Grad-mode calls as the differential bench makes them: ``warm`` calls, each output kept
+    until the next call returns (the last one kept: its backward pending), then ``calls``
+    calls that drop theirs; then the kept one's backward. Every output and gradient equal to
+    eager's."""
+    with torch.enable_grad():
+        for _ in range(warm):
+            x = torch.randn(*dims)
+            out, want = g(x), ref(x)
+            assert torch.equal(out, want)
+        for _ in range(calls):
+            x2 = torch.randn(*dims)
+            assert torch.equal(g(x2), ref(x2))
+        out.sum().backward(), want.sum().backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(g.parameters(), ref.parameters()))
+
+
+def test_a_training_graph_on_trial_held_by_a_kept_output_gets_a_second_graph(timed):
+    """The training graph's trial cannot take its graph turns while a kept output holds the
+    graph (its backward pending): a second graph of the signature takes over the trial, and
+    the calls replay it instead of running eagerly for as long as the output is kept (the
+    differential bench's grad mode step: 1.15x eager on GPT-2 on an H100)."""
+    _COST.update(graph=5e-6, eager=50e-6)
+    ref, g = _pair()
+    _grad_calls_with_one_output_kept(g, ref)
+    state = g.a._cudagraphify_state
+    # (before: 1 capture, 2 replays, 13 calls eager "the backward ... has not run yet")
+    assert state.given_back is None and state.captures == 2, state
+    assert state.replays >= 10, state  # (not every call eager behind the kept output)
+    assert not any("has not run yet" in r for r in state.eager_calls), state.eager_calls
+    assert all(e.trial is None for e in state.cache.graphs()), "the shared trial is over"
+
+
+def test_a_second_graph_that_does_not_pay_leaves_no_graph_of_its_signature_behind(timed):
+    """The same, where the training graph costs more than its eager run while the piece has
+    a no_grad graph too (so only the training signature is given back): the verdict waits
+    until no graph sharing the trial waits for its backward, then neither graph of the
+    signature is left (none behind its eager entry, none replaying)."""
+    from cudagraphify._cache import EagerEntry
+
+    _COST.update(graph=30e-6, eager=10e-6)
+    ref, g = _pair()
+    def eager_cost():  # no_grad: the graph pays; grad mode: it does not
+        return 50e-6 if not torch.is_grad_enabled() else 10e-6
+
+    piece_forward = type(g.a).forward
+
+    def forward(self, x):
+        _NOW[0] += eager_cost() - _COST["eager"]
+        _HOST[0] += eager_cost() - _COST["eager"]
+        return piece_forward(self, x)
+
+    type(g.a).forward = forward  # (before the first call: the pieces wrap it)
+    try:
+        _COST.update(graph=20e-6)
+        with torch.no_grad():
+            for _ in range(10):
+                x = torch.randn(4, 8)
+                assert torch.equal(g(x), ref(x))
+        _grad_calls_with_one_output_kept(g, ref)
+        state = g.a._cudagraphify_state
+        # (the no_grad graph and two training graphs: the second one shared the trial)
+        assert state.captures == 3 and state.given_back is None, state
+        assert not any("has not run yet" in r for r in state.eager_calls), state.eager_calls
+        _grad_calls_with_one_output_kept(g, ref, warm=1, calls=4)  # (judged: see _judge)
+        assert any(r.startswith("signature run eagerly") for r in state.eager_calls), state
+        hidden = [k for k, e in state.cache.items() if not isinstance(e, EagerEntry)
+                  and isinstance(state.cache.get(k)[0], EagerEntry)]
+        assert not hidden, [type(e).__name__ for _, e in state.cache.items()]
+        replays = state.replays
+        _grad_calls_with_one_output_kept(g, ref, calls=4)
+        assert state.replays == replays, state  # (its graphs replay no more)
+        with torch.no_grad():
+            for _ in range(3):
+                x = torch.randn(4, 8)
+                assert torch.equal(g(x), ref(x))
+        assert state.replays == replays + 3  # (the no_grad graph still replays)
+    finally:
+        type(g.a).forward = piece_forward
