@@ -295,12 +295,6 @@ class GraphCache:
             self._drop(entry)
             entry.release()
 
-    def forget(self, entry) -> None:
-        """Drop ``entry`` without releasing it (its owner releases it later: a training graph
-        whose backward is still to run)."""
-        if id(entry) in self._lru:
-            self._drop(entry)
-
     def eviction_budget_spent(self) -> bool:
         return self.evictions >= self.policy.max_evictions
 

@@ -191,9 +191,6 @@ class GraphedState(PieceRuns):
         # (see _trial); calls run eagerly, checked first (the DirectCall checks it too)
         self.given_back: str | None = None
         self._backward_pending = False  # given back, a training graph's backward still to run
-        # a signature's graphs given back while their backward was still to run (out of the
-        # cache: never replayed again), released by a later call once it ran (see _judge)
-        self._held_back: list = []
         # puts a given-back piece's plain forward back in place (set by _wrap for a plan's
         # pieces; called once, when no backward of it is pending): its calls then cost what
         # they cost without cudagraphify, and are no longer counted
@@ -269,8 +266,6 @@ class GraphedState(PieceRuns):
         if type(fast) is Fast:
             fast.entry.uses += fast.pending_uses()
         self._fast = None  # remade by a replay that qualifies
-        if self._held_back:
-            self._release_held_back()
         if _guards.dual_level() >= 0:
             return self._eager(FORWARD_AD, fn, args, kwargs)
         if _functorch_stack() is not None:
@@ -367,10 +362,7 @@ class GraphedState(PieceRuns):
                     if entry.captured > 2:
                         entry.set_ups = []
                 return out
-            fast = self._fast = EagerFast.decided(self, region, entry, args, kwargs)
-            if fast is not None and self._held_back:
-                # (the slow path releases them once their backward ran: until then only)
-                fast.until = lambda held=self._held_back: all(g.pending() for g in held)
+            self._fast = EagerFast.decided(self, region, entry, args, kwargs)
             return self._eager(entry.reason, fn, args, kwargs,
                                chained=type(entry) is PiecewiseEntry, entry=entry)
         if busy is not None:
@@ -849,22 +841,9 @@ class GraphedState(PieceRuns):
         else:
             for g in gone:
                 self.cache.discard(g)
-        self._release_held_back(everything=keep is None)
-        if len(gone) == len(graphs) and not self._held_back:
+        if len(gone) == len(graphs):
             self.families.release()  # after the graphs made from the templates
             self._pools.clear()  # (a pool lives while a graph captured into it does)
-
-    def _release_held_back(self, everything: bool = False) -> None:
-        """Release the graphs held back for their backward (see ``_held_back``) whose backward
-        ran, or all of them (``everything``: the callable's graphs are all released)."""
-        held = self._held_back
-        kept = [] if everything else [g for g in held if g.pending()]
-        gone = [g for g in held if all(g is not k for k in kept)]
-        if gone:
-            drain(gone[0].device, self._stream_holder(None)._stream_token)
-            for g in gone:
-                g.release()
-        self._held_back = kept
 
     def close_chain(self) -> None:
         """Release the implicit region the pieces chain in (``ungraphify``). (An invalidation

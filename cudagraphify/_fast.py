@@ -49,9 +49,7 @@ class EagerFast:
       same argument names, and that type in that place, runs eagerly without more ado.
     - ``decided``: a remembered decision (an eager or piecewise entry) for calls whose tensor
       arguments have the same layouts (checked in C), whose other top-level arguments are the
-      same objects, while the entry's module state and the statics hold (and, where a
-      signature was given back while one of its graphs awaited its backward, only until that
-      backward ran: ``until``, then the slow path releases the graph).
+      same objects, while the entry's module state and the statics hold.
     - ``pending``: as ``decided``, for grad-mode calls of a training graph whose earlier
       call's backward has not run (its activations would be overwritten: a forward under grad
       mode whose output is kept, with no backward), while that stays so and grad mode is on.
@@ -62,7 +60,7 @@ class EagerFast:
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
                  "others", "entry", "statics_same", "chained", "still", "flags", "flags_epoch",
-                 "grads", "pick", "one", "until")
+                 "grads", "pick", "one")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -131,7 +129,7 @@ class EagerFast:
         self.types, self.tensors, self.tguard, self.others, self.entry = (), (), None, (), None
         self.pick, self.one = _none, False
         self.chained = True  # (an opaque call's: see PieceRuns.chained)
-        self.still = self.flags = self.grads = self.until = None
+        self.still = self.flags = self.grads = None
         self.flags_epoch = -1
         return self
 
@@ -180,9 +178,6 @@ class EagerFast:
             still = self.still
             if still is not None and not self._still_pending():
                 return _MISS
-        until = self.until  # (graphs held back for their backward: see _engine._held_back)
-        if until is not None and not until():
-            return _MISS
         state = self.state
         state.eager_calls[self.reason] += 1
         if _sizes_log() is not None:  # (capture_sizes runs on this thread)

@@ -127,32 +127,32 @@ class PieceRuns:
             why = trial.verdict()
             cache = region.cache_for(self) if region is not None else self.cache
             key = cache.key_of(entry)
-            # (a twin in flight shares the trial, see _engine: the verdict is theirs too)
-            twins = [g for g in cache.get(key)
-                     if g is not entry and getattr(g, "trial", None) is trial]
-            for graph in (entry, *twins):
-                graph.trial = None
+            others = [g for g in cache.get(key) if g is not entry
+                      and not isinstance(g, EagerEntry)]
+            if why is not None and any(type(g) is TrainingGraph and g.pending()
+                                       for g in others):
+                # (a twin in flight, which shares the trial (see _engine), waits for its
+                # backward: the signature is given back on a later call, when none does, so
+                # that no graph of it is left behind its eager entry)
+                return out
+            for graph in (entry, *others):
+                if getattr(graph, "trial", None) is trial:
+                    graph.trial = None
             if why is None:
                 pass
             elif any(k != key for k, _ in self._graph_items()):
                 # other signatures have graphs (a prefill's and a decode step's): only this
-                # one runs eagerly from now on
+                # one runs eagerly from now on (its twin in flight too)
                 drain(entry.device, self._stream_holder(region)._stream_token)
-                for graph in (entry, *twins):
+                for graph in (entry, *others):
                     self._retired_copies += graph.input_copies
-                    if type(graph) is TrainingGraph and graph.pending():
-                        # (out of the cache, so never replayed; released by a later call
-                        # once its backward ran, see _engine._release_held_back)
-                        cache.forget(graph)
-                        self._held_back.append(graph)
-                    else:
-                        cache.discard(graph)
+                    cache.discard(graph)
                 cache.put(key, EagerEntry(why.replace("piece given back", "signature run "
                                                       "eagerly", 1), self, entry.state,
                                           entry.flags))
                 self._fast = None
             else:
-                self.give_back(why)  # (a graph whose backward is still to run waits for it)
+                self.give_back(why)
         return out
 
     def give_back(self, why: str) -> None:
