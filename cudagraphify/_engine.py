@@ -431,23 +431,23 @@ class GraphedState(PieceRuns):
             self.eager_calls[PENDING] += 1
             self._note(False, PENDING)
             return outcome.result
-        on_trial = next((e for e in busy if e.trial is not None), None)
         return self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs,
-                            timed=False, trial_of=on_trial)
+                            timed=False)
 
     def _another_in_flight(self, busy: list, region, cache) -> bool:
         """Whether a grad-mode call whose signature's training graphs (``busy``) all wait for
         their backward gets a graph of its own (captured by this call): fewer than
         :data:`_IN_FLIGHT` of them, each with a pool of its own (its saved activations stay
         apart), outside an explicit region and a shared policy, none of them another
-        callable's, no earlier attempt that failed, and room in the cache for it without
-        evicting a graph (a graph waiting for its backward would be the first to go, and the
-        backward would raise). A piece's graph still on its trial shares the trial with the
-        new one (it can take no graph turn while an output kept without its backward holds
-        it); the verdict is then the signature's, for both (see ``_pieces._judge``)."""
+        callable's, no earlier attempt that failed, (a piece's) each one's trial over with a
+        verdict to keep it: the new one is not timed again (a verdict to give back one graph
+        of a signature, made while another stays, would leave that one behind its eager
+        entry), and room in the cache for it without evicting a graph (a graph waiting for
+        its backward would be the first to go, and the backward would raise)."""
         return len(busy) < _IN_FLIGHT and (region is None or region.implicit) \
             and not self.policy.shared and all(e.owner is self for e in busy) \
-            and busy[0].no_other is None and len(cache.graphs()) < cache.policy.max_graphs
+            and busy[0].no_other is None and all(e.trial is None for e in busy) \
+            and len(cache.graphs()) < cache.policy.max_graphs
 
     def _demote_unkeyable(self, args: tuple, kwargs: dict) -> bool:
         """Demote the static states among the call's top-level arguments that
@@ -690,13 +690,13 @@ class GraphedState(PieceRuns):
     # -- recording a first call's outcome -----------------------------------------------------
 
     def _record(self, outcome: Outcome, backend, region, cache: GraphCache, key, leaves: list,
-                fn, args, kwargs, timed: bool = True, trial_of=None) -> Any:
+                fn, args, kwargs, timed: bool = True) -> Any:
         kind = outcome.kind
         if kind != GRAPHED and self._pools and region is None and not self.cache.graphs(self):
             self._pools.clear()  # a failed capture's memory goes with its pool
         if kind == GRAPHED:
             return self._record_graph(outcome, backend, region, cache, key, leaves, fn, args,
-                                      kwargs, timed, trial_of)
+                                      kwargs, timed)
         if kind == EAGER and not outcome.remember:
             return self._eager(outcome.reason, lambda: outcome.result, (), {})
         if kind == DEFERRED and (outcome.quiet or self._deferred < _MAX_DEFERRED):
@@ -736,7 +736,7 @@ class GraphedState(PieceRuns):
         return outcome.result
 
     def _record_graph(self, outcome: Outcome, backend, region, cache, key, leaves, fn, args,
-                      kwargs, timed: bool = True, trial_of=None) -> Any:
+                      kwargs, timed: bool = True) -> Any:
         entry = outcome.entry
         entry.owner = self
         entry.state = outcome.guard
@@ -751,18 +751,13 @@ class GraphedState(PieceRuns):
             region.record_capture(entry)
         clock = getattr(backend, "clock", None)
         # (not a second training graph of a signature in flight: its twin's verdict, to keep
-        # it, was given before it was made, or the twin's trial goes on with it)
+        # it, was given before it was made, see _another_in_flight)
         if timed and self.options.piece and clock is not None \
                 and (region is None or region.implicit) \
                 and self.share is None and type(entry) in (CapturedGraph, TrainingGraph):
             # (a training graph's forward is timed: what its backward graph saves is not
             # counted, so a piece kept is faster than eager in its forward at least)
             entry.trial = Trial(clock(entry.device))  # (see _trial)
-        elif trial_of is not None and trial_of.trial is not None:
-            # (its twin, on trial, is held by an output kept without its backward: the two
-            # share the trial, whichever replays takes the graph turns, and its verdict is the
-            # signature's, see _pieces._judge; a training graph has no fast path to share)
-            entry.trial = trial_of.trial
         evicted = cache.put(key, entry)
         if evicted and region is None:
             # the pool holds the evicted graphs' memory until its last graph is gone: later

@@ -124,29 +124,18 @@ class PieceRuns:
         if trial.done and not (type(entry) is TrainingGraph and entry.pending()):
             # (a training graph whose last replay's backward is still to run is judged on a
             # later call: its graph, discarded now, would be released under that backward)
+            entry.trial = None
             why = trial.verdict()
             cache = region.cache_for(self) if region is not None else self.cache
             key = cache.key_of(entry)
-            others = [g for g in cache.get(key) if g is not entry
-                      and not isinstance(g, EagerEntry)]
-            if why is not None and any(type(g) is TrainingGraph and g.pending()
-                                       for g in others):
-                # (a twin in flight, which shares the trial (see _engine), waits for its
-                # backward: the signature is given back on a later call, when none does, so
-                # that no graph of it is left behind its eager entry)
-                return out
-            for graph in (entry, *others):
-                if getattr(graph, "trial", None) is trial:
-                    graph.trial = None
             if why is None:
                 pass
             elif any(k != key for k, _ in self._graph_items()):
                 # other signatures have graphs (a prefill's and a decode step's): only this
-                # one runs eagerly from now on (its twin in flight too)
+                # one runs eagerly from now on
                 drain(entry.device, self._stream_holder(region)._stream_token)
-                for graph in (entry, *others):
-                    self._retired_copies += graph.input_copies
-                    cache.discard(graph)
+                self._retired_copies += entry.input_copies
+                cache.discard(entry)
                 cache.put(key, EagerEntry(why.replace("piece given back", "signature run "
                                                       "eagerly", 1), self, entry.state,
                                           entry.flags))

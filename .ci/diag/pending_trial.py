@@ -1,11 +1,10 @@
 """#16's differential "grad mode" step on the CPU double: with pieces timed (a clock given to
 the simulated backend, its replay a no-op so the graphs win their trials), a piece's training
-graph whose kept output holds it pending while its trial is still running got no second graph
-in flight (``_engine._another_in_flight`` wanted every busy graph's trial over), so its calls
-ran eagerly through ``EagerFast.pending`` for as long as the output was kept (2026-12-05: 8
+graph whose kept output holds it pending while its trial is still running gets no second graph
+in flight (``_engine._another_in_flight`` wants every busy graph's trial over), so its calls
+run eagerly through ``EagerFast.pending`` for as long as the output is kept (2026-12-05: 8
 captures, 16 replays, 168 pending eager calls; without a clock: 16 captures, 184 replays, none
 eager). On the H100, GPT-2 and Llama's grad mode steps were 1.15x and 1.105x eager this way.
-Since the second graph shares the first one's trial: 16 captures, 96 replays, none pending.
 Run: python .ci/diag/pending_trial.py [--no-clock]"""
 import copy
 import os
