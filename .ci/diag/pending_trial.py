@@ -5,6 +5,10 @@ in flight (``_engine._another_in_flight`` wants every busy graph's trial over), 
 run eagerly through ``EagerFast.pending`` for as long as the output is kept (2026-12-05: 8
 captures, 16 replays, 168 pending eager calls; without a clock: 16 captures, 184 replays, none
 eager). On the H100, GPT-2 and Llama's grad mode steps were 1.15x and 1.105x eager this way.
+Tried and reverted the same day (a50fefe, 7eab706; 47c18a7): letting the second graph be made
+and share the trial removed the pending eager calls here, but on the H100 the grad-mode step
+got no faster on GPT-2 (1.159x) and slower on Llama (1.206x): a training graph's replay (no
+fast path) costs more than these pieces' eager runs through the pending fast path.
 Run: python .ci/diag/pending_trial.py [--no-clock]"""
 import copy
 import os
