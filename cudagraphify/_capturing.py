@@ -24,6 +24,7 @@ from ._rehearsal import rehearsing
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
 from ._signature import storage_of, unflatten_call
+from ._graphdiff import Storages
 from ._state import tensors_in as _tensors_in
 from ._training import capture_training, saved_by_backward, warmup_backward
 from ._watch import Recorder, recording
@@ -320,11 +321,14 @@ class Capturing:
         if self.region is not None:
             group.refuse("called inside a graph_region (per-layer graphs in the region's pool)")
             return None
+        part = None
         if self.opaque:
-            # a cache passed as it is (static_argnames, an HF StaticCache): checking a shared
-            # graph replays it and runs a second layer, each writing the cache once more
-            group.refuse("an argument is passed as it is (a cache): sharing would write it")
-            return None
+            # a cache passed as it is (an HF StaticCache): each layer's graph reads and writes
+            # its own part of it, rebased as its parameters are
+            part = self._cache_part(fn)
+            if isinstance(part, str):
+                group.refuse(part)
+                return None
         if self.mutated or self.wrote_statics or self._wrote_held(made_ok=True):
             # Sharing replays graphs to check them (and runs a second layer once): each replay
             # would apply the forward's writes (running statistics, a cache, a counter kept as
@@ -337,7 +341,57 @@ class Capturing:
             group.refuse("the capture backend cannot read graphs")
             return None
         return group.make(k, self.key, fn, a, kw, inputs, self.leaves, self.backend,
-                          self.device, self.result, self.warm_guard)
+                          self.device, self.result, self.warm_guard, part)
+
+    def _cache_part(self, fn):
+        """This layer's part of the static states it is passed (see :class:`_share.Slice`):
+        the state tensors its probed warm-up read or wrote. Or why there is none to share."""
+        from ._share import Slice, _ranges
+
+        if self.sig.static_objects:
+            return ("an argument is passed as it is (static_argnames): sharing would run the "
+                    "layers' forwards on it again")
+        warm = self.warm_probe
+        if warm is None or warm.written is None:
+            return "the probe is off (probe=False): which part of the cache a layer uses is unknown"
+        if self.probe is not warm:
+            return "the layer asks whether it is being captured: not shared with a cache"
+        if self.draws:
+            return ("random ops (dropout in train mode): one shared graph cannot draw fresh "
+                    "numbers per layer")
+        if self.states_before is None:
+            return ("the cache could not be copied as the call found it (too large for the "
+                    "free memory): a layer's graph could not be checked")
+        idx = self.sig.static_states
+        objects = [self.leaves[i] for i in idx]
+        every = [t for obj in objects for t in _tensors_in(obj)]
+        before = [t for i in idx for t in _tensors_in(self.states_before[i])]
+        if len({id(t) for t in every}) != len(every) or len(before) != len(every) or \
+                len({p for p, _ in _ranges(every)}) != len(every):
+            return "the cache holds one tensor twice, or tensors that share memory (views)"
+        why = self._writes_besides(Storages(_ranges(every)))
+        if why:
+            return why
+        touched = set(warm.outside) | warm.written
+        positions = tuple(j for j, t in enumerate(every) if storage_of(t) in touched)
+        if not positions:
+            return "the layer uses no tensor of the cache it is passed"
+        sig = self.sig
+        state = self.state
+
+        def call_on(leaves, objs):
+            leaves = list(leaves)
+            for i, obj in zip(idx, objs):
+                leaves[i] = obj
+            return unflatten_call(leaves, sig)
+
+        def probe():
+            p = new_probe(state, thunder=False)
+            p.known, p.written, p.locate = set(), set(), False
+            return p
+
+        return Slice([every[j] for j in positions], [before[j] for j in positions], positions,
+                     every, objects, call_on, probe)
 
     def _rebased(self, fn, inputs):
         """This call's graph as a family's template or second state (see _rebase): (raw,

@@ -396,8 +396,9 @@ class FirstCall(Capturing):
             entry.release()
             self._put_back(rec)  # the capture's run is not a call: its Python effects go too
             return self._writes_refused(rec)
-        if not shared and ((self.warm_guard.volatile and not self.warm_guard.valid()) or (
-                self.states_guard is not None and not self.states_guard.valid())):
+        # (a layer's graph made from a template: its runs on the cache too)
+        if (not shared and self.warm_guard.volatile and not self.warm_guard.valid()) or (
+                self.states_guard is not None and not self.states_guard.valid()):
             # the capture's run changed a container or tensor the forward reads (a step count
             # in a dict): a Python side effect on every call, which a replay cannot repeat.
             # The capture's run is not a call: the attributes it set are put back.

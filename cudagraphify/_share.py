@@ -19,6 +19,7 @@ layer captures its own graph in the group's one memory pool, and the reason is r
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import threading
@@ -34,6 +35,8 @@ from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages,  # noqa: F401
                          host_ranges, memory_ranges, plan_rebase, readable_ranges)
 from ._options import Stats
+from ._signature import storage_of
+from ._state import tensors_in as _tensors_in
 from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
 
 __all__ = ["ShareGroup", "first_difference", "plan_rebase", "Refused", "Storages"]
@@ -145,6 +148,57 @@ class _Template:
     again: list | None = None  # a second capture of the template layer (padding bytes)
     call: tuple = ((), {})  # the template's capture arguments (on ``inputs``): for proofs
     guard: Any = None  # what the template layer's first call read (a StateGuard): while valid
+    positions: tuple | None = None  # with a cache: where its part lies among the cache's tensors
+
+
+@dataclass
+class Slice:
+    """A layer's part of the static states its call is passed (an HF ``StaticCache``): the
+    state tensors its warm-up read or wrote (its layer's keys and values), in the order
+    :func:`~._state.tensors_in` walks the states. A layer's graph made from the template
+    reads and writes its own part, rebased as its parameters are.
+
+    Made by the engine (:meth:`~._capturing.Capturing._shared`) from the layer's probed
+    warm-up. ``before``: copies of ``tensors`` as the call found them (its graph is checked by
+    a replay from there); ``every``: every tensor of the states; ``call_on(leaves, objects)``:
+    the call's (args, kwargs) from static-input ``leaves`` with ``objects`` as the states;
+    ``new_probe()``: a probe that notes what a run reads and writes (another layer's part)."""
+
+    tensors: list
+    before: list
+    positions: tuple
+    every: list
+    objects: list
+    call_on: Any
+    new_probe: Any
+
+    def ranges(self) -> tuple:
+        return _ranges(self.tensors)
+
+
+def _ranges(tensors) -> tuple:
+    return tuple((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                 for t in tensors)
+
+
+def _part_layout(tensors) -> list:
+    return [_describe(t) for t in tensors]
+
+
+@contextlib.contextmanager
+def _bytes_kept(tensors: list):
+    """Inside, ``tensors`` may be written (a replay, a capture's run on the CPU, a proof);
+    afterwards they hold what they held before (as the real call left a cache). Yields their
+    copies, by ``id`` of the tensor."""
+    tensors = list({id(t): t for t in tensors}.values())
+    with torch.no_grad():
+        saved = {id(t): t.clone() for t in tensors}
+    try:
+        yield saved  # (by id of the tensor)
+    finally:
+        with torch.no_grad():
+            for t in tensors:
+                t.copy_(saved[id(t)])
 
 
 class ShareGroup:
@@ -184,14 +238,18 @@ class ShareGroup:
         self.reasons[reason] = self.reasons.get(reason, 0) + 1
 
     def make(self, k: int, key, fn, a: tuple, kw: dict, inputs, leaves: list, backend,
-             device: torch.device, expected: Any, guard=None):
+             device: torch.device, expected: Any, guard=None, states: Slice | None = None):
         """Layer ``k``'s graph for ``key``: (raw, static outputs, static inputs) or None when
         sharing is refused (the reason is recorded; the caller captures per layer).
 
         ``guard``: what layer ``k``'s own first call read (module attributes, a
         :class:`~cudagraphify._guards.StateGuard`). Where it read values that differ from what
         the template layer read, the template is not trusted on the strength of the diffed
-        pair: layer ``k`` is captured once and diffed against the template itself."""
+        pair: layer ``k`` is captured once and diffed against the template itself.
+
+        ``states``: the layer's part of the static states it is passed (a KV cache), rebased
+        as its parameters are; whatever the group's runs write in the cache is put back to
+        what the real call left there."""
         with self._lock:
             if self.released:
                 return None
@@ -202,32 +260,51 @@ class ShareGroup:
                 # from it read its memory) until release; a new template is captured.
                 self._stale.append(self._templates.pop(key))
                 t = None
-            if t is None:
-                if len(self._templates) >= self.max_templates:
-                    self.refuse(f"more than max_graphs={self.max_templates} signatures shared")
-                    return None
-                t = self._new_template(k, key, fn, a, kw, inputs, backend, device, guard)
-            if t.reason is not None:
-                self.refuse(t.reason)
+            # (the template layer's part of the cache and this layer's: the runs below write
+            # them, on the CPU a capture's run too; put back after, whatever happens)
+            kept = [] if states is None else list(states.tensors) if t is None else \
+                [states.every[j] for j in t.positions or ()] + list(states.tensors)
+            with _bytes_kept(kept) as after:
+                return self._make(k, key, t, fn, a, kw, inputs, leaves, backend, device,
+                                  expected, guard, states, after)
+
+    def _make(self, k, key, t, fn, a, kw, inputs, leaves, backend, device, expected, guard,
+              states, after):
+        if t is None:
+            if len(self._templates) >= self.max_templates:
+                self.refuse(f"more than max_graphs={self.max_templates} signatures shared")
                 return None
-            try:
-                differs = _reads_differ(t.reads, _reads_of(self.layers[k], guard))
-                if differs is not None:
+            t = self._new_template(k, key, fn, a, kw, inputs, backend, device, guard, states)
+        if t.reason is not None:
+            self.refuse(t.reason)
+            return None
+        try:
+            if (states is None) != (t.positions is None):
+                raise Refused("the template layer was called without a cache and this layer "
+                              "with one, or the other way round")
+            differs = _reads_differ(t.reads, _reads_of(self.layers[k], guard))
+            if differs is not None:
+                if states is None:
                     # a value forward reads that differs may choose between intermediates
                     # that the same kernels made (a mask per layer type): no diff of kernel
                     # arguments tells that apart
                     raise Refused(f"layer {k} read values its template layer did not "
                                   f"({differs}): the template's graph computes with its own")
+                # (HF's layer_idx, which picks the layer's part of the cache): proven by
+                # captures in one memory state, where such a choice shows
+                self._prove_same_memory(t, k, backend, device, differs, states)
+            else:
                 # a plain attribute of its own (HF's layer_idx) that forward was not seen to
                 # read: proven by the layer's own capture, not taken on trust from the recorder
                 differs = first_difference(self.layers[t.layer], self.layers[k],
                                            self.ignore_attrs)
                 if differs is not None:
-                    self._prove(t, k, backend, device, f"has attributes of its own ({differs})")
-                return self._retarget(t, k, leaves, backend, device, expected)
-            except Refused as e:
-                self.refuse(str(e))
-                return None
+                    self._prove(t, k, backend, device,
+                                f"has attributes of its own ({differs})", states)
+            return self._retarget(t, k, leaves, backend, device, expected, states, after)
+        except Refused as e:
+            self.refuse(str(e))
+            return None
 
     def piece_group(self, path: str) -> "ShareGroup":
         """The group of the submodules at ``path`` of every layer (a piecewise plan's piece)."""
@@ -242,7 +319,7 @@ class ShareGroup:
     # -- templates ---------------------------------------------------------------------------
 
     def _new_template(self, k: int, key, fn, a, kw, inputs, backend, device,
-                      guard=None) -> _Template:
+                      guard=None, states: Slice | None = None) -> _Template:
         from ._cugraph import DriverError, driver_available, read_graph
 
         layer = self.layers[k]
@@ -254,8 +331,10 @@ class ShareGroup:
                                    keep_graph=True)
         self.captures += 1
         self.capture_seconds += raw.capture_seconds
-        t = _Template(raw, k, [], None, Storages.of(layer), _layout(layer), inputs, out,
-                      reads=_reads_of(layer, guard), call=(a, kw), guard=guard)
+        # (with a cache, not the call: it would keep the cache alive; see _call)
+        t = _Template(raw, k, [], None, _storages(layer, states), _layout(layer), inputs, out,
+                      reads=_reads_of(layer, guard), call=(a, kw) if states is None else None,
+                      guard=guard, positions=None if states is None else states.positions)
         try:
             if len(self.layers) < 2:
                 raise Refused("one layer: nothing to share")
@@ -268,12 +347,18 @@ class ShareGroup:
             forward_b = self._forward_of(self.layers[other])
             # Layer b may not have run yet: its first run (lazy state, autotuning) happens
             # eagerly, as its own first call would, not inside the capture. The forward writes
-            # no tensor state (the engine refuses sharing otherwise).
-            with torch.no_grad():
-                backend.warmup(lambda: forward_b(*a, **kw), device)
+            # no tensor state but the cache's (the engine refuses sharing otherwise); layer b
+            # runs and is captured on a copy of the cache, whose part it used is its own.
+            a_b, kw_b, b_part = a, kw, None
+            if states is not None:
+                a_b, kw_b, b_part = self._partner_on_copy(t, forward_b, other, states, backend,
+                                                          device)
+            else:
+                with torch.no_grad():
+                    backend.warmup(lambda: forward_b(*a, **kw), device)
             extra = []
 
-            def capture(f):
+            def capture(f, a=a, kw=kw):
                 r, _ = backend.capture(lambda: f(*a, **kw), device, pool=pool, keep_graph=True)
                 extra.append(r)
                 self.captures += 1
@@ -282,10 +367,11 @@ class ShareGroup:
 
             try:
                 nodes0, edges0 = read_graph(raw.cuda_graph())
-                nodes1, edges1 = capture(forward_b)
+                nodes1, edges1 = capture(forward_b, a_b, kw_b)
+                del a_b, kw_b
                 t.nodes = nodes0
                 pool_mem, _ = memory_ranges(pool)
-                b_storages = Storages.of(self.layers[other])
+                b_storages = _storages(self.layers[other], b_part)
                 readable = None if self.strict else self._readable(t, pool_mem, b_storages)
 
                 host = functools.cache(host_ranges)
@@ -315,6 +401,45 @@ class ShareGroup:
         # the per-layer captures that follow (a pool whose graphs are all gone is unusable).
         self._templates[key] = t
         return t
+
+    def _partner_on_copy(self, t: _Template, forward_b, b: int, states: Slice, backend,
+                         device) -> tuple:
+        """Layer ``b``'s first run, on a copy of the cache (the real one holds what the real
+        call left): its (args, kwargs) on the template's static inputs and the copy, and its
+        part of the copy (what it read or wrote, found by a probe). Refused where that part
+        is not laid out as the template layer's."""
+        from ._piecewise import probed
+
+        try:
+            with torch.no_grad():
+                copies = copy.deepcopy(list(states.objects))
+        except torch.OutOfMemoryError:
+            raise Refused("out of memory copying the cache for the layer to diff with") \
+                from None
+        except Exception as e:  # noqa: BLE001 - an object deepcopy cannot copy
+            raise Refused(f"the cache cannot be copied ({type(e).__name__}: {e})") from None
+        a_b, kw_b = states.call_on(t.inputs.leaves, copies)
+        probe = states.new_probe()
+        with torch.no_grad():
+            backend.warmup(probed(probe, lambda: forward_b(*a_b, **kw_b)), device)
+        every = [x for obj in copies for x in _tensors_in(obj)]
+        if len(every) != len(states.every):
+            raise Refused(f"layer {b}'s run set the copy of the cache up differently")
+        touched = set(probe.outside) | probe.written
+        part = [x for x in every if storage_of(x) in touched]
+        if _part_layout(part) != _part_layout(states.tensors):
+            raise Refused(f"layer {b} uses another part of the cache than layer {t.layer} "
+                          f"({len(part)} vs {len(states.tensors)} tensors, or laid out "
+                          "differently)")
+        return a_b, kw_b, part
+
+    @staticmethod
+    def _call(t: _Template, states: Slice | None) -> tuple:
+        """The template's call (args, kwargs), on its static inputs: with a cache, the one
+        this call is passed (the template keeps none: it would keep a cache alive)."""
+        if states is None:
+            return t.call
+        return states.call_on(t.inputs.leaves, states.objects)
 
     @staticmethod
     def _readable(t: _Template, pool_mem, other: Storages) -> list[tuple[int, int]]:
@@ -356,7 +481,8 @@ class ShareGroup:
             raise Refused("random ops (dropout in train mode): one shared graph cannot draw "
                           "fresh numbers per layer")
 
-    def _prove(self, t: _Template, k: int, backend, device, differs: str) -> None:
+    def _prove(self, t: _Template, k: int, backend, device, differs: str,
+               states: Slice | None = None) -> None:
         """Capture layer ``k`` and diff it against the template: it may use the template only
         when every difference is a rebased address of its own storages or capture-dependent
         (the values its forward read that differ changed no kernel argument). Raises
@@ -366,7 +492,8 @@ class ShareGroup:
         layer = self.layers[k]
         forward = self._forward_of(layer)
         pool = self.pool(backend, device)
-        a, kw = t.call  # on the template's inputs: its graph reads them, as layer k's will
+        a, kw = self._call(t, states)  # on the template's inputs: its graph reads them, as
+        # layer k's will
         raw, _ = backend.capture(lambda: forward(*a, **kw), device, pool=pool, keep_graph=True)
         self.captures += 1
         self.capture_seconds += raw.capture_seconds
@@ -377,7 +504,7 @@ class ShareGroup:
             # diff: empty functors hold host-stack bytes that differ between layers, seen on
             # GPT-2's layers on the H200, and refusing them refused 5 of its 12 layer graphs. A
             # one-byte flag of the layer's own that forward is seen to read refuses above.)
-            mine = Storages.of(layer)
+            mine = _storages(layer, states)
             proof = plan_rebase(t.nodes, nodes, t.edges, edges, t.storages, mine, pool_mem,
                                 t.again,
                                 None if self.strict else self._readable(t, pool_mem, mine),
@@ -392,15 +519,65 @@ class ShareGroup:
         finally:
             raw.release()
 
+    def _prove_same_memory(self, t: _Template, k: int, backend, device, differs: str,
+                           states: Slice) -> None:
+        """Layer ``k`` read values its template layer did not (HF's ``layer_idx``, which picks
+        its part of the cache): it may use the template only when its capture is the template
+        layer's but for its own storages' addresses, with the same intermediates. Two captures
+        of the template layer, then one of layer ``k``, are made from one memory state (each
+        released before the next), so that the same work lays its intermediates out alike: an
+        address in the pool that differs (a value that chose another intermediate) refuses, as
+        does any other byte that differs but where the template layer's two captures differ
+        (host leftovers) or the kernel never reads it. Raises :class:`Refused` otherwise."""
+        from ._cugraph import DriverError, read_graph
+
+        why = f"layer {k} read values its template layer did not ({differs})"
+        a, kw = self._call(t, states)
+        pool = self.pool(backend, device)
+
+        def once(layer):
+            forward = self._forward_of(layer)
+            raw, out = backend.capture(lambda: forward(*a, **kw), device, pool=pool,
+                                       keep_graph=True)
+            del out  # (its memory back in the pool before the next capture)
+            self.captures += 1
+            self.capture_seconds += raw.capture_seconds
+            try:
+                return read_graph(raw.cuda_graph())
+            finally:
+                raw.release()
+
+        try:
+            again, _ = once(self.layers[t.layer])
+            nodes0, edges0 = once(self.layers[t.layer])
+            nodes1, edges1 = once(self.layers[k])
+            pool_mem, _ = memory_ranges(pool)
+            _same_memory(nodes0, again, pool_mem)
+            mine = _storages(self.layers[k], states)
+            proof = plan_rebase(nodes0, nodes1, edges0, edges1, t.storages, mine, [], again,
+                                None, None)
+        except Refused as e:
+            raise Refused(f"{why} and its capture differs from the template layer's in one "
+                          f"memory state: {e}") from None
+        except DriverError as e:
+            raise Refused(f"reading layer {k}'s capture failed: {e}") from None
+        if proof.unproven:
+            raise Refused(f"{why} and {proof.unproven} argument(s) of its capture differ from "
+                          "the template layer's that are not proven unread")
+        if _slots(proof) != _slots(t.plan):
+            raise Refused(f"{why} and its capture rebases other arguments than the "
+                          "template's plan")
+
     # -- layers' graphs ----------------------------------------------------------------------
 
-    def _retarget(self, t: _Template, k: int, leaves: list, backend, device, expected):
+    def _retarget(self, t: _Template, k: int, leaves: list, backend, device, expected,
+                  states: Slice | None = None, after: dict | None = None):
         from ._cugraph import DriverError, RetargetedExec
 
         layer = self.layers[k]
         if _layout(layer) != t.layout:
             raise Refused(f"layer {k}'s parameters no longer match the template layer's")
-        mine = Storages.of(layer)
+        mine = _storages(layer, states)
         t.plan.check(t.storages, mine, k, 256 if device.type == "cuda" else 1)
         t0 = time.perf_counter()
         chunks = {i: n.chunks for i, n in enumerate(t.nodes)}
@@ -415,13 +592,28 @@ class ShareGroup:
         # Every layer's graph is checked once against its eager output of this call.
         for i, buf in t.inputs.copy:
             buf.copy_(leaves[i])
+        parts, want = [], []
+        if states is not None:
+            # and, with a cache, against what the call did to it: its part back as the call
+            # found it, the replay must leave it as the call did, and the template layer's
+            # part as it is (``after``: both as the call left them; put back by ``make``)
+            theirs = [states.every[j] for j in t.positions]
+            if _ranges(theirs) != t.storages.ranges[len(t.storages.ranges) - len(theirs):]:
+                raw.release()
+                raise Refused("the template layer's part of the cache has moved")
+            parts = list(states.tensors) + [x for x in theirs
+                                            if all(x is not y for y in states.tensors)]
+            want = [after[id(x)] for x in parts]
+            with torch.no_grad():
+                for x, b in zip(states.tensors, states.before):
+                    x.copy_(b)
         try:
             raw.replay()
         except DriverError as e:
             raw.release()
             raise Refused(f"launching the rewritten graph failed: {e}") from e
-        got = [x for x in pytree.tree_leaves(t.out) if isinstance(x, torch.Tensor)]
-        want = [x for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)]
+        got = [x for x in pytree.tree_leaves(t.out) if isinstance(x, torch.Tensor)] + parts
+        want = [x for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)] + want
         # Bitwise: the graph runs the kernels eager ran, so any difference (a per-layer value
         # the template baked in, however small) refuses.
         if len(got) != len(want) or not all(
@@ -429,7 +621,8 @@ class ShareGroup:
                 for g, w in zip(got, want)):
             raw.release()
             raise Refused(f"layer {k}'s retargeted graph does not equal its eager output "
-                          "bitwise")
+                          "bitwise" + (" (or does not leave the cache as eager did)"
+                                       if states is not None else ""))
         self.retargets += 1
         self.build_seconds += raw.capture_seconds
         return raw, t.out, t.inputs
@@ -478,6 +671,41 @@ class ShareGroup:
         for layer in self.layers:
             if share_of(layer) is not None:
                 uninstall_instance(layer)
+
+
+def _storages(layer: torch.nn.Module, part) -> Storages:
+    """A layer's storages: its parameters and buffers, then its part of the cache (a
+    :class:`Slice` or a list of tensors), in order."""
+    own = Storages.of(layer)
+    if part is None:
+        return own
+    return Storages(own.ranges + _ranges(part.tensors if isinstance(part, Slice) else part))
+
+
+def _slots(plan: RebasePlan | None) -> set:
+    """The argument slots a plan rebases, with where to: {(node, argument, byte, storage,
+    offset)}."""
+    if plan is None:
+        return set()
+    return {(i, c, *slot) for i, chunks in plan.slots.items() for c, slots in chunks.items()
+            for slot in slots}
+
+
+def _same_memory(nodes0: list, nodes1: list, pool: list[tuple[int, int]]) -> None:
+    """Refuse two captures of one layer made from one memory state whose arguments hold
+    addresses in the pool that differ: the allocator laid the same work out otherwise, so
+    addresses cannot tell intermediates apart."""
+    def in_pool(v):
+        return any(start <= v < start + n for start, n in pool)
+
+    for i, (n0, n1) in enumerate(zip(nodes0, nodes1)):
+        for x, y in zip(n0.chunks, n1.chunks):
+            for pos in range(0, len(x) - 7, 8):
+                v0 = int.from_bytes(x[pos:pos + 8], "little")
+                v1 = int.from_bytes(y[pos:pos + 8], "little")
+                if v0 != v1 and in_pool(v0) and in_pool(v1):
+                    raise Refused(f"node {i} ({n0.name}): two captures of the template layer "
+                                  "in one memory state placed an intermediate differently")
 
 
 def _reads_of(layer: torch.nn.Module, guard) -> dict:

@@ -53,19 +53,53 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         self.trace.append((func, args, kwargs, out))
+        # (an in-place op returns its input: not memory the capture allocated)
+        inputs = {id(a) for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)}
+        for a in pytree.tree_leaves((args, kwargs)):  # (a retargeted clone finds them there)
+            if isinstance(a, torch.Tensor) and a.data_ptr() not in _tensors:
+                _tensors[a.data_ptr()] = a
         for o in pytree.tree_leaves(out):
-            if isinstance(o, torch.Tensor):
+            if isinstance(o, torch.Tensor) and id(o) not in inputs:
                 s = o.untyped_storage()
                 _allocated.append((s.data_ptr(), max(s.nbytes(), 1)))
         return out
 
 
+# With ``ideal_pool`` on, the memory a capture's ops allocate is read at virtual addresses, in
+# the order it was first allocated in that capture: as a CUDA graph pool lays the same work out
+# alike when two captures start from one memory state (see ShareGroup._prove_same_memory).
+_ideal_pool = [False]
+VPOOL = 1 << 44
+
+
+def _virtual(trace: list) -> dict[int, int]:
+    virt: dict[int, int] = {}
+    seen: set[int] = set()  # storages read before they were made (weights, caches, inputs)
+    for func, args, kwargs, out in trace:
+        for a in pytree.tree_leaves((args, kwargs)):
+            if isinstance(a, torch.Tensor) and a.untyped_storage().data_ptr() not in virt:
+                seen.add(a.untyped_storage().data_ptr())
+        for o in pytree.tree_leaves(out):
+            if isinstance(o, torch.Tensor) and o.untyped_storage().data_ptr() not in seen:
+                virt.setdefault(o.untyped_storage().data_ptr(), VPOOL + len(virt) * (1 << 24))
+    return virt
+
+
 def _nodes(trace: list) -> list[GraphNode]:
+    virt = _virtual(trace) if _ideal_pool[0] else {}
+
+    def word(v):
+        if virt and isinstance(v, torch.Tensor):
+            base = v.untyped_storage().data_ptr()
+            if base in virt:
+                return (virt[base] + v.data_ptr() - base).to_bytes(8, "little")
+        return _word(v)
+
     nodes = []
     for func, args, kwargs, _ in trace:
         flat = pytree.tree_leaves((args, kwargs))
         shapes = tuple(tuple(v.shape) for v in flat if isinstance(v, torch.Tensor))
-        nodes.append(GraphNode(0, (0, str(func), shapes), [b"".join(map(_word, flat))],
+        nodes.append(GraphNode(0, (0, str(func), shapes), [b"".join(map(word, flat))],
                                str(func)))
     return nodes
 
@@ -147,7 +181,8 @@ def reading(monkeypatch):
     monkeypatch.setattr(_cugraph, "read_graph",
                         lambda handle: (_nodes(_traces[handle]), frozenset()))
     monkeypatch.setattr(_cugraph, "RetargetedExec", _FakeExec)
-    monkeypatch.setattr(_share, "memory_ranges", lambda pool: (list(_allocated), list(_allocated)))
+    monkeypatch.setattr(_share, "memory_ranges", lambda pool: (
+        list(_allocated) + [(VPOOL, 1 << 40)] * _ideal_pool[0], list(_allocated)))
     _allocated.clear()
     try:
         with warnings.catch_warnings():
@@ -157,6 +192,14 @@ def reading(monkeypatch):
         _capture.set_backend(old)
         _traces.clear()
         _outputs.clear()
+        _ideal_pool[0] = False
+
+
+@pytest.fixture
+def ideal_pool(reading):
+    """``reading``, with each capture's allocations read at virtual addresses (``_nodes``)."""
+    _ideal_pool[0] = True
+    yield reading
 
 
 def _distinct(model: nn.Module) -> nn.Module:
