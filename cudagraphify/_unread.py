@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["unread_bytes", "reduce_unread", "nocast_unread", "cat_unread", "cast_unread"]
+__all__ = ["unread_bytes", "reduce_unread", "nocast_unread", "cat_unread", "cast_unread",
+           "index_copy_unread", "arange_unread"]
 
 _NONE: frozenset[int] = frozenset()
 
@@ -36,6 +37,10 @@ def unread_bytes(node, c: int, chunks) -> frozenset[int]:
     if "CatArrayBatchedCopy" in name:
         return cat_unread(name, c, chunks, node.grid[1] if node.grid else 0) \
             if n == 5 else _NONE
+    if name.startswith(_INDEX_KERNEL):
+        return index_copy_unread(name, chunks) if c == 1 and n == 2 else _NONE
+    if "elementwise_kernel_with_index" in name:
+        return arange_unread(name, chunks) if c == 1 and n == 3 else _NONE
     return _NONE
 
 
@@ -316,3 +321,57 @@ def cast_unread(name: str, c: int, chunks) -> frozenset[int]:
                 for p in range(at, at + 4 * n, 4)):
             return _NONE
     return frozenset(range(n, at))
+
+
+# ``index_copy_`` (HF's StaticCache update): ``index_elementwise_kernel<nt, vt>(int64_t N,
+# lambda)``, the lambda a ``[=] C10_DEVICE`` one (device only: no host copy) capturing, in the
+# order its body uses them, an ``OffsetCalculator<3, uint32_t>`` (its entries past ``dims``
+# unset on the host), the self, index and source pointers, and the self dimension's size and
+# stride (int64). Seen on the H100 in HF Llama's decode step: heap addresses at byte 192 (an
+# unused divider), another in every layer's capture.
+_INDEX_KERNEL = "_ZN2at6native24index_elementwise_kernel"
+_INDEX_COPY = re.compile(r"_ZN2at6native24index_elementwise_kernelILi\d+ELi\d+EZNS0_22index_copy_"
+                         r"kernel_implI.*EEvRNS_14TensorIteratorElllEUliE_EEvlT1_")
+
+
+def index_copy_unread(name: str, chunks) -> frozenset[int]:
+    """Byte positions of an ``index_copy_`` lambda (``chunks``: its bytes in several
+    captures) its kernel never reads: its offset calculator's entries past ``dims`` and the
+    padding after it. Every capture must be that lambda's size, hold a valid calculator with
+    the same ``dims`` (at least one) first, and three operand addresses after it."""
+    calc = _calc_size(3)
+    data = _align(calc, 8)
+    size = data + 3 * 8 + 2 * 8
+    if not _INDEX_COPY.fullmatch(name) or any(len(c) != size for c in chunks):
+        return _NONE
+    dims = {_calc_dims(c, 0, 3) for c in chunks}
+    if len(dims) != 1 or not (d := dims.pop()):
+        return _NONE
+    if any(not 1 << 16 <= int.from_bytes(c[p:p + 8], "little") < 1 << 57
+           for c in chunks for p in range(data, data + 24, 8)):
+        return _NONE  # not operand addresses
+    return frozenset(_calc_unread(0, d, 3) | set(range(calc, data)))
+
+
+# ``arange`` and ``range``: ``elementwise_kernel_with_index<index_t>(index_t N, lambda,
+# result_t* data)``, the lambda a ``[xstart, xstep] GPU_LAMBDA`` (host and device), which nvcc
+# passes as an ``__nv_hdl_wrapper_t``: the two captures (the accumulate type: 4 or 8 bytes
+# each), then ``void* data``, the host's heap copy of the lambda, which only host calls use (as
+# a nocast lambda's). Seen on the H100 in HF Llama's decode step: a heap address at byte 16 of
+# the 24-byte lambda, another in every layer's capture.
+_ARANGE = re.compile(r"_ZN\d+_GLOBAL__N__\w+?_RangeFactories_cu_\w+?29elementwise_kernel_with_"
+                     r"indexI[ijl]ZZZN2at6native(?:15arange|14range)_cuda_outERKN3c106ScalarES6_"
+                     r"S6_RNS1_6TensorEENKUlvE_clEvENKUlvE\d*_clEvEUllE_EEvT_T0_PN15function_"
+                     r"traitsISD_E11result_typeE")
+
+
+def arange_unread(name: str, chunks) -> frozenset[int]:
+    """Byte positions of an ``arange``/``range`` lambda its kernel never reads: the address of
+    its host copy, its last 8 bytes. Every capture must be 16 or 24 bytes (two captures of 4
+    or 8 bytes, then the address) and hold an aligned address there."""
+    size = len(chunks[0])
+    if not _ARANGE.fullmatch(name) or size not in (16, 24) \
+            or any(len(c) != size for c in chunks) \
+            or any(not _host_copy(int.from_bytes(c[-8:], "little")) for c in chunks):
+        return _NONE
+    return frozenset(range(size - 8, size))

@@ -12,7 +12,8 @@ import pytest
 
 from cudagraphify._cugraph import GraphNode
 from cudagraphify._share import Refused, Storages, plan_rebase
-from cudagraphify._unread import cast_unread, cat_unread, nocast_unread, unread_bytes
+from cudagraphify._unread import (arange_unread, cast_unread, cat_unread, index_copy_unread,
+                                  nocast_unread, unread_bytes)
 
 MUL = ("_ZN2at6native18elementwise_kernelILi128ELi4EZNS0_22gpu_kernel_impl_nocastINS0_13Binary"
        "FunctorIN3c108BFloat16ES5_S5_NS0_15binary_internal10MulFunctorIfEEEEEEvRNS_18TensorIter"
@@ -315,3 +316,65 @@ def test_the_operands_come_from_the_functors_type():
     assert _nocast_operands(outside) is None  # a lambda that is not at::native's
     two = lam(dims=((32, 2, 2), (128, 64, 128)), data=(0x7F0000900000, 0x7F0000900400))
     assert nocast_unread(NEG, [two, two]) and not nocast_unread(MUL, [two, two])
+
+
+# -- index_copy_ and arange (HF's StaticCache update, its decode step) -------------------------
+
+INDEX_COPY = ("_ZN2at6native24index_elementwise_kernelILi128ELi4EZNS0_22index_copy_kernel_implINS0"
+              "_10OpaqueTypeILi2EEEEEvRNS_14TensorIteratorElllEUliE_EEvlT1_")
+ARANGE = ("_ZN50_GLOBAL__N__fa15d16e_17_RangeFactories_cu_38772b0829elementwise_kernel_with_inde"
+          "xIiZZZN2at6native15arange_cuda_outERKN3c106ScalarES6_S6_RNS1_6TensorEENKUlvE_clEvENKU"
+          "lvE2_clEvEUllE_EEvT_T0_PN15function_traitsISD_E11result_typeE")
+
+
+def index_copy(garbage=0, dims=((64, 2, 8, 2), (17, 0, 0, 128), (4, 2176, 8, 128)),
+               size_stride=(17, 64), data=(0x7F0000900000, 0x7F0000900400, 0x7F0000900800)):
+    """An ``index_copy_`` lambda's bytes: an OffsetCalculator<3>, padding, the self, index and
+    source addresses, the self dimension's size and stride (no host copy: a device lambda)."""
+    return lam(dims=dims, data=data, garbage=garbage, functor=struct.pack("<qq", *size_stride))[:-8]
+
+
+def test_index_copy_lambdas_that_differ_in_unused_calculator_entries_share():
+    a, b = index_copy(garbage=1), index_copy(garbage=4)
+    assert len(a) == 648  # as on the H100
+    unread = index_copy_unread(INDEX_COPY, [a, b])
+    calc = 4 + 25 * 24
+    assert unread == frozenset([*range(4 + 36, 4 + 300), *range(304 + 36, calc),
+                                *range(calc, calc + 4)])
+    assert 192 in unread and {p for p in range(648) if a[p] != b[p]} <= unread
+    args = (struct.pack("<q", 4096), a), (struct.pack("<q", 4096), b)
+    assert diff(*args, INDEX_COPY, again=args[0]).unproven == 0
+    # what it reads differs: the dimension's size, a used stride, an operand
+    for other in (index_copy(garbage=4, size_stride=(18, 64)),
+                  index_copy(garbage=4, dims=((64, 2, 8, 2), (17, 0, 0, 128), (4, 2176, 8, 64))),
+                  index_copy(garbage=4, data=(0x7F0000900000, 0x7F0000A00400, 0x7F0000900800))):
+        with pytest.raises(Refused, match="not a rebased"):
+            diff(args[0], (args[0][0], other), INDEX_COPY, again=args[0])
+
+
+def test_no_index_copy_layout_where_it_is_not_recognised():
+    a, b = index_copy(garbage=1), index_copy(garbage=2)
+    fill = INDEX_COPY.replace("22index_copy_kernel_impl", "22index_fill_kernel_impl")
+    assert index_copy_unread(fill, [a, b]) == frozenset()
+    assert index_copy_unread(INDEX_COPY, [a, b + bytes(8)]) == frozenset()  # another size
+    assert index_copy_unread(INDEX_COPY, [a, index_copy(garbage=2, dims=())]) == frozenset()
+    two = ((64, 2, 8, 2), (17, 0, 0, 128))  # dims differ between the captures
+    assert index_copy_unread(INDEX_COPY, [a, index_copy(garbage=2, dims=two)]) == frozenset()
+    assert index_copy_unread(INDEX_COPY, [a, index_copy(garbage=2, data=(0, 1, 2))]) == frozenset()
+
+
+def test_arange_lambdas_differ_in_their_host_copy_only():
+    a = struct.pack("<qqQ", 0, 1, 0x601BB360)
+    b = struct.pack("<qqQ", 0, 1, 0x60BA6250)
+    assert arange_unread(ARANGE, [a, b]) == frozenset(range(16, 24))
+    floats = [struct.pack("<ffQ", 0.0, 1.0, v) for v in (0x601BB360, 0x60BA6250)]
+    assert arange_unread(ARANGE, floats) == frozenset(range(8, 16))
+    args = [(struct.pack("<i", 17), x, struct.pack("<Q", 0x7F0000900000)) for x in (a, b)]
+    assert diff(*args, ARANGE, again=args[0]).unproven == 0
+    with pytest.raises(Refused, match="not a rebased"):  # the start differs: read
+        diff(args[0], (args[0][0], struct.pack("<qqQ", 1, 1, 0x60BA6250), args[0][2]),
+             ARANGE, again=args[0])
+    assert arange_unread(ARANGE, [a, struct.pack("<qqQ", 0, 1, 0x60BA6251)]) == frozenset()
+    assert arange_unread(ARANGE, [a + bytes(8), b + bytes(8)]) == frozenset()  # 32 bytes
+    linspace = ARANGE.replace("15arange_cuda_out", "17linspace_cuda_out")
+    assert arange_unread(linspace, [a, b]) == frozenset()

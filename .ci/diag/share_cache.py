@@ -1,51 +1,75 @@
-"""GPU diagnosis (#18): share_graph over an HF Llama's layers, decoding with a StaticCache, no
-options. Eager model and shared copy side by side: logits and every cache tensor compared
-bitwise at every step; the group's counters and refusal reasons."""
-import copy, sys, time, warnings
-import torch, transformers
+"""GPU diagnosis (#18): share_graph over an HF Llama's layers (hidden 512, bf16), decoding with a
+StaticCache, no options; 4 and 16 layers. Three copies side by side: eager, every layer
+graphified on its own, share_graph. Logits and every cache tensor compared with eager bitwise
+at every step; the group's counters and refusal reasons; ms per decode step (median of the
+steps after the first, each timed alone, synchronised)."""
+import copy
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import transformers
+
 import cudagraphify as cg
 
 warnings.simplefilter("ignore")
 
 
-def run(layers):
-  torch.manual_seed(0)
-  cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376, num_hidden_layers=layers,
-                                 num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)
-  ref = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
-  model = copy.deepcopy(ref)
-  group = cg.share_graph(model.model.layers)
-  steps = 8
-  rc = transformers.StaticCache(config=cfg, max_cache_len=8 + steps + 1)
-  c = transformers.StaticCache(config=cfg, max_cache_len=8 + steps + 1)
-  ids = torch.randint(0, 32000, (1, 8), device="cuda")
-  bad = []
-  with torch.no_grad():
-      want = ref(input_ids=ids, past_key_values=rc, use_cache=True).logits
-      got = model(input_ids=ids, past_key_values=c, use_cache=True).logits
-      bad += [] if torch.equal(want, got) else [("prefill", 0)]
-      tok = want[:, -1:].argmax(-1)
-      times, etimes = [], []
-      for s in range(steps):
-          pos = torch.tensor([8 + s], device="cuda")
-          want = ref(input_ids=tok, past_key_values=rc, cache_position=pos, use_cache=True).logits
-          torch.cuda.synchronize(); t0 = time.perf_counter()
-          got = model(input_ids=tok, past_key_values=c, cache_position=pos, use_cache=True).logits
-          torch.cuda.synchronize(); times.append(time.perf_counter() - t0)
-          if not torch.equal(want, got):
-              bad.append(("logits", s))
-          for i, (a, b) in enumerate(zip(rc.layers, c.layers)):
-              if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
-                  bad.append(("cache", s, i))
-          tok = want[:, -1:].argmax(-1)
-  s = group.stats()
-  print(f"layers {layers}: captures {s.captures} retargets {s.retargets} per_layer {s.per_layer} "
-        f"replays {[cg.stats(l).replays for l in model.model.layers]}")
-  print("reasons", s.reasons)
-  print("unproven", s.unproven_slots)
-  print("step ms", [round(t * 1e3, 2) for t in times], "eager", [round(t * 1e3, 2) for t in etimes])
-  print("BAD" if bad else "OK: logits and caches bitwise eager's", bad[:8])
+def step_ms(fn):
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return out, (time.perf_counter() - t0) * 1e3
+
+
+def run(layers, steps=12, prompt=8):
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=512, intermediate_size=1376,
+                                   num_hidden_layers=layers, num_attention_heads=8,
+                                   num_key_value_heads=4, vocab_size=32000)
+    ref = transformers.LlamaForCausalLM(cfg).to("cuda", torch.bfloat16).eval()
+    per = copy.deepcopy(ref)
+    for layer in per.model.layers:
+        cg.graphify(layer)
+    shared = copy.deepcopy(ref)
+    group = cg.share_graph(shared.model.layers)
+    models = {"eager": ref, "per-layer": per, "share": shared}
+    caches = {k: transformers.StaticCache(config=cfg, max_cache_len=prompt + steps + 1)
+              for k in models}
+    ids = torch.randint(0, 32000, (1, prompt), device="cuda")
+    bad, ms = [], {k: [] for k in models}
+    with torch.no_grad():
+        logits = {k: m(input_ids=ids, past_key_values=caches[k]).logits
+                  for k, m in models.items()}
+        tok = logits["eager"][:, -1:].argmax(-1)
+        for s in range(steps):
+            pos = torch.tensor([prompt + s], device="cuda")
+            for k, m in models.items():
+                logits[k], t = step_ms(lambda: m(input_ids=tok, past_key_values=caches[k],
+                                                 cache_position=pos).logits)
+                ms[k].append(t)
+            for k in ("per-layer", "share"):
+                if not torch.equal(logits[k], logits["eager"]):
+                    bad.append((k, "logits", s))
+                for i, (a, b) in enumerate(zip(caches["eager"].layers, caches[k].layers)):
+                    if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
+                        bad.append((k, "cache", s, i))
+            tok = logits["eager"][:, -1:].argmax(-1)
+    st = group.stats()
+    print(f"layers {layers}: captures {st.captures} retargets {st.retargets} "
+          f"per_layer {st.per_layer} unproven {sum(st.unproven_slots.values())} "
+          f"replays {[cg.stats(layer).replays for layer in shared.model.layers]}")
+    print("  reasons", st.reasons)
+    med = {k: statistics.median(v[1:]) for k, v in ms.items()}
+    print("  first decode step ms: " + ", ".join(f"{k} {v[0]:.1f}" for k, v in ms.items()))
+    print("  later steps, median ms: " + ", ".join(f"{k} {v:.2f}" for k, v in med.items())
+          + f"; share / per-layer {med['share'] / med['per-layer']:.3f}, "
+          f"share / eager {med['share'] / med['eager']:.3f}")
+    print("  BAD" if bad else "  OK: logits and caches bitwise eager's", bad[:8])
 
 
 for n in ([int(sys.argv[1])] if len(sys.argv) > 1 else [4, 16]):
-  run(n)
+    run(n)

@@ -17,7 +17,8 @@ if not driver_available():
     print("SKIP a_poison: the CUDA driver cannot report kernel argument sizes")
     raise SystemExit(0)
 
-FAMILIES = ("gpu_kernel_impl_nocast", "CatArrayBatchedCopy", "LoadWithCast")
+FAMILIES = ("gpu_kernel_impl_nocast", "CatArrayBatchedCopy", "LoadWithCast",
+            "elementwise_kernel_with_index", "index_copy_kernel_impl")
 _keep = []  # graphs whose memory the executable copies use
 
 
@@ -38,7 +39,8 @@ def capture(fn):
 def short(name):
     for f in ("CatArrayBatchedCopy_vectorized", "CatArrayBatchedCopy_alignedK_contig",
               "CatArrayBatchedCopy_contig", "CatArrayBatchedCopy", "gpu_kernel_impl_nocast",
-              "LoadWithCast", "reduce_kernel"):
+              "LoadWithCast", "reduce_kernel", "elementwise_kernel_with_index",
+              "index_copy_kernel_impl"):
         if f in name:
             return f
     return name[:40]
@@ -148,3 +150,20 @@ case("stack", lambda: torch.stack((a2, a2.t())), [C])
 case("cast bf16 -> fp32 (.to)", lambda: x4.to(torch.float32), ["LoadWithCast"])
 case("cast fp32 + fp16 (LoadWithCast<2>)", lambda: a2 + h16, ["LoadWithCast"])
 case("cast int64 -> fp16", lambda: i64.to(torch.float16), ["LoadWithCast"])
+
+
+# (HF's StaticCache decode step: its update's index_copy_, an arange)
+kv = torch.zeros(1, 4, 17, 64, **bf)
+src = torch.randn(1, 4, 1, 64, **bf)
+pos = torch.tensor([9], device=DEV)
+
+
+def index_copy():
+    kv.index_copy_(2, pos, src)
+    return kv.clone()
+
+
+case("index_copy_ into a bf16 cache along dim 2", index_copy, ["index_copy_kernel_impl"])
+case("arange int64", lambda: torch.arange(17, device=DEV), ["elementwise_kernel_with_index"])
+case("arange float step 0.5", lambda: torch.arange(0, 8, 0.5, device=DEV),
+     ["elementwise_kernel_with_index"])
