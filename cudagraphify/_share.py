@@ -24,6 +24,7 @@ import dataclasses
 import functools
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Iterable, NamedTuple
 
@@ -31,7 +32,7 @@ import torch
 from torch.nn.parameter import is_lazy
 import torch.utils._pytree as pytree
 
-from ._errors import CudagraphifyError, CudagraphifyUsageError
+from ._errors import CaptureFailed, CudagraphifyError, CudagraphifyUsageError
 from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages,  # noqa: F401
                          host_ranges, memory_ranges, plan_rebase, readable_ranges)
 from ._options import Stats
@@ -149,6 +150,11 @@ class _Template:
     call: tuple = ((), {})  # the template's capture arguments (on ``inputs``): for proofs
     guard: Any = None  # what the template layer's first call read (a StateGuard): while valid
     positions: tuple | None = None  # with a cache: where its part lies among the cache's tensors
+    cache: Any = None  # with a cache: a weak reference to it (None: none, or not weakly held)
+
+    def dead(self) -> bool:
+        """Whether the cache it was made for is gone (no call can pass it again)."""
+        return self.cache is not None and self.cache() is None
 
 
 @dataclass
@@ -260,6 +266,11 @@ class ShareGroup:
                 # from it read its memory) until release; a new template is captured.
                 self._stale.append(self._templates.pop(key))
                 t = None
+            for old in [k for k, other in self._templates.items() if other.dead()]:
+                # made for a cache that is gone (a new cache per generate()): it keeps its
+                # graph for the layers' graphs made from it, but no longer counts as one of
+                # max_graphs signatures
+                self._stale.append(self._templates.pop(old))
             # (the template layer's part of the cache and this layer's: the runs below write
             # them, on the CPU a capture's run too; put back after, whatever happens)
             kept = [] if states is None else list(states.tensors) if t is None else \
@@ -279,6 +290,13 @@ class ShareGroup:
             self.refuse(t.reason)
             return None
         try:
+            if states is not None and any(
+                    storage_of(x) in {p for p, _ in _ranges(states.every)}
+                    for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)):
+                # (the template's outputs stand for every layer's: one returning a tensor of
+                # the cache, its own or another's, gets the graph's copy of what the template
+                # layer returned)
+                raise Refused("forward returns a tensor of the cache")
             if (states is None) != (t.positions is None):
                 raise Refused("the template layer was called without a cache and this layer "
                               "with one, or the other way round")
@@ -304,6 +322,12 @@ class ShareGroup:
             return self._retarget(t, k, leaves, backend, device, expected, states, after)
         except Refused as e:
             self.refuse(str(e))
+            return None
+        except CaptureFailed as e:
+            self.refuse(f"a capture to prove sharing failed: {e}")
+            return None
+        except Exception as e:  # noqa: BLE001 - the real call ran: unproven means refused
+            self.refuse(f"sharing failed unexpectedly: {type(e).__name__}: {e}")
             return None
 
     def piece_group(self, path: str) -> "ShareGroup":
@@ -334,7 +358,8 @@ class ShareGroup:
         # (with a cache, not the call: it would keep the cache alive; see _call)
         t = _Template(raw, k, [], None, _storages(layer, states), _layout(layer), inputs, out,
                       reads=_reads_of(layer, guard), call=(a, kw) if states is None else None,
-                      guard=guard, positions=None if states is None else states.positions)
+                      guard=guard, positions=None if states is None else states.positions,
+                      cache=_weak(states.objects[0]) if states is not None else None)
         try:
             if len(self.layers) < 2:
                 raise Refused("one layer: nothing to share")
@@ -680,6 +705,13 @@ def _storages(layer: torch.nn.Module, part) -> Storages:
     if part is None:
         return own
     return Storages(own.ranges + _ranges(part.tensors if isinstance(part, Slice) else part))
+
+
+def _weak(obj):
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return None
 
 
 def _slots(plan: RebasePlan | None) -> set:
