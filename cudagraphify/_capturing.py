@@ -23,8 +23,8 @@ from ._probe import Finding
 from ._rehearsal import rehearsing
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
-from ._signature import storage_of, unflatten_call
 from ._graphdiff import Storages
+from ._signature import storage_of, unflatten_call
 from ._state import tensors_in as _tensors_in
 from ._training import capture_training, saved_by_backward, warmup_backward
 from ._watch import Recorder, recording
@@ -325,7 +325,7 @@ class Capturing:
         if self.opaque:
             # a cache passed as it is (an HF StaticCache): each layer's graph reads and writes
             # its own part of it, rebased as its parameters are
-            part = self._cache_part(fn)
+            part = self._cache_part()
             if isinstance(part, str):
                 group.refuse(part)
                 return None
@@ -343,7 +343,7 @@ class Capturing:
         return group.make(k, self.key, fn, a, kw, inputs, self.leaves, self.backend,
                           self.device, self.result, self.warm_guard, part)
 
-    def _cache_part(self, fn):
+    def _cache_part(self):
         """This layer's part of the static states it is passed (see :class:`_share.Slice`):
         the state tensors its probed warm-up read or wrote. Or why there is none to share."""
         from ._share import Slice, _ranges
@@ -353,7 +353,8 @@ class Capturing:
                     "layers' forwards on it again")
         warm = self.warm_probe
         if warm is None or warm.written is None:
-            return "the probe is off (probe=False): which part of the cache a layer uses is unknown"
+            return ("the probe is off (probe=False): which part of the cache a layer uses is "
+                    "unknown")
         if self.probe is not warm:
             return "the layer asks whether it is being captured: not shared with a cache"
         if self.draws:

@@ -178,9 +178,6 @@ class Slice:
     call_on: Any
     new_probe: Any
 
-    def ranges(self) -> tuple:
-        return _ranges(self.tensors)
-
 
 def _ranges(tensors) -> tuple:
     return tuple((t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
@@ -266,7 +263,7 @@ class ShareGroup:
                 # from it read its memory) until release; a new template is captured.
                 self._stale.append(self._templates.pop(key))
                 t = None
-            for old in [k for k, other in self._templates.items() if other.dead()]:
+            for old in [key_ for key_, other in self._templates.items() if other.dead()]:
                 # made for a cache that is gone (a new cache per generate()): it keeps its
                 # graph for the layers' graphs made from it, but no longer counts as one of
                 # max_graphs signatures
@@ -290,9 +287,9 @@ class ShareGroup:
             self.refuse(t.reason)
             return None
         try:
-            if states is not None and any(
-                    storage_of(x) in {p for p, _ in _ranges(states.every)}
-                    for x in pytree.tree_leaves(expected) if isinstance(x, torch.Tensor)):
+            cache = set() if states is None else {p for p, _ in _ranges(states.every)}
+            if any(storage_of(x) in cache for x in pytree.tree_leaves(expected)
+                   if isinstance(x, torch.Tensor)):
                 # (the template's outputs stand for every layer's: one returning a tensor of
                 # the cache, its own or another's, gets the graph's copy of what the template
                 # layer returned)
@@ -552,8 +549,9 @@ class ShareGroup:
         of the template layer, then one of layer ``k``, are made from one memory state (each
         released before the next), so that the same work lays its intermediates out alike: an
         address in the pool that differs (a value that chose another intermediate) refuses, as
-        does any other byte that differs but where the template layer's two captures differ
-        (host leftovers) or the kernel never reads it. Raises :class:`Refused` otherwise."""
+        does any other byte that differs unless it is a rebased address of the layer's own
+        storages, differs between the template layer's two captures too (host leftovers) or
+        is one the kernel never reads. Raises :class:`Refused` otherwise."""
         from ._cugraph import DriverError, read_graph
 
         why = f"layer {k} read values its template layer did not ({differs})"
