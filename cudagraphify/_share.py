@@ -151,6 +151,7 @@ class _Template:
     guard: Any = None  # what the template layer's first call read (a StateGuard): while valid
     positions: tuple | None = None  # with a cache: where its part lies among the cache's tensors
     cache: Any = None  # with a cache: a weak reference to it (None: none, or not weakly held)
+    users: int = 0  # layers' graphs made from it and not yet released (they read its memory)
 
     def dead(self) -> bool:
         """Whether the cache it was made for is gone (no call can pass it again)."""
@@ -256,6 +257,11 @@ class ShareGroup:
         with self._lock:
             if self.released:
                 return None
+            for old in [key_ for key_, other in self._templates.items() if other.dead()]:
+                # made for a cache that is gone (a new cache per generate()): no call can pass
+                # it again; kept while layers' graphs made from it live (see _collect), and no
+                # longer counted as one of max_graphs signatures
+                self._stale.append(self._templates.pop(old))
             t = self._templates.get(key)
             if t is not None and t.guard is not None and not t.guard.valid():
                 # what the template layer read has changed (a config object the layers share):
@@ -263,11 +269,7 @@ class ShareGroup:
                 # from it read its memory) until release; a new template is captured.
                 self._stale.append(self._templates.pop(key))
                 t = None
-            for old in [key_ for key_, other in self._templates.items() if other.dead()]:
-                # made for a cache that is gone (a new cache per generate()): it keeps its
-                # graph for the layers' graphs made from it, but no longer counts as one of
-                # max_graphs signatures
-                self._stale.append(self._templates.pop(old))
+            self._collect()
             # (the template layer's part of the cache and this layer's: the runs below write
             # them, on the CPU a capture's run too; put back after, whatever happens)
             kept = [] if states is None else list(states.tensors) if t is None else \
@@ -611,7 +613,8 @@ class ShareGroup:
         except DriverError as e:
             raise Refused(f"rewriting the graph failed: {e}") from e
         raw = RetargetedRaw(exe, lambda: backend.stream_token(device), time.perf_counter() - t0,
-                         t.raw.pool)
+                         t.raw.pool, recycle=functools.partial(self._done, t))
+        t.users += 1
         # Every layer's graph is checked once against its eager output of this call.
         for i, buf in t.inputs.copy:
             buf.copy_(leaves[i])
@@ -668,9 +671,27 @@ class ShareGroup:
             per_layer=self.per_layer, reasons=dict(self.reasons),
             rebased_slots={k: plan.count for k, plan in plans.items()},
             unproven_slots={k: plan.unproven for k, plan in plans.items() if plan.unproven},
-            template_pool_bytes=sum(t.raw.pool_bytes for t in self._templates.values()),
+            template_pool_bytes=sum(t.raw.pool_bytes for t in (*self._templates.values(),
+                                                               *self._stale)),
             build_seconds=self.build_seconds,
             pieces={path: g.stats() for path, g in self.pieces.items()})
+
+    def _done(self, t: _Template, exe) -> None:
+        """A layer's graph made from ``t`` is released (its ``RetargetedRaw``)."""
+        exe.destroy()
+        with self._lock:
+            t.users -= 1
+            self._collect()
+
+    def _collect(self) -> None:
+        """Release the replaced templates (their cache gone, or what they read changed) that
+        no layer's graph reads any more; while a current template keeps the pool alive (a
+        pool whose graphs are all gone is unusable, see ``_new_template``)."""
+        if not self._templates:
+            return
+        for t in [t for t in self._stale if t.users <= 0]:
+            self._stale.remove(t)
+            t.raw.release()
 
     def release(self) -> None:
         """Release every layer's graphs and the templates (the layers stay graphified)."""
