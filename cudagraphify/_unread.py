@@ -14,7 +14,7 @@ from __future__ import annotations
 import re
 
 __all__ = ["unread_bytes", "reduce_unread", "nocast_unread", "cat_unread", "cast_unread",
-           "index_copy_unread", "arange_unread"]
+           "index_copy_unread", "arange_unread", "captureless_unread"]
 
 _NONE: frozenset[int] = frozenset()
 
@@ -41,6 +41,8 @@ def unread_bytes(node, c: int, chunks) -> frozenset[int]:
         return index_copy_unread(name, chunks) if c == 1 and n == 2 else _NONE
     if "elementwise_kernel_with_index" in name:
         return arange_unread(name, chunks) if c == 1 and n == 3 else _NONE
+    if name.startswith(_VECTORIZED_KERNEL):
+        return captureless_unread(name, chunks) if c == 1 and n == 3 else _NONE
     return _NONE
 
 
@@ -205,8 +207,13 @@ def nocast_unread(name: str, chunks) -> frozenset[int]:
         return _NONE  # not operand addresses
     if any(not _host_copy(int.from_bytes(c[-8:], "little")) for c in chunks):
         return _NONE
-    return frozenset(_calc_unread(0, d, nargs) | set(range(_calc_size(nargs), data))
-                     | set(range(size - 8, size)))
+    out = _calc_unread(0, d, nargs) | set(range(_calc_size(nargs), data)) \
+        | set(range(size - 8, size))
+    functor = data + 8 * nargs
+    if size - functor == 16 and _CAPTURELESS_NOCAST.match(name) and all(
+            _host_copy(int.from_bytes(c[functor:functor + 8], "little")) for c in chunks):
+        out.update(range(functor, functor + 8))  # (the op's own lambda: its host copy only)
+    return frozenset(out)
 
 
 def _nocast_operands(name: str) -> int | None:
@@ -375,3 +382,32 @@ def arange_unread(name: str, chunks) -> frozenset[int]:
             or any(not _host_copy(int.from_bytes(c[-8:], "little")) for c in chunks):
         return _NONE
     return frozenset(range(size - 8, size))
+
+
+# Host-device lambdas (``GPU_LAMBDA``) that capture nothing, where the op's source shows every
+# lambda of the function to be one, or to capture something (then it is larger): nvcc passes
+# such a lambda as an ``__nv_hdl_wrapper_t`` holding only ``void* data``, the host's heap copy,
+# which the device never reads. ``where`` (``[=] GPU_LAMBDA (bool, scalar_t, scalar_t)``, no
+# capture used) and ``pow`` by 2, 3 or -2 (``pow_tensor_scalar_kernel_impl``: captureless
+# lambdas of 8 bytes; the general one captures the exponent, 16 bytes). Seen on the H100 in HF
+# Llama's RMSNorm (``pow(2)``, a vectorized launch: its 8-byte lambda argument a heap address)
+# and its mask (``where`` over strided operands: the lambda inside a nocast one, at byte 736 of
+# 752), another in some layers' captures.
+_VECTORIZED_KERNEL = "_ZN2at6native29vectorized_elementwise_kernel"
+_POW_LAMBDA = r"29pow_tensor_scalar_kernel_implI\w+?EEvRNS_18TensorIteratorBaseET0_EUl\w+?E\d*_"
+_CAPTURELESS_VECTORIZED = re.compile(
+    r"_ZN2at6native29vectorized_elementwise_kernelILi\d+EZN\w+?" + _POW_LAMBDA
+    + r"St5arrayIPcLm2EEEEvi\w+")
+_CAPTURELESS_NOCAST = re.compile(
+    r"_ZN2at6native18elementwise_kernelILi\d+ELi\d+EZNS0_22gpu_kernel_impl_nocastIZ+N(?:\w+?"
+    r"17where_kernel_implERNS_14TensorIteratorEE|\w+?" + _POW_LAMBDA + ")")
+
+
+def captureless_unread(name: str, chunks) -> frozenset[int]:
+    """Byte positions of a vectorized kernel's lambda argument its kernel never reads: all 8,
+    where the lambda is one of the captureless ``GPU_LAMBDA``s named above and every capture
+    holds an aligned address there (its host copy)."""
+    if not _CAPTURELESS_VECTORIZED.fullmatch(name) or any(len(c) != 8 for c in chunks) \
+            or any(not _host_copy(int.from_bytes(c, "little")) for c in chunks):
+        return _NONE
+    return frozenset(range(8))

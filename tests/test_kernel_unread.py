@@ -12,8 +12,8 @@ import pytest
 
 from cudagraphify._cugraph import GraphNode
 from cudagraphify._share import Refused, Storages, plan_rebase
-from cudagraphify._unread import (arange_unread, cast_unread, cat_unread, index_copy_unread,
-                                  nocast_unread, unread_bytes)
+from cudagraphify._unread import (arange_unread, captureless_unread, cast_unread, cat_unread,
+                                  index_copy_unread, nocast_unread, unread_bytes)
 
 MUL = ("_ZN2at6native18elementwise_kernelILi128ELi4EZNS0_22gpu_kernel_impl_nocastINS0_13Binary"
        "FunctorIN3c108BFloat16ES5_S5_NS0_15binary_internal10MulFunctorIfEEEEEEvRNS_18TensorIter"
@@ -378,3 +378,47 @@ def test_arange_lambdas_differ_in_their_host_copy_only():
     assert arange_unread(ARANGE, [a + bytes(8), b + bytes(8)]) == frozenset()  # 32 bytes
     linspace = ARANGE.replace("15arange_cuda_out", "17linspace_cuda_out")
     assert arange_unread(linspace, [a, b]) == frozenset()
+
+
+# -- captureless host-device lambdas: where, pow by 2 (HF Llama's mask and RMSNorm) ------------
+
+POW2 = ("_ZN2at6native29vectorized_elementwise_kernelILi4EZNS0_51_GLOBAL__N__b1108092_12_PowKerne"
+        "l_cu_751192d7_2139629pow_tensor_scalar_kernel_implIffEEvRNS_18TensorIteratorBaseET0_EUl"
+        "fE_St5arrayIPcLm2EEEEviS6_T1_")
+WHERE = ("_ZN2at6native18elementwise_kernelILi128ELi4EZNS0_22gpu_kernel_impl_nocastIZZZNS0_49_GLO"
+         "BAL__N__d2ba64fb_16_TensorCompare_cu_71e06f4e17where_kernel_implERNS_14TensorIteratorEE"
+         "NKUlvE_clEvENKUlvE1_clEvEUlbN3c108BFloat16ES9_E_EEvRNS_18TensorIteratorBaseERKT_EUliE_"
+         "EEviT1_")
+
+
+def test_a_captureless_pow_lambda_is_its_host_copy_only():
+    a, b = struct.pack("<Q", 0x649AE1A0), struct.pack("<Q", 0x6489EA30)
+    assert unread_bytes(node((struct.pack("<i", 512), a, bytes(16)), POW2), 1, [a, b]) \
+        == frozenset(range(8))
+    args = [(struct.pack("<i", 512), x, struct.pack("<QQ", 0x7F0000900000, 0x7F0000900400))
+            for x in (a, b)]
+    assert diff(*args, POW2, again=args[0]).unproven == 0
+    # the general lambda captures the exponent: 16 bytes, not taken
+    exp = [struct.pack("<fiQ", 2.5, 0, v) for v in (0x649AE1A0, 0x6489EA30)]
+    assert captureless_unread(POW2, exp) == frozenset()
+    assert captureless_unread(POW2, [a, struct.pack("<Q", 3)]) == frozenset()  # not an address
+    other = POW2.replace("29pow_tensor_scalar_kernel_impl", "29pow_tensor_tensor_kernel_impl_")
+    assert captureless_unread(other, [a, b]) == frozenset()
+
+
+def test_a_where_lambda_inside_a_nocast_one_is_its_host_copy_only():
+    dims = ((32, 1, 2, 2, 2), (128, 0, 64, 64, 64))
+    data = (0x7F0000900000, 0x7F0000900400, 0x7F0000900800, 0x7F0000900C00)
+    a = lam(dims=dims, data=data, garbage=1, functor=struct.pack("<Q", 0x409F3E30))
+    b = lam(dims=dims, data=data, garbage=2, functor=struct.pack("<Q", 0x3B3453D0),
+            copy=0x4A2B3C40)
+    assert len(a) == 752  # as on the H100
+    unread = nocast_unread(WHERE, [a, b])
+    assert set(range(736, 744)) <= unread and set(range(704, 736)).isdisjoint(unread)
+    assert diff(n_arg(a), n_arg(b), WHERE, again=n_arg(a)).unproven == 0
+    # the same layout behind another op's lambda (it may capture 8 bytes): not taken
+    neg = WHERE.replace("17where_kernel_impl", "17xhere_kernel_impl")
+    assert set(range(736, 744)).isdisjoint(nocast_unread(neg, [a, b]))
+    # not an address there: not taken
+    c = lam(dims=dims, data=data, garbage=2, functor=struct.pack("<Q", 5))
+    assert set(range(736, 744)).isdisjoint(nocast_unread(WHERE, [a, c]))

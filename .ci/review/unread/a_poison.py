@@ -18,7 +18,8 @@ if not driver_available():
     raise SystemExit(0)
 
 FAMILIES = ("gpu_kernel_impl_nocast", "CatArrayBatchedCopy", "LoadWithCast",
-            "elementwise_kernel_with_index", "index_copy_kernel_impl")
+            "elementwise_kernel_with_index", "index_copy_kernel_impl",
+            "vectorized_elementwise_kernel")
 _keep = []  # graphs whose memory the executable copies use
 
 
@@ -40,7 +41,7 @@ def short(name):
     for f in ("CatArrayBatchedCopy_vectorized", "CatArrayBatchedCopy_alignedK_contig",
               "CatArrayBatchedCopy_contig", "CatArrayBatchedCopy", "gpu_kernel_impl_nocast",
               "LoadWithCast", "reduce_kernel", "elementwise_kernel_with_index",
-              "index_copy_kernel_impl"):
+              "index_copy_kernel_impl", "vectorized_elementwise_kernel"):
         if f in name:
             return f
     return name[:40]
@@ -167,3 +168,12 @@ case("index_copy_ into a bf16 cache along dim 2", index_copy, ["index_copy_kerne
 case("arange int64", lambda: torch.arange(17, device=DEV), ["elementwise_kernel_with_index"])
 case("arange float step 0.5", lambda: torch.arange(0, 8, 0.5, device=DEV),
      ["elementwise_kernel_with_index"])
+
+# (captureless host-device lambdas: HF Llama's RMSNorm pow(2), its mask's where)
+case("pow(2), contiguous (vectorized, 8-byte lambda)", lambda: x4.float().pow(2),
+     ["vectorized_elementwise_kernel"])
+case("pow(2) of a transpose (nocast, captureless lambda)", lambda: a2.t().pow(2), [N])
+case("pow(3) of a bf16 transpose", lambda: x4.transpose(1, 2).pow(3), [N])
+case("pow(2.5) (captures the exponent: its bytes read)", lambda: a2.abs().pow(2.5), [])
+case("where over bf16, strided", lambda: torch.where(c2.t(), a2.t().bfloat16(), a2.bfloat16()),
+     [N])
