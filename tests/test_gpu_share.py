@@ -157,8 +157,9 @@ def test_hf_llama_layers_share_one_capture():
     # read (stack garbage can hold a stale pointer: byte 104 of the mean reduction's argument in
     # one H200 run, for one length of two; any device address refused until Dec 2026). That
     # length then goes per layer, with the reason; the other lengths share (at least half).
+    # (kept unproven: none since the bytes that differed are known unread, the reductions'
+    # tails and pow(2)'s lambda among them; seen on the H100, 2026-12-05)
     assert s.retargets >= n // 2 and s.retargets + s.per_layer == n, s
-    assert s.unproven_slots, s
     assert all("not a rebased parameter address" in r for r in s.reasons), s.reasons
     # per length: the template, its partner, perhaps the template again, and a proof of each
     # other layer (its layer_idx differs)
