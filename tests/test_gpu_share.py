@@ -363,10 +363,9 @@ def test_hf_llama_decode_with_a_static_cache_shares_layers_each_with_its_own_cac
             for a, b in zip(caches[0].layers, caches[1].layers):
                 assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), s
     s = group.stats()
-    # (layer 0's graph and others made from it: on the H100 every layer's, since index_copy_'s
-    # and arange's lambdas' unread bytes are known; now and then a layer is refused for a
-    # host-heap leftover in a kernel argument no rule covers yet (a where's or a pow's lambda,
-    # seen by the review's scripts), never for anything else)
+    # (layer 0's graph and others made from it: on the H100 every layer's, since index_copy_'s,
+    # arange's, where's and pow(2)'s lambdas' unread bytes are known; a host-heap leftover in
+    # a kernel argument no rule covers would refuse a layer, never anything else)
     assert s.retargets >= 2 and s.retargets + s.per_layer == 4, (list(s.reasons), s)
     assert all("in one memory state" in r for r in s.reasons), list(s.reasons)
     assert s.replays >= 4 * (steps - 1), s
