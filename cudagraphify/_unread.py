@@ -58,10 +58,15 @@ _REDUCE_KERNEL = "_ZN2at6native13reduce_kernel"
 _MAX_DIMS = 25
 
 
+def _calc_size(nargs: int) -> int:
+    """sizeof(OffsetCalculator<nargs, uint32_t>)."""
+    return 4 + _MAX_DIMS * (12 + 4 * nargs)
+
+
 def _calc_dims(buf: bytes, at: int, nargs: int) -> int | None:
     """``dims`` of an ``OffsetCalculator<nargs, uint32_t>`` at byte ``at`` of ``buf``: None
     unless ``dims`` is 0..25 and each of its ``dims`` dividers is one IntDivider makes."""
-    end = at + 4 + _MAX_DIMS * (12 + 4 * nargs)
+    end = at + _calc_size(nargs)
     if at < 0 or end > len(buf):
         return None
     dims = int.from_bytes(buf[at:at + 4], "little", signed=True)
@@ -118,8 +123,8 @@ def reduce_unread(name: str, chunks) -> frozenset[int]:
     return frozenset(out)
 
 
-_CALC1 = 4 + _MAX_DIMS * (12 + 4)  # sizeof(OffsetCalculator<1, uint32_t>)
-_CALC2 = 4 + _MAX_DIMS * (12 + 8)
+_CALC1 = _calc_size(1)  # sizeof(OffsetCalculator<1, uint32_t>)
+_CALC2 = _calc_size(2)
 # what follows the output calculator: src, dst[2], acc_buf, cta_buf, semaphores, base_idx (8
 # bytes each), accumulate, final_output (bools), noutputs (int); 4 bytes of padding before src
 # where the calculators end off an 8-byte boundary
@@ -231,11 +236,6 @@ def _host_copy(v: int) -> bool:
     """Whether ``v`` can be the address ``new`` returned on the host: nonzero, aligned, in
     user space."""
     return 0 < v < 1 << 47 and v % 8 == 0
-
-
-def _calc_size(nargs: int) -> int:
-    """sizeof(OffsetCalculator<nargs, uint32_t>)."""
-    return 4 + _MAX_DIMS * (12 + 4 * nargs)
 
 
 # ``cat``: ``CatArrayBatchedCopy[_contig|_vectorized|_alignedK_contig]<T, unsigned, Dims, n,
