@@ -215,8 +215,8 @@ def nocast_unread(name: str, chunks) -> frozenset[int]:
     out = _calc_unread(0, d, nargs) | set(range(_calc_size(nargs), data)) \
         | set(range(size - 8, size))
     functor = data + 8 * nargs
-    if size - functor == 16 and _CAPTURELESS_NOCAST.match(name) and all(
-            _host_copy(int.from_bytes(c[functor:functor + 8], "little")) for c in chunks):
+    if size - functor == 16 and _CAPTURELESS_NOCAST.fullmatch(name) and all(
+            _heap_copy(int.from_bytes(c[functor:functor + 8], "little")) for c in chunks):
         out.update(range(functor, functor + 8))  # (the op's own lambda: its host copy only)
     return frozenset(out)
 
@@ -400,7 +400,14 @@ _CAPTURELESS_VECTORIZED = re.compile(
     + r"St5arrayIPcLm2EEEEvi\w+")
 _CAPTURELESS_NOCAST = re.compile(
     r"_ZN2at6native18elementwise_kernelILi\d+ELi\d+EZNS0_22gpu_kernel_impl_nocastIZ+N(?:\w+?"
-    r"17where_kernel_implERNS_14TensorIteratorEE|\w+?" + _POW_LAMBDA + ")")
+    r"17where_kernel_implERNS_14TensorIteratorEE(?:NKUlvE\d*_clEvE)+Ul(?:[bcahstijlmxyfd]"
+    r"|N3c10(?:8BFloat16|4Half)E|S\d*_)+E\d*_|\w+?" + _POW_LAMBDA + ")" + _NOCAST_TAIL)
+
+
+def _heap_copy(v: int) -> bool:
+    """Whether ``v`` can be the address of a lambda's host copy on the heap (not a small
+    number a capture would hold)."""
+    return _host_copy(v) and v >= 1 << 16
 
 
 def captureless_unread(name: str, chunks) -> frozenset[int]:
@@ -408,6 +415,6 @@ def captureless_unread(name: str, chunks) -> frozenset[int]:
     where the lambda is one of the captureless ``GPU_LAMBDA``s named above and every capture
     holds an aligned address there (its host copy)."""
     if not _CAPTURELESS_VECTORIZED.fullmatch(name) or any(len(c) != 8 for c in chunks) \
-            or any(not _host_copy(int.from_bytes(c, "little")) for c in chunks):
+            or any(not _heap_copy(int.from_bytes(c, "little")) for c in chunks):
         return _NONE
     return frozenset(range(8))
