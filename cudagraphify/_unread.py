@@ -58,15 +58,10 @@ _REDUCE_KERNEL = "_ZN2at6native13reduce_kernel"
 _MAX_DIMS = 25
 
 
-def _calc_size(nargs: int) -> int:
-    """sizeof(OffsetCalculator<nargs, uint32_t>)."""
-    return 4 + _MAX_DIMS * (12 + 4 * nargs)
-
-
 def _calc_dims(buf: bytes, at: int, nargs: int) -> int | None:
     """``dims`` of an ``OffsetCalculator<nargs, uint32_t>`` at byte ``at`` of ``buf``: None
     unless ``dims`` is 0..25 and each of its ``dims`` dividers is one IntDivider makes."""
-    end = at + _calc_size(nargs)
+    end = at + 4 + _MAX_DIMS * (12 + 4 * nargs)
     if at < 0 or end > len(buf):
         return None
     dims = int.from_bytes(buf[at:at + 4], "little", signed=True)
@@ -123,8 +118,8 @@ def reduce_unread(name: str, chunks) -> frozenset[int]:
     return frozenset(out)
 
 
-_CALC1 = _calc_size(1)  # sizeof(OffsetCalculator<1, uint32_t>)
-_CALC2 = _calc_size(2)
+_CALC1 = 4 + _MAX_DIMS * (12 + 4)  # sizeof(OffsetCalculator<1, uint32_t>)
+_CALC2 = 4 + _MAX_DIMS * (12 + 8)
 # what follows the output calculator: src, dst[2], acc_buf, cta_buf, semaphores, base_idx (8
 # bytes each), accumulate, final_output (bools), noutputs (int); 4 bytes of padding before src
 # where the calculators end off an 8-byte boundary
@@ -215,8 +210,8 @@ def nocast_unread(name: str, chunks) -> frozenset[int]:
     out = _calc_unread(0, d, nargs) | set(range(_calc_size(nargs), data)) \
         | set(range(size - 8, size))
     functor = data + 8 * nargs
-    if size - functor == 16 and _CAPTURELESS_NOCAST.fullmatch(name) and all(
-            _heap_copy(int.from_bytes(c[functor:functor + 8], "little")) for c in chunks):
+    if size - functor == 16 and _CAPTURELESS_NOCAST.match(name) and all(
+            _host_copy(int.from_bytes(c[functor:functor + 8], "little")) for c in chunks):
         out.update(range(functor, functor + 8))  # (the op's own lambda: its host copy only)
     return frozenset(out)
 
@@ -236,6 +231,11 @@ def _host_copy(v: int) -> bool:
     """Whether ``v`` can be the address ``new`` returned on the host: nonzero, aligned, in
     user space."""
     return 0 < v < 1 << 47 and v % 8 == 0
+
+
+def _calc_size(nargs: int) -> int:
+    """sizeof(OffsetCalculator<nargs, uint32_t>)."""
+    return 4 + _MAX_DIMS * (12 + 4 * nargs)
 
 
 # ``cat``: ``CatArrayBatchedCopy[_contig|_vectorized|_alignedK_contig]<T, unsigned, Dims, n,
@@ -400,14 +400,7 @@ _CAPTURELESS_VECTORIZED = re.compile(
     + r"St5arrayIPcLm2EEEEvi\w+")
 _CAPTURELESS_NOCAST = re.compile(
     r"_ZN2at6native18elementwise_kernelILi\d+ELi\d+EZNS0_22gpu_kernel_impl_nocastIZ+N(?:\w+?"
-    r"17where_kernel_implERNS_14TensorIteratorEE(?:NKUlvE\d*_clEvE)+Ul(?:[bcahstijlmxyfd]"
-    r"|N3c10(?:8BFloat16|4Half)E|S\d*_)+E\d*_|\w+?" + _POW_LAMBDA + ")" + _NOCAST_TAIL)
-
-
-def _heap_copy(v: int) -> bool:
-    """Whether ``v`` can be the address of a lambda's host copy on the heap (not a small
-    number a capture would hold)."""
-    return _host_copy(v) and v >= 1 << 16
+    r"17where_kernel_implERNS_14TensorIteratorEE|\w+?" + _POW_LAMBDA + ")")
 
 
 def captureless_unread(name: str, chunks) -> frozenset[int]:
@@ -415,6 +408,6 @@ def captureless_unread(name: str, chunks) -> frozenset[int]:
     where the lambda is one of the captureless ``GPU_LAMBDA``s named above and every capture
     holds an aligned address there (its host copy)."""
     if not _CAPTURELESS_VECTORIZED.fullmatch(name) or any(len(c) != 8 for c in chunks) \
-            or any(not _heap_copy(int.from_bytes(c, "little")) for c in chunks):
+            or any(not _host_copy(int.from_bytes(c, "little")) for c in chunks):
         return _NONE
     return frozenset(range(8))
