@@ -138,3 +138,28 @@ def test_only_the_training_signature_that_does_not_pay_runs_eagerly(timed):
         assert state.replays == replays + 3
     finally:
         type(g.a).forward = piece_forward
+
+
+@pytest.mark.parametrize("decision_us", [0.0, 20.0])
+def test_a_training_graphs_turns_count_the_slow_path_it_replays_through(timed, monkeypatch,
+                                                                         decision_us):
+    """A training graph has no fast path: each of its calls pays the slow path's decision
+    before its replay. Its timed turns count that too (from ``slow`` on), as an inference
+    graph's count its fast path's checks: a graph that saves 5 µs of a 10 µs forward but
+    costs 20 µs of deciding is given back (Llama's rotary embedding under grad mode)."""
+    from cudagraphify import _engine
+    _COST.update(graph=5e-6, eager=10e-6)
+    replay = _engine.GraphedState._replay
+
+    def deciding(self, *a, **k):  # (the decision's cost, on the host, before the replay)
+        _NOW[0] += decision_us * 1e-6
+        _HOST[0] += decision_us * 1e-6
+        return replay(self, *a, **k)
+    monkeypatch.setattr(_engine.GraphedState, "_replay", deciding)
+    ref, g = _pair()
+    _train(g, ref, steps=12)
+    state = g.a._cudagraphify_state
+    if decision_us:
+        assert state.given_back is not None and "costs more" in state.given_back, state
+    else:
+        assert state.given_back is None and cg.stats(g.a).graphs == 1
