@@ -19,12 +19,13 @@ from typing import Any, Callable
 import torch
 import torch.autograd.forward_ad as _forward_ad
 
-from . import _guards, _region, _segrun, _statics, _watch
-from ._nested import nesting, sizes_log
+from . import _guards, _region, _segrun, _statics, _trial, _watch
+from ._nested import bypassing, nesting, sizes_log
+from ._pieces import STATE
 from ._signature import is_constant, is_opaque, is_static_state, storage_of
 from ._state import StateUnkeyable, may_be_static_state, state_key
 
-__all__ = ["Fast", "EagerFast", "MISS"]
+__all__ = ["Bypass", "Fast", "EagerFast", "MISS"]
 
 MISS = object()  # a fast path's answer: not for this call, take the full path
 _MISS = MISS
@@ -36,6 +37,10 @@ _saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _weakref = weakref.ref
 _get_ident = threading.get_ident
 _sizes_log = sizes_log.get
+_grad_enabled = torch.is_grad_enabled
+# pending decisions made (EagerFast.pending), any state: a root looks at its pieces again
+# (Bypass.scan) only after one was made
+pending_made = [0]
 
 
 def _none(values: tuple) -> tuple:
@@ -60,7 +65,7 @@ class EagerFast:
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
                  "others", "entry", "statics_same", "chained", "still", "flags", "flags_epoch",
-                 "grads", "pick", "one")
+                 "grads", "pick", "one", "bypass", "scanned")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -92,6 +97,7 @@ class EagerFast:
         self.flags, self.flags_epoch = entry.flags, entry.flags.epoch
         self.grads = state.statics.grad_pattern()
         self.chained = False
+        pending_made[0] += 1
         return self
 
     @staticmethod
@@ -131,6 +137,7 @@ class EagerFast:
         self.chained = True  # (an opaque call's: see PieceRuns.chained)
         self.still = self.flags = self.grads = None
         self.flags_epoch = -1
+        self.bypass, self.scanned = None, -1
         return self
 
     def _still_pending(self) -> bool:
@@ -180,14 +187,93 @@ class EagerFast:
                 return _MISS
         state = self.state
         state.eager_calls[self.reason] += 1
-        if _sizes_log() is not None:  # (capture_sizes runs on this thread)
+        if _sizes_log() is not None:  # (capture_sizes runs on this thread: each piece notes)
             state._note(False, self.reason, final=True)
+        elif self.chained and state.pieces and _grad_enabled():
+            if self.scanned != pending_made[0]:  # (a piece's decision became a pending one)
+                self.scanned = pending_made[0]
+                if self.bypass is not None:
+                    self.bypass.drop()
+                self.bypass = Bypass.scan(state)
+            bypass = self.bypass
+            if bypass is not None and not bypass.valid():
+                bypass = self.bypass = bypass.drop()
+            if bypass is not None:
+                outer = bypassing.token
+                bypassing.token = bypass
+                try:
+                    return self._run(state, fn, args, kwargs)
+                finally:
+                    bypassing.token = outer
+        return self._run(state, fn, args, kwargs)
+
+    def _run(self, state, fn: Callable, args: tuple, kwargs: dict) -> Any:
         # (``chained``'s answer where segments are off and no piece of its plans may replay:
         # the plain forward, without its frames)
         if self.chained and (state.options.segments or _segrun.ENABLED
                              or (state.pieces and state._chain_needed())):
             return state.chained(fn, args, kwargs, self.entry)
         return fn(*args, **kwargs)
+
+
+class Bypass:
+    """A piecewise root's grad-mode calls while pieces of it wait for a backward: the pieces
+    whose decision is :meth:`EagerFast.pending` (a forward under grad mode whose output is kept
+    with no backward: a training graph's activations would be overwritten) run their plain
+    forward straight from their ``DirectCall`` (see _wrap), past their own checks (their
+    tensors' layouts, module state, statics, flags, grads: 12-13 µs a piece on this project's
+    CPU machine, as much as a small piece's forward).
+
+    Armed on the root's thread for one call of the root's eager fast path
+    (:attr:`bypassing`), while every marked piece's decision is the same object and still
+    pending, and nothing those checks look at changed since it was made: the global state
+    (grad mode among it), the flags, the pieces given back, module writes (``_watch``), which
+    parameters require grad. The root's own fast path has checked its tensors, other arguments
+    and statics. A plain forward is always correct: all this decides is that no piece could
+    replay a graph instead (a call that could is then decided by its own path)."""
+
+    __slots__ = ("marked", "global_state", "flags_epoch", "pieces_epoch", "watch_epoch",
+                 "statics", "grads")
+
+    @staticmethod
+    def scan(state) -> "Bypass | None":
+        """The root ``state``'s pieces whose decision now is a pending one (None: none)."""
+        marked = []
+        for m in state.pieces:
+            st = m.__dict__.get(STATE)
+            fast = getattr(st, "_fast", None)
+            if type(fast) is EagerFast and fast.still is not None:
+                marked.append((st, fast))
+        if not marked:
+            return None
+        self = Bypass()
+        self.marked = tuple(marked)
+        self.global_state = torch._C._dynamo.guards.GlobalStateGuard()
+        self.flags_epoch, self.pieces_epoch = _guards.flags_epoch, _trial.pieces_epoch[0]
+        self.watch_epoch = _watch.epoch
+        self.statics = state.statics
+        self.grads = state.statics.grad_pattern()
+        for st, _ in marked:
+            st._bypass = self
+        return self
+
+    def valid(self) -> bool:
+        if not self.global_state.check() or _guards.flags_epoch != self.flags_epoch \
+                or _trial.pieces_epoch[0] != self.pieces_epoch \
+                or _watch.epoch != self.watch_epoch \
+                or self.statics.grad_pattern() != self.grads:
+            return False
+        for st, fast in self.marked:
+            if st._fast is not fast or not fast.still():
+                return False
+        return True
+
+    def drop(self) -> None:
+        """No longer valid: the pieces let go of it (nothing here is kept alive by them)."""
+        for st, _ in self.marked:
+            if st._bypass is self:
+                st._bypass = None
+        self.marked = ()
 
 
 def _mixed(leaves: tuple) -> tuple | None:

@@ -16,11 +16,21 @@ import threading
 sizes_log: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "cudagraphify_sizes_log", default=None)
 
-__all__ = ["Nested", "Plain", "in_graphed_call", "nesting", "plain_reason"]
+__all__ = ["Nested", "Plain", "bypassing", "in_graphed_call", "nesting", "plain_reason"]
 
 _tls = threading.local()
 nesting = [0]  # warm-ups and captures in progress, any thread (the fast path's cheap check)
 _nesting_lock = threading.Lock()
+
+
+class _Bypassing(threading.local):
+    """This thread's armed bypass: a piecewise root's grad-mode call whose pending pieces run
+    their plain forward straight from their ``DirectCall`` (see _fast.Bypass); None outside."""
+
+    token = None
+
+
+bypassing = _Bypassing()
 
 
 def in_graphed_call() -> bool:
