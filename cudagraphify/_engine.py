@@ -184,8 +184,8 @@ class GraphedState(PieceRuns):
         self._stream_token: int | None = None
         # the previous call's decision, checked cheaply: a Fast (a replay) or an EagerFast
         self._fast: Fast | EagerFast | None = None
-        # a root's Bypass that marked this piece, pending (see _fast.Bypass; None: none)
-        self._bypass = None
+        # a root's Bypass that marked this piece, decided eager, and why (see _fast.Bypass)
+        self._bypass, self._bypass_why = None, ""
         self._slow_at: float | None = None  # when the slow path took the last call (host clock)
         # graphs keyed to static state, rebased to a new state's memory (see _rebase)
         self.families = Families()

@@ -20,7 +20,7 @@ import torch
 import wrapt
 
 from . import _guards, _watch
-from ._engine import PENDING, STATE, GraphedState
+from ._engine import STATE, GraphedState
 from ._fast import MISS
 from ._nested import bypassing as _bypassing, in_graphed_call, nesting as _nesting, plain_reason
 from ._errors import CudagraphifyUsageError
@@ -239,9 +239,9 @@ class DirectCall(_watch.CallImpl):
             return self.fn(*args, **kwargs)
         bypass = state._bypass
         if bypass is not None and bypass is _bypassing.token:
-            # a pending piece of the root whose call this is (see _fast.Bypass): its plain
-            # forward, as its own pending decision would run it
-            state.eager_calls[PENDING] += 1
+            # a piece decided eager, of the root whose call this is (see _fast.Bypass): its
+            # plain forward, as its own decision would run it
+            state.eager_calls[state._bypass_why] += 1
             return self.fn(*args, **kwargs)
         fast = state._fast
         if fast is not None:  # (no global module hooks: checked above)
