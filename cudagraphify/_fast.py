@@ -141,6 +141,16 @@ class EagerFast:
         self.bypass, self.scanned = None, -1
         return self
 
+    def holds(self) -> bool:
+        """Whether this keyed decision would still be taken now, its arguments aside (a
+        :class:`Bypass` marks it only then: one made under other flags, or before a move of its
+        statics, must not be armed by another piece's decision)."""
+        state = self.entry.state
+        if _grad_enabled() is not self.grad_mode or (state is not None and not state.valid()) \
+                or not self.statics_same():
+            return False
+        return self.still is None or self._still_pending()
+
     def _still_pending(self) -> bool:
         """A pending decision's call: the same global state (grad mode on among it), the same
         flags, the same parameters requiring grad, and the backward still pending."""
@@ -192,7 +202,9 @@ class EagerFast:
         state.eager_calls[self.reason] += 1
         if _sizes_log() is not None:  # (capture_sizes runs on this thread: each piece notes)
             state._note(False, self.reason, final=True)
-        elif self.chained and state.pieces and _grad_enabled():
+        elif self.chained and state.pieces and not self.types and _grad_enabled():
+            # (a keyed decision only: its tensors and statics were checked above; an opaque
+            # argument's decision checks types alone)
             if self.scanned != decided_made[0]:  # (a piece's decision may be a new eager one)
                 self.scanned = decided_made[0]
                 if self.bypass is not None:
@@ -200,7 +212,8 @@ class EagerFast:
                 self.bypass = Bypass.scan(state)
             bypass = self.bypass
             if bypass is not None and not bypass.valid():
-                bypass = self.bypass = bypass.drop()
+                bypass.drop()  # (a piece decided afresh, or what they check changed)
+                bypass = self.bypass = Bypass.scan(state)
             if bypass is not None:
                 outer = bypassing.token
                 bypassing.token = bypass
@@ -209,6 +222,26 @@ class EagerFast:
                 finally:
                     bypassing.token = outer
         return self._run(state, fn, args, kwargs)
+
+    def fits(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call has this decision's arguments: the same names, the same other
+        objects, its tensors' layouts (for a piece a :class:`Bypass` marked: its root's call
+        fixes none of them where the data does, a row count from ``.item()``)."""
+        if len(args) != self.n:
+            return False
+        if kwargs:
+            if tuple(kwargs) != self.names:
+                return False
+            values = (*args, *kwargs.values())
+        elif self.names:
+            return False
+        else:
+            values = args
+        for i, v in self.others:
+            if values[i] is not v:
+                return False
+        return self.tguard.check(self.pick(values)) if self.one \
+            else self.tguard.check(*self.pick(values))
 
     def _run(self, state, fn: Callable, args: tuple, kwargs: dict) -> Any:
         # (``chained``'s answer where segments are off and no piece of its plans may replay:
@@ -248,7 +281,8 @@ class Bypass:
         for m in state.pieces:
             st = m.__dict__.get(STATE)
             fast = getattr(st, "_fast", None)
-            if type(fast) is EagerFast and not fast.chained and not fast.types:
+            if type(fast) is EagerFast and not fast.chained and not fast.types \
+                    and fast.holds():
                 marked.append((st, fast))
         if not marked:
             return None
@@ -260,7 +294,7 @@ class Bypass:
         self.statics = state.statics
         self.grads = state.statics.grad_pattern()
         for st, fast in marked:
-            st._bypass, st._bypass_why = self, fast.reason
+            st._bypass = (self, fast)
         return self
 
     def valid(self) -> bool:
@@ -277,7 +311,7 @@ class Bypass:
     def drop(self) -> None:
         """No longer valid: the pieces let go of it (nothing here is kept alive by them)."""
         for st, _ in self.marked:
-            if st._bypass is self:
+            if st._bypass is not None and st._bypass[0] is self:
                 st._bypass = None
         self.marked = ()
 

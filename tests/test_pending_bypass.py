@@ -90,7 +90,7 @@ def _settle(g, ref, x, kept: list, calls: int = 8):
         kept.append(o)
     root = g.__dict__[STATE]
     assert root._fast is not None and root._fast.bypass is not None, "no bypass armed"
-    assert all(st._bypass is root._fast.bypass for st in _pieces(g))
+    assert all(st._bypass[0] is root._fast.bypass for st in _pieces(g))
 
 
 def test_kept_outputs_let_the_pieces_run_plain_past_their_checks(sim, spy):
@@ -315,7 +315,7 @@ def test_a_piece_decided_eager_is_bypassed_too_and_counted_under_its_reason(sim,
     _settle(g, ref, x, kept)
     drop = g.blocks[0].drop.__dict__[STATE]
     why = drop._fast.reason
-    assert drop._fast.still is None and drop._bypass is g.__dict__[STATE]._fast.bypass
+    assert drop._fast.still is None and drop._bypass[0] is g.__dict__[STATE]._fast.bypass
     n = drop.eager_calls[why]
     spy["fast"].clear()
     for _ in range(3):
@@ -345,5 +345,39 @@ def test_training_steps_keep_replaying_beside_a_piece_decided_eager(sim):
         opt_g.step(), opt_r.step(), opt_g.zero_grad(), opt_r.zero_grad()
         replays.append(cg.stats(g).replays)
     bypass = g.__dict__[STATE]._fast.bypass
-    assert bypass is not None and g.blocks[0].drop.__dict__[STATE]._bypass is bypass
+    assert bypass is not None and g.blocks[0].drop.__dict__[STATE]._bypass[0] is bypass
     assert replays[-1] - replays[-2] == 6, replays  # every other piece replays each step
+
+
+class Twice(nn.Module):
+    """A root that calls one piece twice, on two shapes: its first call of a forward may make
+    it decide afresh, and its second must not be run under the decision that was marked."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        t = torch.tensor([2.0])  # CROSS_DEVICE: the root runs eagerly, fc is a piece
+        return self.fc(x).sum(0) * t + self.fc(x[:2]).sum(0)
+
+
+def test_a_piece_called_twice_on_two_signatures_takes_each_call_by_its_own_decision(sim):
+    torch.manual_seed(0)
+    ref = Twice()
+    g = cg.graphify(copy.deepcopy(ref))
+    x = torch.randn(3, 8)
+    kept, wanted = [], []
+    for _ in range(10):  # (outputs kept: the piece's signatures wait for their backward)
+        o, w = g(x), ref(x)
+        assert torch.equal(o, w)
+        kept.append(o), wanted.append(w)
+    sum(o.sum() for o in kept).backward()
+    sum(w.sum() for w in wanted).backward()
+    kept.clear(), wanted.clear()
+    for _ in range(4):
+        o, w = g(x), ref(x)
+        assert torch.equal(o, w)
+        o.sum().backward(), w.sum().backward()
+    for p, q in zip(g.parameters(), ref.parameters()):
+        assert torch.equal(p.grad, q.grad)
