@@ -184,9 +184,10 @@ class GraphedState(PieceRuns):
         self._stream_token: int | None = None
         # the previous call's decision, checked cheaply: a Fast (a replay) or an EagerFast
         self._fast: Fast | EagerFast | None = None
-        # a root's Bypass that marked this piece, pending (see _fast.Bypass; None: none)
-        self._bypass = None
-        self._slow_at: float | None = None  # when the slow path took the last call (host clock)
+        # (a root's Bypass that marked this piece, the eager decision it marked: see _fast)
+        self._bypass: tuple | None = None
+        # (thread, host clock) when the slow path took the last call (see _timed_replay)
+        self._slow_at: tuple[int, float] | None = None
         # graphs keyed to static state, rebased to a new state's memory (see _rebase)
         self.families = Families()
         self._pools: dict = {}  # device index -> the memory pool of this callable's graphs
@@ -229,7 +230,9 @@ class GraphedState(PieceRuns):
 
     def slow(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """A call the fast path did not take: decided afresh."""
-        self._slow_at = _trial.host_clock()  # (a training graph's timed turn counts from here)
+        # (a training graph's timed turn counts from here; the thread's own: another thread's
+        # slow path may run meanwhile)
+        self._slow_at = (threading.get_ident(), _trial.host_clock())
         if self.given_back is not None:
             return self._given_back(fn, args, kwargs)
         enabled = self.options.enabled
@@ -660,7 +663,8 @@ class GraphedState(PieceRuns):
             # (no fast path for it: its calls pay this path's decision too, which its turns
             # count, from ``slow`` on, as an inference graph's count its fast path's checks)
             since, self._slow_at = self._slow_at, None
-            before = max(0.0, trial.host() - since) if since is not None else 0.0
+            before = max(0.0, trial.host() - since[1]) \
+                if since is not None and since[0] == threading.get_ident() else 0.0
             out = trial.timed(lambda: entry.run(leaves, self.statics.grad_params(), self),
                               False)
             trial.graph[-1] += before

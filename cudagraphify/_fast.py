@@ -38,9 +38,9 @@ _weakref = weakref.ref
 _get_ident = threading.get_ident
 _sizes_log = sizes_log.get
 _grad_enabled = torch.is_grad_enabled
-# pending decisions made (EagerFast.pending), any state: a root looks at its pieces again
-# (Bypass.scan) only after one was made
-pending_made = [0]
+# eager decisions made (EagerFast.decided, .pending), any state: a root looks at its pieces
+# again (Bypass.scan) only after one was made
+decided_made = [0]
 
 
 def _none(values: tuple) -> tuple:
@@ -65,7 +65,7 @@ class EagerFast:
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
                  "others", "entry", "statics_same", "chained", "still", "flags", "flags_epoch",
-                 "grads", "pick", "one", "bypass", "scanned")
+                 "grads", "pick", "one", "bypass", "scanned", "grad_mode")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -97,7 +97,6 @@ class EagerFast:
         self.flags, self.flags_epoch = entry.flags, entry.flags.epoch
         self.grads = state.statics.grad_pattern()
         self.chained = False
-        pending_made[0] += 1
         return self
 
     @staticmethod
@@ -123,8 +122,10 @@ class EagerFast:
         if any(is_static_state(v) for _, v in self.others):
             return None  # keyed by what it holds, never held (see _state): decide again
         self.entry = entry
+        self.grad_mode = _grad_enabled()
         self.statics_same = state.statics.same
         self.chained = getattr(entry, "pieces", None) is not None  # a piecewise entry
+        decided_made[0] += 1
         return self
 
     @staticmethod
@@ -139,6 +140,16 @@ class EagerFast:
         self.flags_epoch = -1
         self.bypass, self.scanned = None, -1
         return self
+
+    def holds(self) -> bool:
+        """Whether this keyed decision would still be taken now, its arguments aside (a
+        :class:`Bypass` marks it only then: one made under other flags, or before a move of its
+        statics, must not be armed by another piece's decision)."""
+        state = self.entry.state
+        if _grad_enabled() is not self.grad_mode or (state is not None and not state.valid()) \
+                or not self.statics_same():
+            return False
+        return self.still is None or self._still_pending()
 
     def _still_pending(self) -> bool:
         """A pending decision's call: the same global state (grad mode on among it), the same
@@ -175,10 +186,12 @@ class EagerFast:
                 if values[i] is not v:
                     return _MISS
             if not (self.tguard.check(self.pick(values)) if self.one
-                    else self.tguard.check(*self.pick(values))):
+                    else self.tguard.check(*self.pick(values))) \
+                    or _grad_enabled() is not self.grad_mode:
                 return _MISS
             # (global flags are not checked: they change no eager decision, but where the
-            # decision is a pending backward's, another signature's graph may replay)
+            # decision is a pending backward's, another signature's graph may replay; grad
+            # mode is: a training signature run eagerly, its no_grad one may have a graph)
             state = self.entry.state
             if (state is not None and not state.valid()) or not self.statics_same():
                 return _MISS
@@ -189,15 +202,18 @@ class EagerFast:
         state.eager_calls[self.reason] += 1
         if _sizes_log() is not None:  # (capture_sizes runs on this thread: each piece notes)
             state._note(False, self.reason, final=True)
-        elif self.chained and state.pieces and _grad_enabled():
-            if self.scanned != pending_made[0]:  # (a piece's decision became a pending one)
-                self.scanned = pending_made[0]
+        elif self.chained and state.pieces and not self.types and _grad_enabled():
+            # (a keyed decision only: its tensors and statics were checked above; an opaque
+            # argument's decision checks types alone)
+            if self.scanned != decided_made[0]:  # (a piece's decision may be a new eager one)
+                self.scanned = decided_made[0]
                 if self.bypass is not None:
                     self.bypass.drop()
                 self.bypass = Bypass.scan(state)
             bypass = self.bypass
             if bypass is not None and not bypass.valid():
-                bypass = self.bypass = bypass.drop()
+                bypass.drop()  # (a piece decided afresh, or what they check changed)
+                bypass = self.bypass = Bypass.scan(state)
             if bypass is not None:
                 outer = bypassing.token
                 bypassing.token = bypass
@@ -206,6 +222,26 @@ class EagerFast:
                 finally:
                     bypassing.token = outer
         return self._run(state, fn, args, kwargs)
+
+    def fits(self, args: tuple, kwargs: dict) -> bool:
+        """Whether a call has this decision's arguments: the same names, the same other
+        objects, its tensors' layouts (for a piece a :class:`Bypass` marked: its root's call
+        fixes none of them where the data does, a row count from ``.item()``)."""
+        if len(args) != self.n:
+            return False
+        if kwargs:
+            if tuple(kwargs) != self.names:
+                return False
+            values = (*args, *kwargs.values())
+        elif self.names:
+            return False
+        else:
+            values = args
+        for i, v in self.others:
+            if values[i] is not v:
+                return False
+        return self.tguard.check(self.pick(values)) if self.one \
+            else self.tguard.check(*self.pick(values))
 
     def _run(self, state, fn: Callable, args: tuple, kwargs: dict) -> Any:
         # (``chained``'s answer where segments are off and no piece of its plans may replay:
@@ -217,32 +253,36 @@ class EagerFast:
 
 
 class Bypass:
-    """A piecewise root's grad-mode calls while pieces of it wait for a backward: the pieces
+    """A piecewise root's grad-mode calls while pieces of it are decided eager: the pieces
     whose decision is :meth:`EagerFast.pending` (a forward under grad mode whose output is kept
-    with no backward: a training graph's activations would be overwritten) run their plain
-    forward straight from their ``DirectCall`` (see _wrap), past their own checks (their
-    tensors' layouts, module state, statics, flags, grads: 12-13 µs a piece on this project's
-    CPU machine, as much as a small piece's forward).
+    with no backward: a training graph's activations would be overwritten) or an eager
+    signature of their own (:meth:`EagerFast.decided`: a training signature whose graph did not
+    pay, a dropout in eval mode returning its input) run their plain forward straight from their
+    ``DirectCall`` (see _wrap), past their own checks (their tensors' layouts, module state,
+    statics, flags, grads: 12-13 µs a piece on this project's CPU machine, as much as a small
+    piece's forward).
 
     Armed on the root's thread for one call of the root's eager fast path
-    (:attr:`bypassing`), while every marked piece's decision is the same object and still
-    pending, and nothing those checks look at changed since it was made: the global state
-    (grad mode among it), the flags, the pieces given back, module writes (``_watch``), which
-    parameters require grad. The root's own fast path has checked its tensors, other arguments
-    and statics. A plain forward is always correct: all this decides is that no piece could
-    replay a graph instead (a call that could is then decided by its own path)."""
+    (:attr:`bypassing`), while every marked piece's decision is the same object (and a pending
+    one still pending), and nothing those checks look at changed since it was made: the global
+    state (grad mode among it), the flags, the pieces given back, module writes (``_watch``),
+    which parameters require grad. The root's own fast path has checked its tensors, other
+    arguments and statics. A plain forward is always correct: all this decides is that no piece
+    could replay a graph instead (a call that could is then decided by its own path). Pieces
+    that are roots of their own pieces, or decided around an opaque argument, are not marked."""
 
     __slots__ = ("marked", "global_state", "flags_epoch", "pieces_epoch", "watch_epoch",
                  "statics", "grads")
 
     @staticmethod
     def scan(state) -> "Bypass | None":
-        """The root ``state``'s pieces whose decision now is a pending one (None: none)."""
+        """The root ``state``'s pieces whose decision now is an eager one (None: none)."""
         marked = []
         for m in state.pieces:
             st = m.__dict__.get(STATE)
             fast = getattr(st, "_fast", None)
-            if type(fast) is EagerFast and fast.still is not None:
+            if type(fast) is EagerFast and not fast.chained and not fast.types \
+                    and fast.holds():
                 marked.append((st, fast))
         if not marked:
             return None
@@ -253,8 +293,8 @@ class Bypass:
         self.watch_epoch = _watch.epoch
         self.statics = state.statics
         self.grads = state.statics.grad_pattern()
-        for st, _ in marked:
-            st._bypass = self
+        for st, fast in marked:
+            st._bypass = (self, fast)
         return self
 
     def valid(self) -> bool:
@@ -264,14 +304,14 @@ class Bypass:
                 or self.statics.grad_pattern() != self.grads:
             return False
         for st, fast in self.marked:
-            if st._fast is not fast or not fast.still():
+            if st._fast is not fast or (fast.still is not None and not fast.still()):
                 return False
         return True
 
     def drop(self) -> None:
         """No longer valid: the pieces let go of it (nothing here is kept alive by them)."""
         for st, _ in self.marked:
-            if st._bypass is self:
+            if st._bypass is not None and st._bypass[0] is self:
                 st._bypass = None
         self.marked = ()
 

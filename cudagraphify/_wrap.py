@@ -20,9 +20,10 @@ import torch
 import wrapt
 
 from . import _guards, _watch
-from ._engine import PENDING, STATE, GraphedState
+from ._engine import STATE, GraphedState
 from ._fast import MISS
-from ._nested import bypassing as _bypassing, in_graphed_call, nesting as _nesting, plain_reason
+from ._nested import bypassing as _bypassing, in_graphed_call, plain_reason
+from ._nested import nesting as _nesting
 from ._errors import CudagraphifyUsageError
 from ._options import Options
 
@@ -238,11 +239,13 @@ class DirectCall(_watch.CallImpl):
                 state.eager_calls[plain] += 1
             return self.fn(*args, **kwargs)
         bypass = state._bypass
-        if bypass is not None and bypass is _bypassing.token:
-            # a pending piece of the root whose call this is (see _fast.Bypass): its plain
-            # forward, as its own pending decision would run it
-            state.eager_calls[PENDING] += 1
-            return self.fn(*args, **kwargs)
+        if bypass is not None and bypass[0] is _bypassing.token:
+            decided = bypass[1]
+            if state._fast is decided and decided.fits(args, kwargs):
+                # a piece decided eager, of the root whose call this is (see _fast.Bypass),
+                # called as decided: its plain forward, as its own decision would run it
+                state.eager_calls[decided.reason] += 1
+                return self.fn(*args, **kwargs)
         fast = state._fast
         if fast is not None:  # (no global module hooks: checked above)
             out = fast.call(self.fn, args, kwargs)

@@ -90,7 +90,7 @@ def _settle(g, ref, x, kept: list, calls: int = 8):
         kept.append(o)
     root = g.__dict__[STATE]
     assert root._fast is not None and root._fast.bypass is not None, "no bypass armed"
-    assert all(st._bypass is root._fast.bypass for st in _pieces(g))
+    assert all(st._bypass[0] is root._fast.bypass for st in _pieces(g))
 
 
 def test_kept_outputs_let_the_pieces_run_plain_past_their_checks(sim, spy):
@@ -286,6 +286,67 @@ def test_autocast_ends_it_for_its_calls(sim, spy):
         assert torch.equal(o, ref(x))
         kept.append(o)
     assert spy["fast"] == [g.__dict__[STATE]]
+
+
+class DropBlock(Block):
+    """A block with a dropout child: in eval mode it returns its input, a signature decided
+    eager ("forward returns ... an input")."""
+
+    def __init__(self):
+        super().__init__()
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.drop(super().forward(x))
+
+
+class DropModel(Model):
+    def __init__(self):
+        nn.Module.__init__(self)
+        self.blocks = nn.ModuleList(DropBlock() for _ in range(2))
+
+
+def test_a_piece_decided_eager_is_bypassed_too_and_counted_under_its_reason(sim, spy):
+    torch.manual_seed(0)
+    ref = DropModel().eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    x = torch.randn(3, 8)
+    kept = []
+    _settle(g, ref, x, kept)
+    drop = g.blocks[0].drop.__dict__[STATE]
+    why = drop._fast.reason
+    assert drop._fast.still is None and drop._bypass[0] is g.__dict__[STATE]._fast.bypass
+    n = drop.eager_calls[why]
+    spy["fast"].clear()
+    for _ in range(3):
+        o, w = g(x), ref(x)
+        assert torch.equal(o, w)
+        kept.append(o)
+    assert spy["fast"] == [g.__dict__[STATE]] * 3
+    assert drop.eager_calls[why] == n + 3
+
+
+def test_training_steps_keep_replaying_beside_a_piece_decided_eager(sim):
+    """Forward and backward each step (nothing pending): the dropout piece is bypassed, the
+    other pieces replay their training graphs; outputs and gradients eager's."""
+    torch.manual_seed(0)
+    ref = DropModel().eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    opt_g = torch.optim.SGD(g.parameters(), lr=1e-3)
+    opt_r = torch.optim.SGD(ref.parameters(), lr=1e-3)
+    replays = []
+    for step in range(8):
+        x = torch.randn(3, 8)
+        o, w = g(x), ref(x)
+        assert torch.equal(o, w) and o.isfinite().all(), step
+        o.sum().backward(), w.sum().backward()
+        for p, q in zip(g.parameters(), ref.parameters()):
+            assert torch.equal(p.grad, q.grad), step
+        opt_g.step(), opt_r.step(), opt_g.zero_grad(), opt_r.zero_grad()
+        replays.append(cg.stats(g).replays)
+    bypass = g.__dict__[STATE]._fast.bypass
+    assert bypass is not None and g.blocks[0].drop.__dict__[STATE]._bypass[0] is bypass
+    assert replays[-1] - replays[-2] == 6, replays  # every other piece replays each step
 
 
 class Twice(nn.Module):

@@ -2,10 +2,9 @@
 ``GraphedState.slow()`` on) and a8abf78 (``_fast.Bypass``: a piecewise root's grad-mode calls
 run its pending pieces plain from their ``DirectCall``), by a review helper.
 
-Findings first (F1, F1b, F2a, F2b: strict xfails, fixed on the local branch bypass-decided
-(fdb31a7), which could not run on a GPU this session and so did not land; F4 was c7b45d4's own,
-on that branch too: here a test that holds), then the controls: the attacks that held. CPU
-only, through the simulated backend (``sim``): outputs and
+Findings first (F1, F1b, F2a, F2b, F4: each a strict xfail on the code reviewed, a8abf78 and
+c7b45d4, which landed during the review; F4 was c7b45d4's own; fixed since, each a test now), then
+the controls: the attacks that held. CPU only, through the simulated backend (``sim``): outputs and
 gradients are compared with eager's bitwise (``torch.equal``), and where it says so with the
 same model graphified with the bypass off (``Bypass.scan`` answering None: each piece through
 its own pending fast path, as before a8abf78), which isolates what the commit changed.
@@ -183,11 +182,6 @@ def _opaque_settled():
 # long as those outputs live, and are counted under PENDING ("the backward of an earlier call
 # with this signature has not run yet"), which is false for them. With the bypass off: 6 of 6
 # replayed, none counted pending.
-@pytest.mark.xfail(strict=True, reason="FINDING "
-                   "F1: a piece's call of another signature is pinned to the "
-                   "pending decision of the signature whose output is kept (fixed on "
-                   "branch bypass-decided, fdb31a7: EagerFast.fits; not landed: never run "
-                   "on a GPU)")
 def test_f1_a_piece_of_another_signature_replays_its_free_graph(sim):
     ref, g = _pair(Trim)
     a, b = _rows(3), _rows(2)
@@ -195,7 +189,7 @@ def test_f1_a_piece_of_another_signature_replays_its_free_graph(sim):
         _step(g, ref, a), _step(g, ref, b)
     kept = [_step(g, ref, a, back=False) for _ in range(4)]  # signature a's graphs wait
     _step(g, ref, b), _step(g, ref, b)
-    assert _armed(g)
+    # (fixed: the pieces' decisions no longer hold for this call; nothing is armed)
     replays, pending = cg.stats(g.fc).replays, _pending_calls([g.fc])
     for _ in range(6):
         _step(g, ref, b)  # (bitwise eager's, gradients too: the values hold)
@@ -226,10 +220,6 @@ def test_f1_control_bypass_off_replays_the_free_graph(sim):
 # changed. The pieces' decisions are the old flags' (their own path would MISS on the flags and
 # graph the new ones); they are armed under the new flags, and every later training step runs
 # them plain while the old outputs are kept: 0 replays instead of 36.
-@pytest.mark.xfail(strict=True, reason="FINDING "
-                   "F1b: a scan after a flag change arms pieces whose pending "
-                   "decisions are the old flags' (fixed on branch bypass-decided, fdb31a7: "
-                   "EagerFast.holds; not landed: never run on a GPU)")
 def test_f1b_a_scan_under_new_flags_does_not_arm_the_old_flags_pending_pieces(sim):
     ref, g = _pair(Model)
     other = cg.graphify(nn.Linear(8, 8))
@@ -259,14 +249,10 @@ def test_f1b_a_scan_under_new_flags_does_not_arm_the_old_flags_pending_pieces(si
 # it). A new shape of the root's own tensor (a last, smaller batch; a new sequence length) keeps
 # the pieces on the old shape's pending decision: none of the new shape's graphs replays while
 # the old outputs are kept (bypass off: 4 of 4).
-@pytest.mark.xfail(strict=True, reason="FINDING "
-                   "F2a: an opaque root's fast path arms the bypass for calls "
-                   "whose tensors it never checked (fixed on branch bypass-decided, "
-                   "fdb31a7; not landed: never run on a GPU)")
 def test_f2a_an_opaque_roots_new_shape_is_decided_by_its_pieces(sim):
     ref, g, c, x, kept = _opaque_settled()
     _step(g, ref, x, c, back=False)
-    assert _armed(g)
+    assert not _armed(g)  # (fixed: an opaque argument's decision never arms)
     y = torch.randn(6, 8)
     for _ in range(3):
         _step(g, ref, y, c)
@@ -286,14 +272,10 @@ def test_f2a_an_opaque_roots_new_shape_is_decided_by_its_pieces(sim):
 # and training replays again (5 of 6 steps). The same class as review helper-32's
 # test_review_pending2 B (which had 7299dd8 reverted). A root that is not opaque is not
 # affected (its statics_same sees the move: control below).
-@pytest.mark.xfail(strict=True, reason="FINDING "
-                   "F2b: under an opaque root, a move of a bypassed piece's "
-                   "parameter refuses its training for good (fixed on branch "
-                   "bypass-decided, fdb31a7; not landed: never run on a GPU)")
 def test_f2b_an_opaque_roots_piece_whose_parameter_moved_trains_graphed_again(sim):
     ref, g, c, x, kept = _opaque_settled()
     _step(g, ref, x, c, back=False)
-    assert _armed(g)
+    assert not _armed(g)  # (fixed: an opaque argument's decision never arms)
     for m in (g, ref):
         m.fc.weight.data = m.fc.weight.data.clone()
     _step(g, ref, x, c, back=False)  # (eager's values: plain)

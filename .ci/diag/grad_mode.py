@@ -61,7 +61,7 @@ for name in [a for a in sys.argv[1:] if not a.startswith("--")] or ["gpt2", "lla
             for key, (fn, scanner) in variants.items():
                 if scanner is not None:
                     _fast.Bypass.scan = staticmethod(scanner)
-                    _fast.pending_made[0] += 1  # (the root looks at its pieces again)
+                    _fast.decided_made[0] += 1  # (the root looks at its pieces again)
                     for _ in range(3):
                         fn(x)
                 samples[key].append(per_call(fn, x))
