@@ -373,7 +373,11 @@ def test_each_capture_sizes_run_and_each_module_lends_its_own(faithful, counted)
         for n in (8, 7, 6, 5):
             x = torch.randn(n, 4)
             assert torch.equal(ga(x.clone()), ref(x.clone()))
-    assert cg.stats(ga).captures == 4 and cg.stats(gb).captures == 2
+        # nothing is lent after the run: an ordinary first call rehearses
+        x = torch.randn(9, 4)
+        assert torch.equal(ga(x.clone()), ref(x.clone()))
+        assert len(counted) == 4
+    assert cg.stats(ga).captures == 5 and cg.stats(gb).captures == 2
 
 
 class Hooked(nn.Module):
