@@ -20,7 +20,7 @@ from ._nested import Nested
 from ._outcome import DEFERRED, PIECEWISE, Outcome
 from ._piecewise import new_probe, probed
 from ._probe import Finding
-from ._rehearsal import rehearsing
+from ._rehearsal import mark, rehearsing
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
 from ._graphdiff import Storages
@@ -247,6 +247,7 @@ class Capturing:
         borrow = region.borrowable(leaves) if chain else {}
         borrow = {i: s for i, s in borrow.items() if not self.static_flags[i] and i not in mutated}
         inputs = StaticInputs(leaves, self.static_flags, {i: s.tensor for i, s in borrow.items()})
+        mark(self, inputs)  # (where it may confirm a lent rehearsal: what it writes)
         held_before = [slot.users() for slot in borrow.values()]
         a, kw = unflatten_call(inputs.leaves, self.sig)
         made = self._shared(fn, a, kw, inputs)

@@ -209,6 +209,9 @@ class GraphedState(PieceRuns):
         self.segments = _segrun.Segments(self)  # graphed runs of calls in eager signatures
         self.seen_once = 0  # a piece's new signatures run eagerly the first time (_SEEN_ONCE)
         self.timed_calls = 0  # a piece's first calls run eagerly to time its graph against
+        # a rehearsal that capture_sizes lends to its later sizes (see _rehearsal.lend): made
+        # on these statics, it goes with the graphs (release, invalidate)
+        self.rehearsed = None
 
     # A copied or unpickled module starts with no graphs: graphs belong to the memory they read.
     def __deepcopy__(self, memo) -> None:
@@ -841,6 +844,7 @@ class GraphedState(PieceRuns):
         then its eager decisions stay too), once the work queued on the stream that replayed
         last is done (its memory may be handed to another stream at once)."""
         self._fast = None
+        self.rehearsed = None
         graphs = self.cache.graphs(self)
         gone = graphs if keep is None else [g for g in graphs if not keep(g)]
         if gone:

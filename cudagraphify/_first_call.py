@@ -33,7 +33,7 @@ from ._nested import Nested
 from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
-from ._rehearsal import rehearse, snapshot_states
+from ._rehearsal import borrow, confirms, lend, rehearse, snapshot_states
 from ._state import changed_again, demote
 from ._state import tensors_in as _tensors_in
 from ._signature import Signature, storage_of
@@ -84,6 +84,11 @@ class FirstCall(Capturing):
         self.version_moves: list = []
         # tensors of modules first met in the call whose writes it could not see (see screen)
         self.new_unseen = 0
+        # the rehearsal in ``probe`` was lent by another size (capture_sizes) and its capture
+        # has yet to confirm it (see verify); ``may_borrow`` goes once one was not confirmed
+        self.borrowed = False
+        self.may_borrow = True
+        self.marked = None  # (versions before the capture: see _rehearsal.mark)
 
     # -- 1. warm up ------------------------------------------------------------------------
 
@@ -92,6 +97,12 @@ class FirstCall(Capturing):
         outcome = self.screen()
         if outcome is None:
             outcome = self.capture()
+            if self.borrowed:  # (refused before its capture could confirm the lent rehearsal)
+                again = self._afresh()
+                if again is not None:
+                    outcome = again
+                elif outcome.kind == PIECEWISE:  # (planned on the path it took after all)
+                    outcome.ran = self.probe.ran()
         if outcome.flags is None:
             outcome.flags = self.flags
         return outcome
@@ -246,6 +257,33 @@ class FirstCall(Capturing):
     # -- 2. screen -------------------------------------------------------------------------
 
     def screen(self) -> Outcome | None:
+        out = self._screen()
+        if out is not None and self.borrowed:  # (decided before a capture could confirm it)
+            out = self._afresh()
+        return out
+
+    def _afresh(self) -> Outcome | None:
+        """What screen decides with a rehearsal of this call's own, the lent one forgotten (no
+        capture confirmed it): the outcome this call has without it (None: it captures)."""
+        self.borrowed = self.may_borrow = False
+        self.probe = self.warm_probe
+        return self._screen()
+
+    def _rehearsal(self, second: Probe | None = None) -> Probe | None:
+        """A rehearsal of the path taken while captured: one that an earlier size of
+        capture_sizes lent, where this call looked the same (see :mod:`._rehearsal`; in screen,
+        ``borrowed`` until the capture confirms it; in verify, confirmed by the capture's run,
+        ``second``), else this call's own."""
+        lent = borrow(self) if self.may_borrow else None
+        if lent is not None:
+            if second is None:
+                self.borrowed = True
+                return lent
+            if confirms(self, lent, second):
+                return lent
+        return rehearse(self)
+
+    def _screen(self) -> Outcome | None:
         if self.warm_guard.unguardable:  # nothing could tell a replay that it changed
             return Outcome(EAGER, self.result, reason=self.warm_guard.unguardable)
         if not torch.is_grad_enabled() and (
@@ -303,7 +341,7 @@ class FirstCall(Capturing):
         probe = warm = self.probe
         findings: dict[str, list[Finding]] = {}
         if probe is not None and probe.findings:
-            rehearsal = rehearse(self) if probe.may_rehearse() else None
+            rehearsal = self._rehearsal() if probe.may_rehearse() else None
             if rehearsal is None:
                 for f in probe.findings:
                     findings.setdefault(f.path, []).append(f)
@@ -411,16 +449,28 @@ class FirstCall(Capturing):
         if outside:
             entry.release()
             return self._eager_or_piecewise(outside)
+        if self.borrowed:
+            self.borrowed = False
+            if not confirms(self, probe, second):
+                # (the capture did not show the lent rehearsal's path, or writes or reads
+                # another's: decided as without it)
+                again = self._afresh()
+                if again is not None:
+                    entry.release()
+                    return again
+                probe = self.probe
+        rehearsed = probe if probe is not None and probe.rehearse else None  # (lent, below)
         if probe is not None and second is not None and not shared:
             differs = sequence_findings(probe, second)
             if differs and probe.may_rehearse() and not probe.rehearse:
                 # the capture took the path the code takes while captured: compare with that
-                rehearsal = rehearse(self)
+                rehearsal = self._rehearsal(second)
                 if rehearsal is not None:
                     differs = sequence_findings(rehearsal, second)
                     if not differs:  # that path's own reads from outside (a global)
                         for f in self._outside_tensors(rehearsal):
                             differs.setdefault(f.path, []).append(f)
+                        rehearsed = rehearsal
             if differs:
                 entry.release()
                 return Outcome(PIECEWISE, self.result, findings=differs,
@@ -463,6 +513,8 @@ class FirstCall(Capturing):
         # outputs computed from it)
         replay = chain and not self.mutated and not self.wrote_statics and not self.opaque \
             and not self._wrote_held() and not self.read_tensors()
+        if rehearsed is not None and not shared:  # (to the later sizes of capture_sizes)
+            lend(self, rehearsed)
         family = self.family
         if family is not None:  # this call's graph is the family's template: it stands
             family.verified = True

@@ -5,6 +5,10 @@ takes another path while captured. Where the code that asks is trusted to comput
 that path (``OpPolicy.trusts_captured_path``), one more eager run answers the question "yes", on
 copies of the inputs, with the parameters, buffers and random state restored afterwards; its
 probe then stands in for the warm-up's (see :mod:`._first_call`).
+
+Under :func:`~cudagraphify.capture_sizes` a size's rehearsal is lent to the later sizes whose
+real call looked the same (:func:`lend`, :func:`borrow`); each capture then shows whether it
+took that path (:func:`confirms`), else the size is rehearsed after all.
 """
 
 from __future__ import annotations
@@ -20,10 +24,11 @@ from ._replay import StaticInputs
 from ._signature import storage_of, unflatten_call
 from ._state import tensors_in as _tensors_in
 from . import _writes
-from ._nested import Nested
+from ._nested import Nested, sizes_log
 from ._watch import Recorder, recording
 
-__all__ = ["rehearse", "rehearsing", "restored", "snapshot_states"]
+__all__ = ["rehearse", "rehearsing", "restored", "snapshot_states", "lend", "borrow", "mark",
+           "confirms"]
 
 
 def rehearse(first) -> Probe | None:
@@ -172,3 +177,126 @@ def restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: lis
         torch.random.set_rng_state(rng[0])
         if rng[1] is not None:
             torch.cuda.set_rng_state(rng[1], device)
+
+
+# -- one rehearsal for many sizes (capture_sizes) -------------------------------------------
+
+class Lent:
+    """A rehearsal that made a graph, lent to the later sizes of one capture_sizes run (the
+    run's log, by identity): to calls whose :func:`fingerprint` is the lender's, while what
+    the lender's real call read (its guard) and the global flags hold."""
+
+    __slots__ = ("log", "sign", "probe", "guard", "flags")
+
+    def __init__(self, log: list, sign: tuple, probe: Probe, guard, flags):
+        self.log, self.sign, self.probe, self.guard, self.flags = log, sign, probe, guard, flags
+
+
+def fingerprint(first) -> tuple | None:
+    """What a rehearsal's verdict is measured against, as the real call showed it, sizes left
+    out; None where no rehearsal is lent or borrowed: outside capture_sizes, a call that
+    records autograd or may (grad mode), objects passed as they are (a rehearsal runs on
+    copies of a cache), a graph_region's or share_graph's call, Thunder's tags (the capture's
+    probe has none), tensors read from outside or module attributes set by the call (their
+    writes are checked by version and value, which a capture cannot show), inference mode or
+    inference tensors among the parameters and buffers (no version counters: a rehearsal tells
+    their writes by value, which a capture cannot show either)."""
+    state, warm = first.state, first.warm_probe
+    if sizes_log.get() is None or warm is None or warm.written is None or first.training \
+            or torch.is_grad_enabled() or first.sig.state.inference or first.opaque \
+            or first.region is not None or state.share is not None \
+            or state.options.probe == "thunder" or first.recorder.writes \
+            or first.held_tensors() or any(t.is_inference() for t in first.watchable):
+        return None
+    names, sig = warm.names, first.sig
+    return (
+        # the eager path, op for op, with its unsafe ops where they were made, and the code
+        # that asked whether it is captured (what a rehearsal is for)
+        tuple((p, tuple(ops)) for p, ops in sorted(warm.sequences.items())),
+        frozenset(warm.called),
+        tuple((f.path, f.op, f.tags, f.where) for f in warm.findings),
+        frozenset(warm.askers),
+        # what the rehearsal's writes are compared with
+        tuple(first.mutated), tuple(first.wrote_statics),
+        # the call without its sizes: nesting, dtypes, devices, constants, grad mode
+        sig.spec, tuple(m[2:5] + (len(m) > 5,) for m in sig.tensors), sig.constants, sig.state,
+        # which module attributes it read (a module made by the forward: by its class)
+        tuple((names.get(id(m), type(m).__qualname__), name)
+              for m, name, _ in first.warm_guard.reads),
+    )
+
+
+# Ops whose writes neither the probe nor a version counter sees: running statistics updated
+# in the kernel (by a part of the name); memory reached past torch (a kernel launched with its
+# address, numpy)
+_UNSEEN = ("batch_norm", "instance_norm")
+_UNSEEN_OPS = frozenset({"Tensor.data_ptr", "Tensor.numpy", "Tensor.__dlpack__", "Tensor.__array__",
+                         "Tensor.untyped_storage", "Tensor.storage", "Tensor._typed_storage"})
+
+
+def lend(first, rehearsal: Probe) -> None:
+    """After ``rehearsal`` made ``first``'s graph: lent to the later sizes of this
+    capture_sizes run (the first one lent stays). Not where its path runs an op that may write
+    unseen (:data:`_UNSEEN`): a rehearsal finds such a write in a buffer by its value, a
+    capture cannot (one of the same ops that writes a buffer at another size only)."""
+    state, log = first.state, sizes_log.get()
+    held = state.rehearsed
+    if log is None or (held is not None and held.log is log):
+        return
+    ran = {op for ops in rehearsal.sequences.values() for op in ops}
+    if ran & _UNSEEN_OPS or any(u in op for op in ran for u in _UNSEEN):
+        return
+    sign = fingerprint(first)
+    if sign is not None:
+        state.rehearsed = Lent(log, sign, rehearsal, first.warm_guard, first.flags)
+
+
+def borrow(first) -> Probe | None:
+    """The rehearsal lent to this call (None: it is rehearsed itself)."""
+    held = first.state.rehearsed
+    if held is None or held.log is not sizes_log.get():
+        return None
+    sign = fingerprint(first)
+    if sign is None or sign != held.sign or not held.flags.check() or not held.guard.valid():
+        return None
+    return held.probe
+
+
+def mark(first, inputs: StaticInputs) -> None:
+    """Before a capture that may confirm a lent rehearsal: the version counters of the
+    parameters and buffers, and of the tensors the capture reads its inputs from (``inputs``),
+    by which a rehearsal tells what it wrote (see :func:`confirms`)."""
+    held = first.state.rehearsed
+    if first.may_borrow and held is not None and held.log is sizes_log.get():
+        first.marked = ([_version(t) for t in first.watchable], inputs,
+                        [_version(t) for t in inputs.leaves])
+
+
+def confirms(first, lent: Probe, second: Probe | None) -> bool:
+    """Whether the capture's run (probed by ``second``) showed what a rehearsal of this call
+    would have: ``lent``'s path op for op, no unsafe op, no parameter or buffer written but
+    those the real call wrote, its inputs written as the real call wrote them (by their
+    versions, as a rehearsal tells; and as the probe saw), no tensor read from outside."""
+    if second is None or second.written is None or second.findings or first.marked is None \
+            or dict(second.sequences) != dict(lent.sequences) or second.called != lent.called:
+        return False
+    written, (statics, inputs, before) = second.written, first.marked
+    allowed = set(first.wrote_statics)
+    if any(j not in allowed and (storage_of(t) in written or _version(t) != v)
+           for j, (t, v) in enumerate(zip(first.watchable, statics))):
+        return False
+    tensors = [(i, t, v) for i, (t, v) in enumerate(zip(inputs.leaves, before))
+               if isinstance(t, torch.Tensor)]
+    mutated = set(first.mutated)
+    if {i for i, t, v in tensors if _version(t) != v} != mutated \
+            or not {i for i, t, _ in tensors if storage_of(t) in written} <= mutated:
+        return False
+    known = first.static_storages | {storage_of(t) for _, t, _ in tensors} \
+        | {storage_of(t) for t in first.warm_guard.tensors}
+    return all(p in known for p in second.outside)
+
+
+def _version(t) -> int | None:
+    """A tensor's version counter (None for an inference tensor, which has none, or no
+    tensor)."""
+    return t._version if isinstance(t, torch.Tensor) and not t.is_inference() else None

@@ -101,6 +101,9 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
                 done.eager[size] = why
     finally:
         _nested.sizes_log.reset(token)
+        state = _state_of(target)
+        if state is not None:  # (the rehearsal its sizes were lent: see _rehearsal.lend)
+            state.rehearsed = None
     done.seconds = time.perf_counter() - t0
     if cuda or (torch.cuda.is_available() and torch.cuda.is_initialized()):
         device = torch.cuda.current_device() if device is None else device
