@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import weakref
 
 import torch
 
@@ -231,7 +232,21 @@ def fingerprint(first) -> tuple | None:
 # address, numpy)
 _UNSEEN = ("batch_norm", "instance_norm")
 _UNSEEN_OPS = frozenset({"Tensor.data_ptr", "Tensor.numpy", "Tensor.__dlpack__", "Tensor.__array__",
-                         "Tensor.untyped_storage", "Tensor.storage", "Tensor._typed_storage"})
+                         "Tensor.__cuda_array_interface__", "Tensor.untyped_storage",
+                         "Tensor.storage", "Tensor._typed_storage"})
+
+
+# the states that lent in a capture_sizes run (id of its log -> the states): all forgotten at
+# its end (``forget``), not only its target's (a piece, a callable its inputs() called)
+_lenders: dict[int, list] = {}
+
+
+def forget(log: list) -> None:
+    """The end of a capture_sizes run (``log``): nothing it lent stays lent."""
+    for ref in _lenders.pop(id(log), ()):
+        state = ref()
+        if state is not None and state.rehearsed is not None and state.rehearsed.log is log:
+            state.rehearsed = None
 
 
 def lend(first, rehearsal: Probe) -> None:
@@ -249,6 +264,7 @@ def lend(first, rehearsal: Probe) -> None:
     sign = fingerprint(first)
     if sign is not None:
         state.rehearsed = Lent(log, sign, rehearsal, first.warm_guard, first.flags)
+        _lenders.setdefault(id(log), []).append(weakref.ref(state))
 
 
 def borrow(first) -> Probe | None:
@@ -282,18 +298,32 @@ def confirms(first, lent: Probe, second: Probe | None) -> bool:
         return False
     written, (statics, inputs, before) = second.written, first.marked
     allowed = set(first.wrote_statics)
-    if any(j not in allowed and (storage_of(t) in written or _version(t) != v)
+    if any(j not in allowed and (_inside(written, t) or _version(t) != v)
            for j, (t, v) in enumerate(zip(first.watchable, statics))):
         return False
     tensors = [(i, t, v) for i, (t, v) in enumerate(zip(inputs.leaves, before))
                if isinstance(t, torch.Tensor)]
     mutated = set(first.mutated)
     if {i for i, t, v in tensors if _version(t) != v} != mutated \
-            or not {i for i, t, _ in tensors if storage_of(t) in written} <= mutated:
+            or not {i for i, t, _ in tensors if _inside(written, t)} <= mutated:
         return False
     known = first.static_storages | {storage_of(t) for _, t, _ in tensors} \
         | {storage_of(t) for t in first.warm_guard.tensors}
     return all(p in known for p in second.outside)
+
+
+def _inside(written: set[int], t: torch.Tensor) -> bool:
+    """Whether a storage written (by its address) lies in ``t``'s memory: its own, or another
+    storage object on part of it (a row exposed through DLPack or ``__cuda_array_interface__``
+    and taken back by ``torch.as_tensor``: a storage and version counter of its own)."""
+    lo = storage_of(t)
+    if not lo:
+        return False
+    try:
+        hi = lo + t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return lo in written
+    return any(lo <= w < hi for w in written)
 
 
 def _version(t) -> int | None:

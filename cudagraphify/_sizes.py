@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from . import _nested
+from . import _nested, _rehearsal
 from ._errors import CudagraphifyUsageError
 from ._options import Stats
 
@@ -85,7 +85,8 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
     reserved = torch.cuda.memory_reserved(device) if cuda else 0
     before = stats(target)
     t0 = time.perf_counter()
-    token = _nested.sizes_log.set([])  # (its calls' outcomes; a plan's pieces capture at once)
+    log: list = []  # (its calls' outcomes; a plan's pieces capture at once)
+    token = _nested.sizes_log.set(log)
     try:
         for n, size in enumerate(order, 1):
             if progress:
@@ -101,9 +102,7 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
                 done.eager[size] = why
     finally:
         _nested.sizes_log.reset(token)
-        state = _state_of(target)
-        if state is not None:  # (the rehearsal its sizes were lent: see _rehearsal.lend)
-            state.rehearsed = None
+        _rehearsal.forget(log)  # (what its sizes were lent: see _rehearsal.lend)
     done.seconds = time.perf_counter() - t0
     if cuda or (torch.cuda.is_available() and torch.cuda.is_initialized()):
         device = torch.cuda.current_device() if device is None else device
