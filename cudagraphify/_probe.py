@@ -264,6 +264,10 @@ class Probe:
         self.written: set[int] | None = None
         # those of them that no earlier op of the run produced (memory from before the call)
         self.written_before_made: set[int] = set()
+        # a rehearsal's (set to a dict to start): storages from before the call, outside
+        # ``known``, by address -> (the storage, a copy of its bytes before its first write in
+        # the run), put back afterwards (see _rehearsal.rehearse)
+        self.saved: dict[int, tuple] | None = None
         # an op on tensors ran with grad mode on (a forward that turns it on itself, called
         # under no_grad: its signature's key holds no parameters' requires_grad, see
         # _first_call)
@@ -331,6 +335,11 @@ class Probe:
                     written.add(ptr)
                     if ptr not in self.produced:
                         self.written_before_made.add(ptr)
+                        saved = self.saved
+                        if saved is not None and ptr not in saved and (
+                                self.known is None or ptr not in self.known):
+                            st = t.untyped_storage()
+                            saved[ptr] = (st, st.clone())
                 layouts.append((t, _layout(t)))
         return layouts
 

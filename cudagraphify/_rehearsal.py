@@ -62,8 +62,11 @@ def rehearse(first) -> Probe | None:
         copy_marks = _writes.marks([b for _, b in copies.copy])
         held_marks = _writes.marks(held)
         rehearsal = _rehearsal_probe(first.state)
-        if first.probe.written is not None:  # what it writes: a family's proof asks
-            rehearsal.written = set()
+        # (what it writes outside the known memory, a global only its path touches, is put
+        # back by bytes: only the real call's effects remain)
+        rehearsal.written = set()
+        rehearsal.saved = {storage_of(t): None for t in held}  # (those: _writes.kept's)
+        tracked = first.probe.written is not None  # (what it writes: a family's proof asks)
         rehearsal.states_written = {storage_of(t) for obj in states.values()
                                     for t in _tensors_in(obj)}
         # tensors it reads from outside (a global): seen as the warm-up's are (see screen)
@@ -83,9 +86,15 @@ def rehearse(first) -> Probe | None:
             pass
         finally:  # (not a call: the module attributes it set go, ``self.n += 1``)
             first._put_back(rec)
+            for kept in rehearsal.saved.values():
+                if kept is not None:
+                    kept[0].copy_(kept[1])
+            rehearsal.saved = None
         wrote_held = {storage_of(held[j]) for j in _writes.written(held, held_marks)}
-        if rehearsal.written is not None:
+        if tracked:
             wrote_held |= rehearsal.written & {storage_of(t) for t in held}
+        else:
+            rehearsal.written = None  # (as the real call's probe: not tracked)
     # A path that writes what the eager one does not (or a parameter: restored only where
     # the real call wrote it too) is not the same computation.
     wrote_inputs = {copies.copy[k][0]

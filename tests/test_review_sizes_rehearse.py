@@ -4,8 +4,8 @@ real call has the same fingerprint; each capture must confirm it (``_rehearsal.c
 The claim reviewed: a lent rehearsal never lets a graph be kept that a fresh rehearsal would
 have refused. Each scenario runs with lending on and off (``_first_call.borrow`` patched to lend
 nothing, as tests/test_sizes_rehearse.py does); every output is compared with eager PyTorch
-bitwise, and the buffers and inputs after. Findings were strict xfails (F1 and F2 are fixed
-since, tests now; P1, not lending's, stays one); the attacks that held are plain passing
+bitwise, and the buffers and inputs after. Findings were strict xfails (F1, F2 and P1, not
+lending's, are fixed since: tests now); the attacks that held are plain passing
 controls.
 
 On the simulated backend (tests/conftest.py), with torch.cuda.is_current_stream_capturing()
@@ -587,11 +587,7 @@ class WritesOutsideWhenCaptured(nn.Module):
         return _same(y)
 
 
-@pytest.mark.xfail(strict=True, reason="P1 (pre-existing, silent): a rehearsal puts back the "
-                   "parameters, buffers and the tensors the REAL call read from outside; a "
-                   "tensor only its captured path writes (a global, a module outside the tree) "
-                   "keeps the rehearsal's write (eager never writes it). Lending does not cause "
-                   "it (it only runs fewer rehearsals)")
+# (fixed: see tests/test_review_rehearsal_outside.py; was a strict xfail)
 def test_p1_a_rehearsal_leaves_its_write_to_a_tensor_only_it_reads(faithful):
     _OUT["t"].zero_()
     g = cg.graphify(WritesOutsideWhenCaptured(), op_policy=_trusting(__name__))
