@@ -418,6 +418,17 @@ class _Keeps(nn.Module):
         super().__init__()
         self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
         self.fail = False
+        # (a fresh store: a module of an earlier test may have had this id, its "y" still
+        # there, and a copy gets a store of its own too: see __deepcopy__)
+        _STORES[id(self)] = {}
+
+    def __deepcopy__(self, memo):
+        new = nn.Module.__new__(type(self))
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            new.__dict__[k] = copy.deepcopy(v, memo)
+        _STORES[id(new)] = {}
+        return new
 
     @property
     def store(self):
