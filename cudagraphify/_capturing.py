@@ -27,6 +27,7 @@ from ._graphdiff import Storages
 from ._signature import storage_of, unflatten_call
 from ._state import tensors_in as _tensors_in
 from ._training import capture_training, saved_by_backward, warmup_backward
+from ._versions import sharing
 from ._watch import Recorder, recording
 
 
@@ -192,12 +193,14 @@ class Capturing:
                     self.backend.warmup(lambda: warmup_backward(
                         lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
                 self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
-                storages = {storage_of(t) for t in packed} - {0}
                 # (and the tensors read from outside it saves, plain attributes: their versions
-                # are checked at backward as a buffer's are)
-                self.saved_statics = [t for t in (*statics.tensors, *self.held_tensors())
-                                      if not t.requires_grad and storage_of(t) in storages
-                                      and _version_of(t) is not None]
+                # are checked at backward as a buffer's are; those whose counter a saved tensor
+                # shares, as eager's check reads it: a buffer registered as a view of another's
+                # ``.data`` has a counter of its own)
+                self.saved_statics = sharing(
+                    [t for t in (*statics.tensors, *self.held_tensors())
+                     if not t.requires_grad and _version_of(t) is not None],
+                    [t for t in packed if _version_of(t) is not None])
             else:
                 self.backend.warmup(lambda: fn(*a, **kw), self.device)
 

@@ -18,7 +18,7 @@ from ._state import tensors_in
 
 __all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "contents",
            "differ", "put_back", "refill", "slot_names", "versions_kept", "layout",
-           "layouts_of", "put_layouts_back"]
+           "layouts_of", "put_layouts_back", "set_version"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -313,10 +313,11 @@ def versions_kept(tensors: list[torch.Tensor]):
     finally:
         for t, version in zip(tensors, versions):
             if version is not None and t._version != version:
-                _set_version(t, version)
+                set_version(t, version)
 
 
-def _set_version(t: torch.Tensor, version: int) -> None:
+def set_version(t: torch.Tensor, version: int) -> None:
+    """Set ``t``'s version counter (shared with its views) to ``version``."""
     try:
         torch._C._autograd._unsafe_set_version_counter((t,), (version,))
     except TypeError:  # (an older torch: one tensor and one version)
