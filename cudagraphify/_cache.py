@@ -126,6 +126,9 @@ class Owned:
     uses = 0  # (a graph's) calls that found it after its capture (see GraphCache.thrashing)
     state_storages: frozenset = frozenset()  # storages of the static states' tensors
     held_storages: frozenset = frozenset()  # storages of tensors read from outside (attributes)
+    # (a graph's) the version counters its replay moves and its backward checks: a
+    # _versions.Counters, or None where there are none
+    counters: Any = None
 
     @property
     def owner(self):

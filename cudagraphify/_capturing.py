@@ -83,7 +83,7 @@ class Capturing:
                     entry = capture_training(
                         self.backend, run, self.sig, self.leaves, self.static_flags,
                         self.statics.grad_params(), self.device, self._persistent(),
-                        self.statics.stand_ins, self.saved, self.saved_statics)
+                        self.statics.stand_ins, self.saved)
                 else:
                     entry = self._capture_inference(run)
         except (CaptureFailed, torch.OutOfMemoryError) as e:
@@ -108,10 +108,9 @@ class Capturing:
     def _counting_versions(self, run: Callable) -> Callable:
         """``run`` (the capture's run of a training forward) noting how far it moves the
         version counters of the parameters and buffers (``version_moves``): the graph's
-        replay moves them as much (see TrainingGraph.written), as the in-place ops it runs
-        would eagerly (BatchNorm's running statistics by none). The capture's run, not the
-        real call's: a write only a first call makes (behind a Python flag) is not
-        replayed."""
+        replay moves them as much (see _versions), as the in-place ops it runs would eagerly
+        (BatchNorm's running statistics by none). The capture's run, not the real call's: a
+        write only a first call makes (behind a Python flag) is not replayed."""
         # (and the tensors it reads from outside, plain attributes: autograd may save them too)
         watch = list({id(t): t for t in (*self.statics.watchable()[0],
                                          *self.held_tensors())}.values())

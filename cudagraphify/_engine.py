@@ -571,6 +571,15 @@ class GraphedState(PieceRuns):
         training = type(entry) is TrainingGraph
         if training and entry.pending():  # (a fresh graph's own first replay: see _call)
             return self._eager(PENDING, fn, args, kwargs)
+        counters = entry.counters
+        if counters is not None and counters.stale():
+            # (the statics were rescanned: a parameter or buffer rebound to another tensor
+            # object on the same memory moves, and is checked, through that object)
+            why = counters.resolve()
+            if why is not None:
+                drain(entry.device, self._stream_holder(region)._stream_token)
+                (region.cache_for(self) if region is not None else self.cache).discard(entry)
+                return self._eager(why, fn, args, kwargs)
         if training and entry.grads_held(self.statics.grad_params()):
             return self._eager("a gradient this graph handed out as .grad is still referenced "
                                "through another tensor (a view of .grad kept from an earlier "

@@ -37,6 +37,7 @@ from ._rehearsal import borrow, confirms, lend, rehearse, snapshot_states
 from ._state import changed_again, demote
 from ._state import tensors_in as _tensors_in
 from ._signature import Signature, storage_of
+from ._versions import Counters
 from ._watch import Recorder, recording
 from ._writes import inputs_alias
 
@@ -486,8 +487,9 @@ class FirstCall(Capturing):
         # not be read from a copy (checked on every call)
         entry.written_statics = frozenset(storage_of(self.watchable[j])
                                           for j in self.wrote_statics) - {0}
-        if self.training:  # (their versions move on each replay: see TrainingGraph.written)
-            entry.written = tuple(self.version_moves)
+        # (the version counters its replay moves, and its backward checks)
+        if self.training and (self.version_moves or self.saved_statics):
+            entry.counters = Counters(self.statics, self.version_moves, self.saved_statics)
         # likewise a static state's memory (read and written in place; its addresses are in
         # the key, so the same for every call the entry serves)
         entry.state_storages = frozenset(storage_of(t) for _, obj in self.states

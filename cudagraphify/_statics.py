@@ -141,6 +141,9 @@ class StaticState:
         self._buffer_layout: list[tuple] = []
         self._buffer_guard = None
         self._generation = -1
+        # rescans so far: a graph that keeps some of ``tensors`` (the version counters it
+        # moves and checks, see _versions) finds them again after one
+        self.scans = 0
         self.rescan()
 
     def adopt(self, modules) -> bool:
@@ -157,6 +160,7 @@ class StaticState:
     def rescan(self) -> None:
         """Re-read the module trees (after a structural change)."""
         self._generation = _generation
+        self.scans += 1
         modules, seen_m = [], set()
         for root in self.roots:
             for m in root.modules():

@@ -36,7 +36,6 @@ __all__ = ["TrainingGraph", "capture_training", "saved_by_backward", "warmup_bac
 _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 _use_count = torch._C._storage_Use_Count
-_increment_version = torch.autograd.graph.increment_version
 # Why a module's training calls run eagerly once a backward found its parameters moved.
 MOVED_IN_BACKWARD = ("its parameters moved to new memory between a forward and its backward "
                      "(FSDP2's reshard_after_forward): a backward graph cannot follow them")
@@ -117,10 +116,11 @@ class TrainingGraph(Owned):
     # why no second graph of its signature could be made while it waits for its backward
     # (see _engine._another_in_flight): then calls like that run eagerly
     no_other: str | None = None
-    # (tensor, count): the version counters its forward's in-place writes move (buffers,
-    # frozen parameters, tensors read from outside), and by how much, in the capture's run
-    # (_capturing._counting_versions); a replay moves them as much (set by verify)
-    written: tuple = ()
+    # the version counters its forward's in-place writes move (buffers, frozen parameters,
+    # tensors read from outside), by as much as the capture's run did
+    # (_capturing._counting_versions), and those of the buffers and frozen parameters autograd
+    # saves, checked by hand at backward: a _versions.Counters (set by verify), or None
+    counters = None
 
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
                  out_tensors: list[torch.Tensor], out_diff: list[bool], rebuild, spec,
@@ -128,9 +128,6 @@ class TrainingGraph(Owned):
                  device: torch.device, saved: frozenset = frozenset()):
         self.raw = fwd_raw
         self.saved = sorted(saved)  # Function inputs saved for backward (version-checked)
-        # buffers and frozen parameters autograd saves (no Function input): version-checked
-        # by hand at backward
-        self.saved_statics: list[torch.Tensor] = []
         self._bwd_raw = bwd_raw
         self.device = device
         self.owner = None
@@ -168,6 +165,13 @@ class TrainingGraph(Owned):
         self._storages = [g.untyped_storage()._cdata for _, g in self._param_bufs]
         self._own_uses: list[int] | None = None
         self._handed = False
+
+    @property
+    def saved_statics(self) -> list[torch.Tensor]:
+        """The buffers and frozen parameters autograd saves (no Function input), as the user
+        holds them now: version-checked by hand at backward."""
+        counters = self.counters
+        return counters.saved if counters is not None else []
 
     @property
     def pool_bytes(self) -> int:
@@ -239,9 +243,9 @@ class TrainingGraph(Owned):
                 self.input_copies += 1
         self.raw.replay()
         self.gen += 1
-        for t, n in self.written:  # (as the in-place ops the replay ran would have)
-            for _ in range(n):
-                _increment_version(t)
+        counters = self.counters
+        if counters is not None:  # (as the in-place ops the replay ran would have)
+            counters.move()
         if self._strided is None:
             return [o.clone() for o in self._outs]
         return [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype,
@@ -357,8 +361,11 @@ class _GraphedFunction(torch.autograd.Function):
         ctx.save_for_backward(*[tensors[i] for i in graph.saved])
         outs = graph.forward(tensors)
         # (after the replay, which moved the versions of the buffers it writes as eager's
-        # in-place ops do: another graph's backward that saved one of them raises, as eagerly)
-        ctx.versions = [t._version for t in graph.saved_statics]
+        # in-place ops do: another graph's backward that saved one of them raises, as eagerly;
+        # the objects of this call, as eager's autograd keeps them: one rebound later is not
+        # the one this backward reads)
+        ctx.statics = graph.saved_statics
+        ctx.versions = [t._version for t in ctx.statics]
         ctx.graph, ctx.state, ctx.gen, ctx.done = graph, state, graph.gen, False
         ctx.params = tensors[graph._n_user:]
         graph._last_ctx = weakref.ref(ctx)
@@ -373,7 +380,7 @@ class _GraphedFunction(torch.autograd.Function):
                 "the backward graph records no autograd history; run this module eagerly "
                 "(graphify(..., enabled=False)) where you need higher-order gradients")
         ctx.saved_tensors  # noqa: B018 - raises if one was changed in place since forward
-        for t, then in zip(ctx.graph.saved_statics, ctx.versions):
+        for t, then in zip(ctx.statics, ctx.versions):
             if t._version != then:  # as autograd says it for a saved tensor
                 raise RuntimeError(
                     "one of the variables needed for gradient computation has been modified by "
@@ -410,18 +417,15 @@ def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
 def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: list[bool],
                      params: list[torch.Tensor], device: torch.device,
                      persistent: set[int], stand_ins=contextlib.nullcontext,
-                     saved: set[int] = frozenset(),
-                     saved_statics: list[torch.Tensor] = ()) -> TrainingGraph:
+                     saved: set[int] = frozenset()) -> TrainingGraph:
     """Capture the forward and backward graphs of one signature (grad mode must be on).
 
     Under ``stand_ins()`` (see ``StaticState.stand_ins``) the module computes with aliases of
     ``params`` and the backward differentiates with respect to those.
     """
     with stand_ins() as aliases:
-        graph = _capture_training(backend, fn, sig, leaves, static_flags, params,
-                                  aliases or {}, device, persistent, frozenset(saved))
-        graph.saved_statics = list(saved_statics)
-        return graph
+        return _capture_training(backend, fn, sig, leaves, static_flags, params,
+                                 aliases or {}, device, persistent, frozenset(saved))
 
 
 def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, device,

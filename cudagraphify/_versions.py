@@ -1,23 +1,137 @@
-"""The version counters autograd checks at backward, found by moving them.
+"""The version counters a graph's replay moves and its backward checks, on the tensor objects
+the user holds now.
 
-Tensors over one memory may share a version counter (a view shares its base's, a ``detach()``
-the original's) or not (a ``.data`` has a counter of its own, and so has every view of it).
-Which do is found by moving one counter and looking at the others, then putting it back:
-cheap, first calls only, and exact where comparing storages is not.
+Eager in-place ops move the version counters of what they write, and autograd checks, at
+backward, those of what it saved. A replay runs no such op, so a graph moves by hand the
+counters its capture's run moved (parameters, buffers, tensors read from outside), by as much,
+and a training graph's backward checks those of the buffers and frozen parameters autograd
+saves (see :mod:`._training`). Which tensor objects those are is decided here:
+
+- A parameter or buffer is kept by its position among the statics (``StaticState.tensors``),
+  not as the object met at capture: rebound to another tensor object on the same memory
+  (``m.b = m.b.data``, ``load_state_dict(assign=True)`` of tensors over that memory), it keeps
+  its graphs (the same addresses), but the object, and its counter, is another. After each
+  rescan of the statics, which is the only way such a rebinding is seen, the next replay finds
+  the objects again (:meth:`Counters.resolve`, off the fast path: a rescan makes it miss). A
+  tensor read from outside (a plain attribute, a closure, a global) is kept as it is: its
+  guard holds it by identity.
+- Tensors that share one counter (a buffer and a view of it, a ``detach()``) have it moved
+  once, not once each. Which do is found by moving one and looking at the others
+  (:func:`counter_groups`), at capture and after a rescan; where that changed (the base of a
+  view rebound), what the capture's run moved cannot be told apart per counter any more: the
+  graph is dropped, and the next call captures again.
+- The statics a training graph's backward checks are those whose counter a tensor autograd
+  saved shares (:func:`sharing`, found the same way), not every one over its memory: a buffer
+  registered as a view of another's ``.data`` has a counter of its own.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 
 from ._signature import storage_of
 from ._writes import set_version
 
-__all__ = ["sharing"]
+__all__ = ["Counters", "counter_groups", "sharing"]
 
 # (torch.autograd.graph.increment_version's own call: a tuple, each tensor moved once per time
-# it is in it)
+# it is in it; one C call for a whole replay's moves)
 _increment_version = torch._C._increment_version
+
+# Why a graph is dropped when its statics' counters are shared otherwise than at capture.
+REGROUPED = ("a parameter or buffer the forward writes was rebound to a tensor object that "
+             "shares its version counter otherwise than at capture (the base of a registered "
+             "view rebound, m.base = m.base.data): the graph's version moves no longer fit; "
+             "it is captured again")
+
+
+class Counters:
+    """Where one graph's version counters are: ``written``, (tensor, count) per counter its
+    replay moves; ``saved``, the tensors its backward checks (a training graph's).
+
+    ``moves`` are (tensor, count) as the capture's run moved them, ``saved`` the tensors; each
+    of them that is one of ``statics.tensors`` is found there again after a rescan
+    (:meth:`stale`, :meth:`resolve`)."""
+
+    __slots__ = ("written", "saved", "scan", "_bumps", "_statics", "_moves", "_saved",
+                 "_groups")
+
+    def __init__(self, statics, moves: list[tuple[torch.Tensor, int]],
+                 saved: list[torch.Tensor]):
+        at = {id(t): i for i, t in enumerate(statics.tensors)}
+        # (position among the statics, or None where it is kept as it is; the tensor now)
+        self._moves = [(at.get(id(t)), t, n) for t, n in moves]
+        self._saved = [(at.get(id(t)), t) for t in saved]
+        self._statics = weakref.ref(statics)  # (an entry must not keep its owner's modules)
+        self.scan = statics.scans
+        self._groups = counter_groups([t for _, t, _ in self._moves])
+        self._settle()
+
+    def _settle(self) -> None:
+        groups = self._groups
+        self.written = tuple((t, n) for k, (_, t, n) in enumerate(self._moves) if groups[k] == k)
+        self._bumps = tuple(t for t, n in self.written for _ in range(n))
+        self.saved = [t for _, t in self._saved]  # (a new list: a pending backward keeps its own)
+
+    def stale(self) -> bool:
+        """Whether the statics were rescanned since the objects were found."""
+        statics = self._statics()
+        return statics is not None and statics.scans != self.scan
+
+    def resolve(self) -> str | None:
+        """Find the statics' objects again (after a rescan that kept the graph: each position
+        holds a tensor on the memory it held). None, or why the graph cannot keep its
+        moves."""
+        statics = self._statics()
+        if statics is None:
+            return None
+        self.scan = statics.scans
+        now = statics.tensors
+
+        def find(i, t):
+            if i is None:
+                return t
+            new = now[i] if i < len(now) else None
+            return new if new is not None and new.data_ptr() == t.data_ptr() else None
+
+        moves = [(i, find(i, t), n) for i, t, n in self._moves]
+        saved = [(i, find(i, t)) for i, t in self._saved]
+        if any(t is None for _, t, _ in moves) or any(t is None for _, t in saved):
+            return ("a parameter or buffer the graph's version counters follow is no longer "
+                    "where it was among the module's: it is captured again")
+        groups = counter_groups([t for _, t, _ in moves])
+        if groups != self._groups:
+            return REGROUPED
+        self._moves, self._saved = moves, saved
+        self._settle()
+        return None
+
+    def move(self) -> None:
+        """Move the counters as the capture's run did (after a replay)."""
+        if self._bumps:
+            _increment_version(self._bumps)
+
+
+def counter_groups(tensors: list[torch.Tensor]) -> tuple[int, ...]:
+    """For each of ``tensors``, the position of the first of them that shares its version
+    counter (its own where none does before it)."""
+    groups = list(range(len(tensors)))
+    for same in _by_storage(tensors).values():
+        if len(same) < 2:
+            continue
+        for a, k in enumerate(same):
+            if groups[k] != k:
+                continue
+            rest = [j for j in same[a + 1:] if groups[j] == j]
+            if not rest:
+                break
+            for j, moved in zip(rest, _move_with(tensors[k], [tensors[j] for j in rest])):
+                if moved:
+                    groups[j] = k
+    return tuple(groups)
+
 
 def sharing(tensors: list[torch.Tensor], others: list[torch.Tensor]) -> list[torch.Tensor]:
     """Those of ``tensors`` whose version counter one of ``others`` shares (the buffers whose

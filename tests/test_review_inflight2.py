@@ -254,9 +254,6 @@ def _rebind_data(m):
     m.scale = m.scale.data  # the same memory, a version counter of its own
 
 
-@pytest.mark.xfail(strict=True, reason="R4: written and saved_statics hold the old tensor "
-                   "object after the buffer was rebound on the same memory: the twin's replay "
-                   "moves the new counter, the first graph's backward checks the old, silently")
 def test_r4_a_buffer_rebound_on_the_same_memory_keeps_a_stale_written(sim):
     ref, g = _twins(_Scaled, prep=_rebind_data)
     _same_as_eager(ref, g, (3, 3))  # eager: inplace
@@ -281,8 +278,6 @@ def test_r4_control_load_state_dict_assign(sim):
 
 # -- R5 ---------------------------------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="R5: a buffer and a view of it both in written: the "
-                   "replay moves their one counter twice (eager once)")
 def test_r5_a_view_buffer_moves_its_counter_twice(sim):
     ref, g = _twins(_ViewBuffer)
     _same_as_eager(ref, g, (3,), steps=2)  # (values and raises agree)
