@@ -75,9 +75,7 @@ class Capturing:
         try:
             if failed is not None:
                 raise failed
-            run = probed(second, self.fn)
-            if self.training:
-                run = self._counting_versions(run)
+            run = self._counting_versions(probed(second, self.fn))
             with Nested(), recording(rec):
                 if self.training:
                     entry = capture_training(
@@ -106,11 +104,11 @@ class Capturing:
         return self.verify(entry, second, rec)
 
     def _counting_versions(self, run: Callable) -> Callable:
-        """``run`` (the capture's run of a training forward) noting how far it moves the
-        version counters of the parameters and buffers (``version_moves``): the graph's
-        replay moves them as much (see _versions), as the in-place ops it runs would eagerly
-        (BatchNorm's running statistics by none). The capture's run, not the real call's: a
-        write only a first call makes (behind a Python flag) is not replayed."""
+        """``run`` (the capture's run of a forward) noting how far it moves the version
+        counters of the parameters and buffers (``version_moves``): the graph's replay moves
+        them as much (see _versions), as the in-place ops it runs would eagerly (BatchNorm's
+        running statistics by none). The capture's run, not the real call's: a write only a
+        first call makes (behind a Python flag) is not replayed."""
         # (and the tensors it reads from outside, plain attributes: autograd may save them too)
         watch = list({id(t): t for t in (*self.statics.watchable()[0],
                                          *self.held_tensors())}.values())

@@ -37,7 +37,7 @@ from ._rehearsal import borrow, confirms, lend, rehearse, snapshot_states
 from ._state import changed_again, demote
 from ._state import tensors_in as _tensors_in
 from ._signature import Signature, storage_of
-from ._versions import Counters
+from ._versions import Counters, moving
 from ._watch import Recorder, recording
 from ._writes import inputs_alias
 
@@ -81,7 +81,7 @@ class FirstCall(Capturing):
         self.side_effect = ""  # which of them this call changed otherwise (a step count)
         self.changed_states = False  # and whether a static state among them
         self.states_before: dict | None = {}  # copies of the states before the call
-        # (tensor, count): how far a training capture's run moved the statics' version counters
+        # (tensor, count): how far the capture's run moved the statics' version counters
         self.version_moves: list = []
         # tensors of modules first met in the call whose writes it could not see (see screen)
         self.new_unseen = 0
@@ -487,9 +487,12 @@ class FirstCall(Capturing):
         # not be read from a copy (checked on every call)
         entry.written_statics = frozenset(storage_of(self.watchable[j])
                                           for j in self.wrote_statics) - {0}
-        # (the version counters its replay moves, and its backward checks)
-        if self.training and (self.version_moves or self.saved_statics):
-            entry.counters = Counters(self.statics, self.version_moves, self.saved_statics)
+        # (the version counters its replay moves, and a training graph's backward checks)
+        if self.version_moves or self.saved_statics:
+            entry.counters = Counters(self.statics, self.version_moves,
+                                      self.saved_statics if self.training else [])
+            if not self.training and entry.counters.written:
+                entry._replay = moving(entry._replay, entry.counters)
         # likewise a static state's memory (read and written in place; its addresses are in
         # the key, so the same for every call the entry serves)
         entry.state_storages = frozenset(storage_of(t) for _, obj in self.states

@@ -34,7 +34,7 @@ import torch
 from ._signature import storage_of
 from ._writes import set_version
 
-__all__ = ["Counters", "counter_groups", "sharing"]
+__all__ = ["Counters", "counter_groups", "moving", "sharing"]
 
 # (torch.autograd.graph.increment_version's own call: a tuple, each tensor moved once per time
 # it is in it; one C call for a whole replay's moves)
@@ -112,6 +112,17 @@ class Counters:
         """Move the counters as the capture's run did (after a replay)."""
         if self._bumps:
             _increment_version(self._bumps)
+
+
+def moving(replay, counters: Counters):
+    """``replay`` followed by :meth:`Counters.move` (an inference graph's replay, whichever
+    path calls it: the fast path too)."""
+    def run():
+        replay()
+        bumps = counters._bumps  # (``move``, inline: a frame less on every replay)
+        if bumps:
+            _increment_version(bumps)
+    return run
 
 
 def counter_groups(tensors: list[torch.Tensor]) -> tuple[int, ...]:

@@ -11,7 +11,9 @@ backward raises "modified by an inplace operation" exactly where eager's does:
   once per write, not once per tensor, and a rebinding that changes which share one makes the
   graph captured again;
 - a training graph's backward checks the statics whose counter a tensor autograd saved shares
-  (not one registered as a view of another's ``.data``: a counter of its own).
+  (not one registered as a view of another's ``.data``: a counter of its own);
+- an inference graph's replay (``no_grad``, ``inference_mode``, the fast path too) moves the
+  counters of what it writes, as a training graph's does.
 
 CPU, on the simulated backend (``sim``, tests/conftest.py); each check compares with an eager
 twin (outcome, outputs, gradients, buffers bitwise, and ``_version``).
@@ -26,6 +28,8 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+from cudagraphify._fast import Fast
+from cudagraphify.api import _state_of
 from test_review_inflight2 import (_FrozenWrite, _PieceRoot, _Scaled, _Tied, _ViewBuffer,
                                    _outcome, _same_as_eager, _twins)
 
@@ -76,6 +80,35 @@ class _ReadsFrozen(nn.Module):
 
     def forward(self, x):
         return self.lin(x) * self.fz
+
+
+class _Held(nn.Module):
+    """Writes a tensor kept as a plain attribute (no buffer; large enough not to be guarded by
+    value as a CPU scalar is), then autograd saves it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.acc = torch.ones(100)
+
+    def forward(self, x):
+        self.acc.mul_(0.5)
+        return self.lin(x) * self.acc[:4]
+
+    def sync_from(self, other):
+        self.acc = other.acc.clone()
+
+
+class _DetachTied(nn.Module):
+    """Two buffers over one memory with one counter (``detach()``), both written."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = _Scaled(), _Scaled()
+        self.b.scale = self.a.scale.detach()
+
+    def forward(self, x):
+        return self.b(self.a(x))
 
 
 class _DetachPair(nn.Module):
@@ -274,6 +307,19 @@ def test_a_tied_buffer_rebound_in_one_of_its_modules(sim):
     _same_as_eager(ref, g, (3, 5), extra=_same_versions(ref, g, "a.scale", "b.scale"))
 
 
+def test_a_rebound_buffer_in_a_graph_region(sim):
+    ref, g = _twins(_Scaled, warm=())
+    check = _same_versions(ref, g, "scale")
+    with torch.no_grad(), cg.graph_region():
+        for step in range(5):
+            if step == 2:
+                _rebind_data(ref), _rebind_data(g)
+            x = torch.randn(3, 4)
+            assert torch.equal(ref(x), g(x).clone()), step
+            check(ref, g, step)
+    assert _replays(g) >= 2
+
+
 # -- one counter, several tensors (R5 and what it reaches) ---------------------------------------
 
 @pytest.mark.parametrize("shapes", [(3,), (3, 3)])
@@ -299,9 +345,100 @@ def test_a_view_buffers_base_rebound_is_captured_again(sim):
     assert cg.stats(g).captures > captures
 
 
+def test_a_view_buffer_in_no_grad_calls(sim):
+    ref, g = _twins(_ViewBuffer, warm=(3,), warm_backward=False)
+    check = _same_versions(ref, g, "base", "lo")
+    with torch.no_grad():
+        for step in range(4):
+            x = torch.randn(3, 4)
+            assert torch.equal(ref(x), g(x))
+            check(ref, g, step)
+    assert _replays(g) >= 3
+
+
 @pytest.mark.parametrize("shapes", [(3,), (3, 3), (3, 5)])
 def test_a_view_of_the_data_written_besides_a_saved_base(sim, shapes):
     """``lo`` (a view of ``base.data``: a counter of its own) written, ``base`` saved: eager
     raises for neither a second forward nor a replay."""
     ref, g = _twins(_DataView, warm=(3, 5))
     _same_as_eager(ref, g, shapes, extra=_same_versions(ref, g, "base", "lo"))
+
+
+# -- inference graphs move counters too -----------------------------------------------------------
+
+@pytest.mark.parametrize("make", [_Scaled, _Held, _FrozenWrite], ids=["buffer", "held", "frozen"])
+def test_a_no_grad_call_between_forward_and_backward(sim, make):
+    """The no_grad call replays an inference graph that writes what the pending backward
+    saved: eager's backward raises."""
+    ref, g = _twins(make, warm=(3,))
+    for m in (ref, g):
+        with torch.no_grad():
+            m(torch.randn(3, 4))
+    replays = _replays(g)
+
+    def write(m):
+        with torch.no_grad():
+            m(torch.randn(3, 4))
+    _write_between(ref, g, write)
+    assert _replays(g) >= replays + 6  # (both calls of each step replayed)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+@pytest.mark.parametrize("make, name", [(_Scaled, "scale"), (_Held, "acc"),
+                                        (_FrozenWrite, "fz"), (_DetachTied, "a.scale"),
+                                        (_DetachPair, "a"), (_ViewBuffer, "base")],
+                         ids=["buffer", "held", "frozen", "detach", "pair", "view"])
+def test_inference_replays_move_versions_as_eagers(sim, mode, make, name):
+    ref, g = _twins(make, warm=())
+    check = _same_versions(ref, g, name)
+    ctx = torch.no_grad if mode == "no_grad" else torch.inference_mode
+    for step in range(5):
+        x = torch.randn(3, 4)
+        with ctx():
+            assert torch.equal(ref(x), g(x)), step
+        check(ref, g, step)
+    assert _replays(g) >= 3
+
+
+def test_a_held_tensors_writer_keeps_the_fast_path(sim):
+    """An inference graph that writes a plain tensor attribute replays on the fast path, which
+    moves its counter too."""
+    ref, g = _twins(_Held, warm=())
+    check = _same_versions(ref, g, "acc")
+    with torch.no_grad():
+        for step in range(5):
+            x = torch.randn(3, 4)
+            assert torch.equal(ref(x), g(x)), step
+            check(ref, g, step)
+    assert type(_state_of(g)._fast) is Fast
+
+
+class _Layer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("steps", torch.zeros(4))
+
+    def forward(self, x):
+        self.steps.add_(1)
+        return self.lin(x) + self.steps
+
+
+def test_share_graph_layers_that_write_a_buffer(sim):
+    """Sharing is refused (they write a buffer): each layer's own graph moves its counter."""
+    torch.manual_seed(0)
+    ref = nn.ModuleList([_Layer() for _ in range(3)])
+    g = nn.ModuleList([_Layer() for _ in range(3)])
+    g.load_state_dict(ref.state_dict())
+    for a, b in zip(ref, g):
+        _set_version(b.steps, a.steps._version)
+    cg.share_graph(g)
+    with torch.no_grad():
+        for step in range(4):
+            x = torch.randn(3, 4)
+            y, z = x, x
+            for a, b in zip(ref, g):
+                y, z = a(y), b(z)
+            assert torch.equal(y, z), step
+            assert [a.steps._version for a in ref] == [b.steps._version for b in g], step
+    assert sum(_replays(b) for b in g) >= 6
