@@ -94,13 +94,16 @@ class Counters:
             if i is None:
                 return t
             new = now[i] if i < len(now) else None
-            return new if new is not None and new.data_ptr() == t.data_ptr() else None
+            # (on the memory it held, with a counter: not an inference tensor)
+            return new if new is not None and new.data_ptr() == t.data_ptr() \
+                and not new.is_inference() else None
 
         moves = [(i, find(i, t), n) for i, t, n in self._moves]
         saved = [(i, find(i, t)) for i, t in self._saved]
         if any(t is None for _, t, _ in moves) or any(t is None for _, t in saved):
-            return ("a parameter or buffer the graph's version counters follow is no longer "
-                    "where it was among the module's: it is captured again")
+            return ("a parameter or buffer whose version counter the graph moves or checks "
+                    "is no longer where it was among the module's, or has no counter (an "
+                    "inference tensor): it is captured again")
         groups = counter_groups([t for _, t, _ in moves])
         if groups != self._groups:
             return REGROUPED

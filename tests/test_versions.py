@@ -442,3 +442,20 @@ def test_share_graph_layers_that_write_a_buffer(sim):
             assert torch.equal(y, z), step
             assert [a.steps._version for a in ref] == [b.steps._version for b in g], step
     assert sum(_replays(b) for b in g) >= 6
+
+
+def test_control_a_written_buffer_rebound_to_an_inference_tensor_on_its_memory(sim):
+    """No counter to move any more: that graph is captured again (inference_mode calls, as
+    eager's, which cannot write an inference tensor outside it)."""
+    def rebind(m):
+        with torch.inference_mode():
+            m.scale = torch.empty(0).set_(m.scale.untyped_storage(), 0, (4,), (1,))
+    ref, g = _twins(_Scaled, warm=())
+    with torch.inference_mode():
+        for step in range(6):
+            if step == 3:
+                rebind(ref), rebind(g)
+            x = torch.randn(3, 4)
+            assert torch.equal(ref(x), g(x)), step
+            assert torch.equal(ref.scale, g.scale), step
+    assert _replays(g) >= 3
