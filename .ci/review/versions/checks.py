@@ -65,7 +65,8 @@ class DetachPair(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(16, 16)
-        self.register_buffer("a", torch.ones(16))
+        # (made on the device: ``.to()`` would convert each buffer on its own, views apart)
+        self.register_buffer("a", torch.ones(16, device=DEV))
         self.register_buffer("b", self.a.detach())
 
     def forward(self, x):
@@ -78,7 +79,7 @@ class ViewBuffer(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(16, 16)
-        self.register_buffer("base", torch.ones(32))
+        self.register_buffer("base", torch.ones(32, device=DEV))  # (see DetachPair)
         self.register_buffer("lo", self.base[:16])
 
     def forward(self, x):
