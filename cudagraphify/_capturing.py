@@ -26,7 +26,8 @@ from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output
 from ._graphdiff import Storages
 from ._signature import storage_of, unflatten_call
 from ._state import tensors_in as _tensors_in
-from ._training import capture_training, saved_by_backward, warmup_backward
+from ._training import capture_training
+from ._warmups import extra_warmups, version_of
 from ._watch import Recorder, recording
 
 
@@ -60,7 +61,7 @@ class Capturing:
         failed: CaptureFailed | None = None
         try:
             if not self.opaque:
-                self._extra_warmups()
+                extra_warmups(self)
         except Exception as e:  # noqa: BLE001 - the real call succeeded: its result stands
             _forget_frames(e)
             failed = CaptureFailed(f"extra warm-up failed: {_first_line(e)}",
@@ -116,7 +117,7 @@ class Capturing:
                                          *self.held_tensors())}.values())
 
         def counted(*args, **kwargs):
-            before = [_version_of(t) for t in watch]
+            before = [version_of(t) for t in watch]
             try:
                 return run(*args, **kwargs)
             finally:
@@ -150,56 +151,6 @@ class Capturing:
         """Storages the caller owns (parameters, buffers, tensors kept as module attributes):
         returned as they are, never treated as a graph's output slots."""
         return self.static_storages | {storage_of(t) for t in self.warm_guard.tensors}
-
-    def _extra_warmups(self) -> None:
-        """Warm-up runs beyond the real call: on copies of the inputs; what the real call
-        wrote in parameters and buffers is restored after them, and the tensors it reads from
-        outside, so only its effect remains."""
-        n = self.state.options.num_warmup_iters - 1
-        if self.training:
-            n = max(n, 1)  # the backward needs a warm-up of its own
-        if n == 0:
-            return
-        written = [self.watchable[j] for j in self.wrote_statics]
-        with torch.no_grad():
-            saved = [t.clone() for t in written]
-        rec = Recorder()
-        try:
-            # (the tensors it reads from outside, put back before the capture too: ``verify``
-            # compares a small CPU one by value; around the whole capture: see ``capture``)
-            with _writes.kept(self._left(), self.held_tensors()), recording(rec):
-                for _ in range(n):
-                    self._warm_up_again()
-        finally:  # a failed extra run leaves no trace in the buffers either
-            self._put_back(rec)  # (nor in module attributes: ``self.n += 1``)
-            with torch.no_grad():
-                for t, v in zip(written, saved):
-                    # through .data: the real call's autograd graph saved these buffers
-                    # (BatchNorm's backward takes its running statistics) and checks versions
-                    t.data.copy_(v)
-
-    def _warm_up_again(self) -> None:
-        """One extra warm-up, on copies of the inputs (in training, with its backward)."""
-        statics, leaves, fn = self.statics, self.leaves, self.fn
-        copies = StaticInputs(leaves, [False] * len(leaves))
-        for i, buf in copies.copy:
-            buf.requires_grad_(self.training and leaves[i].requires_grad)
-        a, kw = unflatten_call(copies.leaves, self.sig)
-        with Nested():
-            if self.training:
-                wrt = statics.grad_params() + [b for _, b in copies.copy]
-                with saved_by_backward() as packed:
-                    self.backend.warmup(lambda: warmup_backward(
-                        lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
-                self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
-                storages = {storage_of(t) for t in packed} - {0}
-                # (and the tensors read from outside it saves, plain attributes: their versions
-                # are checked at backward as a buffer's are)
-                self.saved_statics = [t for t in (*statics.tensors, *self.held_tensors())
-                                      if not t.requires_grad and storage_of(t) in storages
-                                      and _version_of(t) is not None]
-            else:
-                self.backend.warmup(lambda: fn(*a, **kw), self.device)
 
     def _wrote_held(self, made_ok: bool = False) -> bool:
         """Whether the real call may have written a tensor it reads from outside, or one it
@@ -504,33 +455,6 @@ class Capturing:
                     rehearsing(self.state, lambda: self.fn(*a, **kw)) if rehearsed
                     else lambda: self.fn(*a, **kw), self.device)
         return run
-
-
-def _version_of(t: torch.Tensor) -> int | None:
-    """``t._version``, or None where it has none (an inference tensor, a wrapper subclass)."""
-    try:
-        return None if t.is_inference() else t._version
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-def _saved_indices(packed: list[torch.Tensor], copies: StaticInputs, tensor_idx: list[int],
-                   statics) -> set[int]:
-    """Which tensors of a graphed training call autograd saves for backward (by storage):
-    positions among the autograd Function's inputs (the user's tensors, then the parameters
-    that require grad)."""
-    storages = {storage_of(t) for t in packed} - {0}
-    out = set()
-    by_leaf = dict(copies.copy)
-    for pos, i in enumerate(tensor_idx):
-        buf = by_leaf.get(i)
-        if buf is not None and storage_of(buf) in storages:
-            out.add(pos)
-    n = len(tensor_idx)
-    for k, p in enumerate(statics.grad_params()):
-        if storage_of(p) in storages:
-            out.add(n + k)
-    return out
 
 
 def _forget_frames(error: BaseException) -> None:
