@@ -39,9 +39,9 @@ class Capturing:
         # hold afterwards what the real call left in them, values and versions: a capture's
         # in-place ops move their versions, and its run is real for CPU tensors (a step
         # counter) and for the kernels a share_graph or family proof runs; the parameters and
-        # buffers it wrote keep their versions too, their values being put back by the extra
-        # warm-ups, which put back these tensors too)
-        written = [self.watchable[j] for j in self.wrote_statics]
+        # buffers keep their layouts and versions too, those it did not write included (a
+        # later path's write, ``self.log.set_(...)``), their values being put back by the
+        # extra warm-ups, which put back these tensors too)
         with contextlib.ExitStack() as kept:
             try:
                 # (where the capture's run is real only for the host: the CPU tensors' bytes;
@@ -54,23 +54,30 @@ class Capturing:
                     "capture deferred (retried on a later call): out of memory copying the "
                     "tensors the forward reads from outside its arguments, parameters and "
                     f"buffers: {_first_line(e)}"), guard=self.warm_guard)
-            kept.enter_context(_writes.versions_kept(written))
+            kept.enter_context(_writes.layouts_kept(self.statics.tensors))
+            # (and the versions of other tensors from before the call its ops write, a global
+            # only a later path writes: see ``_capture``, after ``verify`` read them)
+            self.run_versions = {}
+            kept.callback(_writes.put_versions_back, self.run_versions)
             return self._capture()
 
     def _capture(self) -> Outcome:
         failed: CaptureFailed | None = None
         try:
-            if not self.opaque:
-                extra_warmups(self)
+            unseen = extra_warmups(self)
         except Exception as e:  # noqa: BLE001 - the real call succeeded: its result stands
             _forget_frames(e)
             failed = CaptureFailed(f"extra warm-up failed: {_first_line(e)}",
                                    transient=isinstance(e, torch.OutOfMemoryError))
+        else:
+            if unseen:  # (a write no copy could undo: no graph made on top of it)
+                return self._eager(unseen)
         second = new_probe(self.state, thunder=False)
         if second is not None:
             second.known = set()  # track what the capture's ops produce (see verify)
             second.written = set()  # and what they write (verify: held_storages)
             second.locate = False  # (what it reads from outside is the warm-up's business)
+            second.versions = self.run_versions  # (put back: see ``capture``)
         rec = Recorder()
         try:
             if failed is not None:

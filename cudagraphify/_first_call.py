@@ -37,6 +37,7 @@ from ._rehearsal import borrow, confirms, lend, rehearse, snapshot_states
 from ._state import changed_again, demote
 from ._state import tensors_in as _tensors_in
 from ._signature import Signature, storage_of
+from ._warmups import extra_runs
 from ._watch import Recorder, recording
 from ._writes import inputs_alias
 
@@ -89,6 +90,10 @@ class FirstCall(Capturing):
         self.borrowed = False
         self.may_borrow = True
         self.marked = None  # (versions before the capture: see _rehearsal.mark)
+        self.run_versions: dict = {}  # what the capture's probe saw written (Probe.versions)
+        # (buffer, its copy from before the call) for the buffers the call did not write, kept
+        # where no probe copies what the extra warm-ups write (see _warmups.extra_warmups)
+        self.by_value: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- 1. warm up ------------------------------------------------------------------------
 
@@ -176,6 +181,12 @@ class FirstCall(Capturing):
         del before
         wrote = set(_writes.written(self.watchable, static_marks)) | {
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
+        if probe is None and extra_runs(self):
+            # (no probe to copy what the extra warm-ups write before they write it: the copies
+            # made to compare the buffers by value stand in for those the call did not write)
+            self.by_value = [(t, m) for j, (t, m) in enumerate(zip(self.watchable, static_marks))
+                             if isinstance(m, torch.Tensor) and j not in wrote]
+        del static_marks
         if adopted:
             # modules first met in this call (one it reached outside its tree, a graphed
             # function's): their tensors had no marks before the call. A parameter is written
