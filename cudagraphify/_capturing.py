@@ -85,6 +85,7 @@ class Capturing:
             run = probed(second, self.fn)
             if self.training:
                 run = self._counting_versions(run)
+            self.capture_versions = [version_of(t) for t in self.watchable]
             with Nested(), recording(rec):
                 if self.training:
                     entry = capture_training(
@@ -131,6 +132,15 @@ class Capturing:
                 self.version_moves = [(t, t._version - v) for t, v in zip(watch, before)
                                       if v is not None and t._version > v]
         return counted
+
+    def graph_writes(self, second) -> list[int]:
+        """The parameters and buffers (indices into ``watchable``) the capture's run wrote,
+        those the real call wrote among them or not (a later path's write, ``out=self.tmp``):
+        by their versions, and as its probe (``second``) saw. A replay writes them."""
+        written = second.written if second is not None and second.written is not None else ()
+        return sorted(set(self.wrote_statics) | {
+            j for j, (t, v) in enumerate(zip(self.watchable, self.capture_versions))
+            if (v is not None and version_of(t) != v) or storage_of(t) in written})
 
     def _left(self) -> list:
         """The objects the real call bound to module attributes (``self.ring =

@@ -90,6 +90,7 @@ class FirstCall(Capturing):
         self.borrowed = False
         self.may_borrow = True
         self.marked = None  # (versions before the capture: see _rehearsal.mark)
+        self.capture_versions: list = []  # the statics' versions before it (graph_writes)
         self.run_versions: dict = {}  # what the capture's probe saw written (Probe.versions)
         # (buffer, its copy from before the call) for the buffers the call did not write, kept
         # where no probe copies what the extra warm-ups write (see _warmups.extra_warmups)
@@ -493,10 +494,11 @@ class FirstCall(Capturing):
             entry.release()
             return Outcome(EAGER, self.result, reason=guard.unguardable)
         entry.pinned = tuple(self.pinned)
-        # parameters and buffers the forward writes: an argument that shares their memory must
-        # not be read from a copy (checked on every call)
+        # parameters and buffers the forward writes, the real call or the graph: an argument
+        # that shares their memory must not be read from a copy (checked on every call)
+        graph_writes = self.graph_writes(second)
         entry.written_statics = frozenset(storage_of(self.watchable[j])
-                                          for j in self.wrote_statics) - {0}
+                                          for j in graph_writes) - {0}
         if self.training:  # (their versions move on each replay: see TrainingGraph.written)
             entry.written = tuple(self.version_moves)
         # likewise a static state's memory (read and written in place; its addresses are in
@@ -522,7 +524,7 @@ class FirstCall(Capturing):
         # (nor where it reads tensors from outside: a write to them the probe does not see, a
         # functional batch norm's running statistics, would be made twice, and the replay's
         # outputs computed from it)
-        replay = chain and not self.mutated and not self.wrote_statics and not self.opaque \
+        replay = chain and not self.mutated and not graph_writes and not self.opaque \
             and not self._wrote_held() and not self.read_tensors()
         if rehearsed is not None and not shared:  # (to the later sizes of capture_sizes)
             lend(self, rehearsed)

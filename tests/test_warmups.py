@@ -316,6 +316,21 @@ def test_a_write_no_probe_sees_is_refused_with_the_reason(sim):
     assert cg.stats(g).captures == 0
 
 
+# -- what the graph writes, the real call's writes aside ---------------------------------------
+
+def test_an_argument_sharing_a_buffer_only_the_graph_writes_is_not_read_from_a_copy(sim):
+    # The graph (the later path) writes ``tmp``, the real call ``scale``: an argument that is
+    # ``tmp``'s memory must be read after the write, as eagerly, not from a copy made before it.
+    # (of one signature: a (4,) tensor, as the first call's argument)
+    ref, g = _twins(lambda: _LaterPath("buffer"))
+    with torch.no_grad():
+        for call in range(4):
+            a = ref(ref.tmp.view(4) if call >= 2 else torch.ones(4))
+            b = g(g.tmp.view(4) if call >= 2 else torch.ones(4))
+            assert torch.equal(a, b), call
+            assert torch.equal(ref.tmp, g.tmp), call
+
+
 class _ViewReadLaterBase(nn.Module):
     """Reads a plain attribute that views the second half of buffer ``big`` on every call; the
     later calls also write the first half, through the buffer."""
