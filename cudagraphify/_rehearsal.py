@@ -53,6 +53,9 @@ def rehearse(first) -> Probe | None:
     # what the real call left in them)
     held = first.held_tensors()
     with contextlib.ExitStack() as stack:
+        # (their versions too, once ``restored`` found by them what it wrote: the real call's
+        # autograd graph checks those of the buffers it saved)
+        stack.enter_context(_writes.versions_kept(statics))
         try:
             wrote = stack.enter_context(restored(statics, buffers, first.wrote_statics,
                                                  first.device))
@@ -67,6 +70,7 @@ def rehearse(first) -> Probe | None:
         # back by bytes: only the real call's effects remain)
         rehearsal.written = set()
         rehearsal.saved = {storage_of(t): None for t in held}  # (those: _writes.kept's)
+        rehearsal.versions = {}  # (and the versions of what it writes through)
         tracked = first.probe.written is not None  # (what it writes: a family's proof asks)
         rehearsal.states_written = {storage_of(t) for obj in states.values()
                                     for t in _tensors_in(obj)}
@@ -94,6 +98,8 @@ def rehearse(first) -> Probe | None:
             wrote_held |= rehearsal.written & {storage_of(t) for t in held}
         else:
             rehearsal.written = None  # (as the real call's probe: not tracked)
+    _writes.put_versions_back(rehearsal.versions)
+    rehearsal.versions = None
     # A path that writes what the eager one does not (or a parameter: restored only where
     # the real call wrote it too) is not the same computation.
     wrote_inputs = {copies.copy[k][0]

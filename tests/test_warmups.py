@@ -331,6 +331,44 @@ def test_an_argument_sharing_a_buffer_only_the_graph_writes_is_not_read_from_a_c
             assert torch.equal(ref.tmp, g.tmp), call
 
 
+# -- a rehearsal (a run on which the forward is told it is captured) -------------------------
+
+from test_engine import _trusting, faithful  # noqa: E402,F401 (a fixture)
+
+_WHILE_CAPTURED: dict[int, torch.Tensor] = {}
+
+
+class _AsksWhenCaptured(nn.Module):
+    """Takes a host-syncing shortcut eagerly; its path while captured (a rehearsal's, the
+    capture's) adds to ``scale``, a buffer autograd saves, and to a global only that path
+    writes."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        _WHILE_CAPTURED[id(self)] = torch.zeros(4)
+
+    def target(self):
+        return _WHILE_CAPTURED[id(self)]
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.scale.add_(0.5)
+        y = self.lin(x) * self.scale
+        if not torch.cuda.is_current_stream_capturing() and bool((y > -1e9).all()):
+            return y
+        with torch.no_grad():
+            self.target().add_(1)
+        return torch.where(y > -1e9, y, torch.zeros_like(y))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_rehearsal_moves_no_version(faithful, grad):
+    ref, g = _twins(_AsksWhenCaptured, op_policy=_trusting(__name__))
+    _same_as_eager(ref, g, calls=1, grad=grad)
+
+
 class _ViewReadLaterBase(nn.Module):
     """Reads a plain attribute that views the second half of buffer ``big`` on every call; the
     later calls also write the first half, through the buffer."""
