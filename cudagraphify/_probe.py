@@ -275,6 +275,10 @@ class Probe:
         # of its bytes before its first write in the run; None: put back by other means), put
         # back afterwards (see _rehearsal.rehearse, Capturing._extra_warmups)
         self.saved: dict[int, tuple | None] | None = None
+        # storages never copied for a call that may write unseen (see save_reached): the
+        # parameters' (a kernel launched with a weight's address reads it; a copy of each would
+        # cost a copy of the model)
+        self.weights: set[int] | frozenset = frozenset()
         # likewise (set to a dict to start, with ``written``): the tensors from before the call,
         # outside ``known``, that the run wrote in place, by id -> (the tensor, its version
         # before its first write in the run), put back afterwards (_writes.put_versions_back)
@@ -359,12 +363,12 @@ class Probe:
         """Before a call that may write its tensor arguments unseen (running statistics
         updated in the kernel, memory handed past torch by ``data_ptr``: see
         :func:`~._opinfo.writes_unseen`): a copy of each from before the run, as of a first
-        write (see ``saved``)."""
+        write (see ``saved``), the ``weights`` aside."""
         for value in (*args, *kwargs.values()) if kwargs else args:
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor):
                     ptr = storage_of(t)
-                    if ptr and ptr not in self.produced:
+                    if ptr and ptr not in self.produced and ptr not in self.weights:
                         self._save(t, ptr)
 
     def _save(self, t: torch.Tensor, ptr: int) -> None:

@@ -122,7 +122,7 @@ def _warm_up_again(first, saved: dict, versions: dict) -> None:
         buf.requires_grad_(first.training and leaves[i].requires_grad)
     a, kw = unflatten_call(copies.leaves, first.sig)
     tracker = write_tracker(first.state, {storage_of(b) for _, b in copies.copy}, saved,
-                            versions)
+                            versions, statics.weight_ptrs())
     with Nested():
         if first.training:
             wrt = statics.grad_params() + [b for _, b in copies.copy]

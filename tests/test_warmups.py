@@ -395,3 +395,43 @@ class _ViewReadLaterBase(nn.Module):
 def test_control_a_buffer_viewed_by_a_plain_attribute_the_call_reads(sim, grad):
     ref, g = _twins(_ViewReadLaterBase, num_warmup_iters=2)
     _same_as_eager(ref, g, grad=grad)
+
+
+# -- memory handed out past torch -------------------------------------------------------------
+
+class _LaterNumpy(_LaterPath):
+    """The later calls write buffer ``tmp`` through numpy (as a kernel launched with its
+    address would: no op, no version) and hand out the weight's address (as such a kernel
+    reading it would)."""
+
+    def forward(self, x):
+        if self.ready:
+            self.lin.weight.data_ptr()
+            self.tmp.numpy()[:] += 0.5
+        self.ready = True
+        return self.lin(x) * self.scale
+
+
+def test_memory_handed_out_past_torch_is_put_back(sim):
+    ref, g = _twins(lambda: _LaterNumpy("buffer"), num_warmup_iters=3)
+    _same_as_eager(ref, g, calls=1)  # (what later calls decide is no matter)
+
+
+def test_a_weight_handed_out_past_torch_is_not_copied(sim, monkeypatch):
+    # (a kernel launched with a weight's address reads it: a copy of every weight such
+    # kernels read would cost a copy of the model; a buffer's is taken)
+    from cudagraphify import _writes
+
+    copied = []
+    put_back = _writes.put_storages_back
+
+    def spy(saved):
+        copied.extend(p for p, kept in saved.items() if kept is not None)
+        put_back(saved)
+
+    monkeypatch.setattr(_writes, "put_storages_back", spy)
+    _, g = _twins(lambda: _LaterNumpy("buffer"), num_warmup_iters=2)
+    with torch.no_grad():
+        g(torch.randn(3, 4))
+    ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert ptr(g.tmp) in copied and ptr(g.lin.weight) not in copied, copied
