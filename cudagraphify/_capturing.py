@@ -56,9 +56,12 @@ class Capturing:
                     f"buffers: {_first_line(e)}"), guard=self.warm_guard)
             kept.enter_context(_writes.layouts_kept(self.statics.tensors))
             # (and the versions of other tensors from before the call its ops write, a global
-            # only a later path writes: see ``_capture``, after ``verify`` read them)
+            # only a later path writes, and where the capture runs the host's work for real, the
+            # bytes of the host's: see ``_capture``, after ``verify`` read them)
             self.run_versions = {}
             kept.callback(_writes.put_versions_back, self.run_versions)
+            self.run_saved = dict.fromkeys(self.kept_storages())
+            kept.callback(_writes.put_storages_back, self.run_saved)
             return self._capture()
 
     def _capture(self) -> Outcome:
@@ -78,6 +81,8 @@ class Capturing:
             second.written = set()  # and what they write (verify: held_storages)
             second.locate = False  # (what it reads from outside is the warm-up's business)
             second.versions = self.run_versions  # (put back: see ``capture``)
+            if not getattr(self.backend, "capture_runs_kernels", True):
+                second.saved, second.host_only = self.run_saved, True
         rec = Recorder()
         try:
             if failed is not None:
@@ -141,6 +146,13 @@ class Capturing:
         return sorted(set(self.wrote_statics) | {
             j for j, (t, v) in enumerate(zip(self.watchable, self.capture_versions))
             if (v is not None and version_of(t) != v) or storage_of(t) in written})
+
+    def kept_storages(self) -> set[int]:
+        """The storages whose bytes ``_writes.kept`` puts back around the runs that are not
+        calls (those of the tensors the forward reads from outside or bound to attributes; a
+        buffer one of them views is not among them: a probe copies it where it is written)."""
+        held = (*self.held_tensors(), *(t for v in self._left() for t in _tensors_in(v)))
+        return {storage_of(t) for t in held} - self.static_storages
 
     def _left(self) -> list:
         """The objects the real call bound to module attributes (``self.ring =

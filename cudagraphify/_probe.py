@@ -279,6 +279,9 @@ class Probe:
         # parameters' (a kernel launched with a weight's address reads it; a copy of each would
         # cost a copy of the model)
         self.weights: set[int] | frozenset = frozenset()
+        # the host's memory only (a CUDA capture's run: it runs the host's work for real, and a
+        # copy of the device's would be captured, not made)
+        self.host_only = False
         # likewise (set to a dict to start, with ``written``): the tensors from before the call,
         # outside ``known``, that the run wrote in place, by id -> (the tensor, its version
         # before its first write in the run), put back afterwards (_writes.put_versions_back)
@@ -375,7 +378,8 @@ class Probe:
         """A copy of the bytes of ``t``'s storage (``ptr``) into ``saved``, unless it has one
         there (or None: put back by other means) or is ``known``."""
         saved = self.saved
-        if ptr not in saved and (self.known is None or ptr not in self.known):
+        if ptr not in saved and (self.known is None or ptr not in self.known) \
+                and (not self.host_only or t.device.type == "cpu"):
             st = t.untyped_storage()
             saved[ptr] = (st, st.clone())
 

@@ -12,7 +12,6 @@ from ._nested import Nested
 from ._piecewise import probed, write_tracker
 from ._replay import StaticInputs
 from ._signature import storage_of, unflatten_call
-from ._state import tensors_in
 from ._training import saved_by_backward, warmup_backward
 from ._watch import Recorder, recording
 
@@ -44,11 +43,8 @@ def extra_warmups(first) -> str:
     held = first.held_tensors()
     # Memory from before the call that they write, copied before its first write in them
     # (``Probe.saved``): a buffer written by later calls only. Not the statics copied above,
-    # nor what ``_writes.kept`` puts back (the parts of storages its tensors view: a plain
-    # attribute that views a buffer leaves the buffer's storage to the probe).
-    kept = {storage_of(t) for t in (*held, *(t for v in first._left() for t in tensors_in(v)))}
-    copies = dict.fromkeys({storage_of(t) for t in written}
-                           | (kept - first.statics.storage_ptrs()))
+    # nor what ``_writes.kept`` puts back.
+    copies = dict.fromkeys({storage_of(t) for t in written} | first.kept_storages())
     versions: dict = {}  # (and the versions of the tensors written through)
     before = [(t, version_of(t), storage_of(t)) for t in first.watchable]
     unseen = ""

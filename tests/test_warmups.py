@@ -10,6 +10,7 @@ Each module runs on an eager twin and graphed; everything is compared bitwise af
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import pytest
@@ -18,6 +19,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import cudagraphify as cg
+from cudagraphify import _capture
+from cudagraphify._errors import CaptureFailed
+
+from conftest import SimBackend, _Recorder
 
 
 @pytest.fixture(autouse=True)
@@ -435,3 +440,49 @@ def test_a_weight_handed_out_past_torch_is_not_copied(sim, monkeypatch):
         g(torch.randn(3, 4))
     ptr = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     assert ptr(g.tmp) in copied and ptr(g.lin.weight) not in copied, copied
+
+
+# -- a capture whose run is real for the host's memory (CUDA's, for CPU tensors) ---------------
+
+class _HostSim(SimBackend):
+    """The simulated capture as CUDA's treats the host's tensors: their ops run for real (the
+    conftest double puts back what its run wrote, as CUDA's does for the device's). Here every
+    tensor is the host's."""
+
+    capture_runs_kernels = False
+
+    def capture(self, fn, device, pool=None, keep_graph=False):
+        rec = _Recorder()
+        self._tls.depth = getattr(self._tls, "depth", 0) + 1
+        t0 = time.perf_counter()
+        try:
+            with rec:
+                out = fn()
+        except Exception as e:
+            raise CaptureFailed(f"{type(e).__name__}: {e}") from e
+        finally:
+            self._tls.depth -= 1
+            rec.saved.clear()  # (written for real: nothing to put back)
+        self.captures += 1
+        g = self.graph_class(rec, self, pool, time.perf_counter() - t0)
+        self.graphs.append(g)
+        return g, out
+
+
+@pytest.fixture
+def host_sim():
+    backend = _HostSim()
+    old = _capture.set_backend(backend)
+    try:
+        yield backend
+    finally:
+        _capture.set_backend(old)
+
+
+@pytest.mark.parametrize("make", [_EveryCall, lambda: _LaterPath("buffer"),
+                                  lambda: _LaterPath("global"), lambda: _LaterPath("plain")],
+                         ids=["every call", "later buffer", "later global", "later plain"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_the_host_memory_a_captures_run_writes_for_real_is_put_back(host_sim, make, grad):
+    ref, g = _twins(make)
+    _same_as_eager(ref, g, calls=1, grad=grad)  # (the first call: a replay runs no host work)
