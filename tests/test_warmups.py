@@ -397,7 +397,7 @@ class _ViewReadLaterBase(nn.Module):
 
 
 @pytest.mark.parametrize("grad", [False, True])
-def test_control_a_buffer_viewed_by_a_plain_attribute_the_call_reads(sim, grad):
+def test_a_buffer_part_only_later_calls_write_beside_a_view_the_call_reads(sim, grad):
     ref, g = _twins(_ViewReadLaterBase, num_warmup_iters=2)
     _same_as_eager(ref, g, grad=grad)
 
