@@ -26,8 +26,8 @@ from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output
 from ._graphdiff import Storages
 from ._signature import storage_of, unflatten_call
 from ._state import tensors_in as _tensors_in
-from ._training import capture_training, saved_by_backward, warmup_backward
-from ._versions import sharing
+from ._training import capture_training
+from ._warmups import extra_warmups, version_of
 from ._watch import Recorder, recording
 
 
@@ -39,9 +39,9 @@ class Capturing:
         # hold afterwards what the real call left in them, values and versions: a capture's
         # in-place ops move their versions, and its run is real for CPU tensors (a step
         # counter) and for the kernels a share_graph or family proof runs; the parameters and
-        # buffers it wrote keep their versions too, their values being put back by the extra
-        # warm-ups, which put back these tensors too)
-        written = [self.watchable[j] for j in self.wrote_statics]
+        # buffers keep their layouts and versions too, those it did not write included (a
+        # later path's write, ``self.log.set_(...)``), their values being put back by the
+        # extra warm-ups, which put back these tensors too)
         with contextlib.ExitStack() as kept:
             try:
                 # (where the capture's run is real only for the host: the CPU tensors' bytes;
@@ -54,28 +54,41 @@ class Capturing:
                     "capture deferred (retried on a later call): out of memory copying the "
                     "tensors the forward reads from outside its arguments, parameters and "
                     f"buffers: {_first_line(e)}"), guard=self.warm_guard)
-            kept.enter_context(_writes.versions_kept(written))
+            kept.enter_context(_writes.layouts_kept(self.statics.tensors))
+            # (and the versions of other tensors from before the call its ops write, a global
+            # only a later path writes, and where the capture runs the host's work for real, the
+            # bytes of the host's: see ``_capture``, after ``verify`` read them)
+            self.run_versions = {}
+            kept.callback(_writes.put_versions_back, self.run_versions)
+            self.run_saved = dict.fromkeys(self.kept_storages())
+            kept.callback(_writes.put_storages_back, self.run_saved)
             return self._capture()
 
     def _capture(self) -> Outcome:
         failed: CaptureFailed | None = None
         try:
-            if not self.opaque:
-                self._extra_warmups()
+            unseen = extra_warmups(self)
         except Exception as e:  # noqa: BLE001 - the real call succeeded: its result stands
             _forget_frames(e)
             failed = CaptureFailed(f"extra warm-up failed: {_first_line(e)}",
                                    transient=isinstance(e, torch.OutOfMemoryError))
+        else:
+            if unseen:  # (a write no copy could undo: no graph made on top of it)
+                return self._eager(unseen)
         second = new_probe(self.state, thunder=False)
         if second is not None:
             second.known = set()  # track what the capture's ops produce (see verify)
             second.written = set()  # and what they write (verify: held_storages)
             second.locate = False  # (what it reads from outside is the warm-up's business)
+            second.versions = self.run_versions  # (put back: see ``capture``)
+            if not getattr(self.backend, "capture_runs_kernels", True):
+                second.saved, second.host_only = self.run_saved, True
         rec = Recorder()
         try:
             if failed is not None:
                 raise failed
             run = self._counting_versions(probed(second, self.fn))
+            self.capture_versions = [version_of(t) for t in self.watchable]
             with Nested(), recording(rec):
                 if self.training:
                     entry = capture_training(
@@ -114,13 +127,29 @@ class Capturing:
                                          *self.held_tensors())}.values())
 
         def counted(*args, **kwargs):
-            before = [_version_of(t) for t in watch]
+            before = [version_of(t) for t in watch]
             try:
                 return run(*args, **kwargs)
             finally:
                 self.version_moves = [(t, t._version - v) for t, v in zip(watch, before)
                                       if v is not None and t._version > v]
         return counted
+
+    def graph_writes(self, second) -> list[int]:
+        """The parameters and buffers (indices into ``watchable``) the capture's run wrote,
+        those the real call wrote among them or not (a later path's write, ``out=self.tmp``):
+        by their versions, and as its probe (``second``) saw. A replay writes them."""
+        written = second.written if second is not None and second.written is not None else ()
+        return sorted(set(self.wrote_statics) | {
+            j for j, (t, v) in enumerate(zip(self.watchable, self.capture_versions))
+            if (v is not None and version_of(t) != v) or storage_of(t) in written})
+
+    def kept_storages(self) -> set[int]:
+        """The storages whose bytes ``_writes.kept`` puts back around the runs that are not
+        calls (those of the tensors the forward reads from outside or bound to attributes; a
+        buffer one of them views is not among them: a probe copies it where it is written)."""
+        held = (*self.held_tensors(), *(t for v in self._left() for t in _tensors_in(v)))
+        return {storage_of(t) for t in held} - self.static_storages
 
     def _left(self) -> list:
         """The objects the real call bound to module attributes (``self.ring =
@@ -148,58 +177,6 @@ class Capturing:
         """Storages the caller owns (parameters, buffers, tensors kept as module attributes):
         returned as they are, never treated as a graph's output slots."""
         return self.static_storages | {storage_of(t) for t in self.warm_guard.tensors}
-
-    def _extra_warmups(self) -> None:
-        """Warm-up runs beyond the real call: on copies of the inputs; what the real call
-        wrote in parameters and buffers is restored after them, and the tensors it reads from
-        outside, so only its effect remains."""
-        n = self.state.options.num_warmup_iters - 1
-        if self.training:
-            n = max(n, 1)  # the backward needs a warm-up of its own
-        if n == 0:
-            return
-        written = [self.watchable[j] for j in self.wrote_statics]
-        with torch.no_grad():
-            saved = [t.clone() for t in written]
-        rec = Recorder()
-        try:
-            # (the tensors it reads from outside, put back before the capture too: ``verify``
-            # compares a small CPU one by value; around the whole capture: see ``capture``)
-            with _writes.kept(self._left(), self.held_tensors()), recording(rec):
-                for _ in range(n):
-                    self._warm_up_again()
-        finally:  # a failed extra run leaves no trace in the buffers either
-            self._put_back(rec)  # (nor in module attributes: ``self.n += 1``)
-            with torch.no_grad():
-                for t, v in zip(written, saved):
-                    # through .data: the real call's autograd graph saved these buffers
-                    # (BatchNorm's backward takes its running statistics) and checks versions
-                    t.data.copy_(v)
-
-    def _warm_up_again(self) -> None:
-        """One extra warm-up, on copies of the inputs (in training, with its backward)."""
-        statics, leaves, fn = self.statics, self.leaves, self.fn
-        copies = StaticInputs(leaves, [False] * len(leaves))
-        for i, buf in copies.copy:
-            buf.requires_grad_(self.training and leaves[i].requires_grad)
-        a, kw = unflatten_call(copies.leaves, self.sig)
-        with Nested():
-            if self.training:
-                wrt = statics.grad_params() + [b for _, b in copies.copy]
-                with saved_by_backward() as packed:
-                    self.backend.warmup(lambda: warmup_backward(
-                        lambda: fn(*a, **kw), wrt, statics.stand_ins), self.device)
-                self.saved = _saved_indices(packed, copies, self.tensor_idx, statics)
-                # (and the tensors read from outside it saves, plain attributes: their versions
-                # are checked at backward as a buffer's are; those whose counter a saved tensor
-                # shares, as eager's check reads it: a buffer registered as a view of another's
-                # ``.data`` has a counter of its own)
-                self.saved_statics = sharing(
-                    [t for t in (*statics.tensors, *self.held_tensors())
-                     if not t.requires_grad and _version_of(t) is not None],
-                    [t for t in packed if _version_of(t) is not None])
-            else:
-                self.backend.warmup(lambda: fn(*a, **kw), self.device)
 
     def _wrote_held(self, made_ok: bool = False) -> bool:
         """Whether the real call may have written a tensor it reads from outside, or one it
@@ -504,33 +481,6 @@ class Capturing:
                     rehearsing(self.state, lambda: self.fn(*a, **kw)) if rehearsed
                     else lambda: self.fn(*a, **kw), self.device)
         return run
-
-
-def _version_of(t: torch.Tensor) -> int | None:
-    """``t._version``, or None where it has none (an inference tensor, a wrapper subclass)."""
-    try:
-        return None if t.is_inference() else t._version
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-
-
-def _saved_indices(packed: list[torch.Tensor], copies: StaticInputs, tensor_idx: list[int],
-                   statics) -> set[int]:
-    """Which tensors of a graphed training call autograd saves for backward (by storage):
-    positions among the autograd Function's inputs (the user's tensors, then the parameters
-    that require grad)."""
-    storages = {storage_of(t) for t in packed} - {0}
-    out = set()
-    by_leaf = dict(copies.copy)
-    for pos, i in enumerate(tensor_idx):
-        buf = by_leaf.get(i)
-        if buf is not None and storage_of(buf) in storages:
-            out.add(pos)
-    n = len(tensor_idx)
-    for k, p in enumerate(statics.grad_params()):
-        if storage_of(p) in storages:
-            out.add(n + k)
-    return out
 
 
 def _forget_frames(error: BaseException) -> None:

@@ -38,6 +38,7 @@ from ._state import changed_again, demote
 from ._state import tensors_in as _tensors_in
 from ._signature import Signature, storage_of
 from ._versions import Counters, moving
+from ._warmups import extra_runs
 from ._watch import Recorder, recording
 from ._writes import inputs_alias
 
@@ -90,6 +91,11 @@ class FirstCall(Capturing):
         self.borrowed = False
         self.may_borrow = True
         self.marked = None  # (versions before the capture: see _rehearsal.mark)
+        self.capture_versions: list = []  # the statics' versions before it (graph_writes)
+        self.run_versions: dict = {}  # what the capture's probe saw written (Probe.versions)
+        # (buffer, its copy from before the call) for the buffers the call did not write, kept
+        # where no probe copies what the extra warm-ups write (see _warmups.extra_warmups)
+        self.by_value: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     # -- 1. warm up ------------------------------------------------------------------------
 
@@ -177,6 +183,12 @@ class FirstCall(Capturing):
         del before
         wrote = set(_writes.written(self.watchable, static_marks)) | {
             j for j, t in enumerate(self.watchable) if storage_of(t) in written}
+        if probe is None and extra_runs(self):
+            # (no probe to copy what the extra warm-ups write before they write it: the copies
+            # made to compare the buffers by value stand in for those the call did not write)
+            self.by_value = [(t, m) for j, (t, m) in enumerate(zip(self.watchable, static_marks))
+                             if isinstance(m, torch.Tensor) and j not in wrote]
+        del static_marks
         if adopted:
             # modules first met in this call (one it reached outside its tree, a graphed
             # function's): their tensors had no marks before the call. A parameter is written
@@ -483,10 +495,11 @@ class FirstCall(Capturing):
             entry.release()
             return Outcome(EAGER, self.result, reason=guard.unguardable)
         entry.pinned = tuple(self.pinned)
-        # parameters and buffers the forward writes: an argument that shares their memory must
-        # not be read from a copy (checked on every call)
+        # parameters and buffers the forward writes, the real call or the graph: an argument
+        # that shares their memory must not be read from a copy (checked on every call)
+        graph_writes = self.graph_writes(second)
         entry.written_statics = frozenset(storage_of(self.watchable[j])
-                                          for j in self.wrote_statics) - {0}
+                                          for j in graph_writes) - {0}
         # (the version counters its replay moves, and a training graph's backward checks)
         if self.version_moves or self.saved_statics:
             entry.counters = Counters(self.statics, self.version_moves,
@@ -516,7 +529,7 @@ class FirstCall(Capturing):
         # (nor where it reads tensors from outside: a write to them the probe does not see, a
         # functional batch norm's running statistics, would be made twice, and the replay's
         # outputs computed from it)
-        replay = chain and not self.mutated and not self.wrote_statics and not self.opaque \
+        replay = chain and not self.mutated and not graph_writes and not self.opaque \
             and not self._wrote_held() and not self.read_tensors()
         if rehearsed is not None and not shared:  # (to the later sizes of capture_sizes)
             lend(self, rehearsed)

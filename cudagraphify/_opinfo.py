@@ -14,7 +14,7 @@ import torch
 from ._policy import op_name
 
 __all__ = ["infos", "info_of", "written_by", "schemas", "in_place", "W_NONE", "W_FIRST",
-           "W_SCHEMA", "INPLACE_DUNDERS"]
+           "W_SCHEMA", "INPLACE_DUNDERS", "UNSEEN", "UNSEEN_OPS", "writes_unseen"]
 
 # What the probe needs of each function it sees, by id (the function held, so that its id stays
 # its own): (func, op_name(func), what it writes without keywords: W_NONE, W_FIRST (an
@@ -77,6 +77,27 @@ def written_by(func: Any, args: tuple, kwargs: dict) -> list:
             out.append(args[0])  # (a list of tensors for the in-place _foreach ops)
         out.append(kwargs.get("out"))
     return [t for v in out for t in (v if isinstance(v, (list, tuple)) else (v,))]
+
+
+# Calls whose writes neither their name, their arguments nor a version counter tell: running
+# statistics updated in the kernel (by a part of the name: ``F.batch_norm``,
+# ``torch.instance_norm``); memory handed past torch (a kernel launched with its address, numpy)
+UNSEEN = ("batch_norm", "instance_norm")
+UNSEEN_OPS = frozenset({"Tensor.data_ptr", "Tensor.numpy", "Tensor.__dlpack__", "Tensor.__array__",
+                        "Tensor.__cuda_array_interface__", "Tensor.untyped_storage",
+                        "Tensor.storage", "Tensor._typed_storage"})
+_unseen: dict[str, bool] = {}
+
+
+def writes_unseen(name: str) -> bool:
+    """Whether a call of this op name (``op_name``) may write its tensor arguments unseen (see
+    :data:`UNSEEN`, :data:`UNSEEN_OPS`)."""
+    hit = _unseen.get(name)
+    if hit is None:
+        if len(_unseen) >= 4096:
+            _unseen.clear()
+        hit = _unseen[name] = name in UNSEEN_OPS or any(u in name for u in UNSEEN)
+    return hit
 
 
 def schemas(func: Any) -> list:

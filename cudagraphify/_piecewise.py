@@ -20,7 +20,8 @@ from ._probe import Finding, Probe, control_flow_findings, plan_pieces
 if TYPE_CHECKING:  # pragma: no cover - annotations only
     import torch
 
-__all__ = ["PiecewiseEntry", "new_probe", "probed", "plan", "sequence_findings"]
+__all__ = ["PiecewiseEntry", "new_probe", "write_tracker", "probed", "plan",
+           "sequence_findings"]
 
 
 class PiecewiseEntry(EagerEntry):
@@ -44,6 +45,23 @@ def new_probe(state, *, thunder: bool | None = None) -> Probe | None:
     policy = state.options.op_policy or default_policy
     use_thunder = (mode == "thunder") if thunder is None else thunder
     return Probe(state.statics.root, policy, thunder=use_thunder, accel=state.accel)
+
+
+def write_tracker(state, known: set[int], saved: dict, versions: dict,
+                  weights: set[int]) -> Probe | None:
+    """A probe of what a run beyond the real call writes in memory from before the call (None
+    when ``state``'s probe is off): the storages ``saved`` holds no entry for and ``known``
+    does not name (the run's copies of the inputs) are copied into it before their first
+    write, the versions of the tensors written through into ``versions`` (see
+    ``Probe.saved``); the ``weights`` only where an op writes them in place. It screens
+    nothing: no op is recorded or tagged, no module path kept."""
+    if not state.options.probe:
+        return None
+    probe = Probe(None, state.options.op_policy or default_policy, accel=state.accel)
+    probe.screens = False
+    probe.known, probe.written, probe.locate = known, set(), False
+    probe.saved, probe.versions, probe.weights = saved, versions, weights
+    return probe
 
 
 def probed(probe: Probe | None, fn: Callable) -> Callable:

@@ -24,7 +24,7 @@ from torch.nn.modules import module as _module_mod
 from torch.overrides import TorchFunctionMode
 
 from ._watch import own_global_hook
-from ._opinfo import W_FIRST, W_SCHEMA, info_of, infos, written_by
+from ._opinfo import W_FIRST, W_SCHEMA, info_of, infos, writes_unseen, written_by
 from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
 from ._signature import storage_of
 
@@ -120,14 +120,17 @@ class _Mode(TorchFunctionMode):
         info = infos.get(id(func))
         if info is None or info[0] is not func:
             info = info_of(func)
-        probe.record(func, args, kwargs, info[1])
-        if not probe.grad_on and _grad_enabled() and any(  # (an op, not a setter)
-                isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and any(
-                    isinstance(b, torch.Tensor) for b in a)) for a in args):
-            probe.grad_on = True
+        if probe.screens:
+            probe.record(func, args, kwargs, info[1])
+            if not probe.grad_on and _grad_enabled() and any(  # (an op, not a setter)
+                    isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and any(
+                        isinstance(b, torch.Tensor) for b in a)) for a in args):
+                probe.grad_on = True
         layouts = None
         if probe.written is not None and (info[2] or kwargs):
             layouts = probe.note_writes(func, args, kwargs, info[2])
+        if probe.saved is not None and writes_unseen(info[1]):
+            probe.save_reached(args, kwargs)
         out = func(*args, **kwargs)
         if layouts:
             probe.note_relayouts(layouts, info[1])
@@ -234,6 +237,9 @@ class Probe:
         self.thunder = thunder
         self.names = {id(m): n for n, m in root.named_modules()} if root is not None else {}
         self.findings: list[Finding] = []
+        # False: the ops are neither recorded nor tagged (no findings, no sequences): a probe
+        # of what a run writes only (see _piecewise.write_tracker)
+        self.screens = True
         self.sequences: dict[str, list[str]] = collections.defaultdict(list)
         self.called: set[str] = set()  # the submodules whose forward ran (ops of their own or not)
         self._stack: list[str] = []
@@ -264,10 +270,22 @@ class Probe:
         self.written: set[int] | None = None
         # those of them that no earlier op of the run produced (memory from before the call)
         self.written_before_made: set[int] = set()
-        # a rehearsal's (set to a dict to start): storages from before the call, outside
-        # ``known``, by address -> (the storage, a copy of its bytes before its first write in
-        # the run), put back afterwards (see _rehearsal.rehearse)
-        self.saved: dict[int, tuple] | None = None
+        # a rehearsal's or an extra warm-up's (set to a dict to start, with ``written``):
+        # storages from before the call, outside ``known``, by address -> (the storage, a copy
+        # of its bytes before its first write in the run; None: put back by other means), put
+        # back afterwards (see _rehearsal.rehearse, Capturing._extra_warmups)
+        self.saved: dict[int, tuple | None] | None = None
+        # storages never copied for a call that may write unseen (see save_reached): the
+        # parameters' (a kernel launched with a weight's address reads it; a copy of each would
+        # cost a copy of the model)
+        self.weights: set[int] | frozenset = frozenset()
+        # the host's memory only (a CUDA capture's run: it runs the host's work for real, and a
+        # copy of the device's would be captured, not made)
+        self.host_only = False
+        # likewise (set to a dict to start, with ``written``): the tensors from before the call,
+        # outside ``known``, that the run wrote in place, by id -> (the tensor, its version
+        # before its first write in the run), put back afterwards (_writes.put_versions_back)
+        self.versions: dict[int, tuple] | None = None
         # an op on tensors ran with grad mode on (a forward that turns it on itself, called
         # under no_grad: its signature's key holds no parameters' requires_grad, see
         # _first_call)
@@ -335,13 +353,35 @@ class Probe:
                     written.add(ptr)
                     if ptr not in self.produced:
                         self.written_before_made.add(ptr)
-                        saved = self.saved
-                        if saved is not None and ptr not in saved and (
-                                self.known is None or ptr not in self.known):
-                            st = t.untyped_storage()
-                            saved[ptr] = (st, st.clone())
+                        if self.saved is not None:
+                            self._save(t, ptr)
+                        if self.versions is not None and id(t) not in self.versions \
+                                and (self.known is None or ptr not in self.known) \
+                                and not t.is_inference():
+                            self.versions[id(t)] = (t, t._version)
                 layouts.append((t, _layout(t)))
         return layouts
+
+    def save_reached(self, args: tuple, kwargs: dict) -> None:
+        """Before a call that may write its tensor arguments unseen (running statistics
+        updated in the kernel, memory handed past torch by ``data_ptr``: see
+        :func:`~._opinfo.writes_unseen`): a copy of each from before the run, as of a first
+        write (see ``saved``), the ``weights`` aside."""
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor):
+                    ptr = storage_of(t)
+                    if ptr and ptr not in self.produced and ptr not in self.weights:
+                        self._save(t, ptr)
+
+    def _save(self, t: torch.Tensor, ptr: int) -> None:
+        """A copy of the bytes of ``t``'s storage (``ptr``) into ``saved``, unless it has one
+        there (or None: put back by other means) or is ``known``."""
+        saved = self.saved
+        if ptr not in saved and (self.known is None or ptr not in self.known) \
+                and (not self.host_only or t.device.type == "cpu"):
+            st = t.untyped_storage()
+            saved[ptr] = (st, st.clone())
 
     def note_relayouts(self, layouts: list[tuple[torch.Tensor, tuple | None]],
                        name: str) -> None:

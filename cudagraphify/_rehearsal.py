@@ -19,6 +19,7 @@ import weakref
 
 import torch
 
+from ._opinfo import writes_unseen
 from ._piecewise import new_probe, probed
 from ._probe import Probe
 from ._replay import StaticInputs
@@ -52,6 +53,9 @@ def rehearse(first) -> Probe | None:
     # what the real call left in them)
     held = first.held_tensors()
     with contextlib.ExitStack() as stack:
+        # (their versions too, once ``restored`` found by them what it wrote: the real call's
+        # autograd graph checks those of the buffers it saved)
+        stack.enter_context(_writes.versions_kept(statics))
         try:
             wrote = stack.enter_context(restored(statics, buffers, first.wrote_statics,
                                                  first.device))
@@ -66,6 +70,7 @@ def rehearse(first) -> Probe | None:
         # back by bytes: only the real call's effects remain)
         rehearsal.written = set()
         rehearsal.saved = {storage_of(t): None for t in held}  # (those: _writes.kept's)
+        rehearsal.versions = {}  # (and the versions of what it writes through)
         tracked = first.probe.written is not None  # (what it writes: a family's proof asks)
         rehearsal.states_written = {storage_of(t) for obj in states.values()
                                     for t in _tensors_in(obj)}
@@ -86,15 +91,15 @@ def rehearse(first) -> Probe | None:
             pass
         finally:  # (not a call: the module attributes it set go, ``self.n += 1``)
             first._put_back(rec)
-            for kept in rehearsal.saved.values():
-                if kept is not None:
-                    kept[0].copy_(kept[1])
+            _writes.put_storages_back(rehearsal.saved)
             rehearsal.saved = None
         wrote_held = {storage_of(held[j]) for j in _writes.written(held, held_marks)}
         if tracked:
             wrote_held |= rehearsal.written & {storage_of(t) for t in held}
         else:
             rehearsal.written = None  # (as the real call's probe: not tracked)
+    _writes.put_versions_back(rehearsal.versions)
+    rehearsal.versions = None
     # A path that writes what the eager one does not (or a parameter: restored only where
     # the real call wrote it too) is not the same computation.
     wrote_inputs = {copies.copy[k][0]
@@ -236,15 +241,6 @@ def fingerprint(first) -> tuple | None:
     )
 
 
-# Ops whose writes neither the probe nor a version counter sees: running statistics updated
-# in the kernel (by a part of the name); memory reached past torch (a kernel launched with its
-# address, numpy)
-_UNSEEN = ("batch_norm", "instance_norm")
-_UNSEEN_OPS = frozenset({"Tensor.data_ptr", "Tensor.numpy", "Tensor.__dlpack__", "Tensor.__array__",
-                         "Tensor.__cuda_array_interface__", "Tensor.untyped_storage",
-                         "Tensor.storage", "Tensor._typed_storage"})
-
-
 # the states that lent in a capture_sizes run (id of its log -> the states): all forgotten at
 # its end (``forget``), not only its target's (a piece, a callable its inputs() called)
 _lenders: dict[int, list] = {}
@@ -261,14 +257,13 @@ def forget(log: list) -> None:
 def lend(first, rehearsal: Probe) -> None:
     """After ``rehearsal`` made ``first``'s graph: lent to the later sizes of this
     capture_sizes run (the first one lent stays). Not where its path runs an op that may write
-    unseen (:data:`_UNSEEN`): a rehearsal finds such a write in a buffer by its value, a
-    capture cannot (one of the same ops that writes a buffer at another size only)."""
+    unseen (:func:`~._opinfo.writes_unseen`): a rehearsal finds such a write in a buffer by its
+    value, a capture cannot (one of the same ops that writes a buffer at another size only)."""
     state, log = first.state, sizes_log.get()
     held = state.rehearsed
     if log is None or (held is not None and held.log is log):
         return
-    ran = {op for ops in rehearsal.sequences.values() for op in ops}
-    if ran & _UNSEEN_OPS or any(u in op for op in ran for u in _UNSEEN):
+    if any(writes_unseen(op) for ops in rehearsal.sequences.values() for op in ops):
         return
     sign = fingerprint(first)
     if sign is not None:

@@ -264,6 +264,12 @@ class StaticState:
     def storage_ptrs(self) -> set[int]:
         return {t.untyped_storage().data_ptr() for t in self.tensors}
 
+    def weight_ptrs(self) -> set[int]:
+        """The storages of the parameters that no buffer shares."""
+        ptrs = [(t.untyped_storage().data_ptr(), buf) for t, buf in zip(self.tensors,
+                                                                         self._is_buffer)]
+        return {p for p, buf in ptrs if not buf} - {p for p, buf in ptrs if buf}
+
     def let_go(self) -> None:
         """Hold none of the tensors' storages any more (no graph of this callable reads them);
         the next check rescans."""

@@ -18,7 +18,8 @@ from ._state import tensors_in
 
 __all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "contents",
            "differ", "put_back", "refill", "slot_names", "versions_kept", "layout",
-           "layouts_of", "put_layouts_back", "set_version"]
+           "layouts_of", "put_layouts_back", "layouts_kept", "put_storages_back",
+           "put_versions_back", "set_version"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -92,18 +93,61 @@ def undone(tensors: list[torch.Tensor], host_only: bool = False):
             view = torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, lo, (hi - lo,),
                                                                             (1,))
             saved.append((view, view.clone()))
-    # (and their layouts: a forward's ``self.m.t_()`` or ``resize_`` runs again in each run)
-    layouts = layouts_of(tensors)
     try:
-        with versions_kept([t for t in tensors if t.layout is torch.strided]):
-            try:
-                yield
-            finally:
-                put_layouts_back(layouts)
+        # (and their layouts: a forward's ``self.m.t_()`` or ``resize_`` runs again in each run)
+        with layouts_kept(tensors):
+            yield
     finally:
         with torch.no_grad():
             for view, copy in saved:
                 view.copy_(copy)
+
+
+@contextlib.contextmanager
+def layouts_kept(tensors: list[torch.Tensor]):
+    """Afterwards each of ``tensors`` has the layout (storage, offset, size, stride) and the
+    version counter it had before the block; their bytes are the caller's business. Only
+    metadata is kept: around the runs beyond the real call, over every parameter and buffer
+    (a forward's ``self.log.set_(...)`` or ``self.log.data = ...``, which no probe sees, runs
+    again in each run; so does an in-place op that moves a version a saved tensor is checked
+    by)."""
+    layouts = layouts_of(tensors)
+    with versions_kept([t for t in tensors if t.layout is torch.strided]):
+        try:
+            yield
+        finally:  # (before the versions: ``set_`` moves them)
+            put_layouts_back(layouts)
+
+
+def put_storages_back(saved: dict) -> None:
+    """Each (storage, copy of its bytes) among ``saved``'s values (None: kept elsewhere)
+    holds those bytes again: a probe's copies taken before a storage's first write in a run
+    that is not a call (see ``Probe.saved``). A storage that grew meanwhile (``resize_``) has
+    its first bytes put back; its layout is :func:`layouts_kept`'s business."""
+    with torch.no_grad():
+        for kept in saved.values():
+            if kept is None:
+                continue
+            st, copy = kept
+            n = min(st.nbytes(), copy.nbytes())
+            if n == st.nbytes() == copy.nbytes():
+                st.copy_(copy)
+            elif n:
+                _bytes(st, n).copy_(_bytes(copy, n))
+
+
+def put_versions_back(versions: dict) -> None:
+    """Each (tensor, version) among ``versions``' values (``Probe.versions``: in the order of
+    their first writes) has that version again. A view shares its base's counter: the earliest
+    one taken of a counter is set last."""
+    for t, version in reversed(list(versions.values())):
+        if t._version != version:
+            _set_version(t, version)
+
+
+def _bytes(st, n: int) -> torch.Tensor:
+    """The first ``n`` bytes of storage ``st``, as a tensor."""
+    return torch.empty(0, dtype=torch.uint8, device=st.device).set_(st, 0, (n,), (1,))
 
 
 def layouts_of(tensors: list[torch.Tensor]) -> list[tuple]:

@@ -269,15 +269,10 @@ def _first_calls(saved: str):
         assert torch.equal(ref.scale, g.scale), step
 
 
-@pytest.mark.xfail(strict=True, reason="T4: the extra warm-up and the capture's run write a "
-                   "buffer the real call did not: its version is not put back, the first call's "
-                   "backward raises where eager's does not")
 def test_t4_first_calls_backward_raises(sim):
     _first_calls("tmp")
 
 
-@pytest.mark.xfail(strict=True, reason="T4: the extra warm-up writes a buffer the real call did "
-                   "not, and nothing puts its value back (wrong until the next call)")
 def test_t4_buffer_value_after_the_first_call(sim):
     _first_calls("scale")
 

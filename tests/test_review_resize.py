@@ -203,16 +203,8 @@ class BufferLayout(nn.Module):
         return h
 
 
-_F2B = ("F2b (older than the resize change): a buffer whose storage or layout forward "
-        "changes in place is changed again by the capture's run and not put back (the held "
-        "plain attributes' layouts are, _writes.kept; buffers only get their versions kept): "
-        "after one call the buffer is two calls ahead of eager")
-
-
 @pytest.mark.parametrize("how", [
-    pytest.param("set_", marks=pytest.mark.xfail(strict=True, reason=_F2B)),
-    pytest.param(".data =", marks=pytest.mark.xfail(strict=True, reason=_F2B + " (.data = "
-                                                    "is no op the probe sees)")),
+    "set_", ".data =",
     "unsqueeze_",  # (fixed: an in-place op's change of layout is a RELAYOUT finding)
 ])
 def test_f2b_a_buffer_relaid_out_in_place_matches_eager(sim, how):
