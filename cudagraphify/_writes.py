@@ -142,7 +142,7 @@ def put_versions_back(versions: dict) -> None:
     one taken of a counter is set last."""
     for t, version in reversed(list(versions.values())):
         if t._version != version:
-            _set_version(t, version)
+            set_version(t, version)
 
 
 def _bytes(st, n: int) -> torch.Tensor:
