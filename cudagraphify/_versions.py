@@ -41,7 +41,8 @@ __all__ = ["Counters", "counter_groups", "moving", "sharing"]
 _increment_version = torch._C._increment_version
 
 # Why a graph is dropped when its statics' counters are shared otherwise than at capture.
-REGROUPED = ("a parameter or buffer the forward writes was rebound to a tensor object that "
+REGROUPED = ("a parameter or buffer the forward writes, or its backward checks, was rebound "
+             "to a tensor object that "
              "shares its version counter otherwise than at capture (the base of a registered "
              "view rebound, m.base = m.base.data): the graph's version moves no longer fit; "
              "it is captured again")
@@ -56,24 +57,29 @@ class Counters:
     (:meth:`stale`, :meth:`resolve`)."""
 
     __slots__ = ("written", "saved", "scan", "_bumps", "_statics", "_moves", "_saved",
-                 "_groups")
+                 "_groups", "_saved_groups")
 
     def __init__(self, statics, moves: list[tuple[torch.Tensor, int]],
                  saved: list[torch.Tensor]):
-        at = {id(t): i for i, t in enumerate(statics.tensors)}
-        # (position among the statics, or None where it is kept as it is; the tensor now)
+        at = {id(t): key for key, t in zip(_keys(statics), statics.tensors)}
+        # (its slot among the statics, the dict and name that hold it, or None where it is
+        # kept as it is; the tensor now)
         self._moves = [(at.get(id(t)), t, n) for t, n in moves]
         self._saved = [(at.get(id(t)), t) for t in saved]
         self._statics = weakref.ref(statics)  # (an entry must not keep its owner's modules)
         self.scan = statics.scans
         self._groups = counter_groups([t for _, t, _ in self._moves])
+        self._saved_groups = counter_groups(self.saved_now())
         self._settle()
 
     def _settle(self) -> None:
         groups = self._groups
         self.written = tuple((t, n) for k, (_, t, n) in enumerate(self._moves) if groups[k] == k)
         self._bumps = tuple(t for t, n in self.written for _ in range(n))
-        self.saved = [t for _, t in self._saved]  # (a new list: a pending backward keeps its own)
+        self.saved = self.saved_now()  # (a new list: a pending backward keeps its own)
+
+    def saved_now(self) -> list[torch.Tensor]:
+        return [t for _, t in self._saved]
 
     def stale(self) -> bool:
         """Whether the statics were rescanned since the objects were found."""
@@ -88,12 +94,12 @@ class Counters:
         if statics is None:
             return None
         self.scan = statics.scans
-        now = statics.tensors
+        now = dict(zip(_keys(statics), statics.tensors))
 
-        def find(i, t):
-            if i is None:
+        def find(key, t):
+            if key is None:
                 return t
-            new = now[i] if i < len(now) else None
+            new = now.get(key)
             # (on the memory it held, with a counter: not an inference tensor)
             return new if new is not None and new.data_ptr() == t.data_ptr() \
                 and not new.is_inference() else None
@@ -102,10 +108,12 @@ class Counters:
         saved = [(i, find(i, t)) for i, t in self._saved]
         if any(t is None for _, t, _ in moves) or any(t is None for _, t in saved):
             return ("a parameter or buffer whose version counter the graph moves or checks "
-                    "is no longer where it was among the module's, or has no counter (an "
+                    "is no longer in its module's slot, or has no counter (an "
                     "inference tensor): it is captured again")
-        groups = counter_groups([t for _, t, _ in moves])
-        if groups != self._groups:
+        # (the saved ones too: one that shared a saved tensor's counter through another
+        # static, a view buffer, may not any more, and eager's backward would not check it)
+        if counter_groups([t for _, t, _ in moves]) != self._groups \
+                or counter_groups([t for _, t in saved]) != self._saved_groups:
             return REGROUPED
         self._moves, self._saved = moves, saved
         self._settle()
@@ -126,6 +134,14 @@ def moving(replay, counters: Counters):
         if bumps:
             _increment_version(bumps)
     return run
+
+
+def _keys(statics) -> list[tuple[int, str]]:
+    """Each of ``statics.tensors``' slot: its dict (a module's ``_parameters`` or ``_buffers``,
+    by identity: the statics hold their modules) and name. By slot, not by position: two
+    buffers over one memory and layout (``m.c = m.a.data``), registered again in another order,
+    keep every position's layout, not its object."""
+    return [(id(d), n) for d, n in statics._slots]
 
 
 def counter_groups(tensors: list[torch.Tensor]) -> tuple[int, ...]:
