@@ -43,9 +43,10 @@ def extra_warmups(first) -> str:
         saved = [t.clone() for t in written]
     held = first.held_tensors()
     # Memory from before the call that they write, copied before its first write in them
-    # (``Probe.saved``): a buffer written by later calls only. Not the statics copied above,
-    # nor what ``_writes.kept`` puts back.
-    copies = dict.fromkeys({storage_of(t) for t in written} | first.kept_storages())
+    # (``Probe.saved``): a buffer written by later calls only; the whole storage of a static
+    # copied above too (another part of it, a global's view, may be written by later calls
+    # only). Not what ``_writes.kept`` puts back.
+    copies = dict.fromkeys(first.kept_storages())
     versions: dict = {}  # (and the versions of the tensors written through)
     before = [(t, version_of(t), storage_of(t)) for t in first.watchable]
     unseen = ""

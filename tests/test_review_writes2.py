@@ -1,6 +1,6 @@
 """Review of branch fix-writes (the runs beyond the real call put back what they write).
 
-CPU, ``sim``. Findings are strict xfails; controls are plain tests."""
+CPU, ``sim``. Open findings are strict xfails; fixed ones and controls are plain tests."""
 
 from __future__ import annotations
 
@@ -48,10 +48,8 @@ class _SharedStore(nn.Module):
         return self.lin(x) * self.a
 
 
-@pytest.mark.xfail(strict=True, reason="finding: a storage a written static shares is never "
-                   "copied (copies[ptr]=None); only the static's own elements are put back, "
-                   "so a later-path write to another part of that storage (a global view) "
-                   "keeps the extra warm-ups' writes")
+# (finding 1, fixed: a storage a written static shares was never copied; only the static's
+# own elements were put back, a later-path write to another part of it was kept)
 @pytest.mark.parametrize("iters", [2, 3])
 def test_global_view_sharing_a_written_buffers_storage(sim, iters):
     ref, g = _twins(_SharedStore, num_warmup_iters=iters)
@@ -77,8 +75,6 @@ class _SharedStoreParam(_SharedStore):
         return self.lin(x) * self.a
 
 
-@pytest.mark.xfail(strict=True, reason="finding: as above, the other part is a plain tensor "
-                   "attribute (held): not put back either")
 @pytest.mark.parametrize("iters", [2, 3])
 def test_plain_attribute_view_sharing_a_written_buffers_storage(sim, iters):
     ref, g = _twins(_SharedStoreParam, num_warmup_iters=iters)
