@@ -7,8 +7,8 @@ counters its capture's run moved (parameters, buffers, tensors read from outside
 and a training graph's backward checks those of the buffers and frozen parameters autograd
 saves (see :mod:`._training`). Which tensor objects those are is decided here:
 
-- A parameter or buffer is kept by its position among the statics (``StaticState.tensors``),
-  not as the object met at capture: rebound to another tensor object on the same memory
+- A parameter or buffer is kept by its slot among the statics (the module's dict and name
+  that hold it, ``StaticState._slots``), not as the object met at capture: rebound to another tensor object on the same memory
   (``m.b = m.b.data``, ``load_state_dict(assign=True)`` of tensors over that memory), it keeps
   its graphs (the same addresses), but the object, and its counter, is another. After each
   rescan of the statics, which is the only way such a rebinding is seen, the next replay finds
@@ -87,7 +87,7 @@ class Counters:
         return statics is not None and statics.scans != self.scan
 
     def resolve(self) -> str | None:
-        """Find the statics' objects again (after a rescan that kept the graph: each position
+        """Find the statics' objects again (after a rescan that kept the graph: each slot
         holds a tensor on the memory it held). None, or why the graph cannot keep its
         moves."""
         statics = self._statics()

@@ -63,7 +63,7 @@ def extra_warmups(first) -> str:
                     for _ in range(n):
                         _warm_up_again(first, copies, versions)
             finally:  # (before their versions are put back)
-                unseen = _unseen_writes(first, before, copies)
+                unseen = _unseen_writes(first, before, copies, written)
     finally:  # a failed extra run leaves no trace in the buffers either
         first._put_back(rec)  # (nor in module attributes: ``self.n += 1``)
         _writes.put_storages_back(copies)
@@ -80,11 +80,13 @@ def extra_warmups(first) -> str:
     return unseen
 
 
-def _unseen_writes(first, before: list, copies: dict) -> str:
+def _unseen_writes(first, before: list, copies: dict, written: list) -> str:
     """Why a parameter or buffer the extra warm-ups wrote cannot be put back: its version moved
     (its layout as it was) and no copy of it was taken (no probe saw the write: ``probe=False``
     for a parameter, a C++ extension's in-place op). "" where none."""
-    covered = set(copies) | {storage_of(t) for t, _ in first.by_value}
+    # (``written``: the statics the real call wrote, put back from their copies)
+    covered = set(copies) | {storage_of(t) for t, _ in first.by_value} | \
+        {storage_of(t) for t in written}
     for t, version, ptr in before:
         if version is not None and ptr not in covered and version_of(t) != version \
                 and storage_of(t) == ptr:
