@@ -157,7 +157,8 @@ class Capturing:
         if what is None:
             t = next((t for t, _ in self.run_versions.values() if storage_of(t) in wrote), None)
             what = "memory from before the call" if t is None else \
-                f"a {tuple(t.shape)} tensor that is no parameter or buffer (a global?)"
+                f"a {tuple(t.shape)} tensor that is no parameter or buffer (a plain " \
+                "attribute, a global)"
         return ("Python the backward runs (a tensor hook the forward registers, an autograd "
                 f"Function's backward) writes {what} in place: a replay of the backward graph "
                 "runs no Python (a host tensor's write would be lost) and moves no version "
