@@ -58,6 +58,10 @@ class Capturing:
             # (and the versions of other tensors from before the call its ops write, a global
             # only a later path writes, and where the capture runs the host's work for real, the
             # bytes of the host's: see ``_capture``, after ``verify`` read them)
+            # (the layouts of those its ops take: a global's ``set_``, put back after the
+            # versions, which it moves)
+            self.run_layouts = {}
+            kept.callback(_writes.put_seen_back, self.run_layouts)
             self.run_versions = {}
             kept.callback(_writes.put_versions_back, self.run_versions)
             self.run_saved = dict.fromkeys(self.kept_storages())
@@ -81,6 +85,7 @@ class Capturing:
             second.written = set()  # and what they write (verify: held_storages)
             second.locate = False  # (what it reads from outside is the warm-up's business)
             second.versions = self.run_versions  # (put back: see ``capture``)
+            second.layouts = self.run_layouts
             if not getattr(self.backend, "capture_runs_kernels", True):
                 second.saved, second.host_only = self.run_saved, True
         rec = Recorder()
@@ -134,7 +139,7 @@ class Capturing:
         def watch(backward, made):
             known = set(second.produced) | {storage_of(t) for t in made}
             tracker = write_tracker(self.state, known, None, self.run_versions,
-                                    self.statics.weight_ptrs())
+                                    self.statics.weight_ptrs(), self.run_layouts)
             if second.host_only:
                 tracker.saved, tracker.host_only = self.run_saved, True
 

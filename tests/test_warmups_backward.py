@@ -209,3 +209,102 @@ def test_an_autograd_functions_backward_that_writes_a_buffer(request, backend):
     ref, g = _twins(_FunctionWrites)
     _calls_same(ref, g)
     assert "buffer 'count'" in _refused(g), _refused(g)
+
+
+# -- a global rebound by ``set_`` (which no probe sees) on a path only later calls take ------
+
+class _LaterSetGlobal(nn.Module):
+    """The later calls (the extra warm-ups and the capture's run take their path) grow a
+    global by ``set_`` after reading it; with ``in_backward``, a hook does it in the backward."""
+
+    def __init__(self, in_backward: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        _G[id(self)] = torch.zeros(4)
+        self.in_backward = in_backward
+        self.ready = False
+
+    def target(self) -> torch.Tensor:
+        return _G[id(self)]
+
+    def _grow(self, row: torch.Tensor) -> None:
+        g = _G[id(self)]
+        g.set_(torch.cat([g, row.detach()]))
+
+    def forward(self, x):
+        h = self.lin(x)
+        if self.ready and not self.in_backward:
+            self._grow(h[0])
+        elif self.ready and h.requires_grad:
+            h.register_hook(lambda grad: self._grow(grad[0]))
+        self.ready = True
+        return h
+
+
+@pytest.mark.parametrize("iters", [2, 3])
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_globals_set_on_a_later_path_is_put_back(sim, iters, grad):
+    ref, g = _twins(_LaterSetGlobal, num_warmup_iters=iters)
+    torch.manual_seed(1)
+    for call in range(4):
+        x = torch.randn(3, 4)
+        with torch.enable_grad() if grad else torch.no_grad():
+            a, b = ref(x), g(x)
+            if grad:
+                a.sum().backward()
+                b.sum().backward()
+        assert torch.equal(a, b), call
+        assert g.target().shape == ref.target().shape, (call, g.target(), ref.target())
+        assert torch.equal(g.target(), ref.target()), (call, g.target(), ref.target())
+        assert g.target()._version == ref.target()._version, call
+
+
+@pytest.mark.parametrize("backend", ["sim", "host_sim"])
+def test_a_globals_set_in_a_later_backward_is_put_back(request, backend):
+    request.getfixturevalue(backend)
+    ref, g = _twins(lambda: _LaterSetGlobal(in_backward=True))
+    torch.manual_seed(1)
+    for call in range(4):
+        x = torch.randn(3, 4)
+        a, b = ref(x), g(x)
+        a.sum().backward()
+        b.sum().backward()
+        assert torch.equal(a, b), call
+        assert g.target().shape == ref.target().shape, (call, g.target(), ref.target())
+        assert torch.equal(g.target(), ref.target()), (call, g.target(), ref.target())
+        assert g.target()._version == ref.target()._version, call
+
+
+# -- open: what a backward's Python reads from outside ----------------------------------------
+
+class _HookReadsGlobal(nn.Module):
+    """A hook scales the hidden activation's gradient by a global, which the user rebinds."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        _G[id(self)] = torch.ones(())
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.requires_grad:
+            h.register_hook(lambda grad: grad * _G[id(self)])
+        return h
+
+
+@pytest.mark.xfail(strict=True, reason="open (silent wrong gradient): the tensors the captured "
+                   "backward's Python reads from outside (a global) are neither screened nor "
+                   "guarded, as the forward's are: a replay reads the one captured after the "
+                   "global was rebound (the hook's incoming gradient, made by autograd's C++, "
+                   "is not told apart from memory from before the call)")
+def test_a_hook_reading_a_global_the_user_rebinds(sim):
+    ref, g = _twins(_HookReadsGlobal)
+    torch.manual_seed(1)
+    for call in range(4):
+        if call == 2:
+            for m in (ref, g):
+                _G[id(m)] = torch.full((), 5.0)
+        x = torch.randn(3, 4)
+        ref(x).sum().backward()
+        g(x).sum().backward()
+        assert torch.equal(ref.lin.weight.grad, g.lin.weight.grad), call
