@@ -18,7 +18,7 @@ from ._capture import _first_line
 from ._errors import CaptureFailed
 from ._nested import Nested
 from ._outcome import DEFERRED, PIECEWISE, Outcome
-from ._piecewise import new_probe, probed
+from ._piecewise import new_probe, probed, write_tracker
 from ._probe import Finding
 from ._rehearsal import mark, rehearsing
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
@@ -27,7 +27,7 @@ from ._graphdiff import Storages
 from ._signature import storage_of, unflatten_call
 from ._state import tensors_in as _tensors_in
 from ._training import capture_training
-from ._warmups import extra_warmups, version_of
+from ._warmups import _name_of, extra_warmups, version_of
 from ._watch import Recorder, recording
 
 
@@ -58,6 +58,10 @@ class Capturing:
             # (and the versions of other tensors from before the call its ops write, a global
             # only a later path writes, and where the capture runs the host's work for real, the
             # bytes of the host's: see ``_capture``, after ``verify`` read them)
+            # (the layouts of those its ops take: a global's ``set_``, put back after the
+            # versions, which it moves)
+            self.run_layouts = {}
+            kept.callback(_writes.put_seen_back, self.run_layouts)
             self.run_versions = {}
             kept.callback(_writes.put_versions_back, self.run_versions)
             self.run_saved = dict.fromkeys(self.kept_storages())
@@ -81,6 +85,7 @@ class Capturing:
             second.written = set()  # and what they write (verify: held_storages)
             second.locate = False  # (what it reads from outside is the warm-up's business)
             second.versions = self.run_versions  # (put back: see ``capture``)
+            second.layouts = self.run_layouts
             if not getattr(self.backend, "capture_runs_kernels", True):
                 second.saved, second.host_only = self.run_saved, True
         rec = Recorder()
@@ -94,7 +99,7 @@ class Capturing:
                     entry = capture_training(
                         self.backend, run, self.sig, self.leaves, self.static_flags,
                         self.statics.grad_params(), self.device, self._persistent(),
-                        self.statics.stand_ins, self.saved)
+                        self.statics.stand_ins, self.saved, self._watch_backward(second))
                 else:
                     entry = self._capture_inference(run)
         except (CaptureFailed, torch.OutOfMemoryError) as e:
@@ -114,7 +119,55 @@ class Capturing:
         except OutputPlanError as e:
             self._put_back(rec)  # (the capture's run is not a call)
             return self._eager(str(e))
+        if self.backward_wrote:
+            entry.release()
+            self._put_back(rec)
+            return self._eager_or_piecewise([Finding("", "backward", ("PYTHON_HOOK",),
+                                                     self._backward_writes())])
         return self.verify(entry, second, rec)
+
+    def _watch_backward(self, second):
+        """What the capture's backward runs (see ``capture_training``'s ``watch``): under a
+        probe of what its Python writes in memory from before the call (a tensor hook the
+        forward registered, an autograd Function's backward), whose versions, and where the
+        capture runs the host's work for real the host's bytes, are put back as the forward's
+        (see ``capture``); the storages it wrote are ``backward_wrote``. None where the probe
+        is off (``second``: the forward's, whose memory is the run's own)."""
+        if second is None:
+            return None
+
+        def watch(backward, made):
+            known = set(second.produced) | {storage_of(t) for t in made}
+            tracker = write_tracker(self.state, known, None, self.run_versions,
+                                    self.statics.weight_ptrs(), self.run_layouts)
+            if second.host_only:
+                tracker.saved, tracker.host_only = self.run_saved, True
+
+            def run():
+                try:
+                    with tracker:
+                        return backward()
+                finally:
+                    self.backward_wrote = tracker.written_before_made - known
+            return run
+        return watch
+
+    def _backward_writes(self) -> str:
+        """Why a graph of this signature is refused where the capture's backward wrote memory
+        from before the call (``backward_wrote``): the graph would replay the device's part of
+        the write only, with no version counter moved."""
+        wrote = self.backward_wrote
+        what = next((_name_of(self, t) for t in self.statics.tensors
+                     if storage_of(t) in wrote), None)
+        if what is None:
+            t = next((t for t, _ in self.run_versions.values() if storage_of(t) in wrote), None)
+            what = "memory from before the call" if t is None else \
+                f"a {tuple(t.shape)} tensor that is no parameter or buffer (a plain " \
+                "attribute, a global)"
+        return ("Python the backward runs (a tensor hook the forward registers, an autograd "
+                f"Function's backward) writes {what} in place: a replay of the backward graph "
+                "runs no Python (a host tensor's write would be lost) and moves no version "
+                "counter")
 
     def _counting_versions(self, run: Callable) -> Callable:
         """``run`` (the capture's run of a forward) noting how far it moves the version

@@ -93,6 +93,10 @@ class FirstCall(Capturing):
         self.marked = None  # (versions before the capture: see _rehearsal.mark)
         self.capture_versions: list = []  # the statics' versions before it (graph_writes)
         self.run_versions: dict = {}  # what the capture's probe saw written (Probe.versions)
+        self.run_layouts: dict = {}  # and the layouts of what its ops took (Probe.layouts)
+        # the storages from before the call that the capture's backward wrote (its Python:
+        # a tensor hook, see Capturing._watch_backward): its graph is refused
+        self.backward_wrote: set[int] = set()
         # (buffer, its copy from before the call) for the buffers the call did not write, kept
         # where no probe copies what the extra warm-ups write (see _warmups.extra_warmups)
         self.by_value: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -48,19 +48,21 @@ def new_probe(state, *, thunder: bool | None = None) -> Probe | None:
 
 
 def write_tracker(state, known: set[int], saved: dict, versions: dict,
-                  weights: set[int]) -> Probe | None:
+                  weights: set[int], layouts: dict | None = None) -> Probe | None:
     """A probe of what a run beyond the real call writes in memory from before the call (None
     when ``state``'s probe is off): the storages ``saved`` holds no entry for and ``known``
     does not name (the run's copies of the inputs) are copied into it before their first
     write, the versions of the tensors written through into ``versions`` (see
-    ``Probe.saved``); the ``weights`` only where an op writes them in place. It screens
-    nothing: no op is recorded or tagged, no module path kept."""
+    ``Probe.saved``); the ``weights`` only where an op writes them in place; the layouts of
+    the tensors its ops take into ``layouts`` (``Probe.layouts``). It screens nothing: no op
+    is recorded or tagged, no module path kept."""
     if not state.options.probe:
         return None
     probe = Probe(None, state.options.op_policy or default_policy, accel=state.accel)
     probe.screens = False
     probe.known, probe.written, probe.locate = known, set(), False
     probe.saved, probe.versions, probe.weights = saved, versions, weights
+    probe.layouts = layouts
     return probe
 
 

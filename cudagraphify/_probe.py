@@ -27,6 +27,7 @@ from ._watch import own_global_hook
 from ._opinfo import W_FIRST, W_SCHEMA, info_of, infos, writes_unseen, written_by
 from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
 from ._signature import storage_of
+from ._writes import layout
 
 __all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
 
@@ -131,6 +132,8 @@ class _Mode(TorchFunctionMode):
             layouts = probe.note_writes(func, args, kwargs, info[2])
         if probe.saved is not None and writes_unseen(info[1]):
             probe.save_reached(args, kwargs)
+        if probe.layouts is not None:
+            probe.note_layouts(args, kwargs)
         out = func(*args, **kwargs)
         if layouts:
             probe.note_relayouts(layouts, info[1])
@@ -286,6 +289,11 @@ class Probe:
         # outside ``known``, that the run wrote in place, by id -> (the tensor, its version
         # before its first write in the run), put back afterwards (_writes.put_versions_back)
         self.versions: dict[int, tuple] | None = None
+        # likewise (set to a dict to start): the tensors from before the call among its ops'
+        # arguments, outside ``known``, by id -> (the tensor, its layout and version when first
+        # seen), put back afterwards (_writes.put_seen_back): ``set_``, which no torch function
+        # mode sees, may rebind one (a global's, on a path only later calls take)
+        self.layouts: dict[int, tuple] | None = None
         # an op on tensors ran with grad mode on (a forward that turns it on itself, called
         # under no_grad: its signature's key holds no parameters' requires_grad, see
         # _first_call)
@@ -373,6 +381,21 @@ class Probe:
                     ptr = storage_of(t)
                     if ptr and ptr not in self.produced and ptr not in self.weights:
                         self._save(t, ptr)
+
+    def note_layouts(self, args: tuple, kwargs: dict) -> None:
+        """Before an op: the layout and version of each tensor from before the call among its
+        arguments, as first seen (see ``layouts``)."""
+        layouts, produced, known = self.layouts, self.produced, self.known or ()
+        for value in (*args, *kwargs.values()) if kwargs else args:
+            for t in value if isinstance(value, (list, tuple)) else (value,):
+                if isinstance(t, torch.Tensor) and id(t) not in layouts \
+                        and t.layout is torch.strided and t.device.type != "meta" \
+                        and not t.is_inference():
+                    ptr = storage_of(t)
+                    if ptr and ptr not in produced and ptr not in known:
+                        lay = layout(t)
+                        if lay is not None:
+                            layouts[id(t)] = (t, lay, t._version)
 
     def _save(self, t: torch.Tensor, ptr: int) -> None:
         """A copy of the bytes of ``t``'s storage (``ptr``) into ``saved``, unless it has one

@@ -417,19 +417,23 @@ def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
 def capture_training(backend, fn: Callable, sig, leaves: list, static_flags: list[bool],
                      params: list[torch.Tensor], device: torch.device,
                      persistent: set[int], stand_ins=contextlib.nullcontext,
-                     saved: set[int] = frozenset()) -> TrainingGraph:
+                     saved: set[int] = frozenset(), watch=None) -> TrainingGraph:
     """Capture the forward and backward graphs of one signature (grad mode must be on).
 
     Under ``stand_ins()`` (see ``StaticState.stand_ins``) the module computes with aliases of
-    ``params`` and the backward differentiates with respect to those.
+    ``params`` and the backward differentiates with respect to those. ``watch(backward,
+    made)``, where given, is what the backward's capture runs instead of ``backward`` (a probe
+    of what its Python writes: a tensor hook the forward registered, an autograd Function's
+    backward), ``made`` the tensors made for it (the inputs' static copies, the incoming
+    gradients' buffers).
     """
     with stand_ins() as aliases:
         return _capture_training(backend, fn, sig, leaves, static_flags, params,
-                                 aliases or {}, device, persistent, frozenset(saved))
+                                 aliases or {}, device, persistent, frozenset(saved), watch)
 
 
 def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, device,
-                      persistent, saved) -> TrainingGraph:
+                      persistent, saved, watch) -> TrainingGraph:
     # Inputs that require grad are always copied: their gradient flows through the Function.
     flags = [f and not (isinstance(x, torch.Tensor) and x.requires_grad)
              for x, f in zip(leaves, static_flags)]
@@ -471,6 +475,8 @@ def _capture_training(backend, fn, sig, leaves, static_flags, params, aliases, d
                 return []
             return list(_grads(diff_outs, targets + bypassed, grad_out))
 
+        if watch is not None:
+            backward = watch(backward, [*(b for _, b in inputs.copy), *grad_out])
         with _hooks_silenced(targets):
             bwd_raw, grads = backend.capture(backward, device, pool=fwd_raw.pool)
         reached = [i for i, g in enumerate(grads[len(targets):]) if g is not None]

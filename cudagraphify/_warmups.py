@@ -48,6 +48,7 @@ def extra_warmups(first) -> str:
     # only). Not what ``_writes.kept`` puts back.
     copies = dict.fromkeys(first.kept_storages())
     versions: dict = {}  # (and the versions of the tensors written through)
+    seen: dict = {}  # (and the layouts of the tensors from before the call its ops take)
     before = [(t, version_of(t), storage_of(t)) for t in first.watchable]
     unseen = ""
     rec = Recorder()
@@ -61,13 +62,14 @@ def extra_warmups(first) -> str:
                 # ``capture``)
                 with _writes.kept(first._left(), held), recording(rec):
                     for _ in range(n):
-                        _warm_up_again(first, copies, versions)
+                        _warm_up_again(first, copies, versions, seen)
             finally:  # (before their versions are put back)
                 unseen = _unseen_writes(first, before, copies, written)
     finally:  # a failed extra run leaves no trace in the buffers either
         first._put_back(rec)  # (nor in module attributes: ``self.n += 1``)
         _writes.put_storages_back(copies)
         _writes.put_versions_back(versions)
+        _writes.put_seen_back(seen)  # (a global's ``set_``: after the versions, it moves them)
         with torch.no_grad():
             for t, v in zip(written, saved):
                 # through .data: the real call's autograd graph saved these buffers
@@ -112,17 +114,18 @@ def _name_of(first, t: torch.Tensor) -> str:
     return f"a {tuple(t.shape)} parameter or buffer"
 
 
-def _warm_up_again(first, saved: dict, versions: dict) -> None:
+def _warm_up_again(first, saved: dict, versions: dict, seen: dict) -> None:
     """One extra warm-up, on copies of the inputs (in training, with its backward), under a
     probe that copies memory from before the call into ``saved`` before its first write (and
-    the versions of the tensors written through into ``versions``)."""
+    the versions of the tensors written through into ``versions``, the layouts of those its
+    ops take into ``seen``)."""
     statics, leaves, fn = first.statics, first.leaves, first.fn
     copies = StaticInputs(leaves, [False] * len(leaves))
     for i, buf in copies.copy:
         buf.requires_grad_(first.training and leaves[i].requires_grad)
     a, kw = unflatten_call(copies.leaves, first.sig)
     tracker = write_tracker(first.state, {storage_of(b) for _, b in copies.copy}, saved,
-                            versions, statics.weight_ptrs())
+                            versions, statics.weight_ptrs(), seen)
     with Nested():
         if first.training:
             wrt = statics.grad_params() + [b for _, b in copies.copy]

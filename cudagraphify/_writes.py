@@ -19,7 +19,7 @@ from ._state import tensors_in
 __all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "contents",
            "differ", "put_back", "refill", "slot_names", "versions_kept", "layout",
            "layouts_of", "put_layouts_back", "layouts_kept", "put_storages_back",
-           "put_versions_back", "set_version"]
+           "put_versions_back", "put_seen_back", "set_version"]
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -134,6 +134,17 @@ def put_storages_back(saved: dict) -> None:
                 st.copy_(copy)
             elif n:
                 _bytes(st, n).copy_(_bytes(copy, n))
+
+
+def put_seen_back(seen: dict) -> None:
+    """Each (tensor, :func:`layout`, version) among ``seen``'s values (``Probe.layouts``)
+    whose layout changed is over that storage, offset, size and stride again, at that version
+    (``set_``, which no probe sees, on a tensor from before the call)."""
+    with torch.no_grad():
+        for t, lay, version in seen.values():
+            if layout(t) != lay:
+                t.set_(lay[0].st, *lay[1:])
+                set_version(t, version)
 
 
 def put_versions_back(versions: dict) -> None:
