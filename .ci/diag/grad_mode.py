@@ -44,7 +44,7 @@ def per_call(fn, x) -> float:
 for name in [a for a in sys.argv[1:] if not a.startswith("--")] or ["gpt2", "llama"]:
     ref, make, pick = MODELS[name](DEV)
     torch.manual_seed(0)
-    ref = ref.eval()
+    ref = ref.to(DEV).eval()  # (MODELS build on the CPU: see bench_differential)
     g = cg.graphify(copy.deepcopy(ref))
     for step, change, kwargs, ctx in steps(DEV):
         x = apply_step(step, change, make, kwargs, ref, g)
