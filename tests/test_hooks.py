@@ -257,6 +257,7 @@ def test_the_patches_are_gone_after_a_call_and_other_threads_are_not_watched(sim
     assert torch.Tensor.register_hook is _REGISTER_HOOK
     assert torch.Tensor.retain_grad is _RETAIN_GRAD
     assert torch.autograd.graph.register_multi_grad_hook is _MULTI
+    assert "set_" not in vars(torch.Tensor)  # (the probes' patch of it, see _probe)
     # a watch sees its own thread's registrations only (and blocks only those)
     t = torch.ones(2, requires_grad=True) * 2
     with _hooks.HookWatch(block=True) as watch:

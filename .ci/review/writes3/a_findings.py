@@ -3,7 +3,8 @@ graphed twin with its eager twin bitwise; PASS means the finding did not reprodu
 GPU behaviour other than the CPU double's). Expected on fix-writes3: FAIL for G1-G5, G7, G6
 (cost: refused), G8 (unverified: a device global grown by resize_ on a later path). On fix-hooks
 (a tensor hook the forward registers refuses the graph on the real call, PYTHON_HOOK): PASS for
-G1-G3, G5-G7 (G6: refused for the hook, named, no longer for a misleading write); G4 open."""
+G1-G7 (G6: refused for the hook, named, no longer for a misleading write; G4: the probes
+patch Tensor.set_, which no torch function mode sees, and note the layout it rebinds)."""
 from common import DEV, SIM, bump, check, grads_equal, nn, randn, stats, sync, torch, twins
 import cudagraphify as cg
 
