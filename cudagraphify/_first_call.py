@@ -28,6 +28,7 @@ import torch.utils._pytree as pytree
 from . import _watch, _writes
 from ._capture import _first_line
 from ._capturing import Capturing
+from ._hooks import HookWatch
 from ._guards import FlagsGuard, StateGuard, function_bindings
 from ._nested import Nested
 from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
@@ -97,6 +98,10 @@ class FirstCall(Capturing):
         # the storages from before the call that the capture's backward wrote (its Python:
         # a tensor hook, see Capturing._watch_backward): its graph is refused
         self.backward_wrote: set[int] = set()
+        # the tensor hooks the forward registers (see _hooks): in the real call, and in the
+        # runs beyond it (which register none)
+        self.hooks = HookWatch()
+        self.later_hooks = HookWatch(block=True)
         # (buffer, its copy from before the call) for the buffers the call did not write, kept
         # where no probe copies what the extra warm-ups write (see _warmups.extra_warmups)
         self.by_value: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -105,15 +110,19 @@ class FirstCall(Capturing):
 
     def run(self) -> Outcome:
         self.warm_up()
-        outcome = self.screen()
-        if outcome is None:
-            outcome = self.capture()
-            if self.borrowed:  # (refused before its capture could confirm the lent rehearsal)
-                again = self._afresh()
-                if again is not None:
-                    outcome = again
-                elif outcome.kind == PIECEWISE:  # (planned on the path it took after all)
-                    outcome.ran = self.probe.ran()
+        # (the runs beyond the real call, rehearsals, extra warm-ups, the capture, proofs,
+        # register no tensor hook: their backwards must not run its Python, nor one left on a
+        # parameter every later backward; one registered there refuses the graph, see verify)
+        with self.later_hooks:
+            outcome = self.screen()
+            if outcome is None:
+                outcome = self.capture()
+                if self.borrowed:  # (refused before its capture could confirm the lent one)
+                    again = self._afresh()
+                    if again is not None:
+                        outcome = again
+                    elif outcome.kind == PIECEWISE:  # (planned on the path it took after all)
+                        outcome.ran = self.probe.ran()
         if outcome.flags is None:
             outcome.flags = self.flags
         return outcome
@@ -159,7 +168,7 @@ class FirstCall(Capturing):
         # copies of these, not of what it leaves
         self.states_before = snapshot_states(leaves, self.sig.static_states, self.device)
         t0 = time.perf_counter()
-        with Nested(), recording(rec):
+        with Nested(), recording(rec), self.hooks:
             self.result = self.backend.warmup(
                 probed(probe, lambda: self.fn(*self.args, **self.kwargs)), self.device)
         self.warmup_seconds += time.perf_counter() - t0
@@ -303,6 +312,11 @@ class FirstCall(Capturing):
     def _screen(self) -> Outcome | None:
         if self.warm_guard.unguardable:  # nothing could tell a replay that it changed
             return Outcome(EAGER, self.result, reason=self.warm_guard.unguardable)
+        if self.hooks.found:
+            # a tensor hook the forward registers (see _hooks): decided before any run beyond
+            # the real call, whose backward would run its Python; its submodules that register
+            # none are graphed (each checked on its own first call)
+            return self._eager_or_piecewise(self.hooks.found)
         if not torch.is_grad_enabled() and (
                 (self.warm_probe is not None and self.warm_probe.grad_on)
                 or any(isinstance(t, torch.Tensor) and t.grad_fn is not None
@@ -492,6 +506,13 @@ class FirstCall(Capturing):
                 entry.release()
                 return Outcome(PIECEWISE, self.result, findings=differs,
                                ran=probe.ran(), guard=self.warm_guard)
+        if self.later_hooks.found and not shared:
+            # a tensor hook registered by a run beyond the real call only (a later path's, or
+            # one the capture's path takes): blocked there, and the graph refused (a layer's
+            # graph made from a share_graph template: inference, what its template's call did)
+            entry.release()
+            self._put_back(rec)
+            return self._eager_or_piecewise(self.later_hooks.found)
         # The graph computes what the capture's run computed: it stands while what that run
         # read stands (a layer's graph made from a template: what its own warm-up read).
         guard = self.warm_guard if shared else self._guard(rec)

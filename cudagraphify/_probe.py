@@ -219,6 +219,26 @@ def _acquire_patches() -> None:
             setattr(owner, attr, wrapper)
             _patch_undo.append(lambda o=owner, n=attr, v=original, own=own:
                                setattr(o, n, v) if own else delattr(o, n))
+        # ``Tensor.set_``, which no torch function mode sees: a run beyond the real call that
+        # rebinds a tensor from before the call (a global) before any op takes it notes its
+        # layout there (``Probe.layouts``), to be put back
+        own = "set_" in vars(torch.Tensor)
+        original = vars(torch.Tensor)["set_"] if own else None
+        torch.Tensor.set_ = _noting_set(torch.Tensor.set_)
+        _patch_undo.append(lambda v=original, own=own: setattr(torch.Tensor, "set_", v) if own
+                           else delattr(torch.Tensor, "set_"))
+
+
+def _noting_set(original):
+    @functools.wraps(original)
+    def set_(self, *args, **kwargs):
+        probe = _active.get(threading.get_ident())
+        if probe is not None and probe.layouts is not None and isinstance(self, torch.Tensor):
+            caller = sys._getframe(1).f_code.co_filename
+            if not caller.startswith(_HERE) or caller == _OWN_MODELS:
+                probe.note_layouts((self,), {})
+        return original(self, *args, **kwargs)
+    return set_
 
 
 def _release_patches() -> None:
@@ -292,7 +312,8 @@ class Probe:
         # likewise (set to a dict to start): the tensors from before the call among its ops'
         # arguments, outside ``known``, by id -> (the tensor, its layout and version when first
         # seen), put back afterwards (_writes.put_seen_back): ``set_``, which no torch function
-        # mode sees, may rebind one (a global's, on a path only later calls take)
+        # mode sees, may rebind one (a global's, on a path only later calls take; its own
+        # first use noted by the patched ``set_``: see _acquire_patches)
         self.layouts: dict[int, tuple] | None = None
         # an op on tensors ran with grad mode on (a forward that turns it on itself, called
         # under no_grad: its signature's key holds no parameters' requires_grad, see

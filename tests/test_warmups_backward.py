@@ -119,11 +119,10 @@ def test_a_graph_whose_backward_writes_from_python_is_refused(sim, target):
     ref, g = _twins(lambda: _Hooked(target))
     _calls_same(ref, g)
     why = _refused(g)
+    # (refused on the real call for the hook itself, before a backward beyond it runs: the
+    # write's target is named where an autograd Function's backward writes, below)
     assert "backward" in why and "PYTHON_HOOK" in why, why
-    if target == "buffer":
-        assert "buffer 'gsum'" in why, why
-    if target == "frozen parameter":
-        assert "parameter 'w'" in why, why
+    assert "Tensor.register_hook(_Hooked.forward.<locals>.hook)" in why, why
     # (its submodule, which registers no hook, is graphed: its replays' gradients were equal)
     assert cg.stats(g.lin).replays >= 2, cg.stats(g.lin)
 
@@ -161,7 +160,10 @@ class _PureHook(nn.Module):
         return self.out(torch.relu(h))
 
 
-def test_a_hook_that_writes_nothing_keeps_its_graph(sim):
+def test_a_hook_that_writes_nothing_is_refused_its_submodules_graphed(sim):
+    # (was kept: its ops captured into the backward graph, correctly; but the hook's Python ran
+    # in the extra warm-up's and the capture's backwards, and what it reads or does beyond its
+    # ops was never checked: refused on the real call, the Linears graphed)
     ref, g = _twins(_PureHook)
     torch.manual_seed(1)
     for call in range(4):
@@ -173,7 +175,8 @@ def test_a_hook_that_writes_nothing_keeps_its_graph(sim):
         for (n, p), q in zip(ref.named_parameters(), g.parameters()):
             assert torch.equal(p.grad, q.grad), (call, n)
     stats = cg.stats(g)
-    assert not stats.eager_calls and stats.captures == 1 and stats.replays == 3, stats
+    assert "PYTHON_HOOK" in _refused(g), stats
+    assert stats.captures == 2 and stats.replays == 4, stats
 
 
 class _CountingBackward(torch.autograd.Function):
@@ -275,7 +278,7 @@ def test_a_globals_set_in_a_later_backward_is_put_back(request, backend):
         assert g.target()._version == ref.target()._version, call
 
 
-# -- open: what a backward's Python reads from outside ----------------------------------------
+# -- what a backward's Python reads from outside -----------------------------------------------
 
 class _HookReadsGlobal(nn.Module):
     """A hook scales the hidden activation's gradient by a global, which the user rebinds."""
@@ -292,13 +295,51 @@ class _HookReadsGlobal(nn.Module):
         return h
 
 
-@pytest.mark.xfail(strict=True, reason="open (silent wrong gradient): the tensors the captured "
-                   "backward's Python reads from outside (a global) are neither screened nor "
-                   "guarded, as the forward's are: a replay reads the one captured after the "
-                   "global was rebound (the hook's incoming gradient, made by autograd's C++, "
-                   "is not told apart from memory from before the call)")
 def test_a_hook_reading_a_global_the_user_rebinds(sim):
+    # (was open: what the captured backward's Python reads from outside is neither screened nor
+    # guarded; a hook the forward registers is refused now: see below for a Function's backward)
     ref, g = _twins(_HookReadsGlobal)
+    torch.manual_seed(1)
+    for call in range(4):
+        if call == 2:
+            for m in (ref, g):
+                _G[id(m)] = torch.full((), 5.0)
+        x = torch.randn(3, 4)
+        ref(x).sum().backward()
+        g(x).sum().backward()
+        assert torch.equal(ref.lin.weight.grad, g.lin.weight.grad), call
+
+
+class _ScaleByGlobal(torch.autograd.Function):
+    """An autograd Function whose backward scales the gradient by a global tensor."""
+
+    @staticmethod
+    def forward(ctx, x, key):
+        ctx.key = key
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * _G[ctx.key], None
+
+
+class _FunctionReadsGlobal(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        _G[id(self)] = torch.ones(())
+
+    def forward(self, x):
+        return _ScaleByGlobal.apply(self.lin(x), id(self))
+
+
+@pytest.mark.xfail(strict=True, reason="open (silent wrong gradient): the tensors an autograd "
+                   "Function's backward reads from outside (a global) are neither screened nor "
+                   "guarded, as the forward's are: a replay reads the one captured after the "
+                   "global was rebound (the backward's incoming gradient, made by autograd's "
+                   "C++, is not told apart from memory from before the call)")
+def test_a_functions_backward_reading_a_global_the_user_rebinds(sim):
+    ref, g = _twins(_FunctionReadsGlobal)
     torch.manual_seed(1)
     for call in range(4):
         if call == 2:

@@ -1,8 +1,8 @@
 """Shared set-up of the writes3 review scripts (fix-writes3: the capture's backward under a write
 tracker, Capturing._watch_backward; the layouts of the tensors from before the call put back,
 _writes.put_seen_back). One line per check: PASS/FAIL/SKIP, tagged [finding ...] or [control].
-``REVIEW_SIM=1``: a dry run on the CPU test double (tests/conftest.py); not a GPU result (G6 and
-G8 differ there by design: see tests/test_review_writes3.py)."""
+``REVIEW_SIM=1``: a dry run on the CPU test double (tests/conftest.py); not a GPU result (G8
+differs there by design, and G6 did before fix-hooks: see tests/test_review_writes3.py)."""
 import os
 import sys
 import warnings

@@ -1,0 +1,211 @@
+"""Tensor hooks a forward registers, watched while a signature's first call runs.
+
+A graph's replay runs no Python of forward or backward. A hook the forward registers on a tensor
+(``h.register_hook(fn)``, ``p.register_post_accumulate_grad_hook(fn)``,
+``torch.autograd.graph.register_multi_grad_hook``, ``retain_grad()`` on a non-leaf) would be
+registered by the real call only: a replay's backward holds what the hook's Python computed
+while captured, never its writes (to an output, an argument, a buffer: the static copies are
+written, or nothing), its Python state (a log) or its effect on a tensor outside the graph (a
+hook on the input). So such a signature is refused (``PYTHON_HOOK``): it runs eagerly, or
+piecewise, its submodules that register none graphed. Decided on the real call, before any
+extra warm-up or capture runs a backward, so the hook's Python runs in the user's backwards only.
+Inference keys too: a hook registered under no_grad (on a parameter) is a registration on every
+call that a replay would not make.
+
+While a :class:`HookWatch` is active on a thread, the registering methods (patched, once for all
+watches, while any is active: the probe sees ``register_hook`` through its torch function mode,
+but a watch must work with ``probe=False`` too; other threads' calls go straight through) note
+each registration as a :class:`~._probe.Finding`: the hook's ``__qualname__``, the user's
+file:line, the module path the active probe is in. A blocking watch (the runs beyond the real
+call: extra warm-ups, rehearsals, the capture, proofs) registers none: their backwards must not
+run a hook's Python, and one left on a parameter would run in every later backward.
+
+Not seen: hooks on autograd nodes (``h.grad_fn.register_hook``, ``register_prehook``), whose
+methods belong to C types that cannot be patched (README, Limitations).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import sys
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from . import _probe
+from ._probe import Finding
+
+__all__ = ["HookWatch", "WHY"]
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+WHY = ("a tensor hook the forward registers: its Python runs in each backward, and a replay "
+       "registers none (its writes, Python state and gradient changes outside the graph would "
+       "be lost); it runs eagerly")
+
+_lock = threading.Lock()
+_users = 0
+_undo: list[Callable[[], None]] = []
+_active: dict[int, list["HookWatch"]] = {}  # thread id -> the watches active there, innermost last
+# ``inner``: inside a noted multi-grad registration, "noted" or "block" (its own calls not noted)
+_tls = threading.local()
+
+
+class HookWatch:
+    """Notes (``found``) the tensor hooks registered on this thread while active; with
+    ``block``, registers none (a handle whose ``remove()`` does nothing stands in)."""
+
+    def __init__(self, block: bool = False):
+        self.block = block
+        self.found: list[Finding] = []
+        self._thread: int | None = None
+
+    def __enter__(self) -> "HookWatch":
+        self._thread = threading.get_ident()
+        _acquire()
+        _active.setdefault(self._thread, []).append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        stack = _active.get(self._thread, [])
+        if self in stack:
+            stack.remove(self)
+        if not stack:
+            _active.pop(self._thread, None)
+        _release()
+
+
+def _no_handle() -> RemovableHandle:
+    """What a blocked registration returns: a handle whose ``remove()`` does nothing."""
+    return RemovableHandle(collections.OrderedDict())  # (it holds a weak reference to it)
+
+
+def _watches() -> list[HookWatch] | None:
+    """The watches active on this thread, where a registration here is the user's (None for
+    cudagraphify's own calls and those inside a noted registration)."""
+    watches = _active.get(threading.get_ident())
+    if not watches or getattr(_tls, "inner", None) is not None:
+        return None
+    caller = sys._getframe(2).f_code.co_filename
+    if caller.startswith(_HERE) and caller != _probe._OWN_MODELS:  # (its models are user code)
+        return None
+    return watches
+
+
+def _note(watches: list[HookWatch], op: str, hook: Any) -> bool:
+    """Note a registration in every active watch (an outer one's run holds this one's);
+    returns whether one of them blocks it."""
+    probe = _probe._active.get(threading.get_ident())
+    path = probe.path if probe is not None else ""
+    frame = _probe._user_frame()
+    what = f"{op}({_hook_name(hook)})" if hook is not None else op
+    where = f"{frame[0]}:{frame[1]}" if frame is not None else "?"
+    finding = Finding(path, what, ("PYTHON_HOOK",), f"{where}: {WHY}",
+                      *(frame if frame is not None else ()))
+    for w in watches:
+        w.found.append(finding)
+    return any(w.block for w in watches)
+
+
+def _hook_name(hook: Any) -> str:
+    """``__qualname__`` of a hook (of the function a ``functools.partial`` holds; a callable
+    object's class)."""
+    while isinstance(hook, functools.partial):
+        hook = hook.func
+    name = getattr(hook, "__qualname__", None)
+    return name if isinstance(name, str) else type(hook).__qualname__
+
+
+def _blocked(self, name: str) -> bool:
+    """Whether a blocked registration can stand in for the real one: where the real one would
+    raise (no grad required; a post-accumulate hook on a non-leaf), it runs and raises."""
+    return isinstance(self, torch.Tensor) and self.requires_grad and (
+        self.is_leaf or name != "register_post_accumulate_grad_hook")
+
+
+def _registering(name: str, original: Callable) -> Callable:
+    """``Tensor.<name>`` (``register_hook``, ``register_post_accumulate_grad_hook``) noted."""
+
+    @functools.wraps(original)
+    def register(self, hook, *args, **kwargs):
+        inner = getattr(_tls, "inner", None)
+        if inner == "block" and _blocked(self, name):  # (a blocked multi-grad hook's)
+            return _no_handle()
+        watches = _watches()
+        if watches is None:
+            return original(self, hook, *args, **kwargs)
+        if _note(watches, f"Tensor.{name}", hook) and _blocked(self, name):
+            return _no_handle()
+        return original(self, hook, *args, **kwargs)
+    return register
+
+
+def _retaining(original: Callable) -> Callable:
+    """``Tensor.retain_grad`` noted where it registers a hook (a non-leaf's first)."""
+
+    @functools.wraps(original)
+    def retain_grad(self):
+        watches = _watches()
+        if watches is None or not isinstance(self, torch.Tensor) or self.is_leaf \
+                or self.retains_grad or not self.requires_grad:
+            return original(self)
+        if _note(watches, "Tensor.retain_grad", None):
+            return None
+        return original(self)
+    return retain_grad
+
+
+def _multi(original: Callable) -> Callable:
+    """``torch.autograd.graph.register_multi_grad_hook``, noted with the user's hook (the
+    ``register_hook`` calls it makes are not noted again; blocked where it is)."""
+
+    @functools.wraps(original)
+    def register_multi_grad_hook(tensors, fn, *args, **kwargs):
+        watches = _watches()
+        if watches is None:
+            return original(tensors, fn, *args, **kwargs)
+        _tls.inner = "block" if _note(watches, "register_multi_grad_hook", fn) else "noted"
+        try:
+            return original(tensors, fn, *args, **kwargs)
+        finally:
+            _tls.inner = None
+    return register_multi_grad_hook
+
+
+def _targets() -> list[tuple[Any, str, Callable]]:
+    """(owner, attribute, wrapper maker) for each registering call."""
+    out = [(torch.Tensor, n, functools.partial(_registering, n))
+           for n in ("register_hook", "register_post_accumulate_grad_hook")
+           if hasattr(torch.Tensor, n)]
+    if hasattr(torch.Tensor, "retain_grad"):
+        out.append((torch.Tensor, "retain_grad", _retaining))
+    graph = getattr(torch.autograd, "graph", None)
+    if graph is not None and hasattr(graph, "register_multi_grad_hook"):
+        out.append((graph, "register_multi_grad_hook", _multi))
+    return out
+
+
+def _acquire() -> None:
+    global _users
+    with _lock:
+        _users += 1
+        if _users > 1:
+            return
+        for owner, attr, make in _targets():
+            own = attr in vars(owner)
+            original = vars(owner)[attr] if own else None
+            setattr(owner, attr, make(getattr(owner, attr)))
+            _undo.append(lambda o=owner, n=attr, v=original, own=own:
+                         setattr(o, n, v) if own else delattr(o, n))
+
+
+def _release() -> None:
+    global _users
+    with _lock:
+        _users -= 1
+        if _users == 0:
+            while _undo:
+                _undo.pop()()
