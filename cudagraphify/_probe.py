@@ -410,13 +410,13 @@ class Probe:
         for value in (*args, *kwargs.values()) if kwargs else args:
             for t in value if isinstance(value, (list, tuple)) else (value,):
                 if isinstance(t, torch.Tensor) and id(t) not in layouts \
-                        and t.layout is torch.strided and t.device.type != "meta" \
-                        and not t.is_inference():
+                        and t.layout is torch.strided and t.device.type != "meta":
                     ptr = storage_of(t)
                     if ptr and ptr not in produced and ptr not in known:
                         lay = layout(t)
-                        if lay is not None:
-                            layouts[id(t)] = (t, lay, t._version)
+                        if lay is not None:  # (an inference tensor has no version)
+                            layouts[id(t)] = (t, lay, None if t.is_inference()
+                                              else t._version)
 
     def _save(self, t: torch.Tensor, ptr: int) -> None:
         """A copy of the bytes of ``t``'s storage (``ptr``) into ``saved``, unless it has one

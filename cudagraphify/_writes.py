@@ -139,10 +139,15 @@ def put_storages_back(saved: dict) -> None:
 def put_seen_back(seen: dict) -> None:
     """Each (tensor, :func:`layout`, version) among ``seen``'s values (``Probe.layouts``)
     whose layout changed is over that storage, offset, size and stride again, at that version
-    (``set_``, which no probe sees, on a tensor from before the call)."""
+    (``set_``, which no probe sees, on a tensor from before the call; an inference tensor,
+    which has no version, under inference mode)."""
     with torch.no_grad():
         for t, lay, version in seen.values():
             if layout(t) != lay:
+                if version is None:
+                    with torch.inference_mode():
+                        t.set_(lay[0].st, *lay[1:])
+                    continue
                 t.set_(lay[0].st, *lay[1:])
                 set_version(t, version)
 

@@ -1,7 +1,7 @@
 """[finding] lines of the hooks review (tests/test_review_hooks.py H1, H2). PASS means the finding
-did not reproduce. Expected on fix-hooks (REVIEW_SIM=1 too): FAIL for H1 (an inference-tensor
-global rebound by set_ under inference_mode on a later path: Probe.note_layouts skips inference
-tensors) and H2 (a global rebound by torch.utils.swap_tensors on a later path)."""
+did not reproduce. Expected since the H1 fix (REVIEW_SIM=1 too): PASS for H1 (an inference-tensor
+global rebound by set_ under inference_mode on a later path; Probe.note_layouts skipped inference
+tensors), FAIL for H2 (a global rebound by torch.utils.swap_tensors on a later path: open)."""
 from common import DEV, check, nn, randn, stats, sync, torch, twins
 
 _G = {}
