@@ -1,6 +1,6 @@
 """HF Llama (small config, random weights, no network) under capture_sizes at decode sizes
 [8, 4, 2, 1] of (B, 1) input_ids, use_cache=False: lending on and off, each compared bitwise
-with an eager twin (logits), the sizes graphed and the rehearsals counted. ``python
+with a hand-made CUDA graph of an eager twin (logits), the sizes graphed and the rehearsals counted. ``python
 hf_llama.py`` (DEV=cpu: CPU double)."""
 import copy
 import os
@@ -31,6 +31,25 @@ def llama():
     return transformers.LlamaForCausalLM(cfg).eval().to(DEV)
 
 
+def floor(model, x):
+    """The logits of a hand-made torch.cuda.graph of ``model`` on ``x`` (eager's on the CPU
+    double): the path HF takes while captured applies the mask that eager skips, which in fp32
+    differs from eager by about 1e-7 (.ci/diag/llama_bitwise.py, H200: the hand graph as much
+    as graphify's replays). A graph must give what that floor gives, bitwise."""
+    if CPU:
+        return model(input_ids=x.clone(), use_cache=False).logits
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        model(input_ids=x.clone(), use_cache=False)
+    torch.cuda.current_stream().wait_stream(s)
+    g, static = torch.cuda.CUDAGraph(), x.clone()
+    with torch.cuda.graph(g):
+        out = model(input_ids=static, use_cache=False).logits
+    g.replay()
+    return out.clone()
+
+
 def one(on: bool):
     model = llama()
     ref = copy.deepcopy(model)
@@ -57,7 +76,7 @@ def one(on: bool):
         for b in sorted(SIZES) * 2:
             x = ids(b)
             got = g(input_ids=x.clone(), use_cache=False).logits
-            want = ref(input_ids=x.clone(), use_cache=False).logits
+            want = floor(ref, x)
             same &= bool(torch.equal(got, want))
     s = cg.stats(g)
     return done, rehearsals, same, s, seconds
@@ -79,7 +98,7 @@ if __name__ == "__main__":
         info(f"HF llama {label}: graphed {done.graphed}, eager {sorted(done.eager)}, "
              f"rehearsals {reh}, captures {s.captures}, replays {s.replays}, eager calls "
              f"{s.eager}, capture_sizes {sec:.2f} s")
-        check(same, f"[control] HF llama decode sizes {SIZES}, {label}: logits bitwise = eager")
+        check(same, f"[control] HF llama decode sizes {SIZES}, {label}: logits bitwise = a hand graph's")
         runs[(on, "reh")] = reh
     if True in runs and False in runs:
         check(runs[True] == runs[False], "[control] HF llama: lending decides as without it",

@@ -74,7 +74,9 @@ def same(ref, g, calls=4, want_replays=None, region=False):
 
 def pure_hook():
     ref, g = twins(PureHook)
-    detail = same(ref, g, want_replays=4)  # (fix-hooks: its Linears' replays, 2 calls each)
+    # (fix-hooks: its Linears graphed and replayed: on the H200 2 captures and 2 replays in 4
+    # calls, on the CPU double 4 replays)
+    detail = same(ref, g, want_replays=2)
     reasons = list(cg.stats(g).eager_calls)
     if detail is None and not all("PYTHON_HOOK" in r for r in reasons):
         return f"values equal, but not refused for the hook: {stats(g)}"
