@@ -163,23 +163,28 @@ class CudaBackend:
             side.wait_stream(cur)
             t0 = time.perf_counter()
             failure: BaseException | None = None
-            ended = False
+            began = ended = False
             # A garbage collection inside the capture could destroy other graphs (their
             # destructors make CUDA calls a capturing thread may not make): it invalidates the
             # capture. Collection waits until the capture is over.
             _gc_hold(+1)
             try:
                 with torch.cuda.stream(side):
-                    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
                     try:
-                        out = fn()
-                    except BaseException as e:  # noqa: BLE001 - re-raised below, after cleanup
+                        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                        began = True
+                    except RuntimeError as e:  # (see _abandon: it may have begun part way)
                         failure = e
-                    try:
-                        graph.capture_end()
-                        ended = True
-                    except RuntimeError as e:
-                        failure = failure or e
+                    if began:
+                        try:
+                            out = fn()
+                        except BaseException as e:  # noqa: BLE001 - re-raised below
+                            failure = e
+                        try:
+                            graph.capture_end()
+                            ended = True
+                        except RuntimeError as e:
+                            failure = failure or e
             finally:
                 _gc_hold(-1)
                 torch.set_autocast_cache_enabled(autocast_cache)
@@ -187,8 +192,10 @@ class CudaBackend:
             if failure is not None:
                 if ended:  # the graph holds its share of the pool: reset gives it back
                     graph.reset()
-                else:
+                elif began:
                     self._recover(pool, side, device)
+                else:
+                    self._abandon(pool, device)
                 del graph
                 _check_healthy(failure)
                 if not isinstance(failure, Exception):
@@ -202,8 +209,53 @@ class CudaBackend:
             pool_bytes = max(0, torch.cuda.memory_reserved() - reserved)
             return RawGraph(graph, pool, pool_bytes, seconds), out
 
+    def _abandon(self, pool, device: torch.device) -> None:
+        """Undo what a ``capture_begin`` that raised leaves behind. It puts the CUDA generator
+        in capture mode and routes the thread's allocations to the pool before it asks CUDA to
+        begin (and the allocator may refuse, "already recording to mempool_id"): left so, every
+        later random op outside a graph fails, and every later capture into the pool. The
+        routing is ended where it was made and the generator restored (see ``_recover``). The
+        share of the pool the failed begin took (the caching allocator counts it before it
+        refuses) is not given back: that pool's memory stays reserved until the process ends.
+        A side stream left capturing is replaced."""
+        index = torch.cuda.current_device()
+        try:
+            torch._C._cuda_endAllocateToPool(index, pool)
+        except RuntimeError:
+            pass  # (not routed: it failed before that)
+        self._fresh_side(device)
+        self._restore_generator(self._side_stream(device), device)
+
+    def _fresh_side(self, device: torch.device) -> None:
+        """A new side stream where the current one is still under a capture (a capture that
+        failed before it could end it): no later capture or warm-up could run on it."""
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            side = self._side.get(idx)
+        if side is not None and self.stream_capturing(device, side.cuda_stream):
+            with self._lock:
+                self._side[idx] = torch.cuda.Stream(device=idx)
+
+    def _restore_generator(self, side: torch.cuda.Stream, device: torch.device) -> None:
+        """A tiny capture that succeeds: it runs the CUDA generator's capture prologue and
+        epilogue, which restores a generator a failed capture left in capture mode."""
+        scratch = torch.zeros(1, device=device)
+        fix = torch.cuda.CUDAGraph()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fix.capture_begin(capture_error_mode="thread_local")
+            scratch.add_(1)
+            fix.capture_end()
+        torch.cuda.current_stream().wait_stream(side)
+        fix.reset()
+
     def _recover(self, pool, side: torch.cuda.Stream, device: torch.device) -> None:
-        """Undo what a failed capture leaves behind.
+        """Undo what a failed capture leaves behind (what can be undone from Python).
+
+        ``capture_end`` raises before it ends the pool's routing in the host (pinned memory)
+        allocator too, which has no Python binding to end it: a later capture into that pool
+        fails to begin ("beginAllocateToPool: already recording to mempool_id", seen on the
+        H200 with torch 2.11); ``_abandon`` cleans that up, and the capture runs eagerly.
 
         ``capture_end`` raises before it ends the CUDA generator's capture mode, after which every
         random op outside a graph fails ("Offset increment outside graph capture"). A tiny
@@ -221,15 +273,8 @@ class CudaBackend:
         except RuntimeError:
             pass  # already ended (capture_end failed after ending it)
         torch._C._cuda_releasePool(index, pool)
-        scratch = torch.zeros(1, device=device)
-        fix = torch.cuda.CUDAGraph()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fix.capture_begin(capture_error_mode="thread_local")
-            scratch.add_(1)
-            fix.capture_end()
-        torch.cuda.current_stream().wait_stream(side)
-        fix.reset()
+        self._fresh_side(device)
+        self._restore_generator(self._side_stream(device), device)
 
     def new_pool(self, device: torch.device) -> "Pool":
         """A fresh memory pool that several captures can share.
