@@ -27,9 +27,17 @@ _stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
 
 
 class Pool(tuple):
-    """A graph memory pool id (a tuple, as torch takes it) that keeps its pool usable."""
+    """A graph memory pool id (a tuple, as torch takes it) that keeps its pool usable.
+
+    ``retired``: a capture into it failed part way, which leaves the pool marked as being
+    recorded to (see ``CudaBackend._recover``): no later capture goes into it (its owner makes
+    another); the graphs already in it keep it. ``failed`` holds the graph objects of those
+    captures: the host allocator's routing entry a failed capture leaves refers to its graph,
+    which must outlive it."""
 
     keeper: Any = None
+    retired = False
+    failed: list | None = None
 
 
 class RawGraph:
@@ -188,14 +196,21 @@ class CudaBackend:
             finally:
                 _gc_hold(-1)
                 torch.set_autocast_cache_enabled(autocast_cache)
-                cur.wait_stream(side)
+                if not (began and not ended and self._end_dangling(side)):
+                    cur.wait_stream(side)
             if failure is not None:
                 if ended:  # the graph holds its share of the pool: reset gives it back
                     graph.reset()
-                elif began:
-                    self._recover(pool, side, device)
                 else:
-                    self._abandon(pool, device)
+                    if isinstance(pool, Pool):
+                        pool.retired = True
+                        pool.failed = (pool.failed or []) + [graph]
+                    else:
+                        _failed_graphs.append(graph)
+                    if began:
+                        self._recover(pool, side, device)
+                    else:
+                        self._abandon(pool, device)
                 del graph
                 _check_healthy(failure)
                 if not isinstance(failure, Exception):
@@ -214,27 +229,39 @@ class CudaBackend:
         in capture mode and routes the thread's allocations to the pool before it asks CUDA to
         begin (and the allocator may refuse, "already recording to mempool_id"): left so, every
         later random op outside a graph fails, and every later capture into the pool. The
-        routing is ended where it was made and the generator restored (see ``_recover``). The
-        share of the pool the failed begin took (the caching allocator counts it before it
-        refuses) is not given back: that pool's memory stays reserved until the process ends.
-        A side stream left capturing is replaced."""
+        routing is ended where it was made, the share of the pool it took given back (the
+        caching allocator counts it before it refuses) and the generator restored (see
+        ``_recover``)."""
         index = torch.cuda.current_device()
         try:
             torch._C._cuda_endAllocateToPool(index, pool)
         except RuntimeError:
             pass  # (not routed: it failed before that)
-        self._fresh_side(device)
+        torch._C._cuda_releasePool(index, pool)  # (the share its begin took)
         self._restore_generator(self._side_stream(device), device)
 
-    def _fresh_side(self, device: torch.device) -> None:
-        """A new side stream where the current one is still under a capture (a capture that
-        failed before it could end it): no later capture or warm-up could run on it."""
-        idx = device.index if device.index is not None else torch.cuda.current_device()
-        with self._lock:
-            side = self._side.get(idx)
-        if side is not None and self.stream_capturing(device, side.cuda_stream):
-            with self._lock:
-                self._side[idx] = torch.cuda.Stream(device=idx)
+    def _end_dangling(self, side: torch.cuda.Stream) -> bool:
+        """Whether ``side`` was still under the failed capture, now ended: ``capture_end``
+        raised before it ended it (``fn`` left another stream current). No stream may wait on
+        a capturing one, and the stream goes back to torch's pool of streams: its capture is
+        ended through the driver and the graph it made destroyed."""
+        query = _stream_capture_query()
+        if query is None:
+            return False
+        status = ctypes.c_int(0)
+        if query(ctypes.c_void_p(side.cuda_stream), ctypes.byref(status)) != 0 \
+                or status.value == 0:
+            return False
+        from ._cugraph import DriverError, _fn
+        try:
+            end, destroy = _fn("cuStreamEndCapture"), _fn("cuGraphDestroy")
+        except DriverError:
+            return False
+        graph = ctypes.c_void_p(0)
+        end(ctypes.c_void_p(side.cuda_stream), ctypes.byref(graph))  # (fails: invalidated)
+        if graph.value:
+            destroy(graph)
+        return True
 
     def _restore_generator(self, side: torch.cuda.Stream, device: torch.device) -> None:
         """A tiny capture that succeeds: it runs the CUDA generator's capture prologue and
@@ -255,7 +282,8 @@ class CudaBackend:
         ``capture_end`` raises before it ends the pool's routing in the host (pinned memory)
         allocator too, which has no Python binding to end it: a later capture into that pool
         fails to begin ("beginAllocateToPool: already recording to mempool_id", seen on the
-        H200 with torch 2.11); ``_abandon`` cleans that up, and the capture runs eagerly.
+        H200 with torch 2.11). The caller's :class:`Pool` is retired for that (see
+        ``capture``).
 
         ``capture_end`` raises before it ends the CUDA generator's capture mode, after which every
         random op outside a graph fails ("Offset increment outside graph capture"). A tiny
@@ -273,8 +301,7 @@ class CudaBackend:
         except RuntimeError:
             pass  # already ended (capture_end failed after ending it)
         torch._C._cuda_releasePool(index, pool)
-        self._fresh_side(device)
-        self._restore_generator(self._side_stream(device), device)
+        self._restore_generator(side, device)
 
     def new_pool(self, device: torch.device) -> "Pool":
         """A fresh memory pool that several captures can share.
@@ -361,6 +388,8 @@ def _check_healthy(cause: BaseException) -> None:
 
 
 _backend: Any = CudaBackend()
+# the graph objects of failed captures into pools that are no Pool (see Pool.failed): kept
+_failed_graphs: list = []
 
 
 _query: list = []  # the driver's cuStreamIsCapturing, or None: looked up once

@@ -473,8 +473,13 @@ class Capturing:
             for i, buf in family.inputs.copy:
                 buf.copy_(self.leaves[i])
         a, kw = unflatten_call(leaves, self.sig)
-        raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=family.pool,
-                                   keep_graph=True)
+        try:
+            raw, out = backend.capture(lambda: fn(*a, **kw), self.device, pool=family.pool,
+                                       keep_graph=True)
+        except CaptureFailed:
+            if getattr(family.pool, "retired", False):  # (no capture goes there again)
+                family.refuse("a capture into its pool failed part way", final=True)
+            raise
         _rebase.diff(family, raw, storages, family.pool, self._readable(family.inputs))
         plan = family.plan
         if plan is not None and plan.unproven:

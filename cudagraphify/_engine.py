@@ -881,7 +881,7 @@ class GraphedState(PieceRuns):
         copy their outputs out (see FirstCall._capture_inference)."""
         idx = device.index or 0
         pool = self._pools.get(idx)
-        if pool is None:
+        if pool is None or getattr(pool, "retired", False):  # (see _capture.Pool)
             pool = self._pools[idx] = backend.new_pool(device)
         return pool
 

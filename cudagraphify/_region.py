@@ -290,9 +290,10 @@ class GraphRegion:
 
     def pool(self, backend, device):
         """The memory pool shared by this region's inference graphs on ``device``."""
-        if device not in self._pools:
-            self._pools[device] = backend.new_pool(device)
-        return self._pools[device]
+        pool = self._pools.get(device)
+        if pool is None or getattr(pool, "retired", False):  # (see _capture.Pool)
+            pool = self._pools[device] = backend.new_pool(device)
+        return pool
 
     def borrowable(self, leaves: list) -> dict[int, Slot]:
         """Leaves that are exactly a slot's tensor (an alias handed out): read them in place."""

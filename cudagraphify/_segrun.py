@@ -307,6 +307,8 @@ class SegmentPlan:
                         call.refs[k] = (X, _meta(value), value)
             if seg.refused is not None:
                 continue
+            if getattr(self.pool, "retired", False):  # (a capture into it failed: _capture.Pool)
+                self.pool = backend.new_pool(self.device)
             try:
                 self._capture_one(seg)
             except Exception as e:  # noqa: BLE001 - a segment that cannot be graphed runs eagerly

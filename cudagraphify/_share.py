@@ -233,9 +233,10 @@ class ShareGroup:
 
     def pool(self, backend, device: torch.device):
         idx = device.index or 0
-        if idx not in self._pools:
-            self._pools[idx] = backend.new_pool(device)
-        return self._pools[idx]
+        pool = self._pools.get(idx)
+        if pool is None or getattr(pool, "retired", False):  # (see _capture.Pool)
+            pool = self._pools[idx] = backend.new_pool(device)
+        return pool
 
     def refuse(self, reason: str) -> None:
         self.per_layer += 1
