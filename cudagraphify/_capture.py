@@ -31,13 +31,10 @@ class Pool(tuple):
 
     ``retired``: a capture into it failed part way, which leaves the pool marked as being
     recorded to (see ``CudaBackend._recover``): no later capture goes into it (its owner makes
-    another); the graphs already in it keep it. ``failed`` holds the graph objects of those
-    captures: the host allocator's routing entry a failed capture leaves refers to its graph,
-    which must outlive it."""
+    another); the graphs already in it keep it."""
 
     keeper: Any = None
     retired = False
-    failed: list | None = None
 
 
 class RawGraph:
@@ -193,10 +190,16 @@ class CudaBackend:
                             ended = True
                         except RuntimeError as e:
                             failure = failure or e
+                            # (torch counts a capture ended, its routing ended and its share
+                            # held by the graph, before it instantiates: a failure there)
+                            ended = _capture_ended(graph)
             finally:
+                # (a capture left open on the side stream: no stream may wait on it, and no
+                # graph destructor may run while it is; see _end_dangling)
+                dangling = not ended and self._end_dangling(side)
                 _gc_hold(-1)
                 torch.set_autocast_cache_enabled(autocast_cache)
-                if not (began and not ended and self._end_dangling(side)):
+                if not dangling:
                     cur.wait_stream(side)
             if failure is not None:
                 if ended:  # the graph holds its share of the pool: reset gives it back
@@ -204,13 +207,11 @@ class CudaBackend:
                 else:
                     if isinstance(pool, Pool):
                         pool.retired = True
-                        pool.failed = (pool.failed or []) + [graph]
-                    else:
-                        _failed_graphs.append(graph)
+                    _failed_graphs.append(graph)  # (see _failed_graphs)
                     if began:
                         self._recover(pool, side, device)
                     else:
-                        self._abandon(pool, device)
+                        self._abandon(pool, device, failure)
                 del graph
                 _check_healthy(failure)
                 if not isinstance(failure, Exception):
@@ -224,33 +225,42 @@ class CudaBackend:
             pool_bytes = max(0, torch.cuda.memory_reserved() - reserved)
             return RawGraph(graph, pool, pool_bytes, seconds), out
 
-    def _abandon(self, pool, device: torch.device) -> None:
+    def _abandon(self, pool, device: torch.device, failure: BaseException) -> None:
         """Undo what a ``capture_begin`` that raised leaves behind. It puts the CUDA generator
         in capture mode and routes the thread's allocations to the pool before it asks CUDA to
         begin (and the allocator may refuse, "already recording to mempool_id"): left so, every
         later random op outside a graph fails, and every later capture into the pool. The
-        routing is ended where it was made, the share of the pool it took given back (the
-        caching allocator counts it before it refuses) and the generator restored (see
-        ``_recover``)."""
+        routing is ended where it was made and the generator restored (see ``_recover``). The
+        share of the pool the failed begin took is given back only where it is known to have
+        been taken (the allocators count it before their "already recording" check): one given
+        back that was not taken would free memory other graphs of the pool use, or abort in
+        torch's own assertion; one kept only keeps the pool's memory reserved."""
         index = torch.cuda.current_device()
         try:
             torch._C._cuda_endAllocateToPool(index, pool)
         except RuntimeError:
             pass  # (not routed: it failed before that)
-        torch._C._cuda_releasePool(index, pool)  # (the share its begin took)
+        if "already recording to mempool_id" in str(failure):
+            torch._C._cuda_releasePool(index, pool)
         self._restore_generator(self._side_stream(device), device)
 
     def _end_dangling(self, side: torch.cuda.Stream) -> bool:
         """Whether ``side`` was still under the failed capture, now ended: ``capture_end``
-        raised before it ended it (``fn`` left another stream current). No stream may wait on
-        a capturing one, and the stream goes back to torch's pool of streams: its capture is
-        ended through the driver and the graph it made destroyed."""
+        raised before it ended it (``fn`` left another stream current), or ``capture_begin``
+        raised after it began it. No stream may wait on a capturing one, and the stream goes
+        back to torch's pool of streams: its capture is ended through the driver and the graph
+        it made destroyed. False where it was not capturing, or could not be ended (then it is
+        left to the caller's wait, which raises: a clear error, not a stream left capturing)."""
         query = _stream_capture_query()
         if query is None:
             return False
-        status = ctypes.c_int(0)
-        if query(ctypes.c_void_p(side.cuda_stream), ctypes.byref(status)) != 0 \
-                or status.value == 0:
+
+        def capturing() -> bool:
+            status = ctypes.c_int(0)
+            return query(ctypes.c_void_p(side.cuda_stream), ctypes.byref(status)) == 0 \
+                and status.value != 0
+
+        if not capturing():
             return False
         from ._cugraph import DriverError, _fn
         try:
@@ -261,7 +271,7 @@ class CudaBackend:
         end(ctypes.c_void_p(side.cuda_stream), ctypes.byref(graph))  # (fails: invalidated)
         if graph.value:
             destroy(graph)
-        return True
+        return not capturing()
 
     def _restore_generator(self, side: torch.cuda.Stream, device: torch.device) -> None:
         """A tiny capture that succeeds: it runs the CUDA generator's capture prologue and
@@ -388,8 +398,20 @@ def _check_healthy(cause: BaseException) -> None:
 
 
 _backend: Any = CudaBackend()
-# the graph objects of failed captures into pools that are no Pool (see Pool.failed): kept
+# the graph objects of the captures that failed part way, kept for the process: the host
+# allocator's routing entry such a capture leaves (no Python binding ends it) refers to its
+# graph object, which must outlive it (a few bytes each)
 _failed_graphs: list = []
+
+
+def _capture_ended(graph: torch.cuda.CUDAGraph) -> bool:
+    """Whether torch counts ``graph``'s capture ended (``pool()`` answers only then) although
+    ``capture_end`` raised: it failed after that (instantiating)."""
+    try:
+        graph.pool()
+    except RuntimeError:
+        return False
+    return True
 
 
 _query: list = []  # the driver's cuStreamIsCapturing, or None: looked up once

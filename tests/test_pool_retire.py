@@ -59,5 +59,5 @@ def test_a_share_groups_pool_is_made_again_once_retired():
 
 
 def test_a_pool_is_not_retired_by_default_and_a_plain_tuple_has_no_flag():
-    assert not Pool((0, 1)).retired and Pool((0, 1)).failed is None
+    assert not Pool((0, 1)).retired
     assert not getattr((0, 1), "retired", False)
