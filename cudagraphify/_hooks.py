@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import os
 import sys
 import threading
 from typing import Any, Callable
@@ -41,7 +40,6 @@ from ._probe import Finding
 
 __all__ = ["HookWatch", "WHY"]
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
 WHY = ("a tensor hook the forward registers: its Python runs in each backward, and a replay "
        "registers none (its writes, Python state and gradient changes outside the graph would "
        "be lost); it runs eagerly")
@@ -89,8 +87,7 @@ def _watches() -> list[HookWatch] | None:
     watches = _active.get(threading.get_ident())
     if not watches or getattr(_tls, "inner", None) is not None:
         return None
-    caller = sys._getframe(2).f_code.co_filename
-    if caller.startswith(_HERE) and caller != _probe._OWN_MODELS:  # (its models are user code)
+    if _probe.own_file(sys._getframe(2).f_code.co_filename):  # (its models are user code)
         return None
     return watches
 
@@ -195,11 +192,7 @@ def _acquire() -> None:
         if _users > 1:
             return
         for owner, attr, make in _targets():
-            own = attr in vars(owner)
-            original = vars(owner)[attr] if own else None
-            setattr(owner, attr, make(getattr(owner, attr)))
-            _undo.append(lambda o=owner, n=attr, v=original, own=own:
-                         setattr(o, n, v) if own else delattr(o, n))
+            _probe.patch(owner, attr, make, _undo)
 
 
 def _release() -> None:

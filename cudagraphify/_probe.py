@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.nn.modules import module as _module_mod
@@ -71,12 +71,18 @@ class Finding:
         return out
 
 
+def own_file(filename: str) -> bool:
+    """Whether ``filename`` is cudagraphify's own code (its reference models, bench/models.py,
+    count as user code)."""
+    return filename.startswith(_HERE) and filename != _OWN_MODELS
+
+
 def _user_frame() -> tuple[str, int] | None:
     """(file, line) of the innermost caller outside cudagraphify, torch and wrapt."""
     frame = sys._getframe(2)
     while frame is not None:
         f = frame.f_code.co_filename
-        internal = (f.startswith(_HERE) and f != _OWN_MODELS) or f.startswith(_TORCH) \
+        internal = own_file(f) or f.startswith(_TORCH) \
             or os.sep + "wrapt" + os.sep in f
         if not internal:
             return _relative(f), frame.f_lineno
@@ -114,8 +120,7 @@ class _Mode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        caller = sys._getframe(1).f_code.co_filename
-        if caller.startswith(_HERE) and caller != _OWN_MODELS:  # cudagraphify's own calls
+        if own_file(sys._getframe(1).f_code.co_filename):  # cudagraphify's own calls
             return func(*args, **kwargs)
         probe = self.probe
         info = infos.get(id(func))
@@ -186,6 +191,15 @@ _patch_users = 0
 _patch_undo: list = []
 
 
+def patch(owner: Any, attr: str, make: Callable[[Any], Any], undo: list) -> None:
+    """``owner.attr`` replaced by ``make(owner.attr)``; what puts it back (the owner's own
+    attribute, or none: an inherited one shows through again) appended to ``undo``."""
+    own = attr in vars(owner)
+    original = vars(owner)[attr] if own else None
+    setattr(owner, attr, make(getattr(owner, attr)))
+    undo.append(lambda: setattr(owner, attr, original) if own else delattr(owner, attr))
+
+
 def _acquire_patches() -> None:
     """Wrap the non-op calls (once for all probes); each call goes to its thread's probe."""
     global _patch_users
@@ -198,35 +212,29 @@ def _acquire_patches() -> None:
             if found is None:
                 continue
             owner, attr = found
-            own = attr in vars(owner)
-            original = vars(owner)[attr] if own else None
 
-            def wrapper(*a, _orig=getattr(owner, attr), _name=dotted, _tags=tags, **k):
-                probe = _active.get(threading.get_ident())
-                if probe is None or probe._non_op_depth:
-                    return _orig(*a, **k)  # another thread, or inside a recorded call
-                probe._record_non_op(_name, _tags)
-                if _name == CAPTURING_QUERY:
-                    probe.askers.add(sys._getframe(1).f_globals.get("__name__", "?"))
-                    if probe.rehearse:
-                        return True  # a rehearsal of the capture: see Probe.rehearse
-                probe._non_op_depth += 1
-                try:
-                    return _orig(*a, **k)
-                finally:
-                    probe._non_op_depth -= 1
+            def wrapping(_orig, _name=dotted, _tags=tags):
+                def wrapper(*a, **k):
+                    probe = _active.get(threading.get_ident())
+                    if probe is None or probe._non_op_depth:
+                        return _orig(*a, **k)  # another thread, or inside a recorded call
+                    probe._record_non_op(_name, _tags)
+                    if _name == CAPTURING_QUERY:
+                        probe.askers.add(sys._getframe(1).f_globals.get("__name__", "?"))
+                        if probe.rehearse:
+                            return True  # a rehearsal of the capture: see Probe.rehearse
+                    probe._non_op_depth += 1
+                    try:
+                        return _orig(*a, **k)
+                    finally:
+                        probe._non_op_depth -= 1
+                return wrapper
 
-            setattr(owner, attr, wrapper)
-            _patch_undo.append(lambda o=owner, n=attr, v=original, own=own:
-                               setattr(o, n, v) if own else delattr(o, n))
+            patch(owner, attr, wrapping, _patch_undo)
         # ``Tensor.set_``, which no torch function mode sees: a run beyond the real call that
         # rebinds a tensor from before the call (a global) before any op takes it notes its
         # layout there (``Probe.layouts``), to be put back
-        own = "set_" in vars(torch.Tensor)
-        original = vars(torch.Tensor)["set_"] if own else None
-        torch.Tensor.set_ = _noting_set(torch.Tensor.set_)
-        _patch_undo.append(lambda v=original, own=own: setattr(torch.Tensor, "set_", v) if own
-                           else delattr(torch.Tensor, "set_"))
+        patch(torch.Tensor, "set_", _noting_set, _patch_undo)
 
 
 def _noting_set(original):
@@ -234,8 +242,7 @@ def _noting_set(original):
     def set_(self, *args, **kwargs):
         probe = _active.get(threading.get_ident())
         if probe is not None and probe.layouts is not None and isinstance(self, torch.Tensor):
-            caller = sys._getframe(1).f_code.co_filename
-            if not caller.startswith(_HERE) or caller == _OWN_MODELS:
+            if not own_file(sys._getframe(1).f_code.co_filename):
                 probe.note_layouts((self,), {})
         return original(self, *args, **kwargs)
     return set_

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ._guards import FlagsGuard
-from ._probe import _HERE, _OWN_MODELS
+from ._probe import own_file
 
 VARYING = "its arguments change between calls"
 _META = frozenset("Tensor." + n for n in (
@@ -136,8 +136,7 @@ _own_codes: dict[Any, bool] = {}  # code object -> whether it is cudagraphify's 
 
 def _own_code(code) -> bool:
     """Whether ``code`` is cudagraphify's own (remembered per code object)."""
-    caller = code.co_filename
-    own = _own_codes[code] = caller.startswith(_HERE) and caller != _OWN_MODELS
+    own = _own_codes[code] = own_file(code.co_filename)
     return own
 
 
