@@ -196,7 +196,7 @@ class CudaBackend:
             finally:
                 # (a capture left open on the side stream: no stream may wait on it, and no
                 # graph destructor may run while it is; see _end_dangling)
-                dangling = not ended and self._end_dangling(side)
+                dangling = not ended and self._end_dangling(side, device)
                 _gc_hold(-1)
                 torch.set_autocast_cache_enabled(autocast_cache)
                 if not dangling:
@@ -244,23 +244,14 @@ class CudaBackend:
             torch._C._cuda_releasePool(index, pool)
         self._restore_generator(self._side_stream(device), device)
 
-    def _end_dangling(self, side: torch.cuda.Stream) -> bool:
+    def _end_dangling(self, side: torch.cuda.Stream, device: torch.device) -> bool:
         """Whether ``side`` was still under the failed capture, now ended: ``capture_end``
         raised before it ended it (``fn`` left another stream current), or ``capture_begin``
         raised after it began it. No stream may wait on a capturing one, and the stream goes
         back to torch's pool of streams: its capture is ended through the driver and the graph
         it made destroyed. False where it was not capturing, or could not be ended (then it is
         left to the caller's wait, which raises: a clear error, not a stream left capturing)."""
-        query = _stream_capture_query()
-        if query is None:
-            return False
-
-        def capturing() -> bool:
-            status = ctypes.c_int(0)
-            return query(ctypes.c_void_p(side.cuda_stream), ctypes.byref(status)) == 0 \
-                and status.value != 0
-
-        if not capturing():
+        if not self.stream_capturing(device, side.cuda_stream):
             return False
         from ._cugraph import DriverError, _fn
         try:
@@ -271,7 +262,7 @@ class CudaBackend:
         end(ctypes.c_void_p(side.cuda_stream), ctypes.byref(graph))  # (fails: invalidated)
         if graph.value:
             destroy(graph)
-        return not capturing()
+        return not self.stream_capturing(device, side.cuda_stream)
 
     def _restore_generator(self, side: torch.cuda.Stream, device: torch.device) -> None:
         """A tiny capture that succeeds: it runs the CUDA generator's capture prologue and
