@@ -22,6 +22,7 @@ import torch.autograd.forward_ad as _forward_ad
 from . import _guards, _region, _segrun, _statics, _trial, _watch
 from ._nested import bypassing, nesting, sizes_log
 from ._pieces import STATE
+from ._training import settled as _settled
 from ._signature import is_constant, is_opaque, is_static_state, storage_of
 from ._state import StateUnkeyable, may_be_static_state, state_key
 
@@ -263,16 +264,16 @@ class Bypass:
     piece's forward).
 
     Armed on the root's thread for one call of the root's eager fast path
-    (:attr:`bypassing`), while every marked piece's decision is the same object (and a pending
-    one still pending), and nothing those checks look at changed since it was made: the global
-    state (grad mode among it), the flags, the pieces given back, module writes (``_watch``),
-    which parameters require grad. The root's own fast path has checked its tensors, other
+    (:attr:`bypassing`), while no pending call may have settled (``_training.settled``) and
+    nothing those checks look at changed since it was made: the global state (grad mode among
+    it), the flags, the pieces given back, module writes (``_watch``), which parameters require
+    grad; a piece is bypassed only while its decision is the one marked. The root's own fast path has checked its tensors, other
     arguments and statics. A plain forward is always correct: all this decides is that no piece
     could replay a graph instead (a call that could is then decided by its own path). Pieces
     that are roots of their own pieces, or decided around an opaque argument, are not marked."""
 
     __slots__ = ("marked", "global_state", "flags_epoch", "pieces_epoch", "watch_epoch",
-                 "statics", "grads")
+                 "settled", "statics", "grads")
 
     @staticmethod
     def scan(state) -> "Bypass | None":
@@ -291,6 +292,7 @@ class Bypass:
         self.global_state = torch._C._dynamo.guards.GlobalStateGuard()
         self.flags_epoch, self.pieces_epoch = _guards.flags_epoch, _trial.pieces_epoch[0]
         self.watch_epoch = _watch.epoch
+        self.settled = _settled[0]
         self.statics = state.statics
         self.grads = state.statics.grad_pattern()
         for st, fast in marked:
@@ -298,15 +300,14 @@ class Bypass:
         return self
 
     def valid(self) -> bool:
-        if not self.global_state.check() or _guards.flags_epoch != self.flags_epoch \
-                or _trial.pieces_epoch[0] != self.pieces_epoch \
-                or _watch.epoch != self.watch_epoch \
-                or self.statics.grad_pattern() != self.grads:
-            return False
-        for st, fast in self.marked:
-            if st._fast is not fast or (fast.still is not None and not fast.still()):
-                return False
-        return True
+        # (a marked piece whose decision was replaced is not bypassed: its DirectCall asks
+        # whether the decision is the one marked; a new eager decision anywhere makes its root
+        # scan again, see EagerFast.call; a pending one stays pending until a training graph's
+        # backward runs or its autograd graph dies, which moves ``settled``)
+        return self.global_state.check() and _guards.flags_epoch == self.flags_epoch \
+            and _trial.pieces_epoch[0] == self.pieces_epoch \
+            and _watch.epoch == self.watch_epoch and _settled[0] == self.settled \
+            and self.statics.grad_pattern() == self.grads
 
     def drop(self) -> None:
         """No longer valid: the pieces let go of it (nothing here is kept alive by them)."""

@@ -36,6 +36,14 @@ __all__ = ["TrainingGraph", "capture_training", "saved_by_backward", "warmup_bac
 _run_backward = getattr(torch.autograd.graph, "_engine_run_backward", None)
 _AccumulateGrad = torch._C._functions.AccumulateGrad
 _use_count = torch._C._storage_Use_Count
+# bumped whenever a training graph's call may have stopped being pending (its backward ran, or
+# its autograd graph died): what was pending at a count is pending while the count stands
+# (see _fast.Bypass.valid; one call's context replaced by the next's is still pending)
+settled = [0]
+
+
+def _settled(_ref=None) -> None:
+    settled[0] += 1
 # Why a module's training calls run eagerly once a backward found its parameters moved.
 MOVED_IN_BACKWARD = ("its parameters moved to new memory between a forward and its backward "
                      "(FSDP2's reshard_after_forward): a backward graph cannot follow them")
@@ -261,6 +269,7 @@ class TrainingGraph(Owned):
             return self._backward(ctx, grads)
         finally:
             ctx.done = True
+            settled[0] += 1
 
     def _backward(self, ctx, grads: tuple) -> tuple:
         if self._bwd_raw is None:
@@ -368,7 +377,7 @@ class _GraphedFunction(torch.autograd.Function):
         ctx.versions = [t._version for t in ctx.statics]
         ctx.graph, ctx.state, ctx.gen, ctx.done = graph, state, graph.gen, False
         ctx.params = tensors[graph._n_user:]
-        graph._last_ctx = weakref.ref(ctx)
+        graph._last_ctx = weakref.ref(ctx, _settled)
         ctx.mark_non_differentiable(*[o for o, d in zip(outs, graph.out_diff) if not d])
         return tuple(outs)
 

@@ -143,6 +143,20 @@ def test_backward_of_the_kept_outputs_ends_it_and_the_pieces_replay(sim, spy):
     assert g.__dict__[STATE]._fast.bypass is None
 
 
+def test_backward_ends_it_while_the_outputs_stay_kept(sim):
+    # (the autograd graph lives on with its outputs: only the backward's end says it settled)
+    ref, g = _pair()
+    x = torch.randn(3, 8)
+    kept = []
+    _settle(g, ref, x, kept)
+    sum(o.sum() for o in kept).backward()
+    bypass = g.__dict__[STATE]._fast.bypass
+    assert not bypass.valid()
+    replays = cg.stats(g).replays
+    assert torch.equal(g(x), ref(x))
+    assert cg.stats(g).replays - replays == 6, "the pieces' graphs are free again: replayed"
+
+
 def test_dropping_the_kept_outputs_ends_it(sim):
     ref, g = _pair()
     x = torch.randn(3, 8)
