@@ -20,6 +20,12 @@ file:line, the module path the active probe is in. A blocking watch (the runs be
 call: extra warm-ups, rehearsals, the capture, proofs) registers none: their backwards must not
 run a hook's Python, and one left on a parameter would run in every later backward.
 
+A blocking watch also notes the tensors ``torch.utils.swap_tensors`` swaps on its thread (``swaps``:
+through ``torch._C._swap_tensor_impl``, which it calls however it was imported): a run beyond the
+real call that swaps a tensor from before the call (a global) must not leave it swapped, so each
+swap is undone when the watch ends, the last first; and a forward that swaps tensors beyond its
+real call would swap them on every later call, which a replay does not (see _first_call.verify).
+
 Not seen: hooks on autograd nodes (``h.grad_fn.register_hook``, ``register_prehook``), whose
 methods belong to C types that cannot be patched (README, Limitations).
 """
@@ -27,6 +33,7 @@ methods belong to C types that cannot be patched (README, Limitations).
 from __future__ import annotations
 
 import collections
+import copyreg
 import functools
 import sys
 import threading
@@ -59,6 +66,7 @@ class HookWatch:
     def __init__(self, block: bool = False):
         self.block = block
         self.found: list[Finding] = []
+        self.swaps: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a blocking watch's)
         self._thread: int | None = None
 
     def __enter__(self) -> "HookWatch":
@@ -73,7 +81,23 @@ class HookWatch:
             stack.remove(self)
         if not stack:
             _active.pop(self._thread, None)
-        _release()
+        try:
+            while self.swaps:  # (the last first: a tensor swapped twice is back as it was)
+                _unswap(*self.swaps.pop())
+        finally:
+            self.swaps.clear()
+            _release()
+
+    @property
+    def swapped(self) -> list[Finding]:
+        """A finding for the tensors swapped on this watch's runs (none: empty)."""
+        if not self.swaps:
+            return []
+        t = self.swaps[0][0]
+        return [Finding("", "torch.utils.swap_tensors", ("PYTHON_STATE",),
+                        f"forward swaps a {tuple(t.shape)} tensor's contents "
+                        "(torch.utils.swap_tensors) on a path beyond its first run: a change of "
+                        "Python objects on every call, which a replay does not make")]
 
 
 def _no_handle() -> RemovableHandle:
@@ -172,6 +196,49 @@ def _multi(original: Callable) -> Callable:
     return register_multi_grad_hook
 
 
+_swap_impl: list[Callable] = []  # torch._C._swap_tensor_impl itself, while patched
+
+
+def _swapping(original: Callable) -> Callable:
+    """``torch._C._swap_tensor_impl`` (the last step of ``torch.utils.swap_tensors``): the pair
+    noted in this thread's innermost blocking watch, once swapped."""
+    _swap_impl[:] = [original]
+
+    @functools.wraps(original)
+    def swap_tensor_impl(t1, t2):
+        out = original(t1, t2)
+        watches = _active.get(threading.get_ident())
+        block = next((w for w in reversed(watches) if w.block), None) if watches else None
+        if block is not None:
+            block.swaps.append((t1, t2))
+        return out
+    return swap_tensor_impl
+
+
+def _unswap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """Swap back what ``torch.utils.swap_tensors(t1, t2)`` swapped: its steps (types, ``__dict__``,
+    slots, the tensors' contents), without its checks (which ask that no autograd graph of the
+    run holds them: one may still, and the swap undone is the run's, not the user's)."""
+    def swap_attr(name):
+        tmp = getattr(t1, name)
+        setattr(t1, name, getattr(t2, name))
+        setattr(t2, name, tmp)
+
+    slots = set(copyreg._slotnames(t1.__class__))  # (the same for both: the swap asked)
+    swap_attr("__class__")
+    swap_attr("__dict__")
+    for slot in slots:
+        if hasattr(t1, slot) and hasattr(t2, slot):
+            swap_attr(slot)
+        elif hasattr(t1, slot):
+            setattr(t2, slot, getattr(t1, slot))
+            delattr(t1, slot)
+        elif hasattr(t2, slot):
+            setattr(t1, slot, getattr(t2, slot))
+            delattr(t2, slot)
+    (_swap_impl[0] if _swap_impl else torch._C._swap_tensor_impl)(t1, t2)
+
+
 def _targets() -> list[tuple[Any, str, Callable]]:
     """(owner, attribute, wrapper maker) for each registering call."""
     out = [(torch.Tensor, n, functools.partial(_registering, n))
@@ -182,6 +249,8 @@ def _targets() -> list[tuple[Any, str, Callable]]:
     graph = getattr(torch.autograd, "graph", None)
     if graph is not None and hasattr(graph, "register_multi_grad_hook"):
         out.append((graph, "register_multi_grad_hook", _multi))
+    if hasattr(torch._C, "_swap_tensor_impl"):
+        out.append((torch._C, "_swap_tensor_impl", _swapping))
     return out
 
 
