@@ -66,7 +66,7 @@ class EagerFast:
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
                  "others", "entry", "statics_same", "chained", "still", "flags", "flags_epoch",
-                 "grads", "pick", "one", "bypass", "scanned", "grad_mode")
+                 "grads", "pick", "one", "bypass", "scanned", "grad_mode", "lone")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -120,6 +120,10 @@ class EagerFast:
         # comprehension), or the one tensor
         self.pick = operator.itemgetter(*self.tensors) if self.tensors else _none
         self.one = len(self.tensors) == 1
+        # one positional tensor and nothing else: ``fits`` is its guard's check of that tensor
+        # (a marked piece's DirectCall asks it so, one call less)
+        self.lone = self.tguard.check if self.one and self.n == 1 and not self.names \
+            and not self.others else None
         if any(is_static_state(v) for _, v in self.others):
             return None  # keyed by what it holds, never held (see _state): decide again
         self.entry = entry
@@ -135,7 +139,7 @@ class EagerFast:
         self.state, self.region, self.reason = state, region, reason
         self.n, self.names = len(args), tuple(kwargs)
         self.types, self.tensors, self.tguard, self.others, self.entry = (), (), None, (), None
-        self.pick, self.one = _none, False
+        self.pick, self.one, self.lone = _none, False, None
         self.chained = True  # (an opaque call's: see PieceRuns.chained)
         self.still = self.flags = self.grads = None
         self.flags_epoch = -1

@@ -33,6 +33,7 @@ from ._training import TrainingGraph
 __all__ = ["CHAIN_PIECES", "PLAN_PLAIN", "PieceRuns", "STATE"]
 
 _region_stack = _region.stack_var()
+_grad_enabled = torch.is_grad_enabled
 # Pieces chain in their root's implicit region (see PieceRuns.chained); the bench turns this
 # off to time what chaining buys, side by side.
 CHAIN_PIECES = True
@@ -221,6 +222,8 @@ class PieceRuns:
         Without segments, once the pieces settled, the plan is timed the same way against the
         forward with every piece run plain (:class:`~._trial.PlanTrial`), where the backend
         has a clock; where it is not faster, every piece is given back."""
+        if _grad_enabled():  # (every branch below runs a grad-mode call plain: asked first)
+            return fn(*args, **kwargs)
         if _capture.default_backend().in_capture():
             # inside a capture of the caller's (reached through an eager fast path, which does
             # not ask): part of it, plain, as the slow path decides; its stream is none of the

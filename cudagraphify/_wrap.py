@@ -241,7 +241,10 @@ class DirectCall(_watch.CallImpl):
         bypass = state._bypass
         if bypass is not None and bypass[0] is _bypassing.token:
             decided = bypass[1]
-            if state._fast is decided and decided.fits(args, kwargs):
+            lone = decided.lone
+            if state._fast is decided and (
+                    lone(args[0]) if lone is not None and len(args) == 1 and not kwargs
+                    else decided.fits(args, kwargs)):
                 # a piece decided eager, of the root whose call this is (see _fast.Bypass),
                 # called as decided: its plain forward, as its own decision would run it
                 state.eager_calls[decided.reason] += 1
