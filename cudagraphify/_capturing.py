@@ -31,6 +31,10 @@ from ._warmups import _name_of, extra_warmups, version_of
 from ._watch import Recorder, recording
 
 
+_SWAPS = ("forward swaps tensors (torch.utils.swap_tensors) on the runs beyond its first: a "
+          "graph made from the template would not")
+
+
 class Capturing:
     """Phase 3 of :class:`~._first_call.FirstCall` (its attributes are set there)."""
 
@@ -371,8 +375,18 @@ class Capturing:
         if not getattr(self.backend, "can_share", False):
             group.refuse("the capture backend cannot read graphs")
             return None
-        return group.make(k, self.key, fn, a, kw, inputs, self.leaves, self.backend,
+        if group.swaps or self.later_hooks.swaps_seen():
+            group.refuse(_SWAPS)
+            return None
+        made = group.make(k, self.key, fn, a, kw, inputs, self.leaves, self.backend,
                           self.device, self.result, self.warm_guard, part)
+        if self.later_hooks.swaps_seen():
+            # (the template's runs swapped tensors: so would every layer's call, a graph made
+            # from it would not; no layer of the group shares from now on)
+            group.swaps = True
+            group.refuse(_SWAPS)
+            return None
+        return made
 
     def _cache_part(self):
         """This layer's part of the static states it is passed (see :class:`_share.Slice`):

@@ -513,12 +513,14 @@ class FirstCall(Capturing):
             entry.release()
             self._put_back(rec)
             return self._eager_or_piecewise(self.later_hooks.found)
-        if self.later_hooks.swaps and not shared:
+        swapped = self.later_hooks.swaps_seen()
+        if swapped:
             # tensors swapped (torch.utils.swap_tensors) by a run beyond the real call: every
-            # later call would swap them, a replay does not (undone when the watch ends)
+            # later call would swap them, a replay does not (swapped back: see _writes); a
+            # layer's graph made from a share_graph template too (its template's runs swapped)
             entry.release()
             self._put_back(rec)
-            return self._eager_or_piecewise(self.later_hooks.swapped)
+            return self._eager_or_piecewise(swapped)
         # The graph computes what the capture's run computed: it stands while what that run
         # read stands (a layer's graph made from a template: what its own warm-up read).
         guard = self.warm_guard if shared else self._guard(rec)

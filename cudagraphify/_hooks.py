@@ -20,11 +20,13 @@ file:line, the module path the active probe is in. A blocking watch (the runs be
 call: extra warm-ups, rehearsals, the capture, proofs) registers none: their backwards must not
 run a hook's Python, and one left on a parameter would run in every later backward.
 
-A blocking watch also notes the tensors ``torch.utils.swap_tensors`` swaps on its thread (``swaps``:
-through ``torch._C._swap_tensor_impl``, which it calls however it was imported): a run beyond the
-real call that swaps a tensor from before the call (a global) must not leave it swapped, so each
-swap is undone when the watch ends, the last first; and a forward that swaps tensors beyond its
-real call would swap them on every later call, which a replay does not (see _first_call.verify).
+A blocking watch also notes the tensors ``torch.utils.swap_tensors`` swaps on its thread (in a
+log of _writes': through ``torch._C._swap_tensor_impl``, which it calls however it was imported):
+a run beyond the real call that swaps a tensor from before the call (a global) must not leave it
+swapped, so the swaps are swapped back, the last first, before anything the runs changed is put
+back (each put-back of _writes does it first) and when the watch ends; and a forward that swaps
+tensors beyond its real call would swap them on every later call, which a replay does not (see
+_first_call.verify, _capturing._shared).
 
 Not seen: hooks on autograd nodes (``h.grad_fn.register_hook``, ``register_prehook``), whose
 methods belong to C types that cannot be patched (README, Limitations).
@@ -33,7 +35,6 @@ methods belong to C types that cannot be patched (README, Limitations).
 from __future__ import annotations
 
 import collections
-import copyreg
 import functools
 import sys
 import threading
@@ -42,7 +43,7 @@ from typing import Any, Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import _probe
+from . import _probe, _writes
 from ._probe import Finding
 
 __all__ = ["HookWatch", "WHY"]
@@ -66,13 +67,15 @@ class HookWatch:
     def __init__(self, block: bool = False):
         self.block = block
         self.found: list[Finding] = []
-        self.swaps: list[tuple[torch.Tensor, torch.Tensor]] = []  # (a blocking watch's)
+        self.swaps: _writes.SwapLog | None = None  # (a blocking watch's, while active)
         self._thread: int | None = None
 
     def __enter__(self) -> "HookWatch":
         self._thread = threading.get_ident()
         _acquire()
         _active.setdefault(self._thread, []).append(self)
+        if self.block:
+            self.swaps = _writes.open_swap_log()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -82,20 +85,20 @@ class HookWatch:
         if not stack:
             _active.pop(self._thread, None)
         try:
-            while self.swaps:  # (the last first: a tensor swapped twice is back as it was)
-                _unswap(*self.swaps.pop())
+            if self.swaps is not None:  # (what the runs swapped, swapped back: last first)
+                log, self.swaps = self.swaps, None
+                _writes.close_swap_log(log)
         finally:
-            self.swaps.clear()
             _release()
 
-    @property
-    def swapped(self) -> list[Finding]:
-        """A finding for the tensors swapped on this watch's runs (none: empty)."""
-        if not self.swaps:
+    def swaps_seen(self) -> list[Finding]:
+        """While active: a finding for the tensors swapped on this watch's runs so far (none:
+        empty)."""
+        log = self.swaps
+        if log is None or not log.seen:
             return []
-        t = self.swaps[0][0]
         return [Finding("", "torch.utils.swap_tensors", ("PYTHON_STATE",),
-                        f"forward swaps a {tuple(t.shape)} tensor's contents "
+                        f"forward swaps a {log.seen[0]} tensor's contents "
                         "(torch.utils.swap_tensors) on a path beyond its first run: a change of "
                         "Python objects on every call, which a replay does not make")]
 
@@ -196,47 +199,16 @@ def _multi(original: Callable) -> Callable:
     return register_multi_grad_hook
 
 
-_swap_impl: list[Callable] = []  # torch._C._swap_tensor_impl itself, while patched
-
-
 def _swapping(original: Callable) -> Callable:
     """``torch._C._swap_tensor_impl`` (the last step of ``torch.utils.swap_tensors``): the pair
-    noted in this thread's innermost blocking watch, once swapped."""
-    _swap_impl[:] = [original]
+    noted in this thread's innermost blocking watch's log (see _writes), once swapped."""
 
     @functools.wraps(original)
     def swap_tensor_impl(t1, t2):
         out = original(t1, t2)
-        watches = _active.get(threading.get_ident())
-        block = next((w for w in reversed(watches) if w.block), None) if watches else None
-        if block is not None:
-            block.swaps.append((t1, t2))
+        _writes.note_swap(t1, t2)
         return out
     return swap_tensor_impl
-
-
-def _unswap(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    """Swap back what ``torch.utils.swap_tensors(t1, t2)`` swapped: its steps (types, ``__dict__``,
-    slots, the tensors' contents), without its checks (which ask that no autograd graph of the
-    run holds them: one may still, and the swap undone is the run's, not the user's)."""
-    def swap_attr(name):
-        tmp = getattr(t1, name)
-        setattr(t1, name, getattr(t2, name))
-        setattr(t2, name, tmp)
-
-    slots = set(copyreg._slotnames(t1.__class__))  # (the same for both: the swap asked)
-    swap_attr("__class__")
-    swap_attr("__dict__")
-    for slot in slots:
-        if hasattr(t1, slot) and hasattr(t2, slot):
-            swap_attr(slot)
-        elif hasattr(t1, slot):
-            setattr(t2, slot, getattr(t1, slot))
-            delattr(t1, slot)
-        elif hasattr(t2, slot):
-            setattr(t1, slot, getattr(t2, slot))
-            delattr(t2, slot)
-    (_swap_impl[0] if _swap_impl else torch._C._swap_tensor_impl)(t1, t2)
 
 
 def _targets() -> list[tuple[Any, str, Callable]]:

@@ -181,6 +181,7 @@ def restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: lis
     try:
         yield wrote
     finally:
+        _writes.unswap()  # (a run's swaps: swapped back before anything is put back)
         wrote.extend(_writes.written(statics, marks))
         _writes.put_layouts_back(layouts)
         with torch.no_grad():

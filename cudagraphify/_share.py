@@ -220,6 +220,9 @@ class ShareGroup:
         self._templates: dict[Any, _Template] = {}
         self._stale: list[_Template] = []  # replaced templates, kept until release
         self._pools: dict[int, Any] = {}
+        # a layer's runs beyond its real call swapped tensors (torch.utils.swap_tensors): no
+        # layer shares (see Capturing._shared)
+        self.swaps = False
         self.captures = 0  # real captures (templates, and the second capture of each diff)
         self.retargets = 0  # layer graphs made from a template
         self.per_layer = 0  # layer graphs captured on their own (sharing refused)

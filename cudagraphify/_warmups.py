@@ -63,7 +63,8 @@ def extra_warmups(first) -> str:
                 with _writes.kept(first._left(), held), recording(rec):
                     for _ in range(n):
                         _warm_up_again(first, copies, versions, seen)
-            finally:  # (before their versions are put back)
+            finally:  # (before their versions are put back; the runs' swaps swapped back)
+                _writes.unswap()
                 unseen = _unseen_writes(first, before, copies, written)
     finally:  # a failed extra run leaves no trace in the buffers either
         first._put_back(rec)  # (nor in module attributes: ``self.n += 1``)

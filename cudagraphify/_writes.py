@@ -10,16 +10,114 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copyreg
 import dataclasses
+import threading
 
 import torch
 
+from ._errors import CudagraphifyError
 from ._state import tensors_in
 
 __all__ = ["marks", "written", "same_values", "inputs_alias", "undone", "kept", "contents",
            "differ", "put_back", "refill", "slot_names", "versions_kept", "layout",
            "layouts_of", "put_layouts_back", "layouts_kept", "put_storages_back",
            "put_versions_back", "put_seen_back", "set_version"]
+
+
+# -- tensors swapped by torch.utils.swap_tensors on a run beyond the real call ------------------
+# (see _hooks.HookWatch, whose blocking watches open and close these logs): per thread, a stack
+# of logs, the innermost noted. A swap changes which contents the caller's Python objects hold,
+# so every put-back below first swaps back this thread's innermost log's pairs, last first: it
+# then puts back what the real call left in the objects the caller holds, not in what a run
+# swapped in (a version, a layout, bytes through ``.data``)
+
+_swap_impl = getattr(torch._C, "_swap_tensor_impl", None)  # (the original: a watch patches it)
+_swap_logs: dict[int, list["SwapLog"]] = {}
+
+
+class SwapLog:
+    """The pairs swapped on one thread while a blocking watch runs: ``pending`` (not swapped
+    back yet) and ``seen`` (every pair, for the watch's verdict)."""
+
+    __slots__ = ("thread", "pending", "seen")
+
+    def __init__(self):
+        self.thread = threading.get_ident()
+        self.pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.seen: list[tuple] = []  # (shape of the first tensor swapped, each swap)
+
+
+def open_swap_log() -> SwapLog:
+    log = SwapLog()
+    _swap_logs.setdefault(log.thread, []).append(log)
+    return log
+
+
+def close_swap_log(log: SwapLog) -> None:
+    """Swap back what ``log`` holds, and forget it."""
+    try:
+        _swap_back(log)
+    finally:
+        stack = _swap_logs.get(log.thread, [])
+        if log in stack:
+            stack.remove(log)
+        if not stack:
+            _swap_logs.pop(log.thread, None)
+
+
+def note_swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """``torch.utils.swap_tensors(t1, t2)`` ran on this thread: noted in its innermost log."""
+    stack = _swap_logs.get(threading.get_ident())
+    if stack:
+        log = stack[-1]
+        log.pending.append((t1, t2))
+        log.seen.append(tuple(t1.shape))
+
+
+def unswap() -> None:
+    """Swap back the pairs of this thread's innermost log (the runs' swaps so far)."""
+    stack = _swap_logs.get(threading.get_ident()) if _swap_logs else None
+    if stack:
+        _swap_back(stack[-1])
+
+
+def _swap_back(log: SwapLog) -> None:
+    failed = None
+    while log.pending:
+        t1, t2 = log.pending.pop()
+        try:
+            _unswap(t1, t2)
+        except Exception as e:  # noqa: BLE001 - the others are swapped back all the same
+            failed = failed or e
+    if failed is not None:
+        raise CudagraphifyError(
+            "a tensor the forward swapped (torch.utils.swap_tensors) on a run beyond its first "
+            f"could not be swapped back: {type(failed).__name__}: {failed}") from failed
+
+
+def _unswap(t1: torch.Tensor, t2: torch.Tensor) -> None:
+    """Swap back what ``torch.utils.swap_tensors(t1, t2)`` swapped: its steps (types,
+    ``__dict__``, slots, the tensors' contents), without its checks (which ask that no autograd
+    graph of the run holds them: one may still, and the swap undone is the run's)."""
+    def swap_attr(name):
+        tmp = getattr(t1, name)
+        setattr(t1, name, getattr(t2, name))
+        setattr(t2, name, tmp)
+
+    slots = set(copyreg._slotnames(t1.__class__))  # (the same for both: the swap asked)
+    swap_attr("__class__")
+    swap_attr("__dict__")
+    for slot in slots:
+        if hasattr(t1, slot) and hasattr(t2, slot):
+            swap_attr(slot)
+        elif hasattr(t1, slot):
+            setattr(t2, slot, getattr(t1, slot))
+            delattr(t1, slot)
+        elif hasattr(t2, slot):
+            setattr(t1, slot, getattr(t2, slot))
+            delattr(t2, slot)
+    _swap_impl(t1, t2)
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:
@@ -98,6 +196,7 @@ def undone(tensors: list[torch.Tensor], host_only: bool = False):
         with layouts_kept(tensors):
             yield
     finally:
+        unswap()
         with torch.no_grad():
             for view, copy in saved:
                 view.copy_(copy)
@@ -116,6 +215,7 @@ def layouts_kept(tensors: list[torch.Tensor]):
         try:
             yield
         finally:  # (before the versions: ``set_`` moves them)
+            unswap()
             put_layouts_back(layouts)
 
 
@@ -124,6 +224,7 @@ def put_storages_back(saved: dict) -> None:
     holds those bytes again: a probe's copies taken before a storage's first write in a run
     that is not a call (see ``Probe.saved``). A storage that grew meanwhile (``resize_``) has
     its first bytes put back; its layout is :func:`layouts_kept`'s business."""
+    unswap()
     with torch.no_grad():
         for kept in saved.values():
             if kept is None:
@@ -141,6 +242,7 @@ def put_seen_back(seen: dict) -> None:
     whose layout changed is over that storage, offset, size and stride again, at that version
     (``set_``, which no probe sees, on a tensor from before the call; an inference tensor,
     which has no version, under inference mode)."""
+    unswap()
     with torch.no_grad():
         for t, lay, version in seen.values():
             if layout(t) != lay:
@@ -156,6 +258,7 @@ def put_versions_back(versions: dict) -> None:
     """Each (tensor, version) among ``versions``' values (``Probe.versions``: in the order of
     their first writes) has that version again. A view shares its base's counter: the earliest
     one taken of a counter is set last."""
+    unswap()
     for t, version in reversed(list(versions.values())):
         if t._version != version:
             set_version(t, version)
@@ -181,6 +284,7 @@ def layouts_of(tensors: list[torch.Tensor]) -> list[tuple]:
 def put_layouts_back(layouts: list[tuple]) -> None:
     """Each tensor of :func:`layouts_of`'s list over its storage, offset, size and stride
     then, where they changed (``set_``: a grown storage keeps its new memory)."""
+    unswap()
     with torch.no_grad():
         for t, (st, offset, size, stride) in layouts:
             if layout(t) != (st, offset, size, stride):
@@ -227,6 +331,7 @@ def kept(values: list, tensors: list[torch.Tensor], host_only: bool = False):
         with undone(list(tensors) + inner, host_only):
             yield
     finally:
+        unswap()
         put_back(marks)
 
 
@@ -371,6 +476,7 @@ def versions_kept(tensors: list[torch.Tensor]):
     try:
         yield
     finally:
+        unswap()
         for t, version in zip(tensors, versions):
             if version is not None and t._version != version:
                 set_version(t, version)
