@@ -120,6 +120,21 @@ HELD_ALIAS = ("an argument shares memory with a tensor the forward reads from ou
               "is not seen through the other")
 
 
+def _settle_waiting_trials(busy: list) -> None:
+    """A piece's training graph whose trial (see _trial) waits behind its own backward: a
+    forward under grad mode whose output is kept with no backward (the differential bench's
+    grad-mode step, a forward whose outputs stay referenced) leaves its graph pending, and the
+    trial takes samples only from calls that find it free, so it may never end, and while it
+    is open no second graph of the signature is captured (see ``_another_in_flight``): every
+    such call runs eagerly. With a sample of each kind, a verdict to keep the graph is taken at
+    once (the graph won clearly on what was timed; ``Trial.verdict``); a verdict to give it back
+    waits for the full trial, as before (nothing is released under a pending backward)."""
+    for entry in busy:
+        trial = entry.trial
+        if trial is not None and trial.graph and trial.eager and trial.verdict() is None:
+            entry.trial = None
+
+
 class GraphedState(PieceRuns):
     """Caches, counters and the lock of one graphed callable."""
 
@@ -376,6 +391,7 @@ class GraphedState(PieceRuns):
             return self._eager(entry.reason, fn, args, kwargs,
                                chained=type(entry) is PiecewiseEntry, entry=entry)
         if busy is not None:
+            _settle_waiting_trials(busy)
             if self._another_in_flight(busy, region, cache):
                 return self._in_flight(busy, backend, region, cache, key, sig, leaves,
                                        static_flags, fn, args, kwargs)
