@@ -190,6 +190,12 @@ class SetUpEntry(EagerEntry):
         self.captured = 0
 
 
+def _waiting(entry) -> bool:
+    """Whether ``entry`` is a training graph an earlier call's backward still reads."""
+    pending = getattr(entry, "pending", None)
+    return pending is not None and pending()
+
+
 class GraphCache:
     """An LRU map from key to the entries made for it (graphs or eager decisions) that releases
     what it drops.
@@ -231,10 +237,19 @@ class GraphCache:
         self._by_key.setdefault(key, []).append(entry)
         evicted = []
         graphs = [e for _, e in self._lru.values() if not isinstance(e, EagerEntry)]
-        while len(graphs) > self.policy.max_graphs:
-            old = graphs.pop(0)
+        excess = len(graphs) - self.policy.max_graphs
+        for old in graphs:
+            if excess <= 0:
+                break
+            if old is entry:
+                break  # (the one put now: older ones all wait, see below)
+            if _waiting(old):
+                # (a training graph whose backward is still to run: released now, that
+                # backward would raise; kept past max_graphs until a later put finds it done)
+                continue
             self._drop(old, evicted=True)
             evicted.append(old)
+            excess -= 1
         eager = [e for _, e in self._lru.values() if isinstance(e, EagerEntry)]
         for old in eager[:-_MAX_EAGER]:  # eager decisions are cheap to make again
             self._drop(old)

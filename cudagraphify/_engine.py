@@ -131,7 +131,8 @@ def _settle_waiting_trials(busy: list) -> None:
     waits for the full trial, as before (nothing is released under a pending backward)."""
     for entry in busy:
         trial = entry.trial
-        if trial is not None and trial.graph and trial.eager and trial.verdict() is None:
+        if trial is not None and trial.graph and len(trial.eager) >= _trial.SAMPLES \
+                and trial.verdict() is None:
             entry.trial = None
 
 
@@ -391,11 +392,20 @@ class GraphedState(PieceRuns):
             return self._eager(entry.reason, fn, args, kwargs,
                                chained=type(entry) is PiecewiseEntry, entry=entry)
         if busy is not None:
-            _settle_waiting_trials(busy)
+            if self._another_in_flight(busy, region, cache, trials=False):
+                _settle_waiting_trials(busy)
             if self._another_in_flight(busy, region, cache):
                 return self._in_flight(busy, backend, region, cache, key, sig, leaves,
                                        static_flags, fn, args, kwargs)
             # (the next calls like this one run eagerly at a fast path's cost while it stays so)
+            trial = busy[0].trial
+            if trial is not None and len(busy) == 1 and busy[0].owner is self \
+                    and len(trial.eager) < _trial.SAMPLES:
+                # (it runs eagerly anyway: an eager sample, at no cost)
+                self.timed_calls += 1
+                self.eager_calls[PENDING] += 1
+                self._note(False, PENDING)
+                return trial.timed(lambda: fn(*args, **kwargs), True)
             self._fast = EagerFast.pending(self, region, busy[0], PENDING, args, kwargs,
                                            busy[1:])
             return self._eager(PENDING, fn, args, kwargs)
@@ -460,7 +470,7 @@ class GraphedState(PieceRuns):
         return self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs,
                             timed=False)
 
-    def _another_in_flight(self, busy: list, region, cache) -> bool:
+    def _another_in_flight(self, busy: list, region, cache, trials: bool = True) -> bool:
         """Whether a grad-mode call whose signature's training graphs (``busy``) all wait for
         their backward gets a graph of its own (captured by this call): fewer than
         :data:`_IN_FLIGHT` of them, each with a pool of its own (its saved activations stay
@@ -472,7 +482,8 @@ class GraphedState(PieceRuns):
         its backward would be the first to go, and the backward would raise)."""
         return len(busy) < _IN_FLIGHT and (region is None or region.implicit) \
             and not self.policy.shared and all(e.owner is self for e in busy) \
-            and busy[0].no_other is None and all(e.trial is None for e in busy) \
+            and busy[0].no_other is None \
+            and (not trials or all(e.trial is None for e in busy)) \
             and len(cache.graphs()) < cache.policy.max_graphs
 
     def _demote_unkeyable(self, args: tuple, kwargs: dict) -> bool:

@@ -283,6 +283,7 @@ class Bypass:
     def scan(state) -> "Bypass | None":
         """The root ``state``'s pieces whose decision now is an eager one (None: none)."""
         marked = []
+        settled = _settled[0]  # (before the pieces are asked: a settle meanwhile moves it)
         for m in state.pieces:
             st = m.__dict__.get(STATE)
             fast = getattr(st, "_fast", None)
@@ -296,7 +297,7 @@ class Bypass:
         self.global_state = torch._C._dynamo.guards.GlobalStateGuard()
         self.flags_epoch, self.pieces_epoch = _guards.flags_epoch, _trial.pieces_epoch[0]
         self.watch_epoch = _watch.epoch
-        self.settled = _settled[0]
+        self.settled = settled
         self.statics = state.statics
         self.grads = state.statics.grad_pattern()
         for st, fast in marked:

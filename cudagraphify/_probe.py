@@ -27,7 +27,7 @@ from ._watch import own_global_hook
 from ._opinfo import W_FIRST, W_SCHEMA, info_of, infos, writes_unseen, written_by
 from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
 from ._signature import storage_of
-from ._writes import layout
+from ._writes import _swap_logs, holder, layout
 
 __all__ = ["Finding", "Probe", "plan_pieces", "differing_paths"]
 
@@ -391,10 +391,14 @@ class Probe:
                         self.written_before_made.add(ptr)
                         if self.saved is not None:
                             self._save(t, ptr)
-                        if self.versions is not None and id(t) not in self.versions \
+                        if self.versions is not None \
                                 and (self.known is None or ptr not in self.known) \
                                 and not t.is_inference():
-                            self.versions[id(t)] = (t, t._version)
+                            # (kept on the object that holds these contents once a run's
+                            # swaps are swapped back: see _writes.holder)
+                            h = holder(t) if _swap_logs else t
+                            if id(h) not in self.versions:
+                                self.versions[id(h)] = (h, t._version)
                 layouts.append((t, _layout(t)))
         return layouts
 
@@ -414,15 +418,19 @@ class Probe:
         """Before an op: the layout and version of each tensor from before the call among its
         arguments, as first seen (see ``layouts``)."""
         layouts, produced, known = self.layouts, self.produced, self.known or ()
+        swapped = bool(_swap_logs)  # (a run's swaps pending: see _writes.holder)
         for value in (*args, *kwargs.values()) if kwargs else args:
             for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor) and id(t) not in layouts \
+                if not isinstance(t, torch.Tensor):
+                    continue
+                h = holder(t) if swapped else t
+                if id(h) not in layouts \
                         and t.layout is torch.strided and t.device.type != "meta":
                     ptr = storage_of(t)
                     if ptr and ptr not in produced and ptr not in known:
                         lay = layout(t)
                         if lay is not None:  # (an inference tensor has no version)
-                            layouts[id(t)] = (t, lay, None if t.is_inference()
+                            layouts[id(h)] = (h, lay, None if t.is_inference()
                                               else t._version)
 
     def _save(self, t: torch.Tensor, ptr: int) -> None:

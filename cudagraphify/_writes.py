@@ -75,6 +75,20 @@ def note_swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
         log.seen.append(tuple(t1.shape))
 
 
+def holder(t: torch.Tensor) -> torch.Tensor:
+    """The object that holds ``t``'s contents once this thread's pending swaps are swapped back
+    (``t`` itself where none names it): what a record taken on ``t`` now (its version, its
+    layout) is to be put back on."""
+    stack = _swap_logs.get(threading.get_ident()) if _swap_logs else None
+    if stack:
+        for a, b in reversed(stack[-1].pending):
+            if t is a:
+                t = b
+            elif t is b:
+                t = a
+    return t
+
+
 def unswap() -> None:
     """Swap back the pairs of this thread's innermost log (the runs' swaps so far)."""
     stack = _swap_logs.get(threading.get_ident()) if _swap_logs else None
@@ -106,6 +120,7 @@ def _unswap(t1: torch.Tensor, t2: torch.Tensor) -> None:
         setattr(t2, name, tmp)
 
     slots = set(copyreg._slotnames(t1.__class__))  # (the same for both: the swap asked)
+    _swap_impl(t1, t2)  # (first: the one step that may refuse, before anything is swapped)
     swap_attr("__class__")
     swap_attr("__dict__")
     for slot in slots:
@@ -117,7 +132,6 @@ def _unswap(t1: torch.Tensor, t2: torch.Tensor) -> None:
         elif hasattr(t2, slot):
             setattr(t1, slot, getattr(t2, slot))
             delattr(t2, slot)
-    _swap_impl(t1, t2)
 
 
 def marks(tensors: list[torch.Tensor], by_value: list[bool] | None = None) -> list:

@@ -1,8 +1,9 @@
 """A piece's training graph whose trial waits behind its own backward (``_engine.
 _settle_waiting_trials``): grad-mode forwards whose output stays referenced with no backward (the
-differential bench's grad-mode step). With a sample of each kind timed, a verdict to keep the
-graph ends the trial at once, so a second training graph of the signature is captured and
-replays beside the waiting one; a verdict to give it back waits for the full trial. CPU, on the
+differential bench's grad-mode step). The calls that find it waiting run eagerly anyway and are
+timed as its eager samples; with the trial's three of them and a graph sample, a verdict to keep
+the graph ends the trial, so a second training graph of the signature is captured and replays
+beside the waiting one; a verdict to give it back waits for the full trial. CPU, on the
 clocked simulated backend of tests/test_trial_training.py; every output compared with eager's."""
 
 from __future__ import annotations
@@ -65,8 +66,11 @@ def test_a_kept_output_no_longer_keeps_a_paying_piece_eager(timed):
     st = _state(g)
     (entry,) = list(st.cache.graphs(st))
     assert entry.pending() and entry.trial is not None and not entry.trial.done
-    assert entry.trial.graph and entry.trial.eager
-    _steps(g, ref, "d", kept)  # finds the graph waiting: judged on what it has, kept
+    assert (len(entry.trial.graph), len(entry.trial.eager)) == (2, 1)
+    _steps(g, ref, "dd", kept)  # waiting: eager, and timed as its eager samples
+    assert (len(entry.trial.graph), len(entry.trial.eager)) == (2, 3)
+    assert st.timed_calls == 3 and len(list(st.cache.graphs(st))) == 1
+    _steps(g, ref, "d", kept)  # judged on what it has: kept, and a second graph made
     assert entry.trial is None, "a keep verdict on the samples taken ends the trial"
     graphs = list(st.cache.graphs(st))
     assert len(graphs) == 2 and graphs[1].trial is None, graphs  # the signature's second graph
@@ -76,12 +80,12 @@ def test_the_second_graph_keeps_replaying_while_the_first_waits(timed):
     _COST.update(KEEP)
     ref, g = _pair()
     kept: list = []
-    _steps(g, ref, START, kept)  # (the last output kept for good: its graph waits)
+    _steps(g, ref, START + "ddd", kept)  # (the output of START's "k" kept for good)
     st = _state(g)
     replays, eager = st.replays, sum(st.eager_calls.values())
     _steps(g, ref, "d" * 6, kept)
-    # the first captures the second graph, the next five replay it; none runs eagerly
-    assert st.replays - replays == 5, (st.replays - replays, dict(st.eager_calls))
+    # every call replays the second graph; none runs eagerly
+    assert st.replays - replays == 6, (st.replays - replays, dict(st.eager_calls))
     assert sum(st.eager_calls.values()) == eager, dict(st.eager_calls)
 
 
