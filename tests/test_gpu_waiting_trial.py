@@ -66,12 +66,14 @@ def test_a_kept_output_lets_a_second_training_graph_replay():
     for _ in range(6):
         got = step()
     st = g.a.__dict__["_cudagraphify_state"]
+    for _ in range(6):  # (the calls that find its graph waiting: timed as eager samples)
+        step()
     replays = st.replays
-    for _ in range(6):
+    for _ in range(4):
         step()
     assert st.given_back is None, st.given_back
     assert len(list(st.cache.graphs(st))) == 2, dict(st.eager_calls)
-    assert st.replays - replays >= 5, (st.replays - replays, dict(st.eager_calls))
+    assert st.replays - replays == 4, (st.replays - replays, dict(st.eager_calls))
     # a backward through the output kept: gradients as eager's
     o, w = got
     o.sum().backward(), w.sum().backward()
