@@ -120,22 +120,6 @@ HELD_ALIAS = ("an argument shares memory with a tensor the forward reads from ou
               "is not seen through the other")
 
 
-def _settle_waiting_trials(busy: list) -> None:
-    """A piece's training graph whose trial (see _trial) waits behind its own backward: a
-    forward under grad mode whose output is kept with no backward (the differential bench's
-    grad-mode step, a forward whose outputs stay referenced) leaves its graph pending, and the
-    trial takes samples only from calls that find it free, so it may never end, and while it
-    is open no second graph of the signature is captured (see ``_another_in_flight``): every
-    such call runs eagerly. With a sample of each kind, a verdict to keep the graph is taken at
-    once (the graph won clearly on what was timed; ``Trial.verdict``); a verdict to give it back
-    waits for the full trial, as before (nothing is released under a pending backward)."""
-    for entry in busy:
-        trial = entry.trial
-        if trial is not None and trial.graph and len(trial.eager) >= _trial.SAMPLES \
-                and trial.verdict() is None:
-            entry.trial = None
-
-
 class GraphedState(PieceRuns):
     """Caches, counters and the lock of one graphed callable."""
 
@@ -392,20 +376,10 @@ class GraphedState(PieceRuns):
             return self._eager(entry.reason, fn, args, kwargs,
                                chained=type(entry) is PiecewiseEntry, entry=entry)
         if busy is not None:
-            if self._another_in_flight(busy, region, cache, trials=False):
-                _settle_waiting_trials(busy)
             if self._another_in_flight(busy, region, cache):
                 return self._in_flight(busy, backend, region, cache, key, sig, leaves,
                                        static_flags, fn, args, kwargs)
             # (the next calls like this one run eagerly at a fast path's cost while it stays so)
-            trial = busy[0].trial
-            if trial is not None and len(busy) == 1 and busy[0].owner is self \
-                    and len(trial.eager) < _trial.SAMPLES:
-                # (it runs eagerly anyway: an eager sample, at no cost)
-                self.timed_calls += 1
-                self.eager_calls[PENDING] += 1
-                self._note(False, PENDING)
-                return trial.timed(lambda: fn(*args, **kwargs), True)
             self._fast = EagerFast.pending(self, region, busy[0], PENDING, args, kwargs,
                                            busy[1:])
             return self._eager(PENDING, fn, args, kwargs)
@@ -470,7 +444,7 @@ class GraphedState(PieceRuns):
         return self._record(outcome, backend, region, cache, key, leaves, fn, args, kwargs,
                             timed=False)
 
-    def _another_in_flight(self, busy: list, region, cache, trials: bool = True) -> bool:
+    def _another_in_flight(self, busy: list, region, cache) -> bool:
         """Whether a grad-mode call whose signature's training graphs (``busy``) all wait for
         their backward gets a graph of its own (captured by this call): fewer than
         :data:`_IN_FLIGHT` of them, each with a pool of its own (its saved activations stay
@@ -482,8 +456,7 @@ class GraphedState(PieceRuns):
         its backward would be the first to go, and the backward would raise)."""
         return len(busy) < _IN_FLIGHT and (region is None or region.implicit) \
             and not self.policy.shared and all(e.owner is self for e in busy) \
-            and busy[0].no_other is None \
-            and (not trials or all(e.trial is None for e in busy)) \
+            and busy[0].no_other is None and all(e.trial is None for e in busy) \
             and len(cache.graphs()) < cache.policy.max_graphs
 
     def _demote_unkeyable(self, args: tuple, kwargs: dict) -> bool:
