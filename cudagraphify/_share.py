@@ -39,6 +39,7 @@ from ._options import Stats
 from ._signature import storage_of
 from ._state import tensors_in as _tensors_in
 from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
+from . import _writes
 
 __all__ = ["ShareGroup", "first_difference", "plan_rebase", "Refused", "Storages"]
 
@@ -193,13 +194,16 @@ def _part_layout(tensors) -> list:
 def _bytes_kept(tensors: list):
     """Inside, ``tensors`` may be written (a replay, a capture's run on the CPU, a proof);
     afterwards they hold what they held before (as the real call left a cache). Yields their
-    copies, by ``id`` of the tensor."""
+    copies, by ``id`` of the tensor. A run inside that swapped a kept tensor's contents
+    (``torch.utils.swap_tensors``) is swapped back first: the bytes go back into the contents
+    the caller's object holds, not into what the run swapped in."""
     tensors = list({id(t): t for t in tensors}.values())
     with torch.no_grad():
         saved = {id(t): t.clone() for t in tensors}
     try:
         yield saved  # (by id of the tensor)
     finally:
+        _writes.unswap()
         with torch.no_grad():
             for t in tensors:
                 t.copy_(saved[id(t)])

@@ -207,3 +207,26 @@ def test_another_threads_swap_meanwhile_is_its_own(sim):
     assert not errors, errors
     assert torch.equal(a, torch.ones(2)) and torch.equal(b, torch.zeros(2))
     assert torch._C._swap_tensor_impl is _SWAP
+
+
+def test_share_graphs_put_back_of_a_cache_lands_in_the_callers_tensor_after_a_swap():
+    """A share_graph group's runs write a layer's part of a KV cache and put its bytes back
+    afterwards (``_share._bytes_kept``). A run that swapped that cache tensor's contents with
+    another tensor is swapped back first: the bytes go back into what the caller's object holds
+    (before, they went into the swapped-in tensor, and the cache kept the run's writes)."""
+    from cudagraphify import _share, _writes
+
+    cache, other = torch.zeros(4), torch.full((4,), 7.0)
+    log = _writes.open_swap_log()
+    try:
+        with _share._bytes_kept([cache]):
+            cache.add_(1.0)  # the run writes the cache ...
+            torch.utils.swap_tensors(cache, other)  # ... then swaps it
+            _writes.note_swap(cache, other)  # (what the watch's patch notes)
+            assert torch.equal(cache, torch.full((4,), 7.0))
+        assert not log.pending
+    finally:
+        _writes.close_swap_log(log)
+    assert torch.equal(cache, torch.zeros(4)), cache  # what it held before the run
+    assert torch.equal(other, torch.full((4,), 7.0))  # and the other tensor is untouched
+    assert not _writes._swap_logs
