@@ -32,6 +32,7 @@ from . import _capture, _watch, _writes
 from ._errors import CudagraphifyUsageError, CudagraphifyWarning
 from ._explain import _own_state
 from ._guards import StateGuard
+from ._hooks import HookWatch
 from ._nested import Nested
 from ._signature import storage_of
 
@@ -172,19 +173,25 @@ class Bucketed:
         attrs = [(m, _own(m)) for m in modules]
         marks = _writes.contents([r.value for r in rec.reads.values()]
                                  + [v for _, a in attrs for v in a.values()])
-        runs = []
+        runs, swapped = [], False
         try:
-            for pad in (padded, [self._pad(t, bucket, zeros=True)
-                                 if isinstance(t, torch.Tensor) else t for t in leaves]):
-                a, kw = pytree.tree_unflatten(pad, spec)
-                out = self._target(*a, **kw)
-                # (a copy: with copy_outputs=False the next replay writes the same memory)
-                runs.append(pytree.tree_map_only(torch.Tensor, torch.clone, out))
-                self.padded_calls += 1
+            # (the padded runs are not the user's: a tensor hook they register is not
+            # registered, and what they swap, torch.utils.swap_tensors, is swapped back when
+            # the watch ends, before anything below is compared or put back)
+            with HookWatch(block=True) as watch:
+                for pad in (padded, [self._pad(t, bucket, zeros=True)
+                                     if isinstance(t, torch.Tensor) else t for t in leaves]):
+                    a, kw = pytree.tree_unflatten(pad, spec)
+                    out = self._target(*a, **kw)
+                    # (a copy: with copy_outputs=False the next replay writes the same memory)
+                    runs.append(pytree.tree_map_only(torch.Tensor, torch.clone, out))
+                    self.padded_calls += 1
+                swapped = bool(watch.swaps_seen())
         finally:
             changed = [f"{type(m).__name__}'s attributes" for m, a in attrs
                        if _writes.differ([(_own(m), a)])] \
-                or (["the containers it reads"] if _writes.differ(marks, added_ok=True) else [])
+                or (["the containers it reads"] if _writes.differ(marks, added_ok=True) else []) \
+                or (["tensors' contents (torch.utils.swap_tensors)"] if swapped else [])
             for m, a in attrs:
                 d = m.__dict__
                 for k in [k for k in _own(m) if k not in a]:

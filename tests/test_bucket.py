@@ -185,3 +185,28 @@ def test_bad_input_is_refused_with_the_fix():
         b(torch.randn(3, 4), torch.randn(2, 4))
     with pytest.raises(cg.CudagraphifyUsageError, match="must have a dimension 0"):
         b(torch.randn(3, 4), torch.tensor(1.0))
+
+
+class Hooks(nn.Module):
+    """Registers a gradient hook on its weight on every call (a grad-scaling trick)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if torch.is_grad_enabled():
+            self.lin.weight.register_hook(lambda g: g * 2)
+        return self.lin(x)
+
+
+def test_a_first_buckets_padded_check_runs_register_no_hook(sim, quiet):
+    """The check's padded runs are not the user's: a hook they registered on a parameter would
+    run in every later backward (gradients scaled once per padded run)."""
+    ref, g, b = _bucketed(Hooks, [4])
+    for _ in range(2):
+        x = torch.randn(3, 4)
+        b(x).sum().backward()
+        ref(x).sum().backward()
+        assert len(g.lin.weight._backward_hooks) == len(ref.lin.weight._backward_hooks)
+        torch.testing.assert_close(g.lin.weight.grad, ref.lin.weight.grad)

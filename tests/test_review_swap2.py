@@ -2,8 +2,9 @@
 note their swaps in a per-thread log (cudagraphify/_writes.py) and swap them back before every
 put-back. CPU, on the ``sim`` double of conftest.py.
 
-Findings were strict xfails on the reviewed code; F1 and F2 are fixed (plain tests now), F3 and
-F4 stay strict xfails (open: README, Limitations). Controls are plain tests.
+Findings were strict xfails on the reviewed code; F1, F2 and F4 are fixed (plain tests now), F3
+stays a strict xfail (open: README, Limitations). Controls are plain tests.
+
 GPU scenarios: .ci/review/swap2/run_all.sh."""
 
 from __future__ import annotations
@@ -212,7 +213,7 @@ def test_control_a_failed_swap_back_in_the_extra_warmups_is_warned_and_cleaned_u
     assert any("could not be swapped back" in str(x.message) for x in w)
 
 
-# -- F4: bucketed's padded check runs keep their swaps ------------------------------------------
+# -- F4: bucketed's padded check runs kept their swaps ------------------------------------------
 
 class SwapsBatch(nn.Module):
     """Rows independent; each call swaps its global for a tensor holding its batch size."""
@@ -227,13 +228,11 @@ class SwapsBatch(nn.Module):
         return self.lin(x)
 
 
-# finding F4 (silent wrong Python state; not new in this change): a bucket's first call checks
-# the size with two padded runs of the target (_bucket._check), beyond the user's call. Their
-# attribute and container changes refuse the bucket and are put back; their swaps are neither
-# seen nor swapped back (no blocking HookWatch there, and for a graphified target they are its
-# real calls): after b(x) with 3 rows the global holds 4.0 (the padded run's), eager 3.0; every
-# later call, served padded, leaves 4.0 too.
-@pytest.mark.xfail(strict=True, reason="finding F4: bucketed's padded runs leave their swaps")
+# finding F4 (silent wrong Python state; fixed): a bucket's first call checks the size with two
+# padded runs of the target (_bucket._check), beyond the user's call. Their attribute and
+# container changes refused the bucket and were put back; their swaps were neither seen nor
+# swapped back: after b(x) with 3 rows the global held 4.0 (the padded run's), eager 3.0. Now the
+# runs are under a blocking watch: swapped back, and the bucket refused (every call swaps).
 def test_F4_bucketed_padded_runs_leave_their_swaps(sim):
     torch.manual_seed(0)
     ref = SwapsBatch()
