@@ -255,7 +255,8 @@ def _assert_no_capture_open() -> None:
     """No stream of this thread or cudagraphify's capture streams is left capturing; garbage
     collection and the probe's wrapped calls are back."""
     assert not torch.cuda.is_current_stream_capturing()
-    for stream in list(getattr(_capture.default_backend(), "_side", {}).values()):
+    local = getattr(_capture.default_backend(), "_local", None)  # (this thread's side streams)
+    for stream in list(getattr(local, "side", {}).values()):
         with torch.cuda.stream(stream):
             assert not torch.cuda.is_current_stream_capturing()
     assert gc.isenabled()
