@@ -85,10 +85,17 @@ def _first_line(e: BaseException) -> str:
 
 
 class CudaBackend:
-    """Warm-up and capture with ``torch.cuda``: one side stream per device, reused."""
+    """Warm-up and capture with ``torch.cuda``: one side stream per device and thread, reused.
+
+    Per thread, not per device: a first call's real call runs its forward on the side stream
+    (see ``warmup``), and autograd runs each backward op on the stream its forward op ran on, so
+    the user's later backward of that call enqueues on the side stream, whatever another thread
+    does then; were it the stream another thread captures on, that backward would make the
+    capturing stream wait on uncaptured work (an error) or be recorded into that thread's graph
+    instead of running. Captures stay one at a time per device (``_capturing``)."""
 
     def __init__(self):
-        self._side: dict[int, torch.cuda.Stream] = {}
+        self._local = threading.local()  # (its ``side``: device index -> this thread's stream)
         self._capture_locks: dict[int, threading.RLock] = {}
         self._lock = threading.Lock()
 
@@ -109,10 +116,12 @@ class CudaBackend:
 
     def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
         idx = device.index if device.index is not None else torch.cuda.current_device()
-        with self._lock:
-            s = self._side.get(idx)
-            if s is None:
-                s = self._side[idx] = torch.cuda.Stream(device=idx)
+        streams = getattr(self._local, "side", None)
+        if streams is None:
+            streams = self._local.side = {}
+        s = streams.get(idx)
+        if s is None:
+            s = streams[idx] = torch.cuda.Stream(device=idx)
         return s
 
     def warmup(self, fn: Callable[[], Any], device: torch.device) -> Any:

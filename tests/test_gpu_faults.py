@@ -34,7 +34,8 @@ Fault -> test (``test_gpu.py`` covers the first rows; this file covers the rest)
   ``test_more_shapes_than_max_graphs_*``
 - two threads, one module, each its own shapes -> each output equals eager for its input:
   ``test_two_threads_with_their_own_shapes_*``; a warm-up on one thread during another thread's
-  capture: ``test_a_warm_up_on_another_thread_during_a_capture``
+  capture: ``test_a_warm_up_on_another_thread_during_a_capture``; a first call's backward on
+  one thread during another thread's capture: ``test_a_first_calls_backward_on_another_*``
 - a module deleted while its ``graph_region`` is open -> the module is freed at once and its
   graphs by the region's next call (not from the garbage collector); the region keeps working
   and the outputs a caller holds stay correct:
@@ -65,6 +66,7 @@ from __future__ import annotations
 import copy
 import gc
 import threading
+import time
 import warnings
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -255,7 +257,8 @@ def _assert_no_capture_open() -> None:
     """No stream of this thread or cudagraphify's capture streams is left capturing; garbage
     collection and the probe's wrapped calls are back."""
     assert not torch.cuda.is_current_stream_capturing()
-    for stream in list(getattr(_capture.default_backend(), "_side", {}).values()):
+    local = getattr(_capture.default_backend(), "_local", None)  # (this thread's side streams)
+    for stream in list(getattr(local, "side", {}).values()):
         with torch.cuda.stream(stream):
             assert not torch.cuda.is_current_stream_capturing()
     assert gc.isenabled()
@@ -804,6 +807,51 @@ def test_a_warm_up_on_another_thread_during_a_capture():
         _calls_match(ref_a, ga, 3)
         _calls_match(ref_b, gb, 3)
     assert cg.stats(ga).eager == 0 and cg.stats(gb).eager == 0
+    cg.ungraphify(ga), cg.ungraphify(gb)
+
+
+def test_a_first_calls_backward_on_another_thread_during_a_capture():
+    """A first call's real call runs its forward on this thread's warm-up stream, and autograd
+    runs its backward there too, later, with no lock held: that stream must not be the one
+    another thread is capturing on (it was, one per device: "dependency created on uncaptured
+    work in another stream", or the backward recorded into the other thread's graph)."""
+    torch.manual_seed(0)
+    ref_a, ref_b = Net().to(DEV), Gated().to(DEV)
+    ga, gb = cg.graphify(copy.deepcopy(ref_a)), cg.graphify(copy.deepcopy(ref_b))
+    capturing, release = threading.Event(), threading.Event()
+    gb.gate = (capturing, release)
+    xa, xb = _x(), _x()
+    out_a, want_a = ga(xa), ref_a(xa)  # ga's first call: its forward ran on the warm-up stream
+    out, errors = {}, []
+
+    def thread_b():
+        try:
+            with torch.no_grad():
+                out["b"] = gb(xb)  # warm-up, then a capture that waits (a second) for the main
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=thread_b)
+    t.start()
+    try:
+        assert capturing.wait(timeout=20)
+        time.sleep(0.05)  # (ga's forward done on the GPU: no cross-stream wait left to fail)
+        out_a.sum().backward()  # while gb captures
+        want_a.sum().backward()
+        torch.cuda.current_stream().synchronize()
+    finally:
+        release.set()
+        t.join(timeout=60)
+    _assert_no_capture_open()
+    _assert_cuda_usable()
+    assert not errors, errors
+    for p, q in zip(ga.parameters(), ref_a.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)
+    gb.gate = None
+    with torch.no_grad():
+        torch.testing.assert_close(out["b"], ref_b(xb), rtol=0, atol=0)
+        _calls_match(ref_b, gb, 3)
+    assert cg.stats(gb).eager == 0 and cg.stats(gb).captures == 1
     cg.ungraphify(ga), cg.ungraphify(gb)
 
 

@@ -56,7 +56,9 @@ def scenario(which: str) -> None:
         with torch.cuda.stream(s):
             return torch.cuda.is_current_stream_capturing()
 
-    sides = list(getattr(be, "_side", {}).values())
+    # (one side stream per device; on branch fix-threads, per device and thread: this one's)
+    sides = list(getattr(be, "_side", None).values()) if hasattr(be, "_side") else \
+        list(getattr(getattr(be, "_local", None), "side", {}).values())
     stuck = [s for s in [user, *sides] if capturing(s)]
     print(f"{'PASS' if not stuck else 'FAIL'}: [{which}] no stream left capturing "
           f"(user stream capturing={capturing(user)}, side streams capturing="
