@@ -87,17 +87,26 @@ def _first_line(e: BaseException) -> str:
 class CudaBackend:
     """Warm-up and capture with ``torch.cuda``: one side stream per device and thread, reused.
 
-    Per thread, not per device: a first call's real call runs its forward on the side stream
-    (see ``warmup``), and autograd runs each backward op on the stream its forward op ran on, so
-    the user's later backward of that call enqueues on the side stream, whatever another thread
-    does then; were it the stream another thread captures on, that backward would make the
-    capturing stream wait on uncaptured work (an error) or be recorded into that thread's graph
-    instead of running. Captures stay one at a time per device (``_capturing``)."""
+    Per thread, not per device: a warm-up's tensors are made on the side stream and used on the
+    caller's; one freed later goes back to the side stream's cache, and the next warm-up there
+    first waits only for its own caller's stream, so another thread's warm-up could reuse the
+    memory while the first thread's stream still reads it. Captures stay one at a time per
+    device (``_capturing``): a capture begins with a device sync and pauses garbage collection.
+
+    A first call's real call under grad mode runs on the caller's stream, not the side stream
+    (see ``warmup``): autograd runs each backward op on the stream its forward op ran on, and
+    a parameter's gradient accumulation on the stream of the op that first used it, so the
+    user's backward of that call, run later from any thread, would enqueue on the side stream,
+    where this thread may be capturing then: the capturing stream would wait on uncaptured work
+    (an error), or that backward would be recorded into the graph instead of running."""
 
     def __init__(self):
         self._local = threading.local()  # (its ``side``: device index -> this thread's stream)
         self._capture_locks: dict[int, threading.RLock] = {}
         self._lock = threading.Lock()
+        # every side stream handed out, by (device, stream handle): torch's pool has 32 per
+        # priority, so this stays small however many threads come and go
+        self.side_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
 
     def available(self) -> bool:
         return torch.cuda.is_available()
@@ -122,18 +131,30 @@ class CudaBackend:
         s = streams.get(idx)
         if s is None:
             s = streams[idx] = torch.cuda.Stream(device=idx)
+            with self._lock:
+                self.side_streams[(idx, s.cuda_stream)] = s
+            # cuBLAS keeps a workspace per (this thread's handle, stream), made on first use
+            # with the caching allocator: made inside a capture, it would come from the
+            # graph's pool and keep that pool's memory for good (a real call under grad mode
+            # does not run here, and inference has no extra warm-up by default)
+            with torch.cuda.device(idx), torch.cuda.stream(s):
+                a = torch.ones(2, 2, device=idx)
+                torch.mm(a, a)
         return s
 
-    def warmup(self, fn: Callable[[], Any], device: torch.device) -> Any:
+    def warmup(self, fn: Callable[[], Any], device: torch.device, on_side: bool = True) -> Any:
         """Run ``fn`` eagerly on the side stream that capture will use.
 
         Lazy initialisation (cuBLAS handles and workspaces, which are per stream; autotuning)
         then happens on the capture stream, outside the capture. The caller's stream waits for
         the side stream afterwards, so results are ordered as if ``fn`` ran on the caller's stream.
-        """
-        # The side stream is the one captures use: a warm-up on another thread must not join
-        # (or break) a capture in progress on it.
+
+        ``on_side=False`` (a first call's real call under grad mode, whose autograd graph the
+        user's backward runs: see the class): on the caller's stream, as an eager call; still
+        one at a time with this device's captures, as before."""
         with torch.cuda.device(device), self._capturing(device):
+            if not on_side:
+                return fn()
             cur = torch.cuda.current_stream()
             side = self._side_stream(device)
             side.wait_stream(cur)
@@ -158,7 +179,7 @@ class CudaBackend:
         allowed while capturing, such as a host sync). The stream capture is always ended and
         the caller's stream restored, so later CUDA work runs normally.
         """
-        # One capture at a time per device: captures share the device's side stream.
+        # One capture at a time per device (it begins with a device sync; see the class).
         with torch.cuda.device(device), self._capturing(device):
             cur = torch.cuda.current_stream()
             side = self._side_stream(device)

@@ -253,7 +253,7 @@ class SimBackend:
     def in_capture(self):
         return self.capturing
 
-    def warmup(self, fn, device):
+    def warmup(self, fn, device, on_side=True):
         self.warmups += 1
         return fn()
 
