@@ -143,8 +143,11 @@ class Bucketed:
         probe.known, probe.written = set(), set()
         epoch = _watch.epoch  # (before its runs: a change they make is seen on the next call)
         rec = _watch.Recorder()  # the modules it ran and the module attributes it read
-        with Nested(), probe, _watch.recording(rec):  # eagerly, on the call's own rows: this
-            want = self._target(*args, **kwargs)      # call's result
+        # eagerly, on the call's own rows: this call's result
+        with Nested(), probe, _watch.recording(rec), HookWatch() as hooks:
+            swaps = _writes.swaps_made()
+            want = self._target(*args, **kwargs)
+            swaps = _writes.swaps_made() - swaps
         # (a change of what it read, a flag that makes rows interact, checks the size again)
         guard = StateGuard(list(rec.reads.values()), ran=list(rec.called.values()))
         if not isinstance(self._target, torch.nn.Module):
@@ -153,6 +156,19 @@ class Bucketed:
         if guard.unguardable:
             return self._refuse(key, want, f"what forward reads cannot be watched for a "
                                 f"change that would make rows interact: {guard.unguardable}")
+        if swaps:
+            # (a padded run swapping a parameter whose AccumulateGrad this call's autograd
+            # graph holds would poison it: the user's backward would raise)
+            return self._refuse(key, want, "forward swaps tensors' contents "
+                                "(torch.utils.swap_tensors): padded calls would swap them too, "
+                                "and the check runs forward three times")
+        if hooks.found:
+            # (the padded runs register none, see below, but one that removes the handle this
+            # call registered, kept outside the module, would leave the parameter with none)
+            return self._refuse(key, want, f"forward registers a tensor hook "
+                                f"({hooks.found[0].op}): padded calls would register it on "
+                                "the padded batch's tensors, and the check runs forward three "
+                                "times")
         if probe.written_before_made:
             return self._refuse(key, want, "forward writes memory it did not make (an "
                                 "argument, a parameter, a buffer, a captured tensor): a padded "
@@ -188,9 +204,10 @@ class Bucketed:
                     self.padded_calls += 1
                 swapped = bool(watch.swaps_seen())
         finally:
-            changed = [f"{type(m).__name__}'s attributes" for m, a in attrs
-                       if _writes.differ([(_own(m), a)])] \
-                or (["the containers it reads"] if _writes.differ(marks, added_ok=True) else []) \
+            changed = [f"{type(m).__name__}'s attributes (a step counter, a log)"
+                       for m, a in attrs if _writes.differ([(_own(m), a)])] \
+                or (["the containers it reads (a step counter, a log)"]
+                    if _writes.differ(marks, added_ok=True) else []) \
                 or (["tensors' contents (torch.utils.swap_tensors)"] if swapped else [])
             for m, a in attrs:
                 d = m.__dict__
@@ -199,9 +216,8 @@ class Bucketed:
                 d.update(a)
             _writes.put_back(marks)
         if changed:
-            return self._refuse(key, want, f"forward changes {changed[0]} on every call (a "
-                                "step counter, a log): padded calls would change them with the "
-                                "padded batch")
+            return self._refuse(key, want, f"forward changes {changed[0]} on every call: "
+                                "padded calls would change them with the padded batch")
         why = _disagree(want, runs[0], runs[1], self.dim, bucket, n)
         if why:
             return self._refuse(key, want, why)

@@ -66,8 +66,18 @@ def close_swap_log(log: SwapLog) -> None:
             _swap_logs.pop(log.thread, None)
 
 
+_swap_counts = threading.local()  # (``n``: the swaps noted on this thread, logged or not)
+
+
+def swaps_made() -> int:
+    """How many swaps were noted on this thread so far (while any hook watch was active)."""
+    return getattr(_swap_counts, "n", 0)
+
+
 def note_swap(t1: torch.Tensor, t2: torch.Tensor) -> None:
-    """``torch.utils.swap_tensors(t1, t2)`` ran on this thread: noted in its innermost log."""
+    """``torch.utils.swap_tensors(t1, t2)`` ran on this thread: counted, and noted in its
+    innermost log."""
+    _swap_counts.n = getattr(_swap_counts, "n", 0) + 1
     stack = _swap_logs.get(threading.get_ident())
     if stack:
         log = stack[-1]
