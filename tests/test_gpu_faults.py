@@ -254,11 +254,10 @@ def _same_outcome(got, want, exact: bool = True) -> None:
 
 
 def _assert_no_capture_open() -> None:
-    """No stream of this thread or cudagraphify's capture streams is left capturing; garbage
-    collection and the probe's wrapped calls are back."""
+    """No stream of this thread or cudagraphify's capture streams (every thread's) is left
+    capturing; garbage collection and the probe's wrapped calls are back."""
     assert not torch.cuda.is_current_stream_capturing()
-    local = getattr(_capture.default_backend(), "_local", None)  # (this thread's side streams)
-    for stream in list(getattr(local, "side", {}).values()):
+    for stream in list(_capture.default_backend().side_streams.values()):
         with torch.cuda.stream(stream):
             assert not torch.cuda.is_current_stream_capturing()
     assert gc.isenabled()

@@ -56,9 +56,8 @@ def scenario(which: str) -> None:
         with torch.cuda.stream(s):
             return torch.cuda.is_current_stream_capturing()
 
-    # (one side stream per device; on branch fix-threads, per device and thread: this one's)
-    sides = list(getattr(be, "_side", None).values()) if hasattr(be, "_side") else \
-        list(getattr(getattr(be, "_local", None), "side", {}).values())
+    # (one side stream per device and thread: every thread's)
+    sides = list(be.side_streams.values())
     stuck = [s for s in [user, *sides] if capturing(s)]
     print(f"{'PASS' if not stuck else 'FAIL'}: [{which}] no stream left capturing "
           f"(user stream capturing={capturing(user)}, side streams capturing="
