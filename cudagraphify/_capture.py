@@ -87,18 +87,19 @@ def _first_line(e: BaseException) -> str:
 class CudaBackend:
     """Warm-up and capture with ``torch.cuda``: one side stream per device and thread, reused.
 
-    Per thread, not per device: a warm-up's tensors are made on the side stream and used on the
-    caller's; one freed later goes back to the side stream's cache, and the next warm-up there
-    first waits only for its own caller's stream, so another thread's warm-up could reuse the
-    memory while the first thread's stream still reads it. Captures stay one at a time per
-    device (``_capturing``): a capture begins with a device sync and pauses garbage collection.
+    A first call's real call runs on the caller's stream, as the eager call it is (see
+    ``warmup``): autograd runs each backward op on the stream its forward op ran on, and a
+    parameter's gradient accumulation on the stream of the op that first used it, so the
+    user's backward of that call, run later from any thread, would otherwise enqueue on the
+    side stream, where a capture may be under way: the capturing stream would wait on
+    uncaptured work (an error), or that backward would be recorded into the graph instead of
+    running. And its tensors, the user's, are not kept in the side stream's cache once freed.
+    The extra warm-ups, rehearsals and proofs run on the side stream, on copies, and the capture.
 
-    A first call's real call under grad mode runs on the caller's stream, not the side stream
-    (see ``warmup``): autograd runs each backward op on the stream its forward op ran on, and
-    a parameter's gradient accumulation on the stream of the op that first used it, so the
-    user's backward of that call, run later from any thread, would enqueue on the side stream,
-    where this thread may be capturing then: the capturing stream would wait on uncaptured work
-    (an error), or that backward would be recorded into the graph instead of running."""
+    Per thread, not per device: a warm-up's freed memory goes back to the side stream's cache,
+    reused by the next warm-up there after it waits only for its own caller's stream. Captures
+    stay one at a time per device (``_capturing``): a capture begins with a device sync and
+    pauses garbage collection."""
 
     def __init__(self):
         self._local = threading.local()  # (its ``side``: device index -> this thread's stream)
@@ -135,11 +136,17 @@ class CudaBackend:
                 self.side_streams[(idx, s.cuda_stream)] = s
             # cuBLAS keeps a workspace per (this thread's handle, stream), made on first use
             # with the caching allocator: made inside a capture, it would come from the
-            # graph's pool and keep that pool's memory for good (a real call under grad mode
-            # does not run here, and inference has no extra warm-up by default)
+            # graph's pool and keep that pool's memory for good (the real call does not run
+            # here, and inference has no extra warm-up by default). cuBLASLt's too (a matmul
+            # with a bias, in half precision as well)
             with torch.cuda.device(idx), torch.cuda.stream(s):
-                a = torch.ones(2, 2, device=idx)
-                torch.mm(a, a)
+                for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                    a = torch.ones(8, 8, device=idx, dtype=dtype)
+                    try:
+                        torch.mm(a, a)
+                        torch.nn.functional.linear(a, a, a[0])
+                    except RuntimeError:  # (a type this GPU's cuBLAS lacks: its first use
+                        pass              # elsewhere makes the workspace, as before)
         return s
 
     def warmup(self, fn: Callable[[], Any], device: torch.device, on_side: bool = True) -> Any:
@@ -149,9 +156,8 @@ class CudaBackend:
         then happens on the capture stream, outside the capture. The caller's stream waits for
         the side stream afterwards, so results are ordered as if ``fn`` ran on the caller's stream.
 
-        ``on_side=False`` (a first call's real call under grad mode, whose autograd graph the
-        user's backward runs: see the class): on the caller's stream, as an eager call; still
-        one at a time with this device's captures, as before."""
+        ``on_side=False`` (a first call's real call: see the class): on the caller's stream,
+        as an eager call; still one at a time with this device's captures."""
         with torch.cuda.device(device), self._capturing(device):
             if not on_side:
                 return fn()

@@ -169,11 +169,12 @@ class FirstCall(Capturing):
         self.states_before = snapshot_states(leaves, self.sig.static_states, self.device)
         t0 = time.perf_counter()
         with Nested(), recording(rec), self.hooks:
-            # (under grad mode on the caller's stream: the user's backward of this call runs
-            # on the streams its forward ran on; see _capture.CudaBackend)
+            # (on the caller's stream, as the eager call it is: the user's backward of it runs
+            # on the streams its forward ran on, and its tensors are the user's; see
+            # _capture.CudaBackend)
             self.result = self.backend.warmup(
                 probed(probe, lambda: self.fn(*self.args, **self.kwargs)), self.device,
-                on_side=not torch.is_grad_enabled())
+                on_side=False)
         self.warmup_seconds += time.perf_counter() - t0
         # a forward that draws random numbers: a graph launched by the driver (a family's
         # rebased graph, see _rebase) would replay the template's draws

@@ -850,7 +850,8 @@ def test_a_first_calls_backward_on_another_thread_during_a_capture():
     with torch.no_grad():
         torch.testing.assert_close(out["b"], ref_b(xb), rtol=0, atol=0)
         _calls_match(ref_b, gb, 3)
-    assert cg.stats(gb).eager == 0 and cg.stats(gb).captures == 1
+    s = cg.stats(gb)  # (its gate set back to None: a change of what forward reads, captured anew)
+    assert s.eager == 0 and s.captures >= 1 and s.replays >= 1
     cg.ungraphify(ga), cg.ungraphify(gb)
 
 
