@@ -119,7 +119,7 @@ def _watches() -> list[HookWatch] | None:
     return watches
 
 
-def _note(watches: list[HookWatch], op: str, hook: Any) -> bool:
+def _note(watches: list[HookWatch], op: str, hook: Any, why: str = WHY) -> bool:
     """Note a registration in every active watch (an outer one's run holds this one's);
     returns whether one of them blocks it."""
     probe = _probe._active.get(threading.get_ident())
@@ -127,7 +127,7 @@ def _note(watches: list[HookWatch], op: str, hook: Any) -> bool:
     frame = _probe._user_frame()
     what = f"{op}({_hook_name(hook)})" if hook is not None else op
     where = f"{frame[0]}:{frame[1]}" if frame is not None else "?"
-    finding = Finding(path, what, ("PYTHON_HOOK",), f"{where}: {WHY}",
+    finding = Finding(path, what, ("PYTHON_HOOK",), f"{where}: {why}",
                       *(frame if frame is not None else ()))
     for w in watches:
         w.found.append(finding)
@@ -199,6 +199,41 @@ def _multi(original: Callable) -> Callable:
     return register_multi_grad_hook
 
 
+NODE_WHY = ("a read of an autograd node (Tensor.grad_fn) in forward: a hook registered on it "
+            "(grad_fn.register_hook, register_prehook) is a C method no patch sees, and its "
+            "Python would run in each backward, never a replay's; so the read alone refuses: "
+            "it runs eagerly")
+
+
+class _GradFnRead:
+    """``torch.Tensor.grad_fn`` while a watch is active (shadowing ``TensorBase``'s getter,
+    which it calls): a read that finds a node, by the user's code on a watched thread, noted
+    (``NODE_WHY``). Named ``grad_fn`` for the probe's op names (a torch function mode gets this
+    descriptor's ``__get__``)."""
+
+    __slots__ = ("original",)
+    __name__ = "grad_fn"
+
+    def __init__(self, original: Any):
+        self.original = original
+
+    def __get__(self, obj: Any, cls: Any = None) -> Any:
+        if obj is None:
+            return self
+        node = self.original.__get__(obj, cls)
+        if node is not None:
+            watches = _watches()
+            if watches is not None:
+                _note(watches, "Tensor.grad_fn", None, NODE_WHY)
+        return node
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        self.original.__set__(obj, value)  # (read-only: raises as torch's does)
+
+    def __delete__(self, obj: Any) -> None:
+        self.original.__delete__(obj)
+
+
 def _swapping(original: Callable) -> Callable:
     """``torch._C._swap_tensor_impl`` (the last step of ``torch.utils.swap_tensors``): the pair
     noted in this thread's innermost blocking watch's log (see _writes), once swapped."""
@@ -223,6 +258,8 @@ def _targets() -> list[tuple[Any, str, Callable]]:
         out.append((graph, "register_multi_grad_hook", _multi))
     if hasattr(torch._C, "_swap_tensor_impl"):
         out.append((torch._C, "_swap_tensor_impl", _swapping))
+    if "grad_fn" not in vars(torch.Tensor):  # (TensorBase's getter, shadowed while watched)
+        out.append((torch.Tensor, "grad_fn", _GradFnRead))
     return out
 
 
