@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import os
 import sys
 import threading
 from typing import Any, Callable
@@ -205,6 +206,13 @@ NODE_WHY = ("a read of an autograd node (Tensor.grad_fn) in forward: a hook regi
             "it runs eagerly")
 
 
+# (torch's own reads are not noted: non-reentrant checkpointing, DDP and Tensor.register_hook
+# read a node and register no hook on it; ``Module._call_impl``'s are, where it registers a
+# module's deprecated non-full backward hooks on its output's node)
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+_MODULE_PY = os.path.abspath(torch.nn.modules.module.__file__)
+
+
 class _GradFnRead:
     """``torch.Tensor.grad_fn`` while a watch is active (shadowing ``TensorBase``'s getter,
     which it calls): a read that finds a node, by the user's code on a watched thread, noted
@@ -221,7 +229,9 @@ class _GradFnRead:
         if obj is None:
             return self
         node = self.original.__get__(obj, cls)
-        if node is not None:
+        if node is not None and (
+                not sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR)
+                or sys._getframe(1).f_code.co_filename == _MODULE_PY):
             watches = _watches()
             if watches is not None:
                 _note(watches, "Tensor.grad_fn", None, NODE_WHY)
