@@ -244,6 +244,27 @@ class _GradFnRead:
         self.original.__delete__(obj)
 
 
+def _swap_checked(original: Callable) -> Callable:
+    """``torch.utils.swap_tensors``: on a run beyond the real call (a blocking watch), a leaf
+    that requires grad and is held elsewhere (an AccumulateGrad node of the real call's
+    autograd graph) is not swapped: torch would poison that node, and the user's backward of
+    the real call would raise. The run fails instead (its signature runs eagerly)."""
+
+    @functools.wraps(original)
+    def swap_tensors(t1, t2, *args, **kwargs):
+        watches = _active.get(threading.get_ident())
+        if watches and any(w.block for w in watches):
+            for t in (t1, t2):
+                if isinstance(t, torch.Tensor) and t.is_leaf and t.requires_grad \
+                        and t._use_count() > 1:
+                    raise RuntimeError(
+                        "cudagraphify: a run beyond a first call's real call swaps a tensor "
+                        "(torch.utils.swap_tensors) that requires grad and that an autograd "
+                        "graph holds: torch would poison the real call's backward")
+        return original(t1, t2, *args, **kwargs)
+    return swap_tensors
+
+
 def _swapping(original: Callable) -> Callable:
     """``torch._C._swap_tensor_impl`` (the last step of ``torch.utils.swap_tensors``): the pair
     noted in this thread's innermost blocking watch's log (see _writes), once swapped."""
@@ -268,6 +289,8 @@ def _targets() -> list[tuple[Any, str, Callable]]:
         out.append((graph, "register_multi_grad_hook", _multi))
     if hasattr(torch._C, "_swap_tensor_impl"):
         out.append((torch._C, "_swap_tensor_impl", _swapping))
+    if hasattr(torch.utils, "swap_tensors"):
+        out.append((torch.utils, "swap_tensors", _swap_checked))
     if "grad_fn" not in vars(torch.Tensor):  # (TensorBase's getter, shadowed while watched)
         out.append((torch.Tensor, "grad_fn", _GradFnRead))
     return out
