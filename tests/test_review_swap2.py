@@ -304,11 +304,13 @@ class RenewsThroughAList(nn.Module):
         return x @ p
 
 
-def test_control_a_later_run_cannot_poison_the_real_calls_accumulate_grad(sim):
+@pytest.mark.parametrize("probe", ["auto", False])
+def test_control_a_later_run_cannot_poison_the_real_calls_accumulate_grad(sim, probe):
     # (swap_tensors on a leaf whose AccumulateGrad the real call's graph holds would register a
-    # poisoning pre-hook: here the extra warm-up's swap raises first, the capture fails, and the
+    # poisoning pre-hook: the extra warm-up's swap raises first (_hooks._swap_checked; before,
+    # only a reference the probe happened to hold made torch raise), the capture fails, and the
     # user's backward runs as eager's)
-    ref, g = _twins(RenewsThroughAList)
+    ref, g = _twins(RenewsThroughAList, probe=probe)
     for i in range(3):
         x = torch.randn(3, 4)
         want, got = ref(x), g(x)
