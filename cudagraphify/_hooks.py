@@ -168,6 +168,25 @@ def _registering(name: str, original: Callable) -> Callable:
     return register
 
 
+def _node_registering(name: str, original: Callable) -> Callable:
+    """``register_hook`` / ``register_prehook`` of an autograd Function's ``ctx`` (its
+    backward node, a ``BackwardCFunction``: a Python class, unlike torch's C++ nodes) noted,
+    and blocked on the runs beyond the real call. torch's own registrations (a module's full
+    backward hooks go on a ``BackwardHookFunction``'s node) are not noted."""
+
+    @functools.wraps(original)
+    def register(self, hook, *args, **kwargs):
+        if sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR):
+            return original(self, hook, *args, **kwargs)
+        watches = _watches()
+        if watches is None:
+            return original(self, hook, *args, **kwargs)
+        if _note(watches, f"Node.{name}", hook):
+            return _no_handle()
+        return original(self, hook, *args, **kwargs)
+    return register
+
+
 def _retaining(original: Callable) -> Callable:
     """``Tensor.retain_grad`` noted where it registers a hook (a non-leaf's first)."""
 
@@ -206,42 +225,24 @@ NODE_WHY = ("a read of an autograd node (Tensor.grad_fn) in forward: a hook regi
             "it runs eagerly")
 
 
-# (torch's own reads are not noted: non-reentrant checkpointing, DDP and Tensor.register_hook
-# read a node and register no hook on it; ``Module._call_impl``'s are, where it registers a
-# module's deprecated non-full backward hooks on its output's node)
+# (torch's own reads are not noted: non-reentrant checkpointing, DDP, full backward hooks,
+# Dynamo and Tensor.register_hook read a node and register no hook on it. Those of
+# ``Module._call_impl``'s file are, where it registers a module's deprecated non-full backward
+# hooks on its output's node, and of ``torch.autograd.graph``'s, whose helpers hand the user a
+# node: ``get_gradient_edge(t).node``)
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 _MODULE_PY = os.path.abspath(torch.nn.modules.module.__file__)
+_COUNTED = frozenset({_MODULE_PY, os.path.abspath(torch.autograd.graph.__file__)})
 
 
-class _GradFnRead:
-    """``torch.Tensor.grad_fn`` while a watch is active (shadowing ``TensorBase``'s getter,
-    which it calls): a read that finds a node, by the user's code on a watched thread, noted
-    (``NODE_WHY``). Named ``grad_fn`` for the probe's op names (a torch function mode gets this
-    descriptor's ``__get__``)."""
-
-    __slots__ = ("original",)
-    __name__ = "grad_fn"
-
-    def __init__(self, original: Any):
-        self.original = original
-
-    def __get__(self, obj: Any, cls: Any = None) -> Any:
-        if obj is None:
-            return self
-        node = self.original.__get__(obj, cls)
-        if node is not None and (
-                not sys._getframe(1).f_code.co_filename.startswith(_TORCH_DIR)
-                or sys._getframe(1).f_code.co_filename == _MODULE_PY):
-            watches = _watches()
-            if watches is not None:
-                _note(watches, "Tensor.grad_fn", None, NODE_WHY)
-        return node
-
-    def __set__(self, obj: Any, value: Any) -> None:
-        self.original.__set__(obj, value)  # (read-only: raises as torch's does)
-
-    def __delete__(self, obj: Any) -> None:
-        self.original.__delete__(obj)
+def node_read(filename: str) -> None:
+    """The probe saw code of ``filename`` read a tensor's autograd node (``grad_fn``) and find
+    one: noted in this thread's watches (``NODE_WHY``), unless torch's own code read it."""
+    if filename.startswith(_TORCH_DIR) and filename not in _COUNTED:
+        return
+    watches = _active.get(threading.get_ident())
+    if watches and getattr(_tls, "inner", None) is None:
+        _note(watches, "Tensor.grad_fn", None, NODE_WHY)
 
 
 def _swap_checked(original: Callable) -> Callable:
@@ -291,8 +292,10 @@ def _targets() -> list[tuple[Any, str, Callable]]:
         out.append((torch._C, "_swap_tensor_impl", _swapping))
     if hasattr(torch.utils, "swap_tensors"):
         out.append((torch.utils, "swap_tensors", _swap_checked))
-    if "grad_fn" not in vars(torch.Tensor):  # (TensorBase's getter, shadowed while watched)
-        out.append((torch.Tensor, "grad_fn", _GradFnRead))
+    ctx = getattr(torch.autograd.function, "BackwardCFunction", None)
+    if ctx is not None:
+        out += [(ctx, n, functools.partial(_node_registering, n))
+                for n in ("register_hook", "register_prehook") if hasattr(ctx, n)]
     return out
 
 

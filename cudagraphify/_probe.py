@@ -140,6 +140,10 @@ class _Mode(TorchFunctionMode):
         if probe.layouts is not None:
             probe.note_layouts(args, kwargs)
         out = func(*args, **kwargs)
+        if out is not None and info[1] in NODE_READS and probe.screens:
+            # (a hook on an autograd node is a C method no patch reaches: the read is noted)
+            from ._hooks import node_read
+            node_read(sys._getframe(1).f_code.co_filename)
         if layouts:
             probe.note_relayouts(layouts, info[1])
         if probe.known is not None:
@@ -185,6 +189,7 @@ def _lookup(dotted: str) -> tuple[Any, str] | None:
 
 
 CAPTURING_QUERY = "torch.cuda.is_current_stream_capturing"
+NODE_READS = ("Tensor.grad_fn", "Tensor._grad_fn")  # (reads of a tensor's autograd node)
 _active: dict[int, "Probe"] = {}  # thread id -> the probe recording on that thread
 _patch_lock = threading.Lock()
 _patch_users = 0
