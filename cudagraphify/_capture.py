@@ -134,20 +134,25 @@ class CudaBackend:
             s = streams[idx] = torch.cuda.Stream(device=idx)
             with self._lock:
                 self.side_streams[(idx, s.cuda_stream)] = s
-            # cuBLAS keeps a workspace per (this thread's handle, stream), made on first use
-            # with the caching allocator: made inside a capture, it would come from the
-            # graph's pool and keep that pool's memory for good (the real call does not run
-            # here, and inference has no extra warm-up by default). cuBLASLt's too (a matmul
-            # with a bias, in half precision as well)
-            with torch.cuda.device(idx), torch.cuda.stream(s):
-                for dtype in (torch.float32, torch.bfloat16, torch.float16):
-                    a = torch.ones(8, 8, device=idx, dtype=dtype)
-                    try:
-                        torch.mm(a, a)
-                        torch.nn.functional.linear(a, a, a[0])
-                    except RuntimeError:  # (a type this GPU's cuBLAS lacks: its first use
-                        pass              # elsewhere makes the workspace, as before)
         return s
+
+    @staticmethod
+    def _prime(side: torch.cuda.Stream, idx: int) -> None:
+        """Before a capture on ``side``: cuBLAS keeps a workspace per (this thread's handle,
+        stream), made on first use with the caching allocator; made inside the capture, it would
+        come from the graph's pool and keep that pool's memory for good (the real call does not
+        run on the side stream, inference has no extra warm-up by default, and
+        ``torch._C._cuda_clearCublasWorkspaces()``, which torch.compile's cudagraph trees call,
+        drops them). A matmul with and without a bias (cuBLASLt's) in each common type makes
+        any that is missing; one that exists costs a launch."""
+        with torch.cuda.stream(side):
+            for dtype in (torch.float32, torch.bfloat16, torch.float16):
+                a = torch.ones(8, 8, device=idx, dtype=dtype)
+                try:
+                    torch.mm(a, a)
+                    torch.nn.functional.linear(a, a, a[0])
+                except RuntimeError:  # (a type this GPU's cuBLAS lacks: its first use
+                    pass              # makes the workspace, as before)
 
     def warmup(self, fn: Callable[[], Any], device: torch.device, on_side: bool = True) -> Any:
         """Run ``fn`` eagerly on the side stream that capture will use.
@@ -189,6 +194,7 @@ class CudaBackend:
         with torch.cuda.device(device), self._capturing(device):
             cur = torch.cuda.current_stream()
             side = self._side_stream(device)
+            self._prime(side, torch.cuda.current_device())
             torch.cuda.synchronize()
             reserved = torch.cuda.memory_reserved()
             graph = torch.cuda.CUDAGraph(keep_graph=True) if keep_graph else torch.cuda.CUDAGraph()

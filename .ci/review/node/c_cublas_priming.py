@@ -55,6 +55,10 @@ except Exception:  # noqa: BLE001
 if WS <= 0:
     WS = 4 << 20  # (torch's default outside Hopper: 4 MiB and a little)
 C.info(f"cuBLAS workspace size {WS} bytes; device {torch.cuda.get_device_name()}")
+# (a pool's first capture takes a 2 MiB segment for its small blocks, which the next capture
+# reuses: seen on the H100 as a 2 MiB difference with no workspace in it; a workspace there is
+# 32 MiB, as the line after clearing shows)
+LIMIT = max(WS // 2, 8 << 20)
 
 
 class Op(nn.Module):
@@ -136,7 +140,7 @@ def fresh(kind: str) -> str:
     if s.eager or s.replays < 4:
         return f"not graphed as expected: {C.stats_line(g)}"
     C.info(f"{kind}: pool bytes first capture {sizes[0]}, second {sizes[1]}")
-    if sizes[0] - sizes[1] >= WS // 2:
+    if sizes[0] - sizes[1] >= LIMIT:
         return (f"the first capture's pool is {sizes[0] - sizes[1]} bytes larger than the "
                 f"next one's: a cuBLAS workspace made inside it")
     cg.ungraphify(g)
@@ -174,7 +178,7 @@ def after_clear(clear, what: str) -> str:
                 return f"rows={rows}: output differs from eager's"
         sizes.append(_pool_of(g, before))
     C.info(f"after {what}: pool bytes next capture {sizes[0]}, then {sizes[1]}")
-    if sizes[0] - sizes[1] >= WS // 2:
+    if sizes[0] - sizes[1] >= LIMIT:
         return (f"the capture after {what} holds {sizes[0] - sizes[1]} more bytes: the side "
                 "stream's cuBLAS workspace made inside it (in the graph's pool)")
     cg.ungraphify(g)
