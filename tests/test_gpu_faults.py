@@ -35,7 +35,10 @@ Fault -> test (``test_gpu.py`` covers the first rows; this file covers the rest)
 - two threads, one module, each its own shapes -> each output equals eager for its input:
   ``test_two_threads_with_their_own_shapes_*``; a warm-up on one thread during another thread's
   capture: ``test_a_warm_up_on_another_thread_during_a_capture``; a first call's backward on
-  one thread during another thread's capture: ``test_a_first_calls_backward_on_another_*``
+  one thread during another thread's capture: ``test_a_first_calls_backward_on_another_*``,
+  the executor pattern (a worker's first call, its backward on the caller while the worker
+  captures): ``test_a_workers_first_calls_backward_*``; cuBLAS workspaces cleared before an
+  inference capture: ``test_an_inference_capture_after_cublas_workspaces_*``
 - a module deleted while its ``graph_region`` is open -> the module is freed at once and its
   graphs by the region's next call (not from the garbage collector); the region keeps working
   and the outputs a caller holds stay correct:
@@ -853,6 +856,69 @@ def test_a_first_calls_backward_on_another_thread_during_a_capture():
     s = cg.stats(gb)  # (its gate set back to None: a change of what forward reads, captured anew)
     assert s.eager == 0 and s.captures >= 1 and s.replays >= 1
     cg.ungraphify(ga), cg.ungraphify(gb)
+
+
+def test_a_workers_first_calls_backward_run_by_the_caller_during_the_workers_capture():
+    """The executor pattern: a worker thread makes a first call under grad mode, the caller
+    runs its backward while the worker captures another module's first call. The real call ran
+    on the worker's own stream (not the side stream it captures on), so the backward, which
+    runs on its forward's streams, meets no capture."""
+    torch.manual_seed(0)
+    ref_a, ref_b = Net().to(DEV), Gated().to(DEV)
+    ga, gb = cg.graphify(copy.deepcopy(ref_a)), cg.graphify(copy.deepcopy(ref_b))
+    capturing, release = threading.Event(), threading.Event()
+    gb.gate = (capturing, release)
+    xa, xb = _x(), _x()
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        out_a = pool.submit(lambda: ga(xa)).result(timeout=30)
+        want_a = ref_a(xa)
+
+        def b_first_call():
+            with torch.no_grad():
+                return gb(xb)
+
+        fut = pool.submit(b_first_call)
+        try:
+            assert capturing.wait(timeout=20)
+            time.sleep(0.05)
+            out_a.sum().backward()  # while the worker captures
+            want_a.sum().backward()
+            torch.cuda.current_stream().synchronize()
+        finally:
+            release.set()
+        out_b = fut.result(timeout=30)
+    _assert_no_capture_open()
+    _assert_cuda_usable()
+    assert torch.equal(out_a, want_a)
+    for p, q in zip(ga.parameters(), ref_a.parameters()):
+        assert p.grad is not None and torch.equal(p.grad, q.grad)
+    gb.gate = None
+    with torch.no_grad():
+        assert torch.equal(out_b, ref_b(xb))
+        _calls_match(ref_b, gb, 3)
+    s = cg.stats(gb)
+    assert s.eager == 0 and s.captures >= 1 and s.replays >= 1
+    cg.ungraphify(ga), cg.ungraphify(gb)
+
+
+def test_an_inference_capture_after_cublas_workspaces_are_cleared_keeps_none_in_its_pool():
+    """cuBLAS makes a workspace per (handle, stream) on first use; torch.compile's cudagraph
+    trees clear them (``torch._C._cuda_clearCublasWorkspaces()``). An inference first call's
+    capture is the side stream's first matmul since: primed before the capture, the workspace
+    (32 MiB on an H100) is not made inside the graph's pool."""
+    torch.manual_seed(0)
+    ref = Net().to(DEV)
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        g(_x())  # (this thread's side stream made and used)
+        torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
+        x = _x(B + 1, W)  # a new signature: its capture is the side stream's first matmul
+        assert torch.equal(g(x), ref(x))
+        s = cg.stats(g)
+    assert s.captures == 2, s
+    assert s.graph_pool_bytes < 16 << 20, s  # (two small graphs; with a workspace, +32 MiB)
+    cg.ungraphify(g)
 
 
 # -- a module deleted inside its region ------------------------------------------------------
