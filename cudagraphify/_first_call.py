@@ -28,7 +28,7 @@ import torch.utils._pytree as pytree
 from . import _watch, _writes
 from ._capture import _first_line
 from ._capturing import Capturing
-from ._hooks import HookWatch
+from ._hooks import HookWatch, backward_reads
 from ._guards import FlagsGuard, StateGuard, function_bindings
 from ._nested import Nested
 from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
@@ -321,6 +321,12 @@ class FirstCall(Capturing):
             # the real call, whose backward would run its Python; its submodules that register
             # none are graphed (each checked on its own first call)
             return self._eager_or_piecewise(self.hooks.found)
+        if self.training:
+            # an autograd Function's backward that reads a tensor from outside: no guard
+            # sees a rebinding of it (the forward's outside reads are screened and guarded)
+            found = backward_reads(pytree.tree_leaves(self.result))
+            if found:
+                return self._eager_or_piecewise(found)
         if not torch.is_grad_enabled() and (
                 (self.warm_probe is not None and self.warm_probe.grad_on)
                 or any(isinstance(t, torch.Tensor) and t.grad_fn is not None

@@ -245,6 +245,70 @@ def node_read(filename: str) -> None:
         _note(watches, "Tensor.grad_fn", None, NODE_WHY)
 
 
+FN_WHY = ("an autograd Function whose backward reads a tensor from outside (a global, a "
+          "closure; not its ctx): a replay's backward reads the tensor captured, not the one "
+          "bound when it runs, and nothing guards it; it runs eagerly")
+
+
+def backward_reads(outputs: Any, limit: int = 10_000) -> list[Finding]:
+    """Findings for the autograd Functions (Python ``backward``) in ``outputs``' autograd
+    graph whose ``backward`` loads a global, or holds a closure cell, that is a tensor or a
+    list, tuple or dict holding one (the names its code loads; a helper it calls is not
+    followed). Walks at most ``limit`` nodes."""
+    found: list[Finding] = []
+    seen: set[int] = set()
+    stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    checked: set[int] = set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        cls = getattr(node, "_forward_cls", None)
+        if cls is not None and id(cls) not in checked:
+            checked.add(id(cls))
+            what = _outside_in(getattr(cls, "backward", None))
+            if what is not None:
+                code = cls.backward.__code__
+                found.append(Finding("", f"{cls.__qualname__}.backward", ("PYTHON_STATE",),
+                                     f"{code.co_filename}:{code.co_firstlineno}: reads "
+                                     f"{what}: {FN_WHY}", code.co_filename,
+                                     code.co_firstlineno))
+        for nxt, _ in getattr(node, "next_functions", ()):
+            if nxt is not None:
+                stack.append(nxt)
+    return found
+
+
+def _holds_tensor(v: Any) -> bool:
+    if isinstance(v, torch.Tensor):
+        return True
+    if isinstance(v, dict):
+        v = list(v.values())
+    return isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v[:64])
+
+
+def _outside_in(fn: Any) -> str | None:
+    """The first global or closure variable of ``fn``'s code that holds a tensor (see
+    :func:`backward_reads`), named; None where there is none."""
+    fn = getattr(fn, "__func__", fn)
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return None
+    scope = getattr(fn, "__globals__", {})
+    for name in code.co_names:
+        if name in scope and _holds_tensor(scope[name]):
+            return f"the global {name!r}"
+    for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
+        try:
+            value = cell.cell_contents
+        except ValueError:  # (an empty cell)
+            continue
+        if _holds_tensor(value):
+            return f"the closure variable {name!r}"
+    return None
+
+
 def _swap_checked(original: Callable) -> Callable:
     """``torch.utils.swap_tensors``: on a run beyond the real call (a blocking watch), a leaf
     that requires grad and is held elsewhere (an AccumulateGrad node of the real call's
