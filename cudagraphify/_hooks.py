@@ -35,10 +35,13 @@ methods belong to C types that cannot be patched (README, Limitations).
 from __future__ import annotations
 
 import collections
+import dis
 import functools
+import inspect
 import os
 import sys
 import threading
+import types
 from typing import Any, Callable
 
 import torch
@@ -250,16 +253,20 @@ FN_WHY = ("an autograd Function whose backward reads a tensor from outside (a gl
           "bound when it runs, and nothing guards it; it runs eagerly")
 
 
-def backward_reads(outputs: Any, limit: int = 10_000) -> list[Finding]:
+def backward_reads(outputs: Any, limit: int = 200_000) -> list[Finding]:
     """Findings for the autograd Functions (Python ``backward``) in ``outputs``' autograd
-    graph whose ``backward`` loads a global, or holds a closure cell, that is a tensor or a
-    list, tuple or dict holding one (the names its code loads; a helper it calls is not
-    followed). Walks at most ``limit`` nodes."""
+    graph whose ``backward`` reads a tensor from outside (see :func:`_outside_in`); one for a
+    graph too large to walk (over ``limit`` nodes)."""
     found: list[Finding] = []
     seen: set[int] = set()
     stack = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    keep = list(stack)  # (the nodes walked stay alive: their ids stay theirs)
     checked: set[int] = set()
-    while stack and len(seen) < limit:
+    while stack:
+        if len(seen) >= limit:
+            return [Finding("", "autograd graph", ("PYTHON_STATE",),
+                            f"more than {limit} nodes: its autograd Functions' backwards were "
+                            f"not all screened for tensors they read from outside; {FN_WHY}")]
         node = stack.pop()
         if id(node) in seen:
             continue
@@ -267,45 +274,95 @@ def backward_reads(outputs: Any, limit: int = 10_000) -> list[Finding]:
         cls = getattr(node, "_forward_cls", None)
         if cls is not None and id(cls) not in checked:
             checked.add(id(cls))
-            what = _outside_in(getattr(cls, "backward", None))
+            backward = getattr(cls, "backward", None)
+            what = _outside_in(backward)
             if what is not None:
-                code = cls.backward.__code__
+                code = getattr(_unwrapped(backward), "__code__", None)
+                file = code.co_filename if code is not None else None
+                line = code.co_firstlineno if code is not None else None
                 found.append(Finding("", f"{cls.__qualname__}.backward", ("PYTHON_STATE",),
-                                     f"{code.co_filename}:{code.co_firstlineno}: reads "
-                                     f"{what}: {FN_WHY}", code.co_filename,
-                                     code.co_firstlineno))
+                                     f"{file}:{line}: reads {what}: {FN_WHY}", file, line))
         for nxt, _ in getattr(node, "next_functions", ()):
             if nxt is not None:
                 stack.append(nxt)
+                keep.append(nxt)
     return found
 
 
-def _holds_tensor(v: Any) -> bool:
+def _holds_tensor(v: Any, depth: int = 2) -> bool:
+    """A tensor, or a list, tuple or dict holding one (``depth`` levels down)."""
     if isinstance(v, torch.Tensor):
         return True
+    if depth <= 0:
+        return False
     if isinstance(v, dict):
         v = list(v.values())
-    return isinstance(v, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in v[:64])
+    return isinstance(v, (list, tuple)) and any(_holds_tensor(x, depth - 1) for x in v[:64])
 
 
-def _outside_in(fn: Any) -> str | None:
-    """The first global or closure variable of ``fn``'s code that holds a tensor (see
-    :func:`backward_reads`), named; None where there is none."""
+def _unwrapped(fn: Any) -> Any:
     fn = getattr(fn, "__func__", fn)
+    for _ in range(8):  # (@once_differentiable, @torch.amp.custom_bwd: functools.wraps)
+        inner = getattr(fn, "__wrapped__", None)
+        if inner is None:
+            break
+        fn = getattr(inner, "__func__", inner)
+    return fn
+
+
+def _static_attr(v: Any, name: str) -> Any:
+    try:
+        return inspect.getattr_static(v, name)
+    except AttributeError:
+        return None
+
+
+def _outside_in(fn: Any, depth: int = 0) -> str | None:
+    """What ``fn`` (a backward, unwrapped) reads from outside that holds a tensor, named: a
+    global or closure variable its code (nested code too: comprehensions, lambdas) loads, or
+    the attribute read right after loading one (``CONFIG.scale``, ``mod.TABLE``); a function
+    it holds in its closure, or a ``torch.library`` op's backward, looked into (two levels).
+    None where there is none. A helper it calls by a global name is not looked into."""
+    fn = _unwrapped(fn)
     code = getattr(fn, "__code__", None)
-    if code is None:
+    if code is None or depth > 2:
         return None
     scope = getattr(fn, "__globals__", {})
-    for name in code.co_names:
-        if name in scope and _holds_tensor(scope[name]):
-            return f"the global {name!r}"
+    cells = {}
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
         try:
-            value = cell.cell_contents
+            cells[name] = cell.cell_contents
         except ValueError:  # (an empty cell)
-            continue
-        if _holds_tensor(value):
-            return f"the closure variable {name!r}"
+            pass
+    codes, todo = [], [code]
+    while todo:
+        c = todo.pop()
+        codes.append(c)
+        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    for c in codes:
+        instrs = list(dis.get_instructions(c))
+        for i, ins in enumerate(instrs):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
+                if ins.argval not in scope:
+                    continue
+                value, kind = scope[ins.argval], "the global"
+            elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and ins.argval in cells:
+                value, kind = cells[ins.argval], "the closure variable"
+            else:
+                continue
+            if _holds_tensor(value):
+                return f"{kind} {ins.argval!r}"
+            nxt = instrs[i + 1] if i + 1 < len(instrs) else None
+            if nxt is not None and nxt.opname in ("LOAD_ATTR", "LOAD_METHOD") \
+                    and _holds_tensor(_static_attr(value, nxt.argval)):
+                return f"{kind} {ins.argval!r}'s {nxt.argval!r}"
+    for value in cells.values():
+        inner = getattr(value, "_backward_fn", None)  # (torch.library's register_autograd)
+        for f in (value, inner):
+            if isinstance(f, types.FunctionType) and f is not fn:
+                what = _outside_in(f, depth + 1)
+                if what is not None:
+                    return what
     return None
 
 
