@@ -370,3 +370,13 @@ def test_diamonds_are_walked_once():
     t0 = time.perf_counter()
     assert backward_reads([y])
     assert time.perf_counter() - t0 < 0.25
+
+
+def test_a_graph_past_the_walk_limit_is_refused_not_passed():
+    x = torch.randn(2, requires_grad=True)
+    y = x * 2
+    for _ in range(50):
+        y = y + 1
+    (f,) = backward_reads([y], limit=20)
+    assert f.op == "autograd graph" and "more than 20 nodes" in f.where
+    assert backward_reads([y]) == []  # (walked whole: nothing outside)
