@@ -59,7 +59,7 @@ deepcopy/pickle of tensors and Parameters work while patched; the patch is gone 
 exception in the real call, after nested first calls, and only when the last of two threads'
 watches ends; another thread's reads while patched go straight through (no finding, its own
 node hooks its own); common torch.nn modules, non-reentrant checkpoint, HF Llama/GPT-2/BERT
-(training; run with PYTHONPATH=/tmp/hf, else skipped): no ``Tensor.grad_fn`` refusal; a root with a full backward hook stays graphed;
+(training; skipped without transformers): no ``Tensor.grad_fn`` refusal; a root with a full backward hook stays graphed;
 the real call goes through ``warmup(on_side=False)`` once per first call, the runs beyond it
 on the side stream.
 """
@@ -599,7 +599,7 @@ def test_control_common_modules_read_no_node(sim, how):
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "bert"])
 def test_control_hf_models_read_no_node(sim, arch):
-    """(Skipped without transformers: run with PYTHONPATH=/tmp/hf where it is kept there.)"""
+    """(Skipped without transformers.)"""
     transformers = pytest.importorskip("transformers")
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(
