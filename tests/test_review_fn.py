@@ -10,8 +10,6 @@ names), plain tests now. Controls are plain tests. CPU, on the simulated backend
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 import time
 import types
 import warnings
@@ -295,7 +293,6 @@ def test_torch_functions_are_not_refused(where):
     assert _outside_in(_cls(*where).backward) is None
 
 
-_HF = "/tmp/hf"
 _HF_FUNCTIONS = [
     ("transformers.models.rwkv.modeling_rwkv", "RwkvLinearAttention"),
     ("transformers.models.modernbert.modeling_modernbert", "ApplyRotaryEmbUnpad"),
@@ -311,8 +308,6 @@ _HF_FUNCTIONS = [
 
 @pytest.mark.parametrize("where", _HF_FUNCTIONS, ids=[q for _, q in _HF_FUNCTIONS])
 def test_transformers_functions_are_not_refused(where):
-    if os.path.isdir(_HF) and _HF not in sys.path:
-        sys.path.append(_HF)
     pytest.importorskip("transformers")
     assert _outside_in(_cls(*where).backward) is None
 
