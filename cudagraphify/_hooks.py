@@ -321,8 +321,9 @@ def _outside_in(fn: Any, depth: int = 0) -> str | None:
     """What ``fn`` (a backward, unwrapped) reads from outside that holds a tensor, named: a
     global or closure variable its code (nested code too: comprehensions, lambdas) loads, or
     the attribute read right after loading one (``CONFIG.scale``, ``mod.TABLE``); a function
-    it holds in its closure, or a ``torch.library`` op's backward, looked into (two levels).
-    None where there is none. A helper it calls by a global name is not looked into."""
+    it loads that way (a helper called by a global or closure name, ``helpers.scale`` one
+    attribute away) or a ``torch.library`` op's backward, looked into (two levels down; not
+    torch's own functions). None where there is none."""
     fn = _unwrapped(fn)
     code = getattr(fn, "__code__", None)
     if code is None or depth > 2:
@@ -335,6 +336,7 @@ def _outside_in(fn: Any, depth: int = 0) -> str | None:
         except ValueError:  # (an empty cell)
             pass
     codes, todo = [], [code]
+    helpers: list[tuple[Any, str]] = []  # (functions it loads, to be looked into; named)
     while todo:
         c = todo.pop()
         codes.append(c)
@@ -352,18 +354,30 @@ def _outside_in(fn: Any, depth: int = 0) -> str | None:
                 continue
             if _holds_tensor(value):
                 return f"{kind} {ins.argval!r}"
+            helpers.append((value, f"{kind} {ins.argval!r}"))
             nxt = instrs[i + 1] if i + 1 < len(instrs) else None
-            if nxt is not None and nxt.opname in ("LOAD_ATTR", "LOAD_METHOD") \
-                    and _holds_tensor(_static_attr(value, nxt.argval)):
-                return f"{kind} {ins.argval!r}'s {nxt.argval!r}"
-    for value in cells.values():
-        inner = getattr(value, "_backward_fn", None)  # (torch.library's register_autograd)
+            if nxt is not None and nxt.opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                attr = _static_attr(value, nxt.argval)
+                if _holds_tensor(attr):
+                    return f"{kind} {ins.argval!r}'s {nxt.argval!r}"
+                helpers.append((attr, f"{kind} {ins.argval!r}'s {nxt.argval!r}"))
+    helpers += [(v, f"the closure variable {n!r}") for n, v in cells.items()]
+    looked: set[int] = {id(fn)}
+    for value, named in helpers:
+        # (torch.library's register_autograd keeps the backward on an object in a closure)
+        inner = _static_attr(value, "_backward_fn")
         for f in (value, inner):
-            if isinstance(f, types.FunctionType) and f is not fn:
+            f = getattr(f, "__func__", f)  # (a static or class method read off a class)
+            if isinstance(f, types.FunctionType) and id(f) not in looked \
+                    and not f.__code__.co_filename.startswith(_TORCH_DIR):
+                looked.add(id(f))
                 what = _outside_in(f, depth + 1)
                 if what is not None:
-                    return what
+                    return f"{what}, through {named}"
     return None
+
+
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
 
 
 def _swap_checked(original: Callable) -> Callable:
