@@ -102,7 +102,18 @@ ACCEL = frozenset({"cuda"})
 
 def _on_device(t: Any, accel: frozenset) -> bool:
     """True for a tensor on a device whose work a graph captures (``accel``: device types)."""
-    return isinstance(t, torch.Tensor) and t.device.type in accel
+    if not isinstance(t, torch.Tensor):
+        return False
+    device = t.device
+    kind = _device_types.get(device)  # (``device.type`` makes a new string on each read)
+    if kind is None:
+        if len(_device_types) >= 256:
+            _device_types.clear()
+        kind = _device_types[device] = device.type
+    return kind in accel
+
+
+_device_types: dict[torch.device, str] = {}
 
 
 def _device_of_factory(kwargs: dict) -> torch.device:
@@ -111,6 +122,18 @@ def _device_of_factory(kwargs: dict) -> torch.device:
 
 
 _aten_tag_cache: dict[Any, frozenset] = {}
+_device_tag_cache: dict[Any, frozenset] = {}
+
+
+def _device_tags(func: Any) -> frozenset:
+    """``torch_op_tags(func)`` but RNG (cached): what an op on an accelerator adds to the tags
+    (see ``OpPolicy.tags``)."""
+    hit = _device_tag_cache.get(func)
+    if hit is None:
+        if len(_device_tag_cache) >= 4096:
+            _device_tag_cache.clear()
+        hit = _device_tag_cache[func] = torch_op_tags(func) - {"RNG"}
+    return hit
 
 
 def torch_op_tags(func: Any) -> frozenset:
@@ -331,7 +354,7 @@ class OpPolicy:
                 _on_device(v, accel) for v in kwargs.values())):
             # a sync or a data-dependent shape matters on an accelerator only; RNG is decided
             # with the generator, above
-            found |= torch_op_tags(func) - {"RNG"}
+            found |= _device_tags(func)
         if thunder and not isinstance(func, str):
             found |= {t for t in thunder_tags(func, thunder_key, args, kwargs) if t != "RNG"}
         return frozenset(found)

@@ -25,7 +25,7 @@ from torch.overrides import TorchFunctionMode
 
 from ._watch import own_global_hook
 from ._opinfo import W_FIRST, W_SCHEMA, info_of, infos, writes_unseen, written_by
-from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, op_name
+from ._policy import ACCEL, NON_OP_CALLS, OpPolicy, _never_tagged, _untagged, op_name
 from ._signature import storage_of
 from ._writes import _swap_logs, holder, layout
 
@@ -119,15 +119,32 @@ class _Mode(TorchFunctionMode):
         self.probe = probe
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if own_file(sys._getframe(1).f_code.co_filename):  # cudagraphify's own calls
-            return func(*args, **kwargs)
+        # (every torch call of a probed run comes here: the common case is kept inline)
+        code = _getframe(1).f_code
+        own = _own_codes.get(id(code))
+        if own is None or own[0] is not code:
+            own = _own_code(code)
+        if own[1]:  # cudagraphify's own calls
+            return func(*args, **kwargs) if kwargs else func(*args)
+        if kwargs is None:
+            kwargs = {}
         probe = self.probe
         info = infos.get(id(func))
         if info is None or info[0] is not func:
             info = info_of(func)
+        name = info[1]
         if probe.screens:
-            probe.record(func, args, kwargs, info[1])
+            if probe._fast:  # (Probe.record, inlined for the default policy)
+                seq = probe._seq
+                if seq is None:  # (the first op of this module since it was entered or left)
+                    seq = probe._seq = probe.sequences[probe.path]
+                seq.append(name)
+                if probe.policy._overrides.get(func) is not None \
+                        or not (_untagged.get(func) or _never_tagged(func)) \
+                        or (kwargs and ("generator" in kwargs or "pin_memory" in kwargs)):
+                    probe._screen(func, args, kwargs, name)
+            else:
+                probe.record(func, args, kwargs, name)
             if not probe.grad_on and _grad_enabled() and any(  # (an op, not a setter)
                     isinstance(a, torch.Tensor) or (isinstance(a, (list, tuple)) and any(
                         isinstance(b, torch.Tensor) for b in a)) for a in args):
@@ -135,20 +152,32 @@ class _Mode(TorchFunctionMode):
         layouts = None
         if probe.written is not None and (info[2] or kwargs):
             layouts = probe.note_writes(func, args, kwargs, info[2])
-        if probe.saved is not None and writes_unseen(info[1]):
+        if probe.saved is not None and writes_unseen(name):
             probe.save_reached(args, kwargs)
         if probe.layouts is not None:
             probe.note_layouts(args, kwargs)
-        out = func(*args, **kwargs)
-        if out is not None and info[1] in NODE_READS and probe.screens:
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        if out is not None and name in NODE_READS and probe.screens:
             # (a hook on an autograd node is a C method no patch reaches: the read is noted)
             from ._hooks import node_read
-            node_read(sys._getframe(1).f_code.co_filename)
+            node_read(_getframe(1).f_code.co_filename)
         if layouts:
-            probe.note_relayouts(layouts, info[1])
+            probe.note_relayouts(layouts, name)
         if probe.known is not None:
             probe.note_tensors(func, args, kwargs, out)
         return out
+
+
+# id(a code object) -> (it, whether it is cudagraphify's own: own_file of its file)
+_own_codes: dict[int, tuple[Any, bool]] = {}
+_getframe = sys._getframe
+
+
+def _own_code(code: Any) -> tuple[Any, bool]:
+    if len(_own_codes) >= 8192:
+        _own_codes.clear()
+    hit = _own_codes[id(code)] = (code, own_file(code.co_filename))
+    return hit
 
 
 def _layout(t: torch.Tensor) -> tuple | None:
@@ -284,6 +313,10 @@ class Probe:
         self._plain = not thunder \
             and getattr(policy.tags, "__func__", None) is OpPolicy.tags \
             and getattr(policy.can_graph, "__func__", None) is OpPolicy.can_graph
+        # record's shortcut inlined in the mode (no subclass's record, no policy's own
+        # untagged_call)
+        self._fast = self._plain and type(self).record is Probe.record \
+            and getattr(policy.untagged_call, "__func__", None) is OpPolicy.untagged_call
         self._undo: list = []
         self._non_op_depth = 0
         self._thread: int | None = None
@@ -355,11 +388,14 @@ class Probe:
         if seq is None:  # (the first op of this module since it was entered or left)
             seq = self._seq = self.sequences[self.path]
         seq.append(name)
+        # the default policy's tags and can_graph, for the common case: a call no tag can
+        # apply to is never refused (see OpPolicy.tags)
+        if not self._plain or not self.policy.untagged_call(func, kwargs):
+            self._screen(func, args, kwargs, name)
+
+    def _screen(self, func: Any, args: tuple, kwargs: dict, name: str) -> None:
+        """A recorded call's tags, and a finding where the policy refuses it."""
         if self._plain:
-            # the default policy's tags and can_graph, for the common case: a call no tag can
-            # apply to is never refused (see OpPolicy.tags)
-            if self.policy.untagged_call(func, kwargs):
-                return
             tags = self.policy.tags(func, args, kwargs, accel=self.accel)
         else:
             key = None
@@ -422,21 +458,25 @@ class Probe:
     def note_layouts(self, args: tuple, kwargs: dict) -> None:
         """Before an op: the layout and version of each tensor from before the call among its
         arguments, as first seen (see ``layouts``)."""
-        layouts, produced, known = self.layouts, self.produced, self.known or ()
-        swapped = bool(_swap_logs)  # (a run's swaps pending: see _writes.holder)
         for value in (*args, *kwargs.values()) if kwargs else args:
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if not isinstance(t, torch.Tensor):
-                    continue
-                h = holder(t) if swapped else t
-                if id(h) not in layouts \
-                        and t.layout is torch.strided and t.device.type != "meta":
-                    ptr = storage_of(t)
-                    if ptr and ptr not in produced and ptr not in known:
-                        lay = layout(t)
-                        if lay is not None:  # (an inference tensor has no version)
-                            layouts[id(h)] = (h, lay, None if t.is_inference()
-                                              else t._version)
+            if isinstance(value, torch.Tensor):
+                self._note_layout(value)
+            elif isinstance(value, (list, tuple)):
+                for t in value:
+                    if isinstance(t, torch.Tensor):
+                        self._note_layout(t)
+
+    def _note_layout(self, t: torch.Tensor) -> None:
+        h = holder(t) if _swap_logs else t  # (a run's swaps pending: see _writes.holder)
+        layouts = self.layouts
+        if id(h) in layouts:
+            return
+        ptr = storage_of(t)  # (0 where it has no memory, a sparse one's included)
+        if ptr and ptr not in self.produced and (self.known is None or ptr not in self.known) \
+                and t.layout is torch.strided and not t.is_meta:
+            lay = layout(t)
+            if lay is not None:  # (an inference tensor has no version)
+                layouts[id(h)] = (h, lay, None if t.is_inference() else t._version)
 
     def _save(self, t: torch.Tensor, ptr: int) -> None:
         """A copy of the bytes of ``t``'s storage (``ptr``) into ``saved``, unless it has one
@@ -495,29 +535,44 @@ class Probe:
         """Note the storages ``func`` read that no earlier op of the run produced and that are
         not ``known``, and the storages it produced."""
         produced, known, outside = self.produced, self.known, self.outside
-        inputs = set()  # (an in-place or out= op returns its input: that object is not made)
+        inputs = []  # (an in-place or out= op returns its input: that object is not made)
         for value in (*args, *kwargs.values()) if kwargs else args:
-            for t in value if isinstance(value, (list, tuple)) else (value,):
-                if isinstance(t, torch.Tensor):
-                    inputs.add(id(t))
-                    ptr = storage_of(t)
-                    if ptr and ptr not in produced and ptr not in known and ptr not in outside:
-                        self._read(func, t, ptr)
-        for value in (out if isinstance(out, (list, tuple)) else (out,)):
             if isinstance(value, torch.Tensor):
+                inputs.append(value)
                 ptr = storage_of(value)
-                # (a view or alias of memory from before the call, ``x.data``, ``x[0]``, is
-                # not made by the run: a write through it writes that memory)
-                if id(value) in inputs:
-                    continue
-                if self.written is not None:
-                    self.made.add(id(value))  # (see note_relayouts)
-                if ptr and ptr not in known and ptr not in outside:
-                    produced.add(ptr)
-                elif not ptr and not value._is_view():
-                    # (no memory yet: an op's empty output, not a view of an empty tensor from
-                    # before the call; see note_relayouts)
-                    self.made_empty.add(id(value))
+                if ptr and ptr not in produced and ptr not in known and ptr not in outside:
+                    self._read(func, value, ptr)
+            elif isinstance(value, (list, tuple)):
+                for t in value:
+                    if isinstance(t, torch.Tensor):
+                        inputs.append(t)
+                        ptr = storage_of(t)
+                        if ptr and ptr not in produced and ptr not in known \
+                                and ptr not in outside:
+                            self._read(func, t, ptr)
+        if isinstance(out, torch.Tensor):
+            self._made(out, inputs)
+        elif isinstance(out, (list, tuple)):
+            for value in out:
+                if isinstance(value, torch.Tensor):
+                    self._made(value, inputs)
+
+    def _made(self, value: torch.Tensor, inputs: list) -> None:
+        """``value`` is an op's result: noted as made by the run (see :meth:`note_tensors`)."""
+        # (a view or alias of memory from before the call, ``x.data``, ``x[0]``, is not made
+        # by the run: a write through it writes that memory)
+        for t in inputs:
+            if t is value:
+                return
+        if self.written is not None:
+            self.made.add(id(value))  # (see note_relayouts)
+        ptr = storage_of(value)
+        if ptr and ptr not in self.known and ptr not in self.outside:
+            self.produced.add(ptr)
+        elif not ptr and not value._is_view():
+            # (no memory yet: an op's empty output, not a view of an empty tensor from before
+            # the call; see note_relayouts)
+            self.made_empty.add(id(value))
 
     def _read(self, func: Any, t: torch.Tensor, ptr: int) -> None:
         """``t`` (storage ``ptr``) is read and comes from outside the run: noted where."""

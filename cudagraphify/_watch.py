@@ -195,12 +195,15 @@ _recorders: dict[int, "Recorder"] = {}  # thread id -> the recorder active on th
 _patch_users = 0
 _patch_lock = threading.Lock()
 _object_getattribute = object.__getattribute__
+_get_ident = threading.get_ident
 _module_getattr = nn.Module.__getattr__
 
 
 def _recording_getattribute(self, name):
-    rec = _recorders.get(threading.get_ident())
-    if rec is None or name in INTERNAL_ATTRS:
+    if name in INTERNAL_ATTRS:  # (most reads: _call_impl's of the hook dicts)
+        return _object_getattribute(self, name)
+    rec = _recorders.get(_get_ident())
+    if rec is None:
         return _object_getattribute(self, name)
     d = _object_getattribute(self, "__dict__")
     if name not in d:
