@@ -296,3 +296,49 @@ def test_kept_grad_tensors_keep_their_values():
             assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
         else:
             assert s.eager == 3 and all("still referenced" in r for r in s.eager_calls), s
+
+
+_GPU_SCALE = torch.ones(())  # rebound by the test below (a CPU 0-dim tensor; moved in backward)
+
+
+def _gpu_scale(grad):
+    return grad * _GPU_SCALE.to(grad.device)
+
+
+class _HelperScaled(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gpu_scale(grad)  # (reads the global through a helper)
+
+
+class _HelperNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return _HelperScaled.apply(self.lin(x)).relu()
+
+
+def test_a_backward_reading_a_rebound_global_through_a_helper_keeps_eagers_gradients():
+    global _GPU_SCALE
+    _GPU_SCALE = torch.ones(())
+    torch.manual_seed(0)
+    ref = _HelperNet().to(DEV)
+    g = cg.graphify(copy.deepcopy(ref))
+    for call in range(4):
+        if call == 2:
+            _GPU_SCALE = torch.full((), 3.0)
+        x = torch.randn(8, 64, device=DEV)
+        for m in (ref, g):
+            m.zero_grad(set_to_none=True)
+            m(x).sum().backward()
+        assert torch.equal(ref.lin.weight.grad, g.lin.weight.grad), call
+    s = cg.stats(g)
+    (why,) = s.eager_calls
+    assert "_HelperScaled.backward [PYTHON_STATE]" in why and "'_GPU_SCALE'" in why, why
+    assert s.replays >= 2, s  # (its Linear is a graphed piece)
