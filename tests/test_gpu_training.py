@@ -341,4 +341,4 @@ def test_a_backward_reading_a_rebound_global_through_a_helper_keeps_eagers_gradi
     s = cg.stats(g)
     (why,) = s.eager_calls
     assert "_HelperScaled.backward [PYTHON_STATE]" in why and "'_GPU_SCALE'" in why, why
-    assert s.replays >= 2, s  # (its Linear is a graphed piece)
+    assert s.captures >= 1 and s.replays >= 1, s  # (its Linear is a graphed piece)
