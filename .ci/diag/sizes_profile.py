@@ -33,5 +33,5 @@ with torch.no_grad():
     print(f"profiled total {time.perf_counter() - t0:.3f} s, warmup {s.warmup_seconds:.3f} s, "
           f"capture {s.capture_seconds:.3f} s, captures {s.captures}")
 st = pstats.Stats(pr)
-st.sort_stats("cumulative").print_stats(60)
-st.sort_stats("tottime").print_stats(40)
+st.sort_stats("cumulative").print_stats("cudagraphify", 50)
+st.sort_stats("tottime").print_stats(30)
