@@ -317,17 +317,25 @@ def _static_attr(v: Any, name: str) -> Any:
         return None
 
 
-def _outside_in(fn: Any, depth: int = 0) -> str | None:
+def _outside_in(fn: Any, depth: int = 0, looked: set[int] | None = None,
+                owner: Any = None) -> str | None:
     """What ``fn`` (a backward, unwrapped) reads from outside that holds a tensor, named: a
-    global or closure variable its code (nested code too: comprehensions, lambdas) loads, or
-    the attribute read right after loading one (``CONFIG.scale``, ``mod.TABLE``); a function
-    it loads that way (a helper called by a global or closure name, ``helpers.scale`` one
-    attribute away) or a ``torch.library`` op's backward, looked into (two levels down; not
-    torch's own functions). None where there is none."""
+    global or closure variable its code (nested code too: comprehensions, lambdas) loads, a
+    default argument, or the attribute read right after loading one (``CONFIG.scale``,
+    ``mod.TABLE``; ``self.scale`` where ``fn`` is a method of ``owner``). The functions it
+    reaches that way are looked into too (:func:`_callee`: a helper called by a global or
+    closure name, ``helpers.scale``, a static method, a method of a global object, a partial,
+    an ``lru_cache``, a callable object's ``__call__``, a ``torch.library`` op's backward),
+    four calls deep, each once per walk (``looked``: ids of the code objects seen); not the
+    functions of torch or of an installed library reached by a global name (a library's
+    module-level cache read there would refuse every user of that library). None where there
+    is none."""
     fn = _unwrapped(fn)
     code = getattr(fn, "__code__", None)
-    if code is None or depth > 2:
+    if code is None or depth > 4:
         return None
+    looked = set() if looked is None else looked
+    looked.add(id(code))
     scope = getattr(fn, "__globals__", {})
     cells = {}
     for name, cell in zip(code.co_freevars, getattr(fn, "__closure__", None) or ()):
@@ -335,8 +343,15 @@ def _outside_in(fn: Any, depth: int = 0) -> str | None:
             cells[name] = cell.cell_contents
         except ValueError:  # (an empty cell)
             pass
+    for d in (*(getattr(fn, "__defaults__", None) or ()),
+              *(getattr(fn, "__kwdefaults__", None) or {}).values()):
+        if _holds_tensor(d):
+            return "a default argument"
+    me = code.co_varnames[0] if owner is not None and code.co_argcount else None
     codes, todo = [], [code]
-    helpers: list[tuple[Any, str]] = []  # (functions it loads, to be looked into; named)
+    # what it reaches, to be looked into: (value, how it is named, whether a global name
+    # reached it, the object a method found on it is called on)
+    helpers: list[tuple[Any, str, bool, Any]] = []
     while todo:
         c = todo.pop()
         codes.append(c)
@@ -347,37 +362,77 @@ def _outside_in(fn: Any, depth: int = 0) -> str | None:
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):
                 if ins.argval not in scope:
                     continue
-                value, kind = scope[ins.argval], "the global"
+                value, named, by_name = scope[ins.argval], f"the global {ins.argval!r}", True
             elif ins.opname in ("LOAD_DEREF", "LOAD_CLASSDEREF") and ins.argval in cells:
-                value, kind = cells[ins.argval], "the closure variable"
+                value, by_name = cells[ins.argval], False
+                named = f"the closure variable {ins.argval!r}"
+            elif me is not None and c is code and ins.opname == "LOAD_FAST" \
+                    and ins.argval == me:
+                value, named, by_name = owner, "its object", False  # (``self``)
             else:
                 continue
-            if _holds_tensor(value):
-                return f"{kind} {ins.argval!r}"
-            helpers.append((value, f"{kind} {ins.argval!r}"))
+            if value is not owner:
+                if _holds_tensor(value):
+                    return named
+                helpers.append((value, named, by_name, None))
             nxt = instrs[i + 1] if i + 1 < len(instrs) else None
             if nxt is not None and nxt.opname in ("LOAD_ATTR", "LOAD_METHOD"):
                 attr = _static_attr(value, nxt.argval)
                 if _holds_tensor(attr):
-                    return f"{kind} {ins.argval!r}'s {nxt.argval!r}"
-                helpers.append((attr, f"{kind} {ins.argval!r}'s {nxt.argval!r}"))
-    helpers += [(v, f"the closure variable {n!r}") for n, v in cells.items()]
-    looked: set[int] = {id(fn)}
-    for value, named in helpers:
+                    return f"{named}'s {nxt.argval!r}"
+                # (a plain function found through an object, not a class or module: a method
+                # called on that object)
+                on = value if isinstance(attr, types.FunctionType) \
+                    and not isinstance(value, (type, types.ModuleType)) else None
+                helpers.append((attr, f"{named}'s {nxt.argval!r}", by_name, on))
+    helpers += [(v, f"the closure variable {n!r}", False, None) for n, v in cells.items()]
+    for value, named, by_name, on in helpers:
         # (torch.library's register_autograd keeps the backward on an object in a closure)
-        inner = _static_attr(value, "_backward_fn")
-        for f in (value, inner):
-            f = getattr(f, "__func__", f)  # (a static or class method read off a class)
-            if isinstance(f, types.FunctionType) and id(f) not in looked \
-                    and not f.__code__.co_filename.startswith(_TORCH_DIR):
-                looked.add(id(f))
-                what = _outside_in(f, depth + 1)
-                if what is not None:
-                    return f"{what}, through {named}"
+        for v in (value, _static_attr(value, "_backward_fn")):
+            f, bound = _callee(v)
+            if f is None or id(f.__code__) in looked \
+                    or (by_name and _library_file(f.__code__.co_filename)):
+                continue
+            what = _outside_in(f, depth + 1, looked, on if on is not None else bound)
+            if what is not None:
+                return f"{what}, through {named}"
     return None
 
 
-_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
+def _callee(v: Any) -> tuple[types.FunctionType | None, Any]:
+    """The Python function a call of ``v`` runs (through a static or class method, a bound
+    method, a partial, ``functools.wraps`` and ``lru_cache`` wrappers, a callable object's
+    class ``__call__``), and the object it is a method of (None); (None, None) where there is
+    none. Read without running any ``__getattr__`` of ``v``'s."""
+    bound = None
+    for _ in range(8):
+        if isinstance(v, (staticmethod, classmethod)):
+            v = v.__func__
+        elif isinstance(v, types.MethodType):
+            bound, v = v.__self__, v.__func__
+        elif isinstance(v, functools.partial):
+            v = v.func
+        elif isinstance(v, types.FunctionType):
+            inner = _static_attr(v, "__wrapped__")  # (functools.wraps' wrapper)
+            if inner is None:
+                return v, bound
+            v = inner
+        elif type(v).__module__ == "functools" and _static_attr(v, "__wrapped__") is not None:
+            v = _static_attr(v, "__wrapped__")  # (an lru_cache or cache wrapper)
+        elif v is None or isinstance(v, (type, types.ModuleType, types.BuiltinFunctionType)):
+            return None, None
+        else:
+            call = _static_attr(type(v), "__call__")  # (a callable object)
+            if not isinstance(call, types.FunctionType):
+                return None, None
+            bound, v = v, call
+    return None, None
+
+
+def _library_file(filename: str) -> bool:
+    """Whether ``filename`` is torch's or an installed library's (site-packages)."""
+    return filename.startswith(_TORCH_DIR) or any(
+        part in ("site-packages", "dist-packages") for part in filename.split(os.sep))
 
 
 def _swap_checked(original: Callable) -> Callable:

@@ -134,7 +134,7 @@ class _Mode(TorchFunctionMode):
             info = info_of(func)
         name = info[1]
         if probe.screens:
-            if probe._fast:  # (Probe.record, inlined for the default policy)
+            if probe._fast and "record" not in probe.__dict__:  # (record, inlined)
                 seq = probe._seq
                 if seq is None:  # (the first op of this module since it was entered or left)
                     seq = probe._seq = probe.sequences[probe.path]
@@ -174,7 +174,7 @@ _getframe = sys._getframe
 
 
 def _own_code(code: Any) -> tuple[Any, bool]:
-    if len(_own_codes) >= 8192:
+    if len(_own_codes) >= 2048:
         _own_codes.clear()
     hit = _own_codes[id(code)] = (code, own_file(code.co_filename))
     return hit
@@ -314,9 +314,10 @@ class Probe:
             and getattr(policy.tags, "__func__", None) is OpPolicy.tags \
             and getattr(policy.can_graph, "__func__", None) is OpPolicy.can_graph
         # record's shortcut inlined in the mode (no subclass's record, no policy's own
-        # untagged_call)
-        self._fast = self._plain and type(self).record is Probe.record \
-            and getattr(policy.untagged_call, "__func__", None) is OpPolicy.untagged_call
+        # untagged_call; as defined here, not patched since, nor set on the instance)
+        self._fast = self._plain and type(self).record is _RECORD \
+            and getattr(policy.untagged_call, "__func__", None) is _UNTAGGED \
+            and "untagged_call" not in vars(policy)
         self._undo: list = []
         self._non_op_depth = 0
         self._thread: int | None = None
@@ -471,9 +472,10 @@ class Probe:
         layouts = self.layouts
         if id(h) in layouts:
             return
-        ptr = storage_of(t)  # (0 where it has no memory, a sparse one's included)
-        if ptr and ptr not in self.produced and (self.known is None or ptr not in self.known) \
-                and t.layout is torch.strided and not t.is_meta:
+        if t.layout is not torch.strided or t.is_meta:  # (before any look at its storage)
+            return
+        ptr = storage_of(t)
+        if ptr and ptr not in self.produced and (self.known is None or ptr not in self.known):
             lay = layout(t)
             if lay is not None:  # (an inference tensor has no version)
                 layouts[id(h)] = (h, lay, None if t.is_inference() else t._version)
@@ -646,6 +648,11 @@ class Probe:
         for f in self.findings:
             out[f.path].append(f)
         return dict(out)
+
+
+# (as defined here: a patched Probe.record or OpPolicy.untagged_call takes the slow path)
+_RECORD = Probe.record
+_UNTAGGED = OpPolicy.untagged_call
 
 
 def differing_paths(a: Probe, b: Probe) -> set[str]:
