@@ -342,3 +342,25 @@ def test_a_backward_reading_a_rebound_global_through_a_helper_keeps_eagers_gradi
     (why,) = s.eager_calls
     assert "_HelperScaled.backward [PYTHON_STATE]" in why and "'_GPU_SCALE'" in why, why
     assert s.captures >= 1 and s.replays >= 1, s  # (its Linear is a graphed piece)
+
+
+def test_no_accumulategrad_stream_warning_on_the_first_replays():
+    # (the first call's real call runs on the caller's stream, so each parameter's
+    # AccumulateGrad node is the caller's from the start: no "stream does not match" warning)
+    import warnings
+    ref = _gpt()
+    g = cg.graphify(copy.deepcopy(ref))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):
+            x = torch.randn(2, 16, 256, device=DEV)
+            for m in (ref, g):
+                m.zero_grad(set_to_none=True)
+                m(x).square().mean().backward()
+        torch.cuda.synchronize()
+    s = cg.stats(g)
+    assert s.captures >= 1 and s.replays >= 2, s
+    for (name, p), q in zip(ref.named_parameters(), g.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, **TOL, msg=name)
+    stream = [str(w.message) for w in caught if "AccumulateGrad" in str(w.message)]
+    assert not stream, stream
