@@ -194,7 +194,10 @@ class Bucketed:
             # (the padded runs are not the user's: a tensor hook they register is not
             # registered, and what they swap, torch.utils.swap_tensors, is swapped back when
             # the watch ends, before anything below is compared or put back)
-            with HookWatch(block=True) as watch:
+            # (nor are their random numbers: the random state is put back as this call left
+            # it)
+            device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
+            with HookWatch(block=True) as watch, _writes.rng_kept(device):
                 for pad in (padded, [self._pad(t, bucket, zeros=True)
                                      if isinstance(t, torch.Tensor) else t for t in leaves]):
                     a, kw = pytree.tree_unflatten(pad, spec)

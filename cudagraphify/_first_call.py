@@ -29,7 +29,7 @@ from . import _watch, _writes
 from ._capture import _first_line
 from ._capturing import Capturing
 from ._hooks import HookWatch, backward_reads
-from ._guards import FlagsGuard, StateGuard, function_bindings
+from ._guards import FlagsGuard, StateGuard, callable_state, function_bindings
 from ._nested import Nested
 from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
 from ._piecewise import new_probe, probed, sequence_findings
@@ -637,9 +637,13 @@ class FirstCall(Capturing):
         root = self.statics.root
         modules = [weakref.ref(m) for m in self.statics.modules if m is not root]
         ran = [m for m in rec.called.values() if m is not root]
+        # (a partial's bound arguments, a plain object's method or a callable object: what
+        # it carries is read as a forward's mutable objects are)
+        fn, carried = callable_state(self.fn)
         return StateGuard([r for key, r in rec.reads.items() if key not in leave_out],
                           hooks=lambda: _watch.hook_fingerprint(modules),
-                          bindings=function_bindings(self.fn), ran=ran, objects=self.objects,
+                          bindings=function_bindings(fn), ran=ran,
+                          objects=self.objects + carried if carried else self.objects,
                           owned=frozenset(map(id, self.statics.modules)), loose=loose)
 
 

@@ -23,6 +23,7 @@ import array
 import collections
 import dataclasses
 import functools
+import inspect
 import itertools
 import sys
 import threading
@@ -561,6 +562,36 @@ class StateGuard:
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"
         return None
+
+
+def callable_state(fn: Callable) -> tuple[Callable, list[tuple[str, Any]]]:
+    """A graphed callable that is no plain function: the function it runs, and the objects it
+    carries that the call reads without their being arguments, to be watched as a forward's
+    mutable objects are (:class:`StateGuard`'s ``objects``): a ``functools.partial``'s bound
+    arguments and keywords, the object of a bound method (not a module's: the module tree is
+    guarded), a callable object itself (its ``__call__`` is what runs). Read without running
+    any ``__getattr__`` of theirs."""
+    objects: list[tuple[str, Any]] = []
+    for _ in range(8):
+        if isinstance(fn, functools.partial):
+            objects += [("the functools.partial's bound arguments", fn.args),
+                        ("the functools.partial's bound keywords", fn.keywords)]
+            fn = fn.func
+        elif isinstance(fn, types.MethodType):
+            owner = fn.__self__
+            if not isinstance(owner, (nn.Module, type, types.ModuleType)):
+                objects.append((f"the {type(owner).__name__} object whose method is graphed",
+                                owner))
+            return fn, objects
+        elif isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, nn.Module, type)):
+            return fn, objects
+        else:
+            call = inspect.getattr_static(type(fn), "__call__", None)
+            if not isinstance(call, types.FunctionType):
+                return fn, objects
+            objects.append((f"the callable {type(fn).__name__} object", fn))
+            return types.MethodType(call, fn), objects
+    return fn, objects
 
 
 def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any, Any]]:

@@ -175,11 +175,10 @@ def restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: lis
     layouts = _writes.layouts_of(statics)
     with torch.no_grad():
         saved = {j: statics[j].clone() for j in wrote_before}
-    rng = (torch.random.get_rng_state(),
-           torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
     wrote: list[int] = []
     try:
-        yield wrote
+        with _writes.rng_kept(device):
+            yield wrote
     finally:
         _writes.unswap()  # (a run's swaps: swapped back before anything is put back)
         wrote.extend(_writes.written(statics, marks))
@@ -190,9 +189,6 @@ def restored(statics: list[torch.Tensor], buffers: list[bool], wrote_before: lis
                     statics[j].data.copy_(marks[j])
             for j, v in saved.items():
                 statics[j].data.copy_(v)
-        torch.random.set_rng_state(rng[0])
-        if rng[1] is not None:
-            torch.cuda.set_rng_state(rng[1], device)
 
 
 # -- one rehearsal for many sizes (capture_sizes) -------------------------------------------

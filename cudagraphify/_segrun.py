@@ -49,7 +49,7 @@ from ._nested import Nested
 from ._opinfo import written_by
 from ._policy import default_policy
 from ._copies import copies_of, copy_of
-from . import _trial
+from . import _trial, _writes
 from ._trial import MARGIN, Trial
 from ._segcalls import (P, S, VARYING, X, _Call, _Matcher, _Opaque, _Segment, _Tensor,
                         _bitwise_equal, _build, _call_args, _flat, _meta, _raw_stream,
@@ -362,7 +362,8 @@ class SegmentPlan:
 
         # under the state its calls ran under (the buffers too: a segment inside
         # inference_mode(False) must not make inference tensors)
-        with seg.state.entered():
+        # (and the random state as the call left it: the warm-up and the check draw)
+        with seg.state.entered(), _writes.rng_kept(self.device):
             if not seg.state.same():
                 raise RuntimeError("its calls ran under global flags set inside the forward "
                                    "that cannot be set again for the capture")

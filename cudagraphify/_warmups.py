@@ -60,7 +60,8 @@ def extra_warmups(first) -> str:
                 # (the tensors it reads from outside, put back before the capture too:
                 # ``verify`` compares a small CPU one by value; around the whole capture: see
                 # ``capture``)
-                with _writes.kept(first._left(), held), recording(rec):
+                with _writes.kept(first._left(), held), recording(rec), \
+                        _writes.rng_kept(first.device):
                     for _ in range(n):
                         _warm_up_again(first, copies, versions, seen)
             finally:  # (before their versions are put back; the runs' swaps swapped back)

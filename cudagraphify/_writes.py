@@ -227,6 +227,25 @@ def undone(tensors: list[torch.Tensor], host_only: bool = False):
 
 
 @contextlib.contextmanager
+def rng_kept(device: torch.device | None):
+    """Afterwards the default generators' states are what they were before the block: the CPU
+    one's, and ``device``'s where it is a CUDA device. Around the runs beyond the real call
+    (extra warm-ups, rehearsals, a segment's checks, bucketed's padded runs): what they draw
+    would otherwise put the user's random stream ahead of eager's (every later dropout mask,
+    replays' too, and every ``torch.rand`` of theirs). A generator the forward keeps or is
+    passed is not put back."""
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) \
+        if device is not None and device.type == "cuda" else None
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+
+
+@contextlib.contextmanager
 def layouts_kept(tensors: list[torch.Tensor]):
     """Afterwards each of ``tensors`` has the layout (storage, offset, size, stride) and the
     version counter it had before the block; their bytes are the caller's business. Only
