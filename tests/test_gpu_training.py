@@ -364,3 +364,39 @@ def test_no_accumulategrad_stream_warning_on_the_first_replays():
         torch.testing.assert_close(q.grad, p.grad, **TOL, msg=name)
     stream = [str(w.message) for w in caught if "AccumulateGrad" in str(w.message)]
     assert not stream, stream
+
+
+class _DropNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(256, 256)
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        return self.drop(self.lin(x))
+
+
+@pytest.mark.parametrize("grad", [True, False], ids=["training", "inference, 3 warm-ups"])
+def test_the_random_stream_after_each_call_is_eagers(grad):
+    # (the extra warm-ups draw: their draws are put back, so seeded runs draw eager's masks)
+    torch.manual_seed(0)
+    ref = _DropNet().to(DEV)
+    g = cg.graphify(copy.deepcopy(ref), **({} if grad else {"num_warmup_iters": 3}))
+    xs = [torch.randn(8, 256, generator=torch.Generator().manual_seed(i)).to(DEV)
+          for i in range(5)]
+    runs = []
+    for m in (ref, g):
+        torch.manual_seed(7)
+        out = []
+        for x in xs:
+            with torch.set_grad_enabled(grad):
+                y = m(x)
+                if grad:
+                    y.sum().backward()
+            out.append((y.detach().clone(), torch.cuda.get_rng_state().clone()))
+        runs.append(out)
+    for i, ((a, ra), (b, rb)) in enumerate(zip(*runs)):
+        assert torch.equal(a, b), f"call {i}: output differs from eager's"
+        assert torch.equal(ra, rb), f"call {i}: the random state after it differs from eager's"
+    s = cg.stats(g)
+    assert s.captures == 1 and s.replays == 4, s
