@@ -639,10 +639,10 @@ class FirstCall(Capturing):
         ran = [m for m in rec.called.values() if m is not root]
         # (a partial's bound arguments, a plain object's method or a callable object: what
         # it carries is read as a forward's mutable objects are)
-        fn, carried = callable_state(self.fn)
+        fn, carried, attrs = callable_state(self.fn)
         return StateGuard([r for key, r in rec.reads.items() if key not in leave_out],
                           hooks=lambda: _watch.hook_fingerprint(modules),
-                          bindings=function_bindings(fn), ran=ran,
+                          bindings=function_bindings(fn) + attrs, ran=ran,
                           objects=self.objects + carried if carried else self.objects,
                           owned=frozenset(map(id, self.statics.modules)), loose=loose)
 

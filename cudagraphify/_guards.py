@@ -22,6 +22,7 @@ from __future__ import annotations
 import array
 import collections
 import dataclasses
+import dis
 import functools
 import inspect
 import itertools
@@ -564,14 +565,19 @@ class StateGuard:
         return None
 
 
-def callable_state(fn: Callable) -> tuple[Callable, list[tuple[str, Any]]]:
-    """A graphed callable that is no plain function: the function it runs, and the objects it
+def callable_state(fn: Callable) -> tuple[Callable, list[tuple[str, Any]], list[tuple]]:
+    """A graphed callable that is no plain function: the function it runs, the objects it
     carries that the call reads without their being arguments, to be watched as a forward's
-    mutable objects are (:class:`StateGuard`'s ``objects``): a ``functools.partial``'s bound
-    arguments and keywords, the object of a bound method (not a module's: the module tree is
-    guarded), a callable object itself (its ``__call__`` is what runs). Read without running
-    any ``__getattr__`` of theirs."""
+    mutable objects are (:class:`StateGuard`'s ``objects``), and bindings (as
+    :func:`function_bindings`') of the attributes it reads. A ``functools.partial``'s bound
+    arguments and keywords are arguments of every call: watched whole. A callable object's
+    attributes: those its ``__call__`` reads as ``self.<name>`` (and the methods it calls on
+    ``self``, four calls deep; :func:`_self_reads`), each compared as a module attribute is
+    (an equal constant is the same); where ``self`` goes anywhere else (passed on, ``getattr``,
+    ``super()``, a property), the object whole. A bound method of an object (not a module's:
+    the module tree is guarded) alike. Read without running any ``__getattr__`` of theirs."""
     objects: list[tuple[str, Any]] = []
+    bindings: list[tuple] = []
     for _ in range(8):
         if isinstance(fn, functools.partial):
             objects += [("the functools.partial's bound arguments", fn.args),
@@ -580,18 +586,121 @@ def callable_state(fn: Callable) -> tuple[Callable, list[tuple[str, Any]]]:
         elif isinstance(fn, types.MethodType):
             owner = fn.__self__
             if not isinstance(owner, (nn.Module, type, types.ModuleType)):
-                objects.append((f"the {type(owner).__name__} object whose method is graphed",
-                                owner))
-            return fn, objects
+                _watch_object(owner, fn.__func__, objects, bindings)
+            return fn, objects, bindings
         elif isinstance(fn, (types.FunctionType, types.BuiltinFunctionType, nn.Module, type)):
-            return fn, objects
+            return fn, objects, bindings
         else:
             call = inspect.getattr_static(type(fn), "__call__", None)
             if not isinstance(call, types.FunctionType):
-                return fn, objects
-            objects.append((f"the callable {type(fn).__name__} object", fn))
-            return types.MethodType(call, fn), objects
-    return fn, objects
+                return fn, objects, bindings
+            _watch_object(fn, call, objects, bindings)
+            return types.MethodType(call, fn), objects, bindings
+    return fn, objects, bindings
+
+
+def _watch_object(obj: Any, method: types.FunctionType, objects: list, bindings: list) -> None:
+    """What guards ``obj``, whose ``method`` the call runs (see :func:`callable_state`)."""
+    name = type(obj).__name__
+    d = getattr(obj, "__dict__", None)
+    names = _self_reads(type(obj), method) if isinstance(d, dict) else None
+    if names is None:
+        objects.append((f"the callable {name} object", obj))
+        return
+    for attr in sorted(names):
+        value = d.get(attr, MISSING)
+        where = f"{name}.{attr}"
+
+        def read(d=d, attr=attr, value=value):
+            now = d.get(attr, MISSING)
+            return value if same(now, value) else now  # (an equal constant is the same)
+        def put(v, d=d, attr=attr):  # (a run that was not a call set it: ``self.n += 1``)
+            if v is MISSING:
+                d.pop(attr, None)
+            else:
+                d[attr] = v
+        bindings.append((f"the attribute {where} of the callable object", read, value, put))
+        if not isinstance(value, (torch.Tensor, nn.Module)) and value is not MISSING \
+                and not is_constant(value):
+            objects.append((where, value))  # (what it holds: a list, a config object)
+    # (its __dict__ replaced, or its class: what is read is not the dict above)
+    bindings.append((f"the __dict__ of the callable {name} object",
+                     lambda obj=obj: _object_dict(obj), d, None))
+    bindings.append((f"the class of the callable {name} object", lambda obj=obj: type(obj),
+                     type(obj), None))
+
+
+def _object_dict(obj: Any) -> Any:
+    try:
+        return object.__getattribute__(obj, "__dict__")
+    except AttributeError:
+        return None
+
+
+_SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK", "LOAD_CLOSURE")
+_SELF_ATTRS = ("LOAD_ATTR", "LOAD_METHOD", "STORE_ATTR", "DELETE_ATTR")
+
+
+def _self_reads(cls: type, method: types.FunctionType, depth: int = 0,
+                seen: set | None = None) -> set[str] | None:
+    """The attribute names ``method`` (a method of ``cls``) reads or sets on its ``self``, with
+    those of the methods of ``cls`` it calls on ``self``; None where ``self`` is used any other
+    way (passed to a call, ``getattr(self, ...)``, ``vars``, ``super()``, a property or other
+    descriptor read on it), or past four calls deep: then no list of names is complete."""
+    code = getattr(method, "__code__", None)
+    if code is None or not code.co_argcount or depth > 4:
+        return None
+    seen = set() if seen is None else seen
+    if id(code) in seen:
+        return set()
+    seen.add(id(code))
+    me = code.co_varnames[0]
+    names: set[str] = set()
+    codes, todo = [], [code]
+    while todo:
+        c = todo.pop()
+        codes.append(c)
+        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    for c in codes:
+        if c is not code and me not in c.co_freevars and me in c.co_varnames:
+            return None  # (a nested function naming its own ``self``: not followed)
+        instrs = list(dis.get_instructions(c))
+        for i, ins in enumerate(instrs):
+            if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval == "super":
+                return None
+            if ins.argval != me or ins.opname not in _SELF_LOADS and ins.opname not in (
+                    "STORE_FAST", "DELETE_FAST", "STORE_DEREF", "DELETE_DEREF", "MAKE_CELL",
+                    "COPY_FREE_VARS"):
+                if ins.argval == me and isinstance(ins.argval, str) \
+                        and ins.opname.startswith(("LOAD_", "STORE_", "DELETE_")):
+                    return None  # (an opcode of another Python: not understood)
+                continue
+            if ins.opname in ("STORE_FAST", "DELETE_FAST", "STORE_DEREF", "DELETE_DEREF"):
+                return None  # (``self`` rebound)
+            if ins.opname in ("MAKE_CELL", "COPY_FREE_VARS", "LOAD_CLOSURE"):
+                continue  # (handed to a nested function: its code is read too)
+            j = i + 1
+            while j < len(instrs) and instrs[j].opname == "COPY":  # (``self.n += 1``)
+                j += 1
+            nxt = instrs[j] if j < len(instrs) else None
+            if nxt is None or nxt.opname not in _SELF_ATTRS \
+                    or not isinstance(nxt.argval, str) or nxt.argval == "__dict__":
+                return None
+            attr = nxt.argval
+            names.add(attr)
+            raw = inspect.getattr_static(cls, attr, MISSING)
+            if raw is MISSING or nxt.opname != "LOAD_ATTR" and nxt.opname != "LOAD_METHOD":
+                continue
+            if isinstance(raw, (staticmethod, classmethod)):
+                continue  # (no ``self``: reads none of its attributes)
+            if isinstance(raw, types.FunctionType):
+                inner = _self_reads(cls, raw, depth + 1, seen)
+                if inner is None:
+                    return None
+                names |= inner
+            elif hasattr(type(raw), "__get__"):
+                return None  # (a property or another descriptor: what it reads is not known)
+    return names
 
 
 def function_bindings(fn: Callable) -> list[tuple[str, Callable[[], Any], Any, Any]]:

@@ -509,7 +509,9 @@ class ShareGroup:
         gen = torch.cuda.default_generators[device.index or 0]
         before = gen.get_offset()
         raw.replay()  # a replay advances the generator by what the graph draws
-        if gen.get_offset() != before:
+        drew = gen.get_offset() != before
+        gen.set_offset(before)  # (the user's random stream stays as eager's)
+        if drew:
             raise Refused("random ops (dropout in train mode): one shared graph cannot draw "
                           "fresh numbers per layer")
 

@@ -1,0 +1,125 @@
+"""A graphed callable object: which of its attributes guard the graph (``_guards._self_reads``:
+those its ``__call__`` reads as ``self.<name>``, through the methods it calls on ``self``; the
+object whole where ``self`` goes anywhere else), and that a change of a read one is seen while an
+unread one costs nothing. CPU, on the simulated backend (``sim``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify._guards import _self_reads, callable_state
+
+
+class _Reads:
+    def __init__(self):
+        self.lin, self.t, self.k, self.n, self.unread = nn.Linear(4, 4), 1.0, 2.0, 0, []
+
+    def __call__(self, x):
+        self.n += 1  # (read and set)
+        return self._scaled(self.lin(x)) + sum(self.k for _ in range(1))
+
+    def _scaled(self, y):
+        return y / self.t
+
+
+class _Dynamic(_Reads):
+    def __call__(self, x):
+        return self.lin(x) / getattr(self, "t")
+
+
+class _Passed(_Reads):
+    def __call__(self, x):
+        return _outside(self, x)
+
+
+def _outside(obj, x):
+    return obj.lin(x) / obj.t
+
+
+class _Super(_Reads):
+    def __call__(self, x):
+        return super().__call__(x)
+
+
+class _Property(_Reads):
+    @property
+    def scale(self):
+        return self.t
+
+    def __call__(self, x):
+        return self.lin(x) / self.scale
+
+
+class _Static(_Reads):
+    @staticmethod
+    def _half(y):
+        return y / 2
+
+    def __call__(self, x):
+        return self._half(self.lin(x))
+
+
+def test_the_names_read_through_methods_comprehensions_and_augmented_assignments():
+    assert _self_reads(_Reads, _Reads.__call__) == {"n", "_scaled", "lin", "t", "k"}
+    assert _self_reads(_Static, _Static.__call__) == {"_half", "lin"}
+
+
+@pytest.mark.parametrize("cls", [_Dynamic, _Passed, _Super, _Property],
+                         ids=["getattr(self)", "self passed on", "super()", "a property"])
+def test_self_used_otherwise_watches_the_object_whole(cls):
+    assert _self_reads(cls, cls.__call__) is None
+    _, objects, bindings = callable_state(cls())
+    assert [w for w, _ in objects] == [f"the callable {cls.__name__} object"] and not bindings
+
+
+def test_only_the_read_attributes_are_bound():
+    obj = _Static()
+    _, objects, bindings = callable_state(obj)
+    names = [b[0] for b in bindings]
+    assert names == ["the attribute _Static._half of the callable object",
+                     "the attribute _Static.lin of the callable object",
+                     "the __dict__ of the callable _Static object",
+                     "the class of the callable _Static object"], names
+    assert not objects  # (lin is a module: the module tree guards it; _half is on the class)
+
+
+def _calls(g, n, before=None):
+    torch.manual_seed(1)
+    for i in range(n):
+        if before is not None:
+            before(i)
+        with torch.no_grad():
+            g(torch.randn(3, 4))
+    return cg.stats(g)
+
+
+class _Step:
+    def __init__(self):
+        self.lin, self.t, self.calls = nn.Linear(4, 4), 1.0, 0
+
+    def __call__(self, x):
+        return self.lin(x) / self.t
+
+
+@pytest.mark.parametrize("cls", [_Step, type("_DynStep", (_Step,), {
+    "__call__": lambda self, x: self.lin(x) / getattr(self, "t")})], ids=["read", "dynamic"])
+def test_a_read_attribute_changed_is_seen_an_unread_one_costs_nothing(sim, cls):
+    obj = cls()
+    g = cg.graphify(obj)
+    s = _calls(g, 6, lambda i: setattr(obj, "calls", i) if cls is _Step else None)
+    assert (s.captures, s.replays) == (1, 5), s  # (calls is not read: no recapture)
+    obj.t = 0.5
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        assert torch.equal(g(x), obj.lin(x) / 0.5)
+    assert cg.stats(g).captures == 2
+
+
+def test_an_equal_constant_set_again_keeps_the_graph(sim):
+    obj = _Step()
+    g = cg.graphify(obj)
+    s = _calls(g, 4, lambda i: setattr(obj, "t", float("1.0")))  # (a new, equal float)
+    assert (s.captures, s.replays) == (1, 3), s
