@@ -668,6 +668,8 @@ def _self_reads(cls: type, method: types.FunctionType, depth: int = 0,
         for i, ins in enumerate(instrs):
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME") and ins.argval == "super":
                 return None
+            if isinstance(ins.argval, tuple) and me in ins.argval:
+                return None  # (3.13's LOAD_FAST_LOAD_FAST: ``self`` loaded with another)
             if ins.argval != me or ins.opname not in _SELF_LOADS and ins.opname not in (
                     "STORE_FAST", "DELETE_FAST", "STORE_DEREF", "DELETE_DEREF", "MAKE_CELL",
                     "COPY_FREE_VARS"):
