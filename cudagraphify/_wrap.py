@@ -43,6 +43,18 @@ class Share(NamedTuple):
     group: Any
     layer: int
 
+    # A copied or unpickled layer is in no group (a graphified layer of its own, with no
+    # graphs): the group's graphs read the memory of the layers it was made for.
+    def __deepcopy__(self, memo) -> None:
+        return None
+
+    def __reduce__(self):
+        return (_no_share, ())
+
+
+def _no_share() -> None:
+    return None
+
 
 def state_of_module(module: torch.nn.Module) -> GraphedState | None:
     """The module's GraphedState (None before its first graphed call)."""
