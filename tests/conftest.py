@@ -329,6 +329,23 @@ def sim():
 
 
 @pytest.fixture
+def sim_rng(sim, monkeypatch):
+    """The simulated backend with a capture that draws no random numbers, as a CUDA capture
+    draws none (the double's capture runs its ops for real: its draws are put back)."""
+    real = sim.capture
+
+    def capture(fn, device, pool=None, keep_graph=False):
+        state = torch.random.get_rng_state()
+        try:
+            return real(fn, device, pool, keep_graph)
+        finally:
+            torch.random.set_rng_state(state)
+
+    monkeypatch.setattr(sim, "capture", capture)
+    return sim
+
+
+@pytest.fixture
 def segments_enabled():
     """Segments (``cudagraphify._segrun``, experimental: off by default) on for one test."""
     old = _segrun.ENABLED

@@ -29,21 +29,6 @@ from cudagraphify import _guards
 pytestmark = pytest.mark.usefixtures("quiet")
 
 
-@pytest.fixture
-def sim_rng(sim, monkeypatch):
-    real = sim.capture
-
-    def capture(fn, device, pool=None, keep_graph=False):
-        state = torch.random.get_rng_state()
-        try:
-            return real(fn, device, pool, keep_graph)
-        finally:
-            torch.random.set_rng_state(state)
-
-    monkeypatch.setattr(sim, "capture", capture)
-    return sim
-
-
 def _lin():
     torch.manual_seed(0)
     return nn.Linear(4, 4)

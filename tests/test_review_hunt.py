@@ -30,21 +30,6 @@ import cudagraphify as cg
 pytestmark = pytest.mark.usefixtures("quiet")
 
 
-@pytest.fixture
-def sim_rng(sim, monkeypatch):
-    real = sim.capture
-
-    def capture(fn, device, pool=None, keep_graph=False):
-        state = torch.random.get_rng_state()
-        try:
-            return real(fn, device, pool, keep_graph)
-        finally:
-            torch.random.set_rng_state(state)
-
-    monkeypatch.setattr(sim, "capture", capture)
-    return sim
-
-
 class _Drop(nn.Module):
     def __init__(self):
         super().__init__()
