@@ -643,7 +643,7 @@ class FirstCall(Capturing):
         return StateGuard([r for key, r in rec.reads.items() if key not in leave_out],
                           hooks=lambda: _watch.hook_fingerprint(modules),
                           bindings=function_bindings(fn) + attrs, ran=ran,
-                          objects=self.objects + carried if carried else self.objects,
+                          objects=self.objects + carried,
                           owned=frozenset(map(id, self.statics.modules)), loose=loose)
 
 

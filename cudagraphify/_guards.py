@@ -39,7 +39,8 @@ from torch import nn
 from . import _watch, _writes
 from ._signature import is_constant, storage_of
 from ._statics import no_one_layout, ptrs_equal, watch
-from ._watch import GONE, MISSING, Read, call_override, global_hooks_present, same, short
+from ._watch import (GONE, MISSING, Read, call_override, global_hooks_present, nested_codes,
+                     same, short)
 
 __all__ = ["StateGuard", "FlagsGuard", "Unguardable", "function_bindings"]
 
@@ -656,12 +657,7 @@ def _self_reads(cls: type, method: types.FunctionType, depth: int = 0,
     seen.add(id(code))
     me = code.co_varnames[0]
     names: set[str] = set()
-    codes, todo = [], [code]
-    while todo:
-        c = todo.pop()
-        codes.append(c)
-        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-    for c in codes:
+    for c in nested_codes(code):
         if c is not code and me not in c.co_freevars and me in c.co_varnames:
             return None  # (a nested function naming its own ``self``: not followed)
         instrs = list(dis.get_instructions(c))
@@ -670,17 +666,16 @@ def _self_reads(cls: type, method: types.FunctionType, depth: int = 0,
                 return None
             if isinstance(ins.argval, tuple) and me in ins.argval:
                 return None  # (3.13's LOAD_FAST_LOAD_FAST: ``self`` loaded with another)
-            if ins.argval != me or ins.opname not in _SELF_LOADS and ins.opname not in (
-                    "STORE_FAST", "DELETE_FAST", "STORE_DEREF", "DELETE_DEREF", "MAKE_CELL",
-                    "COPY_FREE_VARS"):
-                if ins.argval == me and isinstance(ins.argval, str) \
-                        and ins.opname.startswith(("LOAD_", "STORE_", "DELETE_")):
-                    return None  # (an opcode of another Python: not understood)
+            if ins.argval != me:
                 continue
             if ins.opname in ("STORE_FAST", "DELETE_FAST", "STORE_DEREF", "DELETE_DEREF"):
                 return None  # (``self`` rebound)
             if ins.opname in ("MAKE_CELL", "COPY_FREE_VARS", "LOAD_CLOSURE"):
                 continue  # (handed to a nested function: its code is read too)
+            if ins.opname not in _SELF_LOADS:
+                if ins.opname.startswith(("LOAD_", "STORE_", "DELETE_")):
+                    return None  # (an opcode of another Python: not understood)
+                continue
             j = i + 1
             while j < len(instrs) and instrs[j].opname == "COPY":  # (``self.n += 1``)
                 j += 1

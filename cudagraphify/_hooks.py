@@ -49,6 +49,7 @@ from torch.utils.hooks import RemovableHandle
 
 from . import _probe, _writes
 from ._probe import Finding
+from ._watch import nested_codes
 
 __all__ = ["HookWatch", "WHY"]
 
@@ -348,15 +349,10 @@ def _outside_in(fn: Any, depth: int = 0, looked: set[int] | None = None,
         if _holds_tensor(d):
             return "a default argument"
     me = code.co_varnames[0] if owner is not None and code.co_argcount else None
-    codes, todo = [], [code]
     # what it reaches, to be looked into: (value, how it is named, whether a global name
     # reached it, the object a method found on it is called on)
     helpers: list[tuple[Any, str, bool, Any]] = []
-    while todo:
-        c = todo.pop()
-        codes.append(c)
-        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
-    for c in codes:
+    for c in nested_codes(code):
         instrs = list(dis.get_instructions(c))
         for i, ins in enumerate(instrs):
             if ins.opname in ("LOAD_GLOBAL", "LOAD_NAME"):

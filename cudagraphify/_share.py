@@ -508,9 +508,9 @@ class ShareGroup:
             return
         gen = torch.cuda.default_generators[device.index or 0]
         before = gen.get_offset()
-        raw.replay()  # a replay advances the generator by what the graph draws
-        drew = gen.get_offset() != before
-        gen.set_offset(before)  # (the user's random stream stays as eager's)
+        with _writes.rng_kept(device):  # (the user's random stream stays as eager's)
+            raw.replay()  # a replay advances the generator by what the graph draws
+            drew = gen.get_offset() != before
         if drew:
             raise Refused("random ops (dropout in train mode): one shared graph cannot draw "
                           "fresh numbers per layer")

@@ -199,6 +199,17 @@ _get_ident = threading.get_ident
 _module_getattr = nn.Module.__getattr__
 
 
+def nested_codes(code: types.CodeType) -> list[types.CodeType]:
+    """``code`` and the code objects nested in it (comprehensions, lambdas, inner functions):
+    what reading a function's bytecode for the names it loads must read."""
+    codes, todo = [], [code]
+    while todo:
+        c = todo.pop()
+        codes.append(c)
+        todo += [k for k in c.co_consts if isinstance(k, types.CodeType)]
+    return codes
+
+
 def _recording_getattribute(self, name):
     if name in INTERNAL_ATTRS:  # (most reads: _call_impl's of the hook dicts)
         return _object_getattribute(self, name)
