@@ -6,7 +6,7 @@ import os
 import sys
 import warnings
 
-__all__ = ["CudagraphifyError", "CudagraphifyWarning", "CaptureFailed", "warn_once"]
+__all__ = ["CudagraphifyError", "CudagraphifyWarning", "CaptureFailed", "warn_once", "name_of"]
 
 
 class CudagraphifyError(Exception):
@@ -58,3 +58,14 @@ def _user_stacklevel() -> int:
     while frame is not None and any(p in frame.f_code.co_filename for p in _INTERNAL):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def name_of(obj) -> str:
+    """The name messages give ``obj``: its ``__qualname__`` (a function's, a class's), else
+    its class's (a callable object). A ``__getattr__`` of the object's that raises anything
+    (an attribute dict's KeyError) counts as no name."""
+    try:
+        name = getattr(obj, "__qualname__", None)
+    except Exception:  # noqa: BLE001 - the user's __getattr__: any error means none
+        name = None
+    return name if isinstance(name, str) else type(obj).__qualname__

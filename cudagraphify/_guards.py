@@ -38,6 +38,7 @@ from torch import nn
 
 from . import _watch, _writes
 from ._signature import is_constant, storage_of
+from ._state import object_dict
 from ._statics import no_one_layout, ptrs_equal, watch
 from ._watch import (GONE, MISSING, Read, call_override, global_hooks_present, nested_codes,
                      same, short)
@@ -278,7 +279,7 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     owner = None
     if isinstance(value, dict):
         d = value
-        extra = getattr(value, "__dict__", None)
+        extra = object_dict(value)
         if isinstance(extra, dict) and extra:  # (items kept as attributes too: ModelOutput)
             out.append(_DictCheck(extra, value))
             for item in list(extra.values()):
@@ -296,7 +297,7 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
             _watch_value(item, out, tensors, seen, depth + 1)
         return
     else:
-        d = getattr(value, "__dict__", None)
+        d = object_dict(value)
         if not isinstance(d, dict):
             if dataclasses.is_dataclass(value) or _writes.slot_names(type(value)):
                 # a dataclass with slots, or a plain class with slots: its fields
@@ -603,7 +604,7 @@ def callable_state(fn: Callable) -> tuple[Callable, list[tuple[str, Any]], list[
 def _watch_object(obj: Any, method: types.FunctionType, objects: list, bindings: list) -> None:
     """What guards ``obj``, whose ``method`` the call runs (see :func:`callable_state`)."""
     name = type(obj).__name__
-    d = getattr(obj, "__dict__", None)
+    d = object_dict(obj)
     names = _self_reads(type(obj), method) if isinstance(d, dict) else None
     if names is None:
         objects.append((f"the callable {name} object", obj))
@@ -626,16 +627,9 @@ def _watch_object(obj: Any, method: types.FunctionType, objects: list, bindings:
             objects.append((where, value))  # (what it holds: a list, a config object)
     # (its __dict__ replaced, or its class: what is read is not the dict above)
     bindings.append((f"the __dict__ of the callable {name} object",
-                     lambda obj=obj: _object_dict(obj), d, None))
+                     lambda obj=obj: object_dict(obj), d, None))
     bindings.append((f"the class of the callable {name} object", lambda obj=obj: type(obj),
                      type(obj), None))
-
-
-def _object_dict(obj: Any) -> Any:
-    try:
-        return object.__getattribute__(obj, "__dict__")
-    except AttributeError:
-        return None
 
 
 _SELF_LOADS = ("LOAD_FAST", "LOAD_DEREF", "LOAD_FAST_CHECK", "LOAD_CLOSURE")

@@ -48,6 +48,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import _probe, _writes
+from ._errors import name_of
 from ._probe import Finding
 from ._watch import nested_codes
 
@@ -144,8 +145,7 @@ def _hook_name(hook: Any) -> str:
     object's class)."""
     while isinstance(hook, functools.partial):
         hook = hook.func
-    name = getattr(hook, "__qualname__", None)
-    return name if isinstance(name, str) else type(hook).__qualname__
+    return name_of(hook)
 
 
 def _blocked(self, name: str) -> bool:

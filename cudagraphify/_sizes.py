@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterable
 import torch
 
 from . import _nested, _rehearsal
-from ._errors import CudagraphifyUsageError
+from ._errors import CudagraphifyUsageError, name_of
 from ._options import Stats
 
 __all__ = ["Captured", "capture_sizes"]
@@ -78,7 +78,7 @@ def capture_sizes(target: Any, inputs: Callable[[int], Any], sizes: Iterable[int
             f"the later captures would evict the earlier ones; graphify it with "
             f"max_graphs={len(order)} or more")
     name = type(target).__name__ if isinstance(target, torch.nn.Module) else \
-        getattr(target, "__qualname__", type(target).__name__)
+        name_of(target)
     done = Captured(name)
     cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
     device = torch.cuda.current_device() if cuda else None

@@ -160,6 +160,19 @@ def state_layout(values: list) -> tuple[Hashable, list[tuple[int, int]]]:
     return key, [(ptr, nbytes) for ptr, (_, nbytes) in ranges]
 
 
+def object_dict(obj: Any) -> Any:
+    """``obj.__dict__`` (through a proxy's ``__getattribute__``: its target's), or None where
+    it has none, also where a ``__getattr__`` of its own raises something else than
+    AttributeError for it (an attribute dict's KeyError)."""
+    try:
+        return getattr(obj, "__dict__", None)
+    except Exception:  # noqa: BLE001 - the user's __getattr__: any error means none
+        try:
+            return object.__getattribute__(obj, "__dict__")
+        except AttributeError:
+            return None
+
+
 def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
     """Tensors reachable from ``value`` (containers and object attributes, 4 levels)."""
     if isinstance(value, torch.Tensor):
@@ -171,7 +184,7 @@ def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
     elif isinstance(value, (list, tuple, set, frozenset)):
         items = list(value)
     else:
-        d = getattr(value, "__dict__", None)
+        d = object_dict(value)
         items = list(d.values()) if isinstance(d, dict) else []
     return [t for item in items for t in tensors_in(item, depth + 1)]
 
@@ -379,7 +392,7 @@ def _key(v: Any, depth: int, count: list[int], walk: _Walk) -> Hashable:
     if isinstance(v, (dict, list, tuple)):
         raise StateUnkeyable(f"holds a {tp.__name__} (a container subclass, whose contents "
                              "the key cannot tell)")
-    d = getattr(v, "__dict__", None)
+    d = object_dict(v)
     if type(d) is dict and not _slotted(tp):
         walk.objects.append((v, tp, d))
         return ("o", tp.__module__, tp.__qualname__, id(tp), _key(d, depth + 1, count, walk))

@@ -24,7 +24,7 @@ from ._engine import STATE, GraphedState
 from ._fast import MISS
 from ._nested import bypassing as _bypassing, in_graphed_call, plain_reason
 from ._nested import nesting as _nesting
-from ._errors import CudagraphifyUsageError
+from ._errors import CudagraphifyUsageError, name_of
 from ._options import Options
 
 __all__ = ["STATE", "SHARE", "Share", "GraphedForward", "graphed_forward", "graphed_forward_of",
@@ -113,7 +113,7 @@ class Dispatch:
         state = self.state
         if state is None:
             positions, names = self.binding(wrapped, skip_self=False)
-            name = getattr(wrapped, "__qualname__", repr(wrapped))
+            name = name_of(wrapped)
             state = self.state = GraphedState(None, self.options, name, positions, names)
         return state(wrapped, args, kwargs)
 
@@ -398,7 +398,7 @@ def _static_binding(fn: Callable, static_argnames: tuple[str, ...],
     unknown = [n for n in static_argnames if n not in names]
     if unknown and not takes_kwargs:
         raise CudagraphifyUsageError(
-            f"static_argnames names {unknown} that {getattr(fn, '__qualname__', fn)} does not "
+            f"static_argnames names {unknown} that {name_of(fn)} does not "
             f"take; its arguments are {names}"
         )
     positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)

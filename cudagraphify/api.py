@@ -15,7 +15,7 @@ from ._options import Options, Stats
 from ._wrap import (SHARE, GraphedForward, Share, drop_retired, graphed_forward,
                     graphed_forward_of, has_own_forward, install, retired, state_of_module,
                     uninstall_class, uninstall_instance, wrap)
-from ._errors import CudagraphifyUsageError
+from ._errors import CudagraphifyUsageError, name_of
 from ._policy import OpPolicy, default_policy
 from ._region import GraphRegion
 from ._share import ShareGroup, check_layers
@@ -241,7 +241,7 @@ def explain(target: Any, *example_args: Any, **example_kwargs: Any):
     state = _state_of(target) if graphed else None
     name = (state.name if state is not None else
             type(target).__name__ if module is not None else
-            getattr(target, "__qualname__", repr(target)))
+            name_of(target))
     stats_ = state.stats() if state is not None else Stats()
     decisions = state.decisions() if state is not None else []
     if example_args or example_kwargs:

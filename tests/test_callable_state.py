@@ -123,3 +123,48 @@ def test_an_equal_constant_set_again_keeps_the_graph(sim):
     g = cg.graphify(obj)
     s = _calls(g, 4, lambda i: setattr(obj, "t", float("1.0")))  # (a new, equal float)
     assert (s.captures, s.replays) == (1, 3), s
+
+
+class _AttrDict(dict):
+    """A config-style callable: attributes are its items; an unknown one raises KeyError."""
+
+    def __getattr__(self, k):
+        return self[k]
+
+    def __call__(self, x):
+        return x * self["scale"]
+
+
+class _SlotsRaising:
+    """No ``__dict__``; its ``__getattr__`` raises KeyError for what it lacks."""
+
+    __slots__ = ("scale",)
+
+    def __init__(self):
+        self.scale = 2.0
+
+    def __getattr__(self, k):
+        raise KeyError(k)
+
+    def __call__(self, x):
+        return x * self.scale
+
+
+@pytest.mark.parametrize("cls", [_AttrDict, _SlotsRaising], ids=["attrdict", "slots"])
+def test_a_getattr_raising_keyerror_is_not_asked_for_a_name_or_dict(sim, cls):
+    # (the first call asked ``getattr(obj, "__qualname__")`` and ``getattr(obj, "__dict__")``,
+    # and the object's ``__getattr__`` raised KeyError out of the call)
+    obj = cls(scale=2.0) if cls is _AttrDict else cls()
+    g = cg.graphify(obj)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(g(x), x * 2.0)
+        assert (cg.stats(g).captures, cg.stats(g).replays) == (1, 2)
+        if cls is _AttrDict:
+            obj["scale"] = 3.0
+        else:
+            obj.scale = 3.0
+        assert torch.equal(g(x), x * 3.0)  # (a change is still seen)
+    assert cg.stats(g).captures == 2
+    assert cg.explain(g).name == cls.__qualname__  # (its class names it)
