@@ -438,7 +438,7 @@ class Fast:
         # (a flag: the slot itself is read through the entry on each call, so that a released
         # entry's static output is not kept alive here)
         single = entry._actions[0] if entry._single and region is not None \
-            and entry.seq is not None and not entry.borrowed else None
+            and entry.seq is not None else None
         self.slot = type(getattr(single, "__self__", None)) is _Slot \
             and single.__func__ is _Slot.hand_out
         # the region's lock (None outside a region), then the state's
@@ -547,9 +547,20 @@ class Fast:
                         # out again below)
                         live = region._live
                         if live and not (len(live) == 1 and slot in live
-                                         and _use_count(slot.cdata) == slot.baseline) \
-                                and not region.protect_before(entry, args):
-                            return _MISS
+                                         and _use_count(slot.cdata) == slot.baseline):
+                            if not region.protect_before(entry, args):
+                                return _MISS
+                        else:
+                            # (and its loop over the slots of other graphs it reads in place
+                            # (a chain's earlier piece's output), each passed in or protected:
+                            # the common case, no alias of it left, inline)
+                            for i, other in entry.borrowed:
+                                if args[i].data_ptr() != other.tensor.data_ptr():
+                                    if other.baseline is not None \
+                                            and _use_count(other.cdata) == other.baseline:
+                                        other.live.pop(other, None)
+                                    elif not other.protect():
+                                        return _MISS
                     elif entry.seq is not None and not region.protect_before(entry, args):
                         return _MISS
                     region.replays += 1

@@ -897,6 +897,42 @@ def test_region_input_from_elsewhere_into_a_borrowed_buffer_protects_the_alias(s
         torch.testing.assert_close(h, h_want, rtol=0, atol=0)
 
 
+def test_region_borrowed_buffer_on_the_fast_path_protects_a_kept_alias_only(sim, monkeypatch):
+    # (block 1's graph reads block 0's output slot in place; called with another tensor, its
+    # copy-in overwrites that slot: the fast path moves a kept alias of it to a copy first,
+    # and with none kept copies nothing)
+    from cudagraphify import _fast
+
+    ref, g = _chain(n=2)
+    fast_hits = []
+    call = _fast.Fast.call
+
+    def spy(self, fn, args, kwargs):
+        out = call(self, fn, args, kwargs)
+        fast_hits.append(out is not _fast.MISS)
+        return out
+
+    monkeypatch.setattr(_fast.Fast, "call", spy)
+    with torch.no_grad(), cg.graph_region() as r:
+        for _ in range(3):
+            g(torch.randn(2, 8))
+        state = g[1].__dict__["_cudagraphify_state"]
+        assert type(state._fast) is _fast.Fast and state._fast.entry.borrowed
+        for keep in (True, False, True, False):
+            h = g[0](torch.randn(2, 8))  # an alias of block 0's slot
+            h_want = h.clone()
+            if not keep:
+                del h
+            moved = r.stats().moved_outputs
+            fast_hits.clear()
+            other = torch.randn(2, 8)
+            torch.testing.assert_close(g[1](other), ref[1](other), rtol=0, atol=0)
+            assert fast_hits == [True]  # (block 1's replay took the fast path)
+            assert r.stats().moved_outputs == moved + keep
+            if keep:
+                torch.testing.assert_close(h, h_want, rtol=0, atol=0)
+
+
 def test_inference_mode_calls_are_graphed_and_writes_still_seen(sim):
     torch.manual_seed(0)
     with torch.inference_mode():
