@@ -542,16 +542,18 @@ class Fast:
                 if region is not None:
                     if self.slot:
                         slot = entry._actions[0].__self__
-                        # (protect_before's common case inline: the slot of this graph's
-                        # output is the only live one, its last alias dropped; it is handed
-                        # out again below)
+                        # (protect_before's common cases inline: every live slot captured
+                        # before this graph, as a chain's earlier pieces' outputs are, or the
+                        # slot of this graph's output the only live one, its last alias
+                        # dropped (it is handed out again below): no walk over them)
                         live = region._live
-                        if live and not (len(live) == 1 and slot in live
-                                         and _use_count(slot.cdata) == slot.baseline):
+                        if live and region._live_top >= entry.seq and not (
+                                len(live) == 1 and slot in live
+                                and _use_count(slot.cdata) == slot.baseline):
                             if not region.protect_before(entry, args):
                                 return _MISS
                         else:
-                            # (and its loop over the slots of other graphs it reads in place
+                            # (then its loop over the slots of other graphs it reads in place
                             # (a chain's earlier piece's output), each passed in or protected:
                             # the common case, no alias of it left, inline)
                             for i, other in entry.borrowed:
