@@ -311,13 +311,6 @@ def _unwrapped(fn: Any) -> Any:
     return fn
 
 
-def _static_attr(v: Any, name: str) -> Any:
-    try:
-        return inspect.getattr_static(v, name)
-    except AttributeError:
-        return None
-
-
 def _outside_in(fn: Any, depth: int = 0, looked: set[int] | None = None,
                 owner: Any = None) -> str | None:
     """What ``fn`` (a backward, unwrapped) reads from outside that holds a tensor, named: a
@@ -373,7 +366,7 @@ def _outside_in(fn: Any, depth: int = 0, looked: set[int] | None = None,
                 helpers.append((value, named, by_name, None))
             nxt = instrs[i + 1] if i + 1 < len(instrs) else None
             if nxt is not None and nxt.opname in ("LOAD_ATTR", "LOAD_METHOD"):
-                attr = _static_attr(value, nxt.argval)
+                attr = inspect.getattr_static(value, nxt.argval, None)
                 if _holds_tensor(attr):
                     return f"{named}'s {nxt.argval!r}"
                 # (a plain function found through an object, not a class or module: a method
@@ -384,7 +377,7 @@ def _outside_in(fn: Any, depth: int = 0, looked: set[int] | None = None,
     helpers += [(v, f"the closure variable {n!r}", False, None) for n, v in cells.items()]
     for value, named, by_name, on in helpers:
         # (torch.library's register_autograd keeps the backward on an object in a closure)
-        for v in (value, _static_attr(value, "_backward_fn")):
+        for v in (value, inspect.getattr_static(value, "_backward_fn", None)):
             f, bound = _callee(v)
             if f is None or id(f.__code__) in looked \
                     or (by_name and _library_file(f.__code__.co_filename)):
@@ -409,16 +402,17 @@ def _callee(v: Any) -> tuple[types.FunctionType | None, Any]:
         elif isinstance(v, functools.partial):
             v = v.func
         elif isinstance(v, types.FunctionType):
-            inner = _static_attr(v, "__wrapped__")  # (functools.wraps' wrapper)
+            inner = inspect.getattr_static(v, "__wrapped__", None)  # (functools.wraps' wrapper)
             if inner is None:
                 return v, bound
             v = inner
-        elif type(v).__module__ == "functools" and _static_attr(v, "__wrapped__") is not None:
-            v = _static_attr(v, "__wrapped__")  # (an lru_cache or cache wrapper)
+        elif type(v).__module__ == "functools" \
+                and inspect.getattr_static(v, "__wrapped__", None) is not None:
+            v = inspect.getattr_static(v, "__wrapped__")  # (an lru_cache or cache wrapper)
         elif v is None or isinstance(v, (type, types.ModuleType, types.BuiltinFunctionType)):
             return None, None
         else:
-            call = _static_attr(type(v), "__call__")  # (a callable object)
+            call = inspect.getattr_static(type(v), "__call__", None)  # (a callable object)
             if not isinstance(call, types.FunctionType):
                 return None, None
             bound, v = v, call
