@@ -123,6 +123,9 @@ class Owned:
     flags: Any = None
     pinned: tuple = ()
     written_statics: frozenset = frozenset()  # storages of parameters/buffers forward writes
+    # (one that writes its arguments) storages of the parameters/buffers it reads in place: a
+    # written argument sharing one must not be written into a copy
+    read_statics: frozenset = frozenset()
     uses = 0  # (a graph's) calls that found it after its capture (see GraphCache.thrashing)
     state_storages: frozenset = frozenset()  # storages of the static states' tensors
     held_storages: frozenset = frozenset()  # storages of tensors read from outside (attributes)

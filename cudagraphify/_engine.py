@@ -114,6 +114,9 @@ LAZY = ("uninitialized parameters (a LazyModule): this call initializes them; gr
         "the next call")
 STATE_ALIAS = ("an argument shares memory with a static state (a cache) the graph reads and "
                "writes in place: a graph would read a copy made before the forward's write")
+WRITTEN_ALIAS = ("an argument the forward writes in place shares memory with a parameter or "
+                 "buffer it reads: a graph would write a copy of the argument and read the "
+                 "parameter as it was before the write")
 HELD_ALIAS = ("an argument shares memory with a tensor the forward reads from outside its "
               "arguments, parameters and buffers (an attribute, closure or global): a graph "
               "reads the argument from a copy and that tensor in place, so a write to either "
@@ -563,6 +566,10 @@ class GraphedState(PieceRuns):
             if inputs_alias(leaves):
                 return self._eager("inputs share memory and forward writes to them", fn, args,
                                    kwargs)
+            if entry.read_statics and any(
+                    storage_of(leaves[i]) in entry.read_statics
+                    for i in set(entry.mutated).intersection(entry.copied_indices())):
+                return self._eager(WRITTEN_ALIAS, fn, args, kwargs)
             if entry.hazard and any(storage_of(leaves[i]) in entry.hazard
                                     for i in entry.mutated):
                 return self._eager("an output of this graph (copy_outputs=False) is passed back "

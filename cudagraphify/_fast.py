@@ -23,7 +23,8 @@ from . import _guards, _region, _segrun, _statics, _trial, _watch
 from ._nested import bypassing, nesting, sizes_log
 from ._pieces import STATE
 from ._training import settled as _settled
-from ._signature import is_constant, is_opaque, is_static_state, storage_of
+from ._signature import _PLAIN, is_constant, is_opaque, is_static_state, storage_of, \
+    strict_key
 from ._state import StateUnkeyable, may_be_static_state, state_key
 
 __all__ = ["Bypass", "Fast", "EagerFast", "MISS"]
@@ -600,7 +601,8 @@ class Fast:
         for i, c in consts:
             v = leaves[i]
             if v is not c and not (type(v) is type(c) and (
-                    v.hex() == c.hex() if type(c) is float else v == c)):
+                    v.hex() == c.hex() if type(c) is float else
+                    v == c if type(c) in _PLAIN else strict_key(v) == strict_key(c))):
                 return False
         for i, key in states:
             v = leaves[i]

@@ -543,6 +543,9 @@ class FirstCall(Capturing):
         graph_writes = self.graph_writes(second)
         entry.written_statics = frozenset(storage_of(self.watchable[j])
                                           for j in graph_writes) - {0}
+        if self.mutated:  # (an argument it writes: eager writes a parameter it aliases, then
+            # reads it; a replay would write the argument's copy and read the parameter as it was)
+            entry.read_statics = frozenset(self.static_storages) - {0}
         # (the version counters its replay moves, and a training graph's backward checks)
         if self.version_moves or self.saved_statics:
             entry.counters = Counters(self.statics, self.version_moves,

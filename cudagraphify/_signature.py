@@ -9,6 +9,7 @@ global flags) is guarded per graph by :mod:`._guards`. Pure: nothing here touche
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import weakref
 from typing import Any, Hashable, NamedTuple
@@ -30,6 +31,7 @@ __all__ = [
     "opaque_argument",
     "storage_of",
     "is_constant",
+    "strict_key",
     "mark_static",
     "is_marked_static",
 ]
@@ -83,11 +85,44 @@ def is_constant(value: Any) -> bool:
         return False
     if isinstance(value, (tuple, frozenset)):
         return all(is_constant(v) for v in value)
-    # A user type with value semantics: it defines __eq__ and __hash__ of its own (a frozen
-    # dataclass, a NamedTuple handled above). Objects hashed by identity can change behind the
-    # key's back, so they are not constants.
+    # A user type with value semantics: a frozen dataclass whose fields hold constants (a
+    # NamedTuple is a tuple, above). A class that only defines __eq__ and __hash__ may be
+    # changed in place (``unsafe_hash=True``; a frozen dataclass holding a list), behind the
+    # key's back: not a constant (its attributes are watched; as an argument it is opaque).
+    return _frozen_dataclass(type(value)) and all(
+        is_constant(getattr(value, f.name)) for f in dataclasses.fields(value))
+
+
+def _frozen_dataclass(tp: type) -> bool:
+    params = getattr(tp, "__dataclass_params__", None) if isinstance(tp, type) else None
+    return params is not None and getattr(params, "frozen", False) is True \
+        and "__dataclass_fields__" in dir(tp)
+
+
+# the constant types whose ``==`` within one type is what an op sees (not floats: ``0.0 ==
+# -0.0``; nor what holds values of several types: ``(2,) == (2.0,)``)
+_PLAIN = frozenset({int, bool, str, bytes, type(None), type(Ellipsis), type(NotImplemented),
+                    torch.dtype, torch.device, torch.layout, torch.memory_format})
+
+
+def strict_key(value: Any) -> Any:
+    """A constant as a key that tells apart what ``==`` does not and an op may: ``0.0`` and
+    ``-0.0`` (by their bits; NaN equals NaN), and ``2``, ``2.0`` and ``True`` inside a tuple,
+    a frozenset or a frozen dataclass (by their types)."""
     tp = type(value)
-    return tp.__hash__ is not None and tp.__hash__ is not object.__hash__ and tp.__eq__ is not object.__eq__
+    if tp in _PLAIN:
+        return (tp, value)
+    if tp is float:
+        return (tp, value.hex())
+    if tp is complex:
+        return (tp, value.real.hex(), value.imag.hex())
+    if isinstance(value, tuple):
+        return (tp, tuple(map(strict_key, value)))
+    if isinstance(value, frozenset):
+        return (tp, frozenset(map(strict_key, value)))
+    if _frozen_dataclass(tp):
+        return (tp, tuple(strict_key(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    return (tp, value)
 
 
 class Unkeyable(NamedTuple):
@@ -153,8 +188,9 @@ def storage_of(t: torch.Tensor) -> int:
 
 
 def tensor_meta(t: torch.Tensor, static: bool) -> tuple:
-    if static:
-        return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr())
+    if static:  # (read in place: a conj or neg view of the same memory reads it otherwise)
+        return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr(),
+                t.is_conj(), t.is_neg())
     return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
 
 
@@ -176,9 +212,8 @@ def is_opaque(tp: type) -> bool:
     if hit is None:
         hit = not (issubclass(tp, torch.Tensor) or tp in pytree.SUPPORTED_NODES
                    or issubclass(tp, _CONSTANT_TYPES) or tp in (tuple, list, dict))
-        if hit:  # a user type with value semantics is a constant (see is_constant)
-            hit = tp.__hash__ is None or tp.__hash__ is object.__hash__ \
-                or tp.__eq__ is object.__eq__
+        if hit:  # a frozen dataclass may be a constant (see is_constant)
+            hit = not _frozen_dataclass(tp)
         _opaque_types[tp] = hit
     return hit
 
@@ -203,7 +238,17 @@ def _opaque_reason(where: str, value: Any) -> str:
     if why is not None:
         return (f"{where} ({type(value).__name__}) {why}: passed as it is, like a DynamicCache; "
                 "what runs around it can still be graphed")
-    return (f"{where} of type {type(value).__name__} is not a tensor or an immutable value; "
+    return not_keyable(where, value)
+
+
+def not_keyable(where: str, value: Any) -> str:
+    """Why an argument ``value`` (neither a tensor, a constant nor a container) is not keyed."""
+    tp = type(value)
+    hashed = "" if getattr(tp, "__hash__", None) in (None, object.__hash__) \
+        or tp.__eq__ is object.__eq__ else (
+            " (its class compares and hashes by value, but an instance can change in place: "
+            "a frozen dataclass of immutable values is keyed by its value)")
+    return (f"{where} of type {tp.__name__} is not a tensor or an immutable value{hashed}; "
             "name its argument in static_argnames=... if its tensors stay in place, or "
             "register its type with torch.utils._pytree")
 
@@ -289,14 +334,12 @@ def build_signature(
         elif type(leaf) is float:
             constants.append(Constant(idx, float, leaf.hex()))  # -0.0 and 0.0 differ; nan equals nan
         elif is_constant(leaf):
-            constants.append(Constant(idx, type(leaf), leaf))
+            # (by value; what ``==`` mixes up, ``Cfg(2)`` and ``Cfg(2.0)``, by strict_key)
+            constants.append(Constant(idx, type(leaf),
+                                      leaf if type(leaf) in _PLAIN else strict_key(leaf)))
         else:
             return (
-                Unkeyable(
-                    f"argument leaf {idx} of type {type(leaf).__name__} is not a tensor or an "
-                    "immutable value; name its argument in static_argnames=... if its tensors "
-                    "stay in place, or register its type with torch.utils._pytree"
-                ),
+                Unkeyable(not_keyable(f"argument leaf {idx}", leaf)),
                 leaves,
                 static_flags,
             )

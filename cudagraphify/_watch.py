@@ -29,7 +29,7 @@ from torch import nn
 from torch.nn.modules import module as _module_mod
 from torch.utils import hooks as _torch_hooks
 
-from ._signature import is_constant
+from ._signature import is_constant, strict_key
 from ._statics import _WatchedDict, watched
 
 __all__ = ["epoch", "bump", "install", "Read", "Recorder", "recording", "hooked",
@@ -462,8 +462,8 @@ def same(a: Any, b: Any) -> bool:
         return True
     if type(a) is not type(b) or not is_constant(a):
         return False
-    try:
-        return bool(a == b) or (a != a and b != b)  # NaN equals NaN here
+    try:  # (``0.0`` and ``-0.0`` differ, ``(2,)`` and ``(2.0,)`` too; NaN equals NaN)
+        return strict_key(a) == strict_key(b)
     except Exception:  # noqa: BLE001 - an __eq__ that raises: not the same
         return False
 

@@ -145,3 +145,51 @@ def test_policy_can_merge_constants():
     p = IgnoreStep()
     assert p.full_key(s1) == p.full_key(s2)
     assert p.full_key(s1) != p.full_key(s3)  # tensor layout is always in the key
+
+
+def test_only_frozen_dataclasses_of_constants_are_user_constants():
+    @dataclasses.dataclass(frozen=True)
+    class Frozen:
+        n: object
+
+    @dataclasses.dataclass(unsafe_hash=True)
+    class Hashed:  # (compares and hashes by value, yet changes in place)
+        n: int
+
+    class ByValue:
+        def __init__(self, n):
+            self.n = n
+
+        def __eq__(self, other):
+            return isinstance(other, ByValue) and other.n == self.n
+
+        def __hash__(self):
+            return hash(self.n)
+
+    assert is_constant(Frozen(1)) and is_constant(Frozen((1, "a"))) and is_constant(Frozen(Frozen(2.0)))
+    assert not is_constant(Frozen([1])) and not is_constant(Frozen(torch.zeros(1)))
+    assert not is_constant(Hashed(1)) and not is_constant(ByValue(1))
+    for v in (Hashed(1), ByValue(1), Frozen([1])):
+        r = key(torch.zeros(1), v)
+        assert isinstance(r, Unkeyable) and type(v).__name__ in r.reason
+    assert "frozen dataclass" in key(torch.zeros(1), ByValue(1)).reason
+
+
+def test_strict_key_tells_apart_what_equality_mixes_up():
+    from cudagraphify._signature import strict_key
+    from cudagraphify._watch import same
+
+    @dataclasses.dataclass(frozen=True)
+    class Cfg:
+        v: object
+
+    pairs = [(0.0, -0.0), ((2,), (2.0,)), ((1,), (True,)), (Cfg(2), Cfg(2.0)), (Cfg(0.0), Cfg(-0.0)),
+             (frozenset({1}), frozenset({1.0})), (complex(0.0, 1), complex(-0.0, 1))]
+    for a, b in pairs:
+        assert a == b and strict_key(a) != strict_key(b), (a, b)
+        assert not same(a, b)
+        assert strict_key(a) == strict_key(type(a)(a) if isinstance(a, (tuple, frozenset)) else a)
+    nan = float("nan")
+    assert same(nan, float("nan")) and same((nan, 1), (float("nan"), 1)) and same(Cfg(2), Cfg(2))
+    assert key(torch.zeros(1), Cfg(2)) != key(torch.zeros(1), Cfg(2.0))
+    assert key(torch.zeros(1), Cfg(2)) == key(torch.zeros(1), Cfg(2))
