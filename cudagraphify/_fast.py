@@ -543,27 +543,31 @@ class Fast:
                 if region is not None:
                     if self.slot:
                         slot = entry._actions[0].__self__
-                        # (protect_before's common cases inline: every live slot captured
-                        # before this graph, as a chain's earlier pieces' outputs are, or the
-                        # slot of this graph's output the only live one, its last alias
-                        # dropped (it is handed out again below): no walk over them)
+                        # (protect_before's common cases inline: the slot of this graph's
+                        # output the only live one, its last alias dropped (it is handed out
+                        # again below), or every live slot captured before this graph, as a
+                        # chain's earlier pieces' outputs are: no walk over them)
                         live = region._live
-                        if live and region._live_top >= entry.seq and not (
-                                len(live) == 1 and slot in live
-                                and _use_count(slot.cdata) == slot.baseline):
+                        walk = False
+                        if live and not (len(live) == 1 and slot in live
+                                         and _use_count(slot.cdata) == slot.baseline):
+                            walk = region._live_top >= entry.seq
+                        if walk:
                             if not region.protect_before(entry, args):
                                 return _MISS
                         else:
-                            # (then its loop over the slots of other graphs it reads in place
-                            # (a chain's earlier piece's output), each passed in or protected:
+                            borrowed = entry.borrowed
+                            # (then its loop over the slots of other graphs it reads in place,
+                            # a chain's earlier piece's output, each passed in or protected:
                             # the common case, no alias of it left, inline)
-                            for i, other in entry.borrowed:
-                                if args[i].data_ptr() != other.tensor.data_ptr():
-                                    if other.baseline is not None \
-                                            and _use_count(other.cdata) == other.baseline:
-                                        other.live.pop(other, None)
-                                    elif not other.protect():
-                                        return _MISS
+                            if borrowed:
+                                for i, other in borrowed:
+                                    if args[i].data_ptr() != other.tensor.data_ptr():
+                                        if other.baseline is not None and \
+                                                _use_count(other.cdata) == other.baseline:
+                                            other.live.pop(other, None)
+                                        elif not other.protect():
+                                            return _MISS
                     elif entry.seq is not None and not region.protect_before(entry, args):
                         return _MISS
                     region.replays += 1
