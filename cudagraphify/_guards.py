@@ -38,7 +38,7 @@ from torch import nn
 
 from . import _watch, _writes
 from ._signature import is_constant, storage_of
-from ._state import object_dict
+from ._state import host_bits, object_dict
 from ._statics import no_one_layout, ptrs_equal, watch
 from ._watch import (GONE, MISSING, Read, call_override, global_hooks_present, nested_codes,
                      same, short)
@@ -759,9 +759,9 @@ def _tensor_check(t: torch.Tensor) -> Callable[[], bool]:
     # the call decide again, a graph would give it no gradient)
     meta = (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
     if t.device.type == "cpu" and t.numel() <= 64:
-        value = t.tolist()
+        value = host_bits(t)  # (floats by their bits: 0.0 and -0.0 differ)
         return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device,
-                        t.requires_grad) == meta and t.tolist() == value
+                        t.requires_grad) == meta and host_bits(t) == value
     return lambda: (t.data_ptr(), t.shape, t.stride(), t.dtype, t.device,
                     t.requires_grad) == meta
 

@@ -160,6 +160,19 @@ def state_layout(values: list) -> tuple[Hashable, list[tuple[int, int]]]:
     return key, [(ptr, nbytes) for ptr, (_, nbytes) in ranges]
 
 
+_BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def host_bits(t: torch.Tensor) -> list:
+    """A host tensor's values as a graph that read them is checked against (``tolist``):
+    floats by their bits, so that ``0.0`` and ``-0.0`` differ (and a NaN equals itself)."""
+    if t.is_complex():
+        t = torch.view_as_real(t.resolve_conj())
+    if t.is_floating_point():
+        t = t.view(_BITS[t.element_size()])
+    return t.tolist()
+
+
 def object_dict(obj: Any) -> Any:
     """``obj.__dict__`` (through a proxy's ``__getattribute__``: its target's), or None where
     it has none, also where a ``__getattr__`` of its own raises something else than
@@ -341,7 +354,7 @@ class _Walk:
                 ptrs_equal(self.tensors, self.ptrs, self.indices) if ptrs_equal is not None
                 else [t.data_ptr() for t in self.tensors] == self.ptrs)):
             return False
-        return all(t.tolist() == v for t, v in self.small)
+        return all(host_bits(t) == v for t, v in self.small)
 
 
 _IDENTITY = (types.FunctionType, types.BuiltinFunctionType, types.MethodType, type)
@@ -363,7 +376,7 @@ def _key(v: Any, depth: int, count: list[int], walk: _Walk) -> Hashable:
         walk.tensors.append(v)
         if v.device.type == "cpu" and v.numel() <= 64:
             # read on the host, by value; a graph reads host memory in place only if pinned
-            value = v.tolist()
+            value = host_bits(v)  # (floats by their bits: 0.0 and -0.0 differ)
             walk.small.append((v, value))
             pinned = v.is_pinned()
             if pinned and walk.storages is not None:

@@ -502,3 +502,46 @@ def test_a_value_too_deep_to_guard_runs_eagerly_with_the_reason(sim):
             torch.testing.assert_close(g(x), x * 2, rtol=0, atol=0)
     s = cg.stats(g)
     assert s.captures == 0 and any("nested more than 4 deep" in r for r in s.eager_calls), s
+
+
+def test_a_host_scalar_read_by_value_tells_a_negative_zero_apart(sim):
+    # (a CPU scalar tensor kept as an attribute, or in static state, is read on the host by
+    # value and baked into the kernels a graph launches: ``0.0`` and ``-0.0`` compared equal,
+    # so ``fill_(-0.0)`` replayed the +0.0 graph: ``1 / (x * s)`` +inf where eager gives -inf)
+    from cudagraphify._guards import _tensor_check
+    from cudagraphify._state import host_bits, state_key
+
+    class Scaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(3, 3)
+            self.s = torch.tensor(0.0)
+
+        def forward(self, x):
+            return self.lin(x) * self.s
+
+    g = cg.graphify(Scaled())
+    x = torch.randn(2, 3)
+    with torch.no_grad():
+        for _ in range(3):
+            g(x)
+        g.s.fill_(-0.0)
+        g(x)
+    assert cg.stats(g).captures == 2
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.complex64):
+        t = torch.zeros(2, dtype=dtype)
+        check = _tensor_check(t)
+        assert check()
+        t[1] = -0.0
+        assert not check(), dtype
+    nan = torch.tensor(float("nan"))
+    assert _tensor_check(nan)() and host_bits(torch.tensor(True)) is True
+
+    class Holder:  # (static state: a small host tensor in it is keyed by value)
+        def __init__(self):
+            self.count = torch.tensor([0.0])
+
+    h = Holder()
+    before = state_key(h)
+    h.count.fill_(-0.0)
+    assert state_key(h) != before
