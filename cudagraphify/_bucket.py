@@ -34,7 +34,7 @@ from ._explain import _own_state
 from ._guards import StateGuard
 from ._hooks import HookWatch
 from ._nested import Nested
-from ._signature import storage_of
+from ._signature import is_constant, storage_of, strict_key
 
 __all__ = ["Bucketed", "bucketed"]
 
@@ -309,6 +309,8 @@ def _leaf_key(leaf: Any, dim: int) -> Hashable:
     if isinstance(leaf, torch.Tensor):
         return (leaf.shape[:dim] + leaf.shape[dim + 1:], leaf.dtype, leaf.device,
                 leaf.requires_grad)
+    if is_constant(leaf):
+        return strict_key(leaf)  # (``0.0`` and ``-0.0`` apart, as the signature keeps them)
     try:
         hash(leaf)
     except TypeError:

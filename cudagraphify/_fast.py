@@ -340,7 +340,9 @@ def _mixed(leaves: tuple) -> tuple | None:
             except StateUnkeyable:
                 return None
         elif is_constant(v):
-            consts.append((i, v))
+            # (a value whose ``==`` is not what an op sees, a float, a frozen dataclass: by its
+            # strict_key, on every call, the same object too)
+            consts.append((i, v, None if type(v) in _PLAIN else strict_key(v)))
         else:
             return None
     return tensors, consts, states
@@ -602,11 +604,12 @@ class Fast:
         """A call with other leaves than tensors: the same values (floats by their bits), the
         same states' keys (what each holds: see _state), and the tensors' layouts in C."""
         tensor_idx, consts, states = self.mixed
-        for i, c in consts:
+        for i, c, key in consts:
             v = leaves[i]
-            if v is not c and not (type(v) is type(c) and (
-                    v.hex() == c.hex() if type(c) is float else
-                    v == c if type(c) in _PLAIN else strict_key(v) == strict_key(c))):
+            if key is None:
+                if v is not c and not (type(v) is type(c) and v == c):
+                    return False
+            elif type(v) is not type(c) or strict_key(v) != key:
                 return False
         for i, key in states:
             v = leaves[i]

@@ -10,14 +10,21 @@ global flags) is guarded per graph by :mod:`._guards`. Pure: nothing here touche
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import decimal
 import enum
+import fractions
+import pathlib
+import sys
+import uuid
 import weakref
 from typing import Any, Hashable, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
 
-from ._state import StateUnkeyable, demoted, is_static_state, state_key
+from ._state import StateUnkeyable, demoted, float_bits, is_static_state, object_dict, \
+    state_key
 
 __all__ = [
     "Signature",
@@ -83,20 +90,55 @@ def is_constant(value: Any) -> bool:
         return True
     if isinstance(value, torch.Tensor):  # hashed by identity but mutable: never a constant
         return False
-    if isinstance(value, (tuple, frozenset)):
-        return all(is_constant(v) for v in value)
-    # A user type with value semantics: a frozen dataclass whose fields hold constants (a
-    # NamedTuple is a tuple, above). A class that only defines __eq__ and __hash__ may be
-    # changed in place (``unsafe_hash=True``; a frozen dataclass holding a list), behind the
-    # key's back: not a constant (its attributes are watched; as an argument it is opaque).
-    return _frozen_dataclass(type(value)) and all(
-        is_constant(getattr(value, f.name)) for f in dataclasses.fields(value))
+    if isinstance(value, (tuple, frozenset)):  # (a NamedTuple too; not one with attributes)
+        return all(is_constant(v) for v in value) and (
+            type(value) in (tuple, frozenset) or not object_dict(value))
+    tp = type(value)
+    if _immutable_type(tp):
+        return True
+    # A frozen dataclass whose attributes hold constants. Not a class that only defines
+    # __eq__ and __hash__: it may be changed in place (``unsafe_hash=True``; a frozen
+    # dataclass holding a list; a plain subclass of one, which takes new attributes), behind
+    # the key's back (its attributes are watched; as an argument it is opaque).
+    fields = _frozen_fields(value)
+    return fields is not None and all(is_constant(v) for v in fields)
+
+
+def _frozen_fields(value: Any) -> list | None:
+    """The attribute values of a frozen dataclass instance (its class itself a frozen
+    dataclass), or None: also where it holds attributes beyond its fields (set in
+    ``__post_init__`` through ``object.__setattr__``)."""
+    tp = type(value)
+    params = tp.__dict__.get("__dataclass_params__") if isinstance(tp, type) else None
+    if params is None or getattr(params, "frozen", False) is not True:
+        return None
+    names = [f.name for f in dataclasses.fields(value)]
+    d = object_dict(value)
+    if d and not set(d) <= set(names):
+        return None
+    try:
+        return [getattr(value, n) for n in names]
+    except AttributeError:  # (a field never set)
+        return None
 
 
 def _frozen_dataclass(tp: type) -> bool:
-    params = getattr(tp, "__dataclass_params__", None) if isinstance(tp, type) else None
-    return params is not None and getattr(params, "frozen", False) is True \
-        and "__dataclass_fields__" in dir(tp)
+    params = tp.__dict__.get("__dataclass_params__") if isinstance(tp, type) else None
+    return params is not None and getattr(params, "frozen", False) is True
+
+
+# other types whose instances are immutable values (numpy's scalars and dtypes, below): by
+# value, as the constant types are
+_IMMUTABLE = (decimal.Decimal, fractions.Fraction, datetime.date, datetime.time,
+              datetime.timedelta, datetime.timezone, uuid.UUID, pathlib.PurePath)
+
+
+def _immutable_type(tp: type) -> bool:
+    if issubclass(tp, _IMMUTABLE):
+        return True
+    np = sys.modules.get("numpy")
+    return np is not None and issubclass(tp, (np.generic, np.dtype)) \
+        and not issubclass(tp, np.object_)
 
 
 # the constant types whose ``==`` within one type is what an op sees (not floats: ``0.0 ==
@@ -107,21 +149,28 @@ _PLAIN = frozenset({int, bool, str, bytes, type(None), type(Ellipsis), type(NotI
 
 def strict_key(value: Any) -> Any:
     """A constant as a key that tells apart what ``==`` does not and an op may: ``0.0`` and
-    ``-0.0`` (by their bits; NaN equals NaN), and ``2``, ``2.0`` and ``True`` inside a tuple,
-    a frozenset or a frozen dataclass (by their types)."""
+    ``-0.0`` (by their bits, a float subclass's and numpy's too; the same NaN equals itself),
+    ``2``, ``2.0`` and ``True`` inside a tuple, a frozenset or a frozen dataclass (by their
+    types), ranges by their start, stop and step."""
     tp = type(value)
     if tp in _PLAIN:
         return (tp, value)
-    if tp is float:
-        return (tp, value.hex())
-    if tp is complex:
-        return (tp, value.real.hex(), value.imag.hex())
+    if isinstance(value, float):
+        return (tp, float_bits(value))
+    if isinstance(value, complex):
+        return (tp, float_bits(value.real), float_bits(value.imag))
     if isinstance(value, tuple):
         return (tp, tuple(map(strict_key, value)))
     if isinstance(value, frozenset):
         return (tp, frozenset(map(strict_key, value)))
-    if _frozen_dataclass(tp):
-        return (tp, tuple(strict_key(getattr(value, f.name)) for f in dataclasses.fields(value)))
+    if tp is range:
+        return (tp, value.start, value.stop, value.step)
+    np = sys.modules.get("numpy")
+    if np is not None and isinstance(value, np.generic):
+        return (tp, value.tobytes())
+    fields = _frozen_fields(value)
+    if fields is not None:
+        return (tp, tuple(map(strict_key, fields)))
     return (tp, value)
 
 
@@ -188,10 +237,13 @@ def storage_of(t: torch.Tensor) -> int:
 
 
 def tensor_meta(t: torch.Tensor, static: bool) -> tuple:
-    if static:  # (read in place: a conj or neg view of the same memory reads it otherwise)
-        return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.data_ptr(),
-                t.is_conj(), t.is_neg())
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad)
+    """A tensor leaf's part of the key; the conj and neg bits too (a parameter passed as an
+    argument is read in place: a conj or neg view of its memory reads it otherwise); one read
+    in place by request (``static``) by its address as well (the last item)."""
+    if static:
+        return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(),
+                t.is_neg(), t.data_ptr())
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
 
 
 def call_state() -> CallState:
@@ -211,9 +263,10 @@ def is_opaque(tp: type) -> bool:
     hit = _opaque_types.get(tp)
     if hit is None:
         hit = not (issubclass(tp, torch.Tensor) or tp in pytree.SUPPORTED_NODES
-                   or issubclass(tp, _CONSTANT_TYPES) or tp in (tuple, list, dict))
-        if hit:  # a frozen dataclass may be a constant (see is_constant)
-            hit = not _frozen_dataclass(tp)
+                   or issubclass(tp, _CONSTANT_TYPES) or tp in (list, dict)
+                   or issubclass(tp, (tuple, frozenset)))  # (a NamedTuple: pytree's)
+        if hit:  # a frozen dataclass or a numpy scalar may be a constant (see is_constant)
+            hit = not (_frozen_dataclass(tp) or _immutable_type(tp))
         _opaque_types[tp] = hit
     return hit
 
@@ -286,7 +339,8 @@ def build_signature(
     if not kwargs and not static_positions and not _static_tensors:
         if all(type(a) is _Tensor and a.layout is _strided and not a.is_nested
                and not _functorch_wrapped(a) for a in args):
-            metas = tuple([(a.shape, a.stride(), a.dtype, a.device, a.requires_grad) for a in args])
+            metas = tuple([(a.shape, a.stride(), a.dtype, a.device, a.requires_grad,
+                            a.is_conj(), a.is_neg()) for a in args])
             # the same spec the general path builds, so a call keys alike on either path
             spec = (_LEAF_SPECS[len(args)] if len(args) < len(_LEAF_SPECS)
                     else (_LEAF,) * len(args), ())
@@ -332,7 +386,7 @@ def build_signature(
             static_flags[idx] = True
             constants.append(Constant(idx, STATIC_STATE, key))
         elif type(leaf) is float:
-            constants.append(Constant(idx, float, leaf.hex()))  # -0.0 and 0.0 differ; nan equals nan
+            constants.append(Constant(idx, float, float_bits(leaf)))  # -0.0 and 0.0 differ
         elif is_constant(leaf):
             # (by value; what ``==`` mixes up, ``Cfg(2)`` and ``Cfg(2.0)``, by strict_key)
             constants.append(Constant(idx, type(leaf),

@@ -19,6 +19,7 @@ so that its first call (a prefill) is graphed too. Nothing here touches CUDA but
 
 from __future__ import annotations
 
+import struct
 import types
 import weakref
 from typing import Any, Hashable
@@ -161,6 +162,13 @@ def state_layout(values: list) -> tuple[Hashable, list[tuple[int, int]]]:
 
 
 _BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_pack_double = struct.Struct("<d").pack
+
+
+def float_bits(v: float) -> bytes:
+    """A float's bits: ``0.0`` and ``-0.0`` differ, and NaNs of other signs (``float.hex``
+    names both ``nan``); the same NaN equals itself."""
+    return _pack_double(v)
 
 
 def host_bits(t: torch.Tensor) -> list:
@@ -368,8 +376,10 @@ def _key(v: Any, depth: int, count: list[int], walk: _Walk) -> Hashable:
         raise StateUnkeyable(f"holds more than {_MAX_ITEMS} values (too many to check on "
                              "every call)")
     tp = type(v)
-    if tp is float:
-        return (float, v.hex())  # -0.0 and 0.0 differ; nan equals nan
+    if isinstance(v, float):  # (numpy's float64 too) -0.0 and 0.0 differ; nan equals nan
+        return (tp, float_bits(v))
+    if isinstance(v, complex):
+        return (tp, float_bits(v.real), float_bits(v.imag))
     if isinstance(v, _CONSTANTS):
         return (tp, v)
     if tp is _Tensor or tp is _Parameter:

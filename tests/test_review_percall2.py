@@ -2,9 +2,11 @@
 fixes of hunt 3): silent differences from eager left open, loud regressions (calls that were
 graphed before ``70f859e`` and now run eagerly), and controls.
 
-Findings are strict xfails asserting eager's result (or, for a loud regression, that the call
-is graphed as it was at ``79b2f55``); controls are plain tests. CPU, on the simulated backend
-(``sim``). GPU reproductions: ``.ci/review/percall2/``.
+The findings (S1-S6 silent, L1-L3 loud regressions) were strict xfails asserting eager's result
+(or, for a loud regression, that the call is graphed as it was at ``79b2f55``); fixed, they are
+plain tests, beside the controls. One stays a strict xfail, documented (README, Limitations):
+a frozen dataclass held as a module attribute and changed through ``object.__setattr__`` (S4).
+CPU, on the simulated backend (``sim``). GPU reproductions: ``.ci/review/percall2/``.
 """
 from __future__ import annotations
 
@@ -51,7 +53,6 @@ def _recip(x, s):
     return 1 / (x.abs() * s)
 
 
-@_xfail("S1: a float subclass is keyed by ==, 0.0 == -0.0 (strict_key's fallback)")
 @pytest.mark.parametrize("tp", [np.float64, _MyFloat], ids=["np.float64", "float_subclass"])
 def test_float_subclass_argument_zero_sign(sim, tp):
     g = cg.graphify(_recip)
@@ -71,7 +72,6 @@ class _NpScale(nn.Module):
         return 1 / (self.lin(x) * self.s)
 
 
-@_xfail("S1: a float-subclass attribute 0.0 -> -0.0 is 'the same' (_watch.same, strict_key)")
 def test_float_subclass_attribute_zero_sign(sim):
     torch.manual_seed(0)
     ref = _NpScale().eval()
@@ -87,7 +87,6 @@ def test_float_subclass_attribute_zero_sign(sim):
 # -- S2: ``range`` is a constant keyed by ``==``, which compares the sequences: range(0, 1) ==
 # range(0, 2, 5) (both [0]), while ``r.stop``/``r.step`` differ (strict_key's fallback).
 
-@_xfail("S2: range(0, 1) and range(0, 2, 5) share a key; the forward reads r.stop")
 def test_range_argument_equal_elements_other_stop(sim):
     def f(x, r):
         return x * r.stop
@@ -121,7 +120,6 @@ class _SubCfg(_Cfg):  # (not a dataclass itself: takes attributes that are not f
     pass
 
 
-@_xfail("S3: a frozen dataclass's __post_init__ list, changed in place, is not keyed")
 def test_frozen_dataclass_post_init_list_argument(sim):
     def f(x, t):
         return x * t.w[0]
@@ -135,7 +133,6 @@ def test_frozen_dataclass_post_init_list_argument(sim):
         assert torch.equal(g(x, t), f(x, t)), (i, _c(g))
 
 
-@_xfail("S3: an attribute of a frozen dataclass's subclass (no field) is not keyed")
 def test_frozen_dataclass_subclass_extra_attribute_argument(sim):
     def f(x, c):
         return x * c.gain + c.slope
@@ -173,8 +170,6 @@ def _cfg_attr_case(cfg, change):
             assert torch.equal(g(x), ref(x)), (i, _c(g))
 
 
-@_xfail("S3: a module attribute that is a frozen dataclass's subclass: its extra attribute "
-        "is not watched (a constant: _watch.same, identity)")
 def test_frozen_dataclass_subclass_extra_attribute_on_module(sim):
     cfg = _SubCfg(0.1)
     cfg.gain = 1.0
@@ -189,7 +184,6 @@ def test_frozen_dataclass_subclass_extra_attribute_on_module(sim):
 # Python allows): as an argument passed again, the fast path takes it by identity
 # (_mixed_ok: ``v is c``); as a module attribute _watch.same returns True for ``a is b``.
 
-@_xfail("S4: frozen dataclass field changed by object.__setattr__, argument (identity)")
 def test_frozen_dataclass_object_setattr_argument(sim):
     def f(x, c):
         return x * c.slope
@@ -223,7 +217,6 @@ class _ParamArg(nn.Module):
         return x * 2 + v
 
 
-@_xfail("S5: a parameter passed as an argument (pinned) then its conj/neg view: same graph")
 @pytest.mark.parametrize("view", ["conj", "neg"])
 def test_pinned_parameter_argument_conj_view(sim, view):
     torch.manual_seed(0)
@@ -240,7 +233,6 @@ def test_pinned_parameter_argument_conj_view(sim, view):
 # -- S6 (minor): floats are keyed by ``hex()``, which is ``'nan'`` for NaNs of either sign:
 # ``-nan`` after ``nan`` replays the graph that writes a positive NaN (torch.signbit sees it).
 
-@_xfail("S6: nan and -nan share a key (float.hex)")
 def test_nan_sign_argument(sim):
     def f(x, s):
         return torch.signbit(x * 0 + s)
@@ -281,7 +273,6 @@ def _graphed_case(make):
     assert s.eager == 0 and s.captures == 1, (s.eager_calls)
 
 
-@_xfail("L1: a NamedTuple argument (of tensors) is opaque now: every call eager")
 @pytest.mark.parametrize("make", [lambda x: _NT(x, 0.5), lambda x: _CT(x, 0.5)],
                          ids=["typing.NamedTuple", "collections.namedtuple"])
 def test_namedtuple_argument_is_graphed(sim, make):
@@ -292,7 +283,6 @@ def _times(x, s):
     return x * float(s) if not isinstance(s, frozenset) else x * len(s)
 
 
-@_xfail("L2: numpy scalars and frozensets as arguments are opaque now: every call eager")
 @pytest.mark.parametrize("v", [np.int64(3), np.float32(0.5), np.bool_(True), frozenset({1, 2})],
                          ids=["np.int64", "np.float32", "np.bool_", "frozenset"])
 def test_numpy_scalar_or_frozenset_argument_is_graphed(sim, v):
@@ -314,7 +304,6 @@ class _NpAttr(nn.Module):
         return self.lin(x) * (float(self.v) if not isinstance(self.v, np.dtype) else 2.0)
 
 
-@_xfail("L3: a numpy scalar or dtype module attribute makes the whole forward eager")
 @pytest.mark.parametrize("v", [np.int64(3), np.float32(0.5), np.dtype("float32")],
                          ids=["np.int64", "np.float32", "np.dtype"])
 def test_numpy_attribute_module_is_graphed(sim, v):

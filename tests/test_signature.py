@@ -183,13 +183,38 @@ def test_strict_key_tells_apart_what_equality_mixes_up():
     class Cfg:
         v: object
 
+    import numpy as np
+
+    nan = float("nan")
     pairs = [(0.0, -0.0), ((2,), (2.0,)), ((1,), (True,)), (Cfg(2), Cfg(2.0)), (Cfg(0.0), Cfg(-0.0)),
-             (frozenset({1}), frozenset({1.0})), (complex(0.0, 1), complex(-0.0, 1))]
+             (frozenset({1}), frozenset({1.0})), (complex(0.0, 1), complex(-0.0, 1)),
+             (np.float64(0.0), np.float64(-0.0)), (np.float32(0.0), np.float32(-0.0)),
+             (range(0, 1), range(0, 2, 5))]
+    assert strict_key(nan) != strict_key(-nan)  # (the sign of a NaN shows: torch.signbit)
     for a, b in pairs:
         assert a == b and strict_key(a) != strict_key(b), (a, b)
         assert not same(a, b)
         assert strict_key(a) == strict_key(type(a)(a) if isinstance(a, (tuple, frozenset)) else a)
-    nan = float("nan")
     assert same(nan, float("nan")) and same((nan, 1), (float("nan"), 1)) and same(Cfg(2), Cfg(2))
     assert key(torch.zeros(1), Cfg(2)) != key(torch.zeros(1), Cfg(2.0))
     assert key(torch.zeros(1), Cfg(2)) == key(torch.zeros(1), Cfg(2))
+
+
+def test_immutable_library_values_are_constants_and_tuples_with_attributes_are_not():
+    import collections
+    import decimal
+    import numpy as np
+
+    NT = collections.namedtuple("NT", "a b")
+
+    class Tagged(tuple):  # (its instances take attributes)
+        pass
+
+    t = Tagged((1, 2))
+    t.note = [0]
+    assert all(is_constant(v) for v in (np.int64(3), np.float32(0.5), np.bool_(True),
+                                        np.dtype("float32"), NT(1, 2.0), decimal.Decimal(1),
+                                        frozenset({1, 2}), range(3)))
+    assert not is_constant(t) and not is_constant(np.array([1])) and not is_constant(NT([1], 2))
+    for v in (np.int64(3), frozenset({1}), NT(torch.zeros(1), 0.5)):  # (keyed: graphed)
+        assert not isinstance(key(torch.zeros(1), v), Unkeyable), v
