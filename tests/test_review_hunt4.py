@@ -33,6 +33,13 @@ place in ``forward`` (and the version error eager raises for an earlier use of i
 with ``max_norm``; ``retain_graph=True`` twice and ``create_graph=True`` (loud, as documented).
 CPU, on the simulated backend (``sim_rng``: a capture draws no random numbers).
 GPU reproductions: ``.ci/review/hunt4/``.
+
+Not here (the CPU double cannot answer it): ``torch.utils.checkpoint(use_reentrant=False)``
+with ``preserve_rng_state=True`` around a Dropout differs from eager on the double (its
+recompute's RNG restore, ``fork_rng``/``set_rng_state``, is host Python a replay does not
+repeat); on CUDA the stash (``torch.cuda.get_rng_state``) raises inside a capture
+("Cannot call CUDAGeneratorImpl::current_seed"), so the call should run eagerly.
+``.ci/review/hunt4/b_controls.py`` checks it (and the other three checkpoint variants) on a GPU.
 """
 from __future__ import annotations
 

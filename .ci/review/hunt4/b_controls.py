@@ -11,7 +11,8 @@ Checks (MLP 64 wide unless said):
   [control] a layer frozen then unfrozen between steps;
   [control] BatchNorm + Dropout(0.3): train()/eval() switches and a no_grad eval every step;
   [control] tied weights; ReLU(inplace=True); a weight renormed in place in forward;
-  [control] torch.utils.checkpoint (non-reentrant, reentrant) around Linear+Dropout+GELU:
+  [control] torch.utils.checkpoint (non-reentrant, reentrant; preserve_rng_state True, False)
+            around Linear+Dropout+GELU, and the random stream after each step:
             GPU-only question (the CPU double cannot answer it: checkpoint's RNG stash and
             restore are host calls a replay does not repeat), a FAIL here is a new finding.
 Run from the repository root: python3 .ci/review/hunt4/b_controls.py
@@ -175,14 +176,15 @@ class Renorm(nn.Module):
 
 
 class Ckpt(nn.Module):
-    def __init__(self, reentrant):
+    def __init__(self, reentrant, preserve=True):
         super().__init__()
-        self.reentrant = reentrant
+        self.reentrant, self.preserve = reentrant, preserve
         self.block = nn.Sequential(nn.Linear(W, 128), nn.Dropout(0.3), nn.GELU())
         self.out = nn.Linear(128, W)
 
     def forward(self, x):
-        return self.out(checkpoint(self.block, x, use_reentrant=self.reentrant))
+        return self.out(checkpoint(self.block, x, use_reentrant=self.reentrant,
+                                   preserve_rng_state=self.preserve))
 
 
 def clip_step(m, x, st, i):
@@ -193,6 +195,12 @@ def clip_step(m, x, st, i):
     torch.nn.utils.clip_grad_norm_(m.parameters(), 0.1)
     opt.step()
     return {"loss": loss.detach()}
+
+
+def clip_rng_step(m, x, st, i):
+    got = clip_step(m, x, st, i)
+    got["random stream after the step"] = torch.rand(4, device=x.device)
+    return got
 
 
 def case(what, make, step, steps=STEPS):
@@ -220,8 +228,8 @@ if C.CPU:
     C.info("checkpoint cases: GPU only (the CPU double replays checkpoint's recompute with "
            "fresh random numbers)")
 else:
-    case("checkpoint(use_reentrant=False) around Linear+Dropout+GELU", lambda: Ckpt(False),
-         clip_step)
-    case("checkpoint(use_reentrant=True) around Linear+Dropout+GELU", lambda: Ckpt(True),
-         clip_step)
+    for reentrant in (False, True):
+        for preserve in (True, False):
+            case(f"checkpoint(use_reentrant={reentrant}, preserve_rng_state={preserve}) around "
+                 "Linear+Dropout+GELU", lambda: Ckpt(reentrant, preserve), clip_rng_step)
 C.finish("b_controls")
