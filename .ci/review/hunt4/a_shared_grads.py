@@ -4,6 +4,7 @@ ONE memory after a replay with ``zero_grad()``'s default (set_to_none=True): the
 returns one static buffer for both and each parameter adopts it. Eager never shares. Values are
 right, so a plain step is; every in-place write to ``.grad`` before the step applies twice.
 Checks (Linear-sized 64x64, 6 steps, eager twin from copy.deepcopy, bitwise):
+  [control] eager twin: weight.grad and delta.grad on two memories;
   [finding] W + delta: weight.grad and delta.grad on one memory after a replay (eager: two);
   [finding] W + delta, SGD(momentum) + clip_grad_norm_: parameters/grads differ from eager's;
   [finding] pos + seg, GradScaler (scale, unscale_, step, update) + Adam: differ;
@@ -119,7 +120,7 @@ def shared_memory_check():
         return m.weight.grad.untyped_storage().data_ptr() == \
             m.delta.grad.untyped_storage().data_ptr()
     C.info(f"W + delta, 4 steps: {C.stats_line(g)}")
-    C.check(not shared(ref), "[eager] weight.grad and delta.grad on two memories")
+    C.check(not shared(ref), "[control] eager: weight.grad and delta.grad on two memories")
     C.check(not shared(g), "[finding] W + delta: weight.grad and delta.grad on two memories "
             "after a replay, as eager's", "they share one memory (the static gradient buffer)")
 
