@@ -173,6 +173,14 @@ class TrainingGraph(Owned):
         self._storages = [g.untyped_storage()._cdata for _, g in self._param_bufs]
         self._own_uses: list[int] | None = None
         self._handed = False
+        # buffers of one memory (autograd gave two parameters one gradient: ``w + delta``, or
+        # views of one: ``cat``), by parameter index: at most one of each group is adopted as
+        # ``.grad``, the others copied, as eager's AccumulateGrad copies a gradient another
+        # holds (two ``.grad`` on one memory take an in-place write twice: a clip, an unscale)
+        groups: dict[int, list[int]] = {}
+        for i, g in self._param_bufs:
+            groups.setdefault(g.untyped_storage().data_ptr(), []).append(i)
+        self._shared_bufs = [idx for idx in groups.values() if len(idx) > 1]
 
     @property
     def saved_statics(self) -> list[torch.Tensor]:
@@ -341,6 +349,10 @@ class TrainingGraph(Owned):
                     mode[i] = 1 if p.grad is not None else 2
         except RuntimeError:  # autograd.grad asks for a parameter: it keeps what we return
             mode = [0] * len(grads)
+        for idx in self._shared_bufs:  # (one memory: the first adopted, the others copied)
+            adopting = [i for i in idx if mode[i] == 2]
+            for i in adopting[1:]:
+                mode[i] = 0
         adopted = mode.count(2)
         if adopted:
             if self._own_uses is None:  # before any of ours is out: the references we hold
@@ -358,6 +370,7 @@ class TrainingGraph(Owned):
         self.raw = self._bwd_raw = None
         self._outs = self._grad_out = self._grad_in = []
         self._param_bufs, self._storages, self._handed = [], [], False
+        self._shared_bufs = []
         self._inputs = None
         self._copy = []
 

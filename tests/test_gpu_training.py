@@ -400,3 +400,37 @@ def test_the_random_stream_after_each_call_is_eagers(grad):
         assert torch.equal(ra, rb), f"call {i}: the random state after it differs from eager's"
     s = cg.stats(g)
     assert s.captures == 1 and s.replays == 4, s
+
+
+class _SharedGrad(nn.Module):
+    """``weight + delta``: autograd gives both parameters one gradient tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(64, 64) * 0.1)
+        self.delta = nn.Parameter(torch.zeros(64, 64))
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.weight + self.delta)
+
+
+def test_two_parameters_given_one_gradient_keep_their_own_grad_memory():
+    # (each adopted the same static buffer as .grad: a clip's in-place scale applied twice)
+    torch.manual_seed(0)
+    ref = _SharedGrad().to(DEV)
+    g = cg.graphify(copy.deepcopy(ref))
+    o_ref, o_g = (torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, g))
+    for step in range(5):
+        x = torch.randn(8, 64, device=DEV)
+        for model, o in ((ref, o_ref), (g, o_g)):
+            o.zero_grad()
+            model(x).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        assert g.weight.grad.data_ptr() != g.delta.grad.data_ptr(), step
+        for name, p in ref.named_parameters():
+            assert torch.equal(getattr(g, name).grad, p.grad), (step, name)
+        o_ref.step(), o_g.step()
+    for name, p in ref.named_parameters():
+        assert torch.equal(getattr(g, name), p), name
+    s = cg.stats(g)
+    assert (s.captures, s.replays, s.eager) == (1, 4, 0), s

@@ -2,7 +2,8 @@
 twin made with ``copy.deepcopy`` before ``graphify``, several steps, loss, gradients, parameters,
 buffers and optimizer state compared bitwise).
 
-Finding (strict xfail asserting eager's result; silent: no error, no warning, no eager call):
+Finding (silent: no error, no warning, no eager call; was a strict xfail asserting eager's
+result, fixed: a plain test now):
 
 - F1: two parameters whose gradients autograd computes as ONE tensor (``W + delta`` fed to
   ``F.linear``; ``x + (pos + seg)``; ``torch.cat([a, b]) + c``: ``add``'s backward hands the
@@ -193,12 +194,10 @@ def _average_step(m, x, st, i):
     return {"loss": loss.detach(), **grads}
 
 
-_F1 = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "F1: two parameters whose gradients are one tensor get .grad on one memory (each adopts "
-    "the same static buffer): in-place writes to .grad apply twice"))
+# F1 (fixed): two parameters whose gradients are one tensor got .grad on one memory (each
+# adopted the same static buffer): in-place writes to .grad applied twice.
 
 
-@_F1
 def test_f1_two_grads_on_one_memory_after_a_replay(sim_rng):
     g, ref = _twins(_Delta)
     for _ in range(3):  # the first call captures, the others replay
@@ -213,19 +212,16 @@ def test_f1_two_grads_on_one_memory_after_a_replay(sim_rng):
         g.delta.grad.untyped_storage().data_ptr(), "weight.grad and delta.grad share memory"
 
 
-@_F1
 @pytest.mark.parametrize("make", [_Delta, _PosSeg, _CatPlus], ids=["delta", "pos_seg", "cat"])
 def test_f1_clip_grad_norm_applies_twice(sim_rng, make):
     g = _run(make, _clip_step())
     assert _counts(g) == (1, 4, 0)
 
 
-@_F1
 def test_f1_grad_scaler_unscales_twice(sim_rng):
     _run(_PosSeg, _scaler_step)
 
 
-@_F1
 def test_f1_manual_gradient_average_divides_twice(sim_rng):
     _run(_Delta, _average_step)
 
