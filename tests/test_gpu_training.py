@@ -427,10 +427,11 @@ def test_two_parameters_given_one_gradient_keep_their_own_grad_memory():
             model(x).square().mean().backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
         assert g.weight.grad.data_ptr() != g.delta.grad.data_ptr(), step
-        for name, p in ref.named_parameters():
-            assert torch.equal(getattr(g, name).grad, p.grad), (step, name)
+        for name, p in ref.named_parameters():  # (a clip applied twice: coef squared)
+            torch.testing.assert_close(getattr(g, name).grad, p.grad, **TOL,
+                                       msg=f"step {step}: {name}.grad")
         o_ref.step(), o_g.step()
     for name, p in ref.named_parameters():
-        assert torch.equal(getattr(g, name), p), name
+        torch.testing.assert_close(getattr(g, name), p, **TOL, msg=name)
     s = cg.stats(g)
     assert (s.captures, s.replays, s.eager) == (1, 4, 0), s
