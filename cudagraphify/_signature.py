@@ -108,9 +108,7 @@ def _frozen_fields(value: Any) -> list | None:
     """The attribute values of a frozen dataclass instance (its class itself a frozen
     dataclass), or None: also where it holds attributes beyond its fields (set in
     ``__post_init__`` through ``object.__setattr__``)."""
-    tp = type(value)
-    params = tp.__dict__.get("__dataclass_params__") if isinstance(tp, type) else None
-    if params is None or getattr(params, "frozen", False) is not True:
+    if not _frozen_dataclass(type(value)):
         return None
     names = [f.name for f in dataclasses.fields(value)]
     d = object_dict(value)
@@ -136,9 +134,9 @@ _IMMUTABLE = (decimal.Decimal, fractions.Fraction, datetime.date, datetime.time,
 def _immutable_type(tp: type) -> bool:
     if issubclass(tp, _IMMUTABLE):
         return True
-    np = sys.modules.get("numpy")
-    return np is not None and issubclass(tp, (np.generic, np.dtype)) \
-        and not issubclass(tp, np.object_)
+    np = sys.modules.get("numpy")  # (its scalars but np.void, which may view an array's row)
+    return np is not None and issubclass(tp, (np.number, np.bool_, np.str_, np.bytes_,
+                                              np.datetime64, np.timedelta64, np.dtype))
 
 
 # the constant types whose ``==`` within one type is what an op sees (not floats: ``0.0 ==
@@ -166,7 +164,7 @@ def strict_key(value: Any) -> Any:
     if tp is range:
         return (tp, value.start, value.stop, value.step)
     np = sys.modules.get("numpy")
-    if np is not None and isinstance(value, np.generic):
+    if np is not None and isinstance(value, np.generic) and _immutable_type(tp):
         return (tp, value.tobytes())
     fields = _frozen_fields(value)
     if fields is not None:
