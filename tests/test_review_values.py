@@ -18,6 +18,10 @@ Findings are strict xfails asserting eager's result (silent: V1-V6) or that the 
   ``Decimal('-0') == Decimal('0')``, while ``float()`` of them differ in sign.
 - V6: ``datetime`` is keyed by ``==``: aware datetimes of one instant in other zones, and
   ``time(fold=0)``/``time(fold=1)``, are equal but their fields differ.
+- V7: a frozen dataclass with ``eq=False`` (identity semantics, declared by its author) is a
+  constant keyed by its fields: two distinct instances with equal fields share a graph, so a
+  forward that tells them apart (``table[tag]``, ``tag is B``) replays the other's
+  (is_constant/strict_key; eager at 70f859e^, where ``__eq__`` was object's).
 - L1: a host tensor with the neg bit (``z.conj().imag``) read by the forward (a module
   attribute): ``host_bits`` raises (``view`` of a neg-bit tensor to an int dtype): the call
   raises RuntimeError where eager works and 70f859e graphed it (_guards._tensor_check,
@@ -196,6 +200,28 @@ def test_aware_datetime_same_instant_other_zone(sim):
 def test_time_fold(sim):
     _arg_case(lambda x, s: x * (1 + s.fold),
               [datetime.time(1, fold=0)] * 3 + [datetime.time(1, fold=1)] * 2)
+
+
+# -- V7: frozen dataclass with eq=False keyed by its fields ---------------------------------------
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Tag:
+    name: str
+
+
+_TA, _TB = _Tag("head"), _Tag("head")
+_SCALE = {_TA: 1.0, _TB: 2.0}  # (hashed by identity: eq=False)
+
+
+@_xfail("V7: frozen eq=False dataclass keyed by fields: another instance replays the graph")
+@pytest.mark.parametrize("kw", [False, True], ids=["positional", "keyword"])
+def test_frozen_dataclass_eq_false_identity(sim, kw):
+    _arg_case(lambda x, s: x * _SCALE[s], [_TA] * 3 + [_TB] * 2, kw)
+
+
+@_xfail("V7: frozen eq=False dataclass, a forward branching on identity (``is``)")
+def test_frozen_dataclass_eq_false_is(sim):
+    _arg_case(lambda x, s: x * (2.0 if s is _TB else 1.0), [_TA] * 3 + [_TB] * 2)
 
 
 # == loud findings ===============================================================================

@@ -1,15 +1,19 @@
-"""Stdlib immutables as constants (findings V5-V6 of tests/test_review_values.py), against eager.
+"""Stdlib immutables and frozen dataclasses as constants (findings V5-V7 of
+tests/test_review_values.py), against eager.
 
 Decimal and datetime are constants keyed by ``==`` (strict_key's fallback ``(type, value)``):
-``Decimal('-0') == Decimal('0')``; aware datetimes of one instant are equal in any zone.
+``Decimal('-0') == Decimal('0')``; aware datetimes of one instant are equal in any zone; a
+frozen dataclass with ``eq=False`` (identity semantics) is keyed by its fields.
 Checks (``f(x, s)`` graphed, three calls with one value, then two with another; 4096 wide):
   [finding] Decimal('0') then Decimal('-0'): 1 / (|x| * float(s)), positional, keyword, and
             inside a tuple (V5);
   [finding] datetime 00:00 UTC then 01:00 +01:00 (one instant): x * s.hour (V6);
+  [finding] two instances of a frozen eq=False dataclass, equal fields: x * table[s] (V7);
   [control] float 0.0 then -0.0 (positional, keyword), complex 0j then -0j (imag),
             Decimal('0.5') then Decimal('2') (other values).
 Run from the repository root: python3 .ci/review/values/b_stdlib_keys.py
 """
+import dataclasses
 import datetime
 import os
 import sys
@@ -26,6 +30,15 @@ import cudagraphify as cg  # noqa: E402
 from a_numpy_keys import arg_case  # noqa: E402
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class Tag:
+    name: str
+
+
+TA, TB = Tag("head"), Tag("head")
+SCALE = {TA: 1.0, TB: 2.0}  # (hashed by identity)
+
+
 def recip(x, s):
     return 1 / (x.abs() * float(s))
 
@@ -40,6 +53,8 @@ if __name__ == "__main__":
     arg_case("finding", "datetime 00:00 UTC then 01:00 +01:00, x * s.hour (V6)",
              lambda x, s: x * s.hour, [datetime.datetime(2020, 1, 1, 0, tzinfo=utc)] * 3
              + [datetime.datetime(2020, 1, 1, 1, tzinfo=p1)] * 2)
+    arg_case("finding", "frozen eq=False dataclass, another instance, equal fields (V7)",
+             lambda x, s: x * SCALE[s], [TA] * 3 + [TB] * 2)
     zeros = [0.0] * 3 + [-0.0] * 2
     arg_case("control", "float 0.0 then -0.0, positional", recip, zeros)
     arg_case("control", "float 0.0 then -0.0, keyword", recip, zeros, kw=True)
