@@ -22,6 +22,10 @@ Findings are strict xfails asserting eager's result (silent: V1-V6) or that the 
   constant keyed by its fields: two distinct instances with equal fields share a graph, so a
   forward that tells them apart (``table[tag]``, ``tag is B``) replays the other's
   (is_constant/strict_key; eager at 70f859e^, where ``__eq__`` was object's).
+- V8: a NamedTuple subclass (it has a ``__dict__``) inside a frozen dataclass: is_constant
+  refuses one "with attributes", but only when the key is made; the fast path compares
+  strict_key alone, which ignores them (a tuple: its items): an attribute set on it later
+  is neither keyed nor seen (_fast.Fast._mixed_ok, positional and keyword).
 - L1: a host tensor with the neg bit (``z.conj().imag``) read by the forward (a module
   attribute): ``host_bits`` raises (``view`` of a neg-bit tensor to an int dtype): the call
   raises RuntimeError where eager works and 70f859e graphed it (_guards._tensor_check,
@@ -41,6 +45,7 @@ import dataclasses
 import datetime
 import decimal
 import enum
+import typing
 
 import numpy as np
 import pytest
@@ -222,6 +227,38 @@ def test_frozen_dataclass_eq_false_identity(sim, kw):
 @_xfail("V7: frozen eq=False dataclass, a forward branching on identity (``is``)")
 def test_frozen_dataclass_eq_false_is(sim):
     _arg_case(lambda x, s: x * (2.0 if s is _TB else 1.0), [_TA] * 3 + [_TB] * 2)
+
+
+# -- V8: a NamedTuple subclass's attribute, in a frozen dataclass, on the fast path ----------------
+
+class _NT(typing.NamedTuple):
+    a: float
+
+
+class _NTSub(_NT):  # (has a __dict__)
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class _Holds:
+    nt: typing.Any
+
+
+@_xfail("V8: NamedTuple subclass attribute set later: the fast path's strict_key ignores it")
+@pytest.mark.parametrize("kw", [False, True], ids=["positional", "keyword"])
+def test_namedtuple_subclass_attribute_in_frozen_dataclass(sim, kw):
+    def f(x, s):
+        return x * getattr(s.nt, "gain", 1.0)
+
+    nt = _NTSub(1.0)
+    cfg = _Holds(nt)
+    g = cg.graphify(f)
+    for i in range(6):
+        if i == 3:
+            nt.gain = 3.0
+        x = torch.randn(3)
+        got = g(x, s=cfg) if kw else g(x, cfg)
+        assert _same(got, f(x, cfg)), (i, _c(g))
 
 
 # == loud findings ===============================================================================

@@ -1,4 +1,4 @@
-"""Stdlib immutables and frozen dataclasses as constants (findings V5-V7 of
+"""Stdlib immutables and frozen dataclasses as constants (findings V5-V8 of
 tests/test_review_values.py), against eager.
 
 Decimal and datetime are constants keyed by ``==`` (strict_key's fallback ``(type, value)``):
@@ -9,6 +9,8 @@ Checks (``f(x, s)`` graphed, three calls with one value, then two with another; 
             inside a tuple (V5);
   [finding] datetime 00:00 UTC then 01:00 +01:00 (one instant): x * s.hour (V6);
   [finding] two instances of a frozen eq=False dataclass, equal fields: x * table[s] (V7);
+  [finding] a NamedTuple subclass in a frozen dataclass, an attribute set on it after three
+            calls: x * getattr(s.nt, 'gain', 1.0) (V8, keyword);
   [control] float 0.0 then -0.0 (positional, keyword), complex 0j then -0j (imag),
             Decimal('0.5') then Decimal('2') (other values).
 Run from the repository root: python3 .ci/review/values/b_stdlib_keys.py
@@ -16,6 +18,7 @@ Run from the repository root: python3 .ci/review/values/b_stdlib_keys.py
 import dataclasses
 import datetime
 import os
+import typing
 import sys
 from decimal import Decimal as D
 
@@ -39,6 +42,19 @@ TA, TB = Tag("head"), Tag("head")
 SCALE = {TA: 1.0, TB: 2.0}  # (hashed by identity)
 
 
+class NT(typing.NamedTuple):
+    a: float
+
+
+class NTSub(NT):  # (has a __dict__)
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Holds:
+    nt: typing.Any
+
+
 def recip(x, s):
     return 1 / (x.abs() * float(s))
 
@@ -55,6 +71,13 @@ if __name__ == "__main__":
              + [datetime.datetime(2020, 1, 1, 1, tzinfo=p1)] * 2)
     arg_case("finding", "frozen eq=False dataclass, another instance, equal fields (V7)",
              lambda x, s: x * SCALE[s], [TA] * 3 + [TB] * 2)
+    nt = NTSub(1.0)
+
+    def set_gain():
+        nt.gain = 3.0
+    arg_case("finding", "NamedTuple subclass in a frozen dataclass, attribute set (V8)",
+             lambda x, s: x * getattr(s.nt, "gain", 1.0), [Holds(nt)] * 6, kw=True,
+             before={3: set_gain})
     zeros = [0.0] * 3 + [-0.0] * 2
     arg_case("control", "float 0.0 then -0.0, positional", recip, zeros)
     arg_case("control", "float 0.0 then -0.0, keyword", recip, zeros, kw=True)

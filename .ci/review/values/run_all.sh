@@ -7,7 +7,8 @@
 # a_numpy_keys: timedelta64 units, np.void dtypes / objects / array rows [finding x5];
 #   np.float32 -0.0, np.float64 keyword, np.void argument rewritten [control].
 # b_stdlib_keys: Decimal('-0') after Decimal('0') (positional, keyword, tuple), aware datetime
-#   of one instant, frozen eq=False dataclass instances [finding x5]; float/complex zero signs, other Decimals [control].
+#   of one instant, frozen eq=False dataclass instances, a NamedTuple subclass's
+#   attribute [finding x6]; float/complex zero signs, other Decimals [control].
 # c_loud: neg-bit host tensor attribute raises, plain frozen-dataclass subclass eager,
 #   np.longdouble padding recaptures [finding x3]; host scalar sign, frozen dataclass [control].
 # d_training: parameters sharing one gradient buffer, clip / accumulate / set_to_none=False
