@@ -121,8 +121,11 @@ def _frozen_fields(value: Any) -> list | None:
 
 
 def _frozen_dataclass(tp: type) -> bool:
+    """Whether ``tp`` itself is declared a frozen dataclass comparing by value (``eq=False``
+    compares by identity: two equal instances are told apart by ``is``, a dict's key)."""
     params = tp.__dict__.get("__dataclass_params__") if isinstance(tp, type) else None
-    return params is not None and getattr(params, "frozen", False) is True
+    return params is not None and getattr(params, "frozen", False) is True \
+        and getattr(params, "eq", False) is True
 
 
 # other types whose instances are immutable values (numpy's scalars and dtypes, below): by
@@ -134,9 +137,13 @@ _IMMUTABLE = (decimal.Decimal, fractions.Fraction, datetime.date, datetime.time,
 def _immutable_type(tp: type) -> bool:
     if issubclass(tp, _IMMUTABLE):
         return True
-    np = sys.modules.get("numpy")  # (its scalars but np.void, which may view an array's row)
+    np = sys.modules.get("numpy")
+    # (its scalars but np.void, which may view an array's row, and the long doubles, whose
+    # bytes hold padding that is not the value)
     return np is not None and issubclass(tp, (np.number, np.bool_, np.str_, np.bytes_,
-                                              np.datetime64, np.timedelta64, np.dtype))
+                                              np.datetime64, np.timedelta64, np.dtype)) \
+        and not (issubclass(tp, (np.longdouble, np.clongdouble))
+                 and tp not in (np.float64, np.complex128))
 
 
 # the constant types whose ``==`` within one type is what an op sees (not floats: ``0.0 ==
@@ -157,17 +164,22 @@ def strict_key(value: Any) -> Any:
         return (tp, float_bits(value))
     if isinstance(value, complex):
         return (tp, float_bits(value.real), float_bits(value.imag))
-    if isinstance(value, tuple):
-        return (tp, tuple(map(strict_key, value)))
-    if isinstance(value, frozenset):
-        return (tp, frozenset(map(strict_key, value)))
+    if isinstance(value, (tuple, frozenset)):
+        if tp not in (tuple, frozenset) and object_dict(value):
+            return (tp, object())  # (attributes set on it since: no constant, equal to none)
+        keys = map(strict_key, value)
+        return (tp, frozenset(keys) if isinstance(value, frozenset) else tuple(keys))
     if tp is range:
         return (tp, value.start, value.stop, value.step)
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.generic) and _immutable_type(tp):
-        return (tp, value.tobytes())
-    fields = _frozen_fields(value)
-    if fields is not None:
+        return (tp, value.dtype.str, value.tobytes())  # (the dtype: a datetime's unit)
+    if issubclass(tp, _IMMUTABLE):  # (``Decimal('-0') == Decimal('0')``, an instant in two
+        return (tp, repr(value))  # time zones, a time's fold: by what its repr shows)
+    if _frozen_dataclass(tp):
+        fields = _frozen_fields(value)
+        if fields is None:
+            return (tp, object())  # (attributes beyond its fields, set since)
         return (tp, tuple(map(strict_key, fields)))
     return (tp, value)
 

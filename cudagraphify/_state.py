@@ -174,6 +174,7 @@ def float_bits(v: float) -> bytes:
 def host_bits(t: torch.Tensor) -> list:
     """A host tensor's values as a graph that read them is checked against (``tolist``):
     floats by their bits, so that ``0.0`` and ``-0.0`` differ (and a NaN equals itself)."""
+    t = t.resolve_neg()  # (a neg or conj view: its values, which a view as ints would not be)
     if t.is_complex():
         t = torch.view_as_real(t.resolve_conj())
     if t.is_floating_point():
