@@ -338,7 +338,7 @@ def test_longdouble_runs_eagerly_with_the_reason(sim):
     assert all(v == vals[0] for v in vals)
     g = _arg_case(lambda x, s: x * float(s), vals)
     (why,) = cg.stats(g).eager_calls
-    assert _c(g)[:2] == (0, 0) and "longdouble" in why or "float128" in why, why
+    assert _c(g)[:2] == (0, 0) and ("longdouble" in why or "float128" in why), why
 
 
 # == controls ====================================================================================
