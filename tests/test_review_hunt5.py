@@ -10,7 +10,10 @@ Findings (silent: no error, no warning, no eager call; strict xfails asserting e
   attribute) is held by identity only: the non-tensor values it reads when the forward calls it
   (the bound object's attributes, closure cells and what a closed-over dict holds, the partial's
   keywords, the function's attributes) are baked into the graph as kernel scalars or control
-  flow, and a later change of them replays the old value. The same object held as an attribute
+  flow, and a later change of them replays the old value. The same for a ``weakref.ref`` /
+  ``weakref.proxy`` to a plain object kept as an attribute (``self._owner().temperature``):
+  ``weakref`` is in ``_guards._INFRASTRUCTURE``, held by identity, the object it reaches not
+  watched (a weakref to a *module* is fine: the module's attribute read is recorded; control). The same object held as an attribute
   and called as ``self.sched.scale(t)`` is watched (control), and so is a callable object
   (``__call__``) kept as an attribute, and a ``functools.partial`` that is itself graphified
   (README: "a functools.partial's bound arguments and keywords ... are watched"); the guard
@@ -71,6 +74,7 @@ from __future__ import annotations
 import copy
 import functools
 import gc
+import weakref
 
 import pytest
 import torch
@@ -239,6 +243,68 @@ def test_f1_graphs_were_replayed_before_the_change():
         g(X[4])
     s = cg.stats(g)
     assert s.captures == 1 and s.replays == 4 and s.eager == 0, s
+
+
+class _Weak(nn.Module):
+    """A weak reference to a plain object (an owner, a schedule) kept as an attribute."""
+
+    def __init__(self, obj, proxy):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.proxy = proxy
+        self.owner = weakref.proxy(obj) if proxy else weakref.ref(obj)
+
+    def forward(self, x):
+        o = self.owner if self.proxy else self.owner()
+        return self.lin(x) / o.temperature
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=_F1 + " (weakref to a plain object)")
+@pytest.mark.parametrize("proxy", [False, True], ids=["weakref.ref", "weakref.proxy"])
+def test_f1_weakref_attribute_reads_stale(proxy):
+    a, b = _Sched(), _Sched()
+    torch.manual_seed(0)
+    ref = _Weak(b, proxy)
+    torch.manual_seed(0)
+    g = cg.graphify(_Weak(a, proxy))
+    with torch.no_grad():
+        for i in range(6):
+            if i == 3:
+                a.temperature = b.temperature = 0.25
+            _eq(g(X[i]), ref(X[i]), f"call {i}")
+
+
+class _Owner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.temperature = 1.0
+        self.child = _Child(self)
+
+    def forward(self, x):
+        return self.child(x)
+
+
+class _Child(nn.Module):
+    def __init__(self, owner):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self._owner = weakref.ref(owner)
+
+    def forward(self, x):
+        return self.lin(x) / self._owner().temperature
+
+
+def test_f1_control_weakref_to_a_module():
+    torch.manual_seed(0)
+    ref = _Owner()
+    torch.manual_seed(0)
+    o = _Owner()
+    cg.graphify(o.child)
+    with torch.no_grad():
+        for i in range(6):
+            if i == 3:
+                o.temperature = ref.temperature = 0.25
+            _eq(o(X[i]), ref(X[i]), f"call {i}")
 
 
 def test_f1_control_callable_object_attribute():

@@ -14,15 +14,17 @@ Checks (Linear 256 wide, no_grad, each change after three calls: warm-up, captur
   [finding] lambda over a local, the local rebound (nonlocal);
   [finding] functools.partial(F.leaky_relu), its keyword changed;
   [finding] function with an attribute, the attribute changed;
+  [finding] weakref.ref / weakref.proxy to a plain object kept as attribute, its attribute
+            changed (x2);
   [control] a callable object (__call__) kept as the attribute, its attribute changed;
   [control] the plain object kept as the attribute, its method called through it;
   [control] a lambda reading a tensor from a closed-over dict (refused: eager), replaced.
 Run from the repository root: python3 .ci/review/hunt5/a_callable_attrs.py
 """
-import copy
 import functools
 import os
 import sys
+import weakref
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "../../.."))
 sys.path.insert(1, os.path.dirname(os.path.abspath(__file__)))
@@ -71,15 +73,29 @@ class Holds(nn.Module):
         return self.sched.scale(self.lin(x))
 
 
+class Weak(nn.Module):
+    def __init__(self, obj, proxy):
+        super().__init__()
+        self.lin = nn.Linear(W, W)
+        self.proxy = proxy
+        self.owner = weakref.proxy(obj) if proxy else weakref.ref(obj)
+
+    def forward(self, x):
+        o = self.owner if self.proxy else self.owner()
+        return self.lin(x) / o.temperature
+
+
 def callables(kind):
     """(graphed callable, eager callable, change(value)) for one kind."""
-    if kind in ("bound", "callobj", "holds"):
+    if kind in ("bound", "callobj", "holds", "weakref", "weakproxy"):
         a, b = (CallObj(), CallObj()) if kind == "callobj" else (Sched(), Sched())
 
         def change(v):
             a.temperature = b.temperature = v
         if kind == "bound":
             return a.scale, b.scale, change
+        if kind in ("weakref", "weakproxy"):
+            return (a, kind == "weakproxy"), (b, kind == "weakproxy"), change
         return a, b, change
     if kind == "dict":
         cfg = {"temperature": 1.0}
@@ -123,11 +139,12 @@ def callables(kind):
 
 def case(label, name, kind):
     pa, pb, change = callables(kind)
-    cls = Holds if kind == "holds" else Post
+    cls = {"holds": Holds, "weakref": Weak, "weakproxy": Weak}.get(kind, Post)
+    pa, pb = (pa, pb) if cls is Weak else ((pa,), (pb,))
     torch.manual_seed(0)
-    ref = cls(pb).to(C.DEV)
+    ref = cls(*pb).to(C.DEV)
     torch.manual_seed(0)
-    g = cg.graphify(cls(pa).to(C.DEV))
+    g = cg.graphify(cls(*pa).to(C.DEV))
     ok, why = True, ""
     with torch.no_grad():
         for i in range(6):
@@ -152,6 +169,10 @@ if __name__ == "__main__":
     case("finding", "functools.partial(F.leaky_relu) kept as attribute, keyword changed",
          "partial")
     case("finding", "function with an attribute kept as attribute, attribute changed", "fattr")
+    case("finding", "weakref.ref to a plain object kept as attribute, its attribute changed",
+         "weakref")
+    case("finding", "weakref.proxy to a plain object kept as attribute, its attribute changed",
+         "weakproxy")
     case("control", "callable object (__call__) kept as attribute, its attribute changed",
          "callobj")
     case("control", "plain object kept as attribute, method called through it", "holds")

@@ -5,8 +5,8 @@
 # numbers). [control] lines should PASS; [finding] lines FAIL where the finding holds.
 # a_callable_attrs: a callable kept as a module attribute (bound method of a plain object, a
 #   lambda over a dict or a rebound local, functools.partial, a function attribute) whose
-#   non-tensor reads change after capture [finding x5]; a callable object, the object kept as
-#   the attribute, a tensor read (refused) [control x3].
+#   non-tensor reads change after capture, and a weakref/proxy to a plain object [finding x7];
+#   a callable object, the object kept as the attribute, a tensor read (refused) [control x3].
 # b_dict_reads: a forward reading self.__dict__.get / vars(self), then m.scale = ... [finding x2];
 #   getattr [control].
 # c_controls: ungraphify/graphify again, load_state_dict (copy, assign), .cpu()/.cuda() round
