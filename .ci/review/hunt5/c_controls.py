@@ -44,13 +44,13 @@ def both(g, ref, fn):
     fn(ref)
 
 
-def run(g, ref, changes, n=8, dtype=lambda i: torch.float32):
+def run(g, ref, changes, n=8, dtype=lambda i: torch.float32, device=lambda i: C.DEV):
     """changes: {call index: fn(g, ref)} applied before that call; compares every call."""
     with torch.no_grad():
         for i in range(n):
             if i in changes:
                 changes[i](g, ref)
-            x = torch.randn(8, W, device=C.DEV, dtype=dtype(i))
+            x = torch.randn(8, W, device=device(i), dtype=dtype(i))
             got, want = g(x), ref(x)
             C.sync_all()
             ok, why = C.same(got, want)
@@ -59,13 +59,14 @@ def run(g, ref, changes, n=8, dtype=lambda i: torch.float32):
     return True, ""
 
 
-def case(name, changes, n=8, dtype=lambda i: torch.float32, prepare=None):
+def case(name, changes, n=8, dtype=lambda i: torch.float32, prepare=None,
+         device=lambda i: C.DEV):
     ref = make()
     g = copy.deepcopy(ref)
     if prepare is not None:
         prepare(g)
     cg.graphify(g)
-    ok, why = run(g, ref, changes, n, dtype)
+    ok, why = run(g, ref, changes, n, dtype, device)
     C.check(ok, f"[control] {name}", why + " " + C.stats_line(g))
     C.info(f"{name}: {C.stats_line(g)}")
 
@@ -93,7 +94,8 @@ if __name__ == "__main__":
     other = "cpu" if C.CPU else "cuda"
     case("model.cpu() then back to the device", {
         3: lambda g, ref: both(g, ref, lambda m: m.to("cpu")),
-        4: lambda g, ref: both(g, ref, lambda m: m.to(other))})
+        4: lambda g, ref: both(g, ref, lambda m: m.to(other))},
+        device=lambda i: "cpu" if i == 3 else C.DEV)  # (call 3 on the host, as the model)
 
     case("model.half() then .float() back", {
         3: lambda g, ref: both(g, ref, lambda m: m.half()),
