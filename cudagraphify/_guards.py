@@ -26,6 +26,7 @@ import dis
 import functools
 import inspect
 import itertools
+import os
 import sys
 import threading
 import types
@@ -40,8 +41,8 @@ from . import _watch, _writes
 from ._signature import is_constant, storage_of
 from ._state import host_bits, object_dict
 from ._statics import no_one_layout, ptrs_equal, watch
-from ._watch import (GONE, MISSING, Read, call_override, global_hooks_present, nested_codes,
-                     same, short)
+from ._watch import (GONE, INTERNAL_ATTRS, MISSING, Read, call_override, global_hooks_present,
+                     nested_codes, same, short)
 
 __all__ = ["StateGuard", "FlagsGuard", "Unguardable", "function_bindings"]
 
@@ -265,7 +266,14 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return
-    if id(value) in seen or is_constant(value) or isinstance(value, _IDENTITY_TYPES) \
+    if id(value) in seen or is_constant(value):
+        return
+    if isinstance(value, _CALLABLE_TYPES):
+        # (held by identity; what it reads when called is watched too: see _watch_callable)
+        seen.add(id(value))
+        _watch_callable(value, out, tensors, seen, depth)
+        return
+    if isinstance(value, _IDENTITY_TYPES) \
             or type(value).__module__.split(".")[0] in _INFRASTRUCTURE:
         return
     if isinstance(value, nn.Module):
@@ -315,6 +323,71 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     for item in list(d.values()):
         if isinstance(item, torch.Tensor) or not is_constant(item):
             _watch_value(item, out, tensors, seen, depth + 1)
+
+
+_CALLABLE_TYPES = (types.FunctionType, types.MethodType, functools.partial, weakref.ref,
+                   weakref.ProxyType, weakref.CallableProxyType)
+
+
+def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: int) -> None:
+    """What a callable a forward read (a module attribute: ``self.post = sched.scale``) reads
+    when called, beyond its arguments: a partial's bound arguments and keywords and its
+    function; a bound method's object (not a module's: the module tree is guarded); a
+    function's closure cells (which it names, by identity, and what they hold) and its
+    attributes; a weak reference's target (a proxy: its target's attributes). The functions
+    of torch and of installed libraries are held by identity: their closures and attributes
+    are their own bookkeeping (a wrapper's ``__wrapped__``)."""
+    if isinstance(fn, functools.partial):
+        _watch_value(fn.args, out, tensors, seen, depth + 1)
+        _watch_value(fn.keywords, out, tensors, seen, depth + 1)
+        _watch_value(fn.func, out, tensors, seen, depth + 1)
+    elif isinstance(fn, types.MethodType):
+        owner = fn.__self__
+        if not isinstance(owner, (nn.Module, type, types.ModuleType)):
+            _watch_value(owner, out, tensors, seen, depth + 1)
+    elif isinstance(fn, weakref.ref):
+        target = fn()
+        out.append(lambda fn=fn, target=target: fn() is target)
+        if target is not None and not isinstance(target, nn.Module):
+            _watch_value(target, out, tensors, seen, depth + 1)
+    elif isinstance(fn, (weakref.ProxyType, weakref.CallableProxyType)):
+        try:  # (its target's dict, through the proxy)
+            d = object_dict(fn)
+            module = isinstance(getattr(fn, "_parameters", None), dict)
+        except ReferenceError:  # (a dead proxy: calling it raises, as eagerly)
+            return
+        if isinstance(d, dict) and not module:
+            out.append(_DictCheck(d))
+            for item in list(d.values()):
+                if isinstance(item, torch.Tensor) or not is_constant(item):
+                    _watch_value(item, out, tensors, seen, depth + 1)
+    elif isinstance(fn, types.FunctionType) and not _library_file(fn.__code__.co_filename):
+        for cell in fn.__closure__ or ():
+            try:
+                held = cell.cell_contents
+            except ValueError:  # (an empty cell)
+                continue
+            out.append(lambda cell=cell, held=held: _cell_holds(cell, held))
+            _watch_value(held, out, tensors, seen, depth + 1)
+        if fn.__dict__:  # (a function's attributes: ``scale.factor = 2``)
+            _watch_value(fn.__dict__, out, tensors, seen, depth + 1)
+
+
+def _cell_holds(cell: Any, held: Any) -> bool:
+    try:
+        now = cell.cell_contents
+    except ValueError:
+        return False
+    return now is held or same(now, held)
+
+
+def _library_file(filename: str) -> bool:
+    """Whether code of this file is torch's or an installed library's (site-packages)."""
+    return filename.startswith(_LIBRARY_ROOTS) or "site-packages" in filename \
+        or "dist-packages" in filename
+
+
+_LIBRARY_ROOTS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
 
 
 class _FieldsCheck:
@@ -474,7 +547,21 @@ class StateGuard:
         seen: set[int] = set()
         self.unguardable = ""  # why what was read cannot be guarded ("" when it can)
         for r in self._reads:
-            if isinstance(r.value, torch.Tensor):
+            if r.name == "__dict__" and type(r.value) is dict:
+                # (a forward that reads its module's dict itself: the dict, every attribute
+                # in it, by its version; what its attributes hold, as read ones: not the
+                # registries and hooks, which the statics and hook guards see)
+                checks.append(_DictCheck(r.value))  # (not its module: held weakly, see Read)
+                try:
+                    for k, v in list(r.value.items()):
+                        if k not in INTERNAL_ATTRS and k != "training" and (
+                                isinstance(v, torch.Tensor) or not is_constant(v)):
+                            _watch_value(v, checks, tensors, seen, 0)
+                except Unguardable as e:
+                    self.unguardable = (f"forward reads {type(r.module).__name__}.__dict__, "
+                                        f"which {e}")
+                    break
+            elif isinstance(r.value, torch.Tensor):
                 tensors.append(r.value)
             elif not is_constant(r.value) and r.value is not MISSING:
                 try:

@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import os
+import sys
 import threading
 import types
 import weakref
@@ -197,6 +199,9 @@ _patch_lock = threading.Lock()
 _object_getattribute = object.__getattribute__
 _get_ident = threading.get_ident
 _module_getattr = nn.Module.__getattr__
+_getframe = sys._getframe
+# code that reads a module's __dict__ for its own lookups, not a forward's: torch's, ours
+_OWN_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
 
 
 def nested_codes(code: types.CodeType) -> list[types.CodeType]:
@@ -212,6 +217,14 @@ def nested_codes(code: types.CodeType) -> list[types.CodeType]:
 
 def _recording_getattribute(self, name):
     if name in INTERNAL_ATTRS:  # (most reads: _call_impl's of the hook dicts)
+        if name == "__dict__":  # (torch's own lookups read it: Module.__getattr__)
+            rec = _recorders.get(_get_ident())
+            if rec is not None and not _getframe(1).f_code.co_filename.startswith(_OWN_DIRS):
+                # a forward's own read of its attributes' dict (``self.__dict__.get("s", 1)``,
+                # ``vars(self)``): the dict is read, what it holds watched (see StateGuard)
+                d = _object_getattribute(self, name)
+                rec.read(self, "__dict__", d)
+                return d
         return _object_getattribute(self, name)
     rec = _recorders.get(_get_ident())
     if rec is None:
@@ -310,6 +323,8 @@ class Read:
             module = module()
             if module is None:
                 return GONE
+        if self.name == "__dict__":  # (read whole: see _recording_getattribute)
+            return module.__dict__
         mine = module.__dict__.get(self.name, MISSING)
         if mine is not MISSING or not self.on_class:
             return mine
