@@ -332,19 +332,28 @@ _CALLABLE_TYPES = (types.FunctionType, types.MethodType, functools.partial, weak
 def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: int) -> None:
     """What a callable a forward read (a module attribute: ``self.post = sched.scale``) reads
     when called, beyond its arguments: a partial's bound arguments and keywords and its
-    function; a bound method's object (not a module's: the module tree is guarded); a
-    function's closure cells (which it names, by identity, and what they hold) and its
-    attributes; a weak reference's target (a proxy: its target's attributes). The functions
-    of torch and of installed libraries are held by identity: their closures and attributes
-    are their own bookkeeping (a wrapper's ``__wrapped__``)."""
+    function; a bound method's object, the attributes its method reads (``_self_reads``; not
+    a module's: the module tree is guarded); a function's closure cells (which it names, by
+    identity, and the containers, tensors and callables they hold; other objects by identity)
+    and its attributes; a weak reference's target (a proxy: its target's attributes). The
+    functions of torch and of installed libraries are held by identity: their closures and
+    attributes are their own bookkeeping (a wrapper's ``__wrapped__``)."""
     if isinstance(fn, functools.partial):
         _watch_value(fn.args, out, tensors, seen, depth + 1)
         _watch_value(fn.keywords, out, tensors, seen, depth + 1)
         _watch_value(fn.func, out, tensors, seen, depth + 1)
     elif isinstance(fn, types.MethodType):
         owner = fn.__self__
-        if not isinstance(owner, (nn.Module, type, types.ModuleType)):
-            _watch_value(owner, out, tensors, seen, depth + 1)
+        if not isinstance(owner, (nn.Module, type, types.ModuleType)) \
+                and isinstance(fn.__func__, types.FunctionType):
+            # (the attributes its method reads, as a graphed callable object's: _self_reads)
+            objects: list = []
+            bindings: list = []
+            _watch_object(owner, fn.__func__, objects, bindings)
+            for _, read, value, _ in bindings:
+                out.append(lambda read=read, value=value: same(read(), value))
+            for _, obj in objects:
+                _watch_value(obj, out, tensors, seen, depth + 1)
     elif isinstance(fn, weakref.ref):
         target = fn()
         out.append(lambda fn=fn, target=target: fn() is target)
@@ -368,7 +377,12 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
             except ValueError:  # (an empty cell)
                 continue
             out.append(lambda cell=cell, held=held: _cell_holds(cell, held))
-            _watch_value(held, out, tensors, seen, depth + 1)
+            if isinstance(held, (dict, list, tuple, set, frozenset, collections.deque,
+                                 torch.Tensor) + _CALLABLE_TYPES):
+                _watch_value(held, out, tensors, seen, depth + 1)
+            # (any other object it closes over by identity only: what it reads of it is not
+            # known, and watching it whole would take a manager's own bookkeeping (a list of
+            # orders, a counter) for a change on every call; README)
         if fn.__dict__:  # (a function's attributes: ``scale.factor = 2``)
             _watch_value(fn.__dict__, out, tensors, seen, depth + 1)
 

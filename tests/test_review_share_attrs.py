@@ -19,7 +19,7 @@ from torch import nn
 
 import cudagraphify as cg
 import test_share_engine as tse
-from test_share_engine import _register, reading  # noqa: F401 (a fixture)
+from test_share_engine import _register, _unseen, reading  # noqa: F401 (a fixture)
 
 
 def _check_all(layers, ref, inputs, calls: int = 2) -> list:
@@ -186,7 +186,7 @@ def test_a_one_byte_flag_is_not_proven(reading, monkeypatch):  # noqa: F811
 class _UnseenFill(_Fill):
     def forward(self, x):
         y = x + self.w
-        m = torch.full(y.shape, self.__dict__["flag"], dtype=torch.bool)
+        m = torch.full(y.shape, _unseen(self, "flag"), dtype=torch.bool)
         return torch.where(m & (y > 0), y, -y)
 
 
