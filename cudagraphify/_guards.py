@@ -338,27 +338,35 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
     and its attributes; a weak reference's target (a proxy: its target's attributes). The
     functions of torch and of installed libraries are held by identity: their closures and
     attributes are their own bookkeeping (a wrapper's ``__wrapped__``)."""
+    # (the hop through a callable uses up no depth: what it reaches is watched as if it were
+    # the attribute itself)
     if isinstance(fn, functools.partial):
-        _watch_value(fn.args, out, tensors, seen, depth + 1)
-        _watch_value(fn.keywords, out, tensors, seen, depth + 1)
-        _watch_value(fn.func, out, tensors, seen, depth + 1)
+        _watch_value(fn.args, out, tensors, seen, depth)
+        _watch_value(fn.keywords, out, tensors, seen, depth)
+        _watch_value(fn.func, out, tensors, seen, depth)
     elif isinstance(fn, types.MethodType):
-        owner = fn.__self__
+        owner, func = fn.__self__, fn.__func__
         if not isinstance(owner, (nn.Module, type, types.ModuleType)) \
-                and isinstance(fn.__func__, types.FunctionType):
+                and isinstance(func, types.FunctionType):
             # (the attributes its method reads, as a graphed callable object's: _self_reads)
             objects: list = []
             bindings: list = []
-            _watch_object(owner, fn.__func__, objects, bindings)
+            _watch_object(owner, func, objects, bindings)
             for _, read, value, _ in bindings:
                 out.append(lambda read=read, value=value: same(read(), value))
             for _, obj in objects:
-                _watch_value(obj, out, tensors, seen, depth + 1)
+                _watch_value(obj, out, tensors, seen, depth)
+        if isinstance(func, types.FunctionType) and id(func) not in seen:
+            seen.add(id(func))
+            _watch_callable(func, out, tensors, seen, depth)  # (its closure, its defaults)
     elif isinstance(fn, weakref.ref):
         target = fn()
-        out.append(lambda fn=fn, target=target: fn() is target)
+        if isinstance(target, types.MethodType):  # (a WeakMethod: a new one each time)
+            out.append(lambda fn=fn, target=target: _same_method(fn(), target))
+        else:
+            out.append(lambda fn=fn, target=target: fn() is target)
         if target is not None and not isinstance(target, nn.Module):
-            _watch_value(target, out, tensors, seen, depth + 1)
+            _watch_value(target, out, tensors, seen, depth)
     elif isinstance(fn, (weakref.ProxyType, weakref.CallableProxyType)):
         try:  # (its target's dict, through the proxy)
             d = object_dict(fn)
@@ -369,7 +377,7 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
             out.append(_DictCheck(d))
             for item in list(d.values()):
                 if isinstance(item, torch.Tensor) or not is_constant(item):
-                    _watch_value(item, out, tensors, seen, depth + 1)
+                    _watch_value(item, out, tensors, seen, depth)
     elif isinstance(fn, types.FunctionType) and not _library_file(fn.__code__.co_filename):
         for cell in fn.__closure__ or ():
             try:
@@ -377,14 +385,30 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
             except ValueError:  # (an empty cell)
                 continue
             out.append(lambda cell=cell, held=held: _cell_holds(cell, held))
-            if isinstance(held, (dict, list, tuple, set, frozenset, collections.deque,
-                                 torch.Tensor) + _CALLABLE_TYPES):
-                _watch_value(held, out, tensors, seen, depth + 1)
+            if isinstance(held, _WATCHED_IN_CLOSURES):
+                _watch_value(held, out, tensors, seen, depth)
             # (any other object it closes over by identity only: what it reads of it is not
             # known, and watching it whole would take a manager's own bookkeeping (a list of
             # orders, a counter) for a change on every call; README)
+        # its defaults (``lambda t, cfg=cfg: ...``, a mutable default) and attributes
+        defaults, kwdefaults = fn.__defaults__, fn.__kwdefaults__
+        out.append(lambda fn=fn, held=(defaults, kwdefaults):
+                   fn.__defaults__ is held[0] and fn.__kwdefaults__ is held[1])
+        for held in defaults or ():
+            if isinstance(held, _WATCHED_IN_CLOSURES):
+                _watch_value(held, out, tensors, seen, depth)
+        if kwdefaults:  # (a dict: ``post.__kwdefaults__["temperature"] = 0.5``)
+            _watch_value(kwdefaults, out, tensors, seen, depth)
         if fn.__dict__:  # (a function's attributes: ``scale.factor = 2``)
-            _watch_value(fn.__dict__, out, tensors, seen, depth + 1)
+            _watch_value(fn.__dict__, out, tensors, seen, depth)
+
+
+_WATCHED_IN_CLOSURES = (dict, list, tuple, set, frozenset, collections.deque,
+                        torch.Tensor) + _CALLABLE_TYPES
+
+
+def _same_method(now: Any, then: types.MethodType) -> bool:
+    return now is not None and now.__self__ is then.__self__ and now.__func__ is then.__func__
 
 
 def _cell_holds(cell: Any, held: Any) -> bool:
