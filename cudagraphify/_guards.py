@@ -378,7 +378,7 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
             for item in list(d.values()):
                 if isinstance(item, torch.Tensor) or not is_constant(item):
                     _watch_value(item, out, tensors, seen, depth)
-    elif isinstance(fn, types.FunctionType) and not _library_file(fn.__code__.co_filename):
+    elif isinstance(fn, types.FunctionType) and not _library_function(fn):
         for cell in fn.__closure__ or ():
             try:
                 held = cell.cell_contents
@@ -419,13 +419,40 @@ def _cell_holds(cell: Any, held: Any) -> bool:
     return now is held or same(now, held)
 
 
-def _library_file(filename: str) -> bool:
-    """Whether code of this file is torch's or an installed library's (site-packages)."""
-    return filename.startswith(_LIBRARY_ROOTS) or "site-packages" in filename \
-        or "dist-packages" in filename
+def _library_function(fn: types.FunctionType) -> bool:
+    """Whether ``fn`` is torch's or an installed library's: its file under site-packages, or
+    its package installed into a directory with the distributions' metadata beside it
+    (``pip install --target``); not the user's own code (a source checkout, an editable
+    install: no ``.dist-info`` beside the package)."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return True
+    filename = code.co_filename
+    if filename.startswith(_LIBRARY_ROOTS) or "site-packages" in filename \
+            or "dist-packages" in filename:
+        return True
+    top = (getattr(fn, "__module__", None) or "").partition(".")[0]
+    hit = _installed.get(top)
+    if hit is None:
+        hit = _installed[top] = _installed_package(top)
+    return hit
 
 
 _LIBRARY_ROOTS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
+_installed: dict[str, bool] = {}  # top-level package -> installed beside its metadata
+
+
+def _installed_package(top: str) -> bool:
+    path = getattr(sys.modules.get(top), "__file__", None) if top else None
+    if not path:
+        return False
+    root = os.path.dirname(path)
+    if os.path.basename(path).startswith("__init__."):
+        root = os.path.dirname(root)
+    try:
+        return any(entry.endswith(".dist-info") for entry in os.listdir(root))
+    except OSError:
+        return False
 
 
 class _FieldsCheck:

@@ -168,3 +168,30 @@ def test_a_getattr_raising_keyerror_is_not_asked_for_a_name_or_dict(sim, cls):
         assert torch.equal(g(x), x * 3.0)  # (a change is still seen)
     assert cg.stats(g).captures == 2
     assert cg.explain(g).name == cls.__qualname__  # (its class names it)
+
+
+def test_a_library_is_told_from_the_users_code_by_the_metadata_beside_it(tmp_path, monkeypatch):
+    # (a library installed with ``pip install --target`` outside site-packages, as Thunder is on
+    # the GPU machine, keeps its functions' closures its own: held by identity; the user's own
+    # code, a source checkout, has no .dist-info beside it: what its closures hold is watched)
+    import importlib
+    import sys
+
+    from cudagraphify import _guards
+
+    for name, meta in (("libpkg_x", True), ("userpkg_x", False)):
+        root = tmp_path / ("site" if meta else "checkout")
+        (root / name).mkdir(parents=True)
+        (root / name / "__init__.py").write_text("def f(x):\n    return x\n")
+        if meta:
+            (root / f"{name}-1.0.dist-info").mkdir()
+        monkeypatch.syspath_prepend(str(root))
+    monkeypatch.setattr(_guards, "_installed", {})
+    lib, user = (importlib.import_module(n) for n in ("libpkg_x", "userpkg_x"))
+    try:
+        assert _guards._library_function(lib.f) and not _guards._library_function(user.f)
+        assert _guards._library_function(torch.nn.functional.relu.__wrapped__
+                                         if hasattr(torch.nn.functional.relu, "__wrapped__")
+                                         else torch.nn.functional.relu)
+    finally:
+        sys.modules.pop("libpkg_x", None), sys.modules.pop("userpkg_x", None)
