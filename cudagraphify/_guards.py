@@ -431,26 +431,28 @@ def _library_function(fn: types.FunctionType) -> bool:
     if filename.startswith(_LIBRARY_ROOTS) or "site-packages" in filename \
             or "dist-packages" in filename:
         return True
-    top = (getattr(fn, "__module__", None) or "").partition(".")[0]
-    hit = _installed.get(top)
+    # (by its code's file, not ``__module__``: a wrapper's ``functools.wraps`` copies the
+    # user's)
+    folder = os.path.dirname(filename)
+    hit = _installed.get(folder)
     if hit is None:
-        hit = _installed[top] = _installed_package(top)
+        hit = _installed[folder] = _installed_beside(folder)
     return hit
 
 
 _LIBRARY_ROOTS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch,))
-_installed: dict[str, bool] = {}  # top-level package -> installed beside its metadata
+_installed: dict[str, bool] = {}  # a code file's folder -> its package installed beside metadata
 
 
-def _installed_package(top: str) -> bool:
-    path = getattr(sys.modules.get(top), "__file__", None) if top else None
-    if not path:
-        return False
-    root = os.path.dirname(path)
-    if os.path.basename(path).startswith("__init__."):
-        root = os.path.dirname(root)
+def _installed_beside(folder: str) -> bool:
+    """Whether the package holding ``folder`` (up through its ``__init__.py`` files) lies in a
+    directory that holds installed distributions' metadata (``.dist-info``)."""
     try:
-        return any(entry.endswith(".dist-info") for entry in os.listdir(root))
+        for _ in range(16):
+            if not os.path.exists(os.path.join(folder, "__init__.py")):
+                break  # (the directory the top-level package lies in)
+            folder = os.path.dirname(folder)
+        return any(entry.endswith(".dist-info") for entry in os.listdir(folder))
     except OSError:
         return False
 

@@ -182,14 +182,23 @@ def test_a_library_is_told_from_the_users_code_by_the_metadata_beside_it(tmp_pat
     for name, meta in (("libpkg_x", True), ("userpkg_x", False)):
         root = tmp_path / ("site" if meta else "checkout")
         (root / name).mkdir(parents=True)
-        (root / name / "__init__.py").write_text("def f(x):\n    return x\n")
+        (root / name / "__init__.py").write_text(
+            "import functools\n\ndef user(x):\n    return x\n\n"
+            "def make(g):\n    @functools.wraps(g)\n    def f(x):\n        return g(x)\n    return f\n"
+            "\nf = make(user)\n")
         if meta:
             (root / f"{name}-1.0.dist-info").mkdir()
         monkeypatch.syspath_prepend(str(root))
     monkeypatch.setattr(_guards, "_installed", {})
     lib, user = (importlib.import_module(n) for n in ("libpkg_x", "userpkg_x"))
+
+    def wrapped_users(x):  # (a library's wrapper of the user's function: its __module__ theirs)
+        return x
+
+    thunder_like = lib.make(wrapped_users)
     try:
         assert _guards._library_function(lib.f) and not _guards._library_function(user.f)
+        assert thunder_like.__module__ == __name__ and _guards._library_function(thunder_like)
         assert _guards._library_function(torch.nn.functional.relu.__wrapped__
                                          if hasattr(torch.nn.functional.relu, "__wrapped__")
                                          else torch.nn.functional.relu)
