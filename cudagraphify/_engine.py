@@ -547,9 +547,10 @@ class GraphedState(PieceRuns):
 
     def _replay(self, backend, region, entry, leaves: list, fn, args, kwargs) -> Any:
         if entry.handed and entry.handed_moved():
-            return self._eager("an output handed out without a copy (copy_outputs=False) was "
-                               "resized by its caller (an out= of another size, resize_): the "
-                               "graph's own memory moved with it; clone outputs you resize",
+            return self._eager("an output handed out without a copy (copy_outputs=False, or "
+                               "chained in a region or piecewise plan) was resized in place (an "
+                               "out= of another size, resize_): the graph's own memory moved "
+                               "with it; clone outputs you resize",
                                fn, args, kwargs)
         if entry.written_statics and any(storage_of(leaves[i]) in entry.written_statics
                                          for i in entry.copied_indices()):

@@ -100,6 +100,11 @@ class Slot:
         self.alias: weakref.ref | None = None
         self.thread = 0  # the thread its last alias was handed to
 
+    @property
+    def static(self) -> torch.Tensor:
+        """The graph's output memory the aliases share (see ``CapturedGraph.handed``)."""
+        return self.tensor
+
     def users(self) -> int:
         return _use_count(self.cdata)
 

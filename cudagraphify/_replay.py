@@ -150,6 +150,15 @@ def static_output(t: torch.Tensor, lone: bool = True) -> Callable:
     return f
 
 
+def _handed_static(action) -> torch.Tensor | None:
+    """The static output an output action hands out without a copy, if it does: a
+    ``static_output``'s tensor, or a region slot's (its bound ``hand_out``)."""
+    t = getattr(action, "static", None)
+    if t is None:
+        t = getattr(getattr(action, "__self__", None), "static", None)
+    return t
+
+
 def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], Any]:
     """Each flat output leaf of a capture as ``("tensor", t)``, ``("arg", leaf index)`` (a
     non-tensor argument object returned as it is) or ``("const", value)``; and the spec.
@@ -324,11 +333,12 @@ class CapturedGraph(Owned):
         self.mutated = list(mutated)
         self._actions = actions
         self._spans = getattr(actions, "spans", None) or None  # (see plan_outputs)
-        # static outputs handed out without a copy (copy_outputs=False), and their addresses:
-        # the caller may resize one (an ``out=`` of another size), which moves the graph's own
-        # memory; a replay would then write where no output reads (see ``handed_moved``)
-        self.handed = [(t, t.data_ptr()) for t in
-                       (getattr(a, "static", None) for a in actions) if t is not None]
+        # static outputs handed out without a copy (copy_outputs=False, a region's or a
+        # piecewise plan's chained slot), and their addresses: the caller may resize one (an
+        # ``out=`` of another size, ``resize_``), which moves the graph's own memory; a replay
+        # would then write where no output reads (see ``handed_moved``)
+        self.handed = [(t, t.data_ptr()) for t in map(_handed_static, actions)
+                       if t is not None]
         self._spec = spec
         self._single = spec.is_leaf() and len(actions) == 1
         # the one output's own maker (a clone, or a new tensor on the static output)
@@ -341,8 +351,13 @@ class CapturedGraph(Owned):
         return self.raw.pool_bytes if self.raw is not None else 0
 
     def handed_moved(self) -> bool:
-        """Whether a static output handed out without a copy was moved by its caller."""
-        return any(t.data_ptr() != ptr for t, ptr in self.handed)
+        """Whether a static output handed out without a copy was moved by its caller. For
+        good: the memory it left may be handed to a later capture of the pool, and an address
+        that comes back by chance is no longer the graph's."""
+        if all(t.data_ptr() == ptr for t, ptr in self.handed):
+            return False
+        self.handed = [(t, -1) for t, _ in self.handed]  # (no address is -1: never again)
+        return True
 
     def copied_indices(self) -> list[int]:
         """The leaves copied into static buffers (not read in place)."""

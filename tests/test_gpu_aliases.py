@@ -110,3 +110,47 @@ def test_pieces_given_back_run_their_plain_forward(monkeypatch):
     assert all(_wrap.retired(p) and "forward" not in p.__dict__ for p in pieces)
     s = cg.stats(g)
     assert s.graphs == 0 and s.captures == len(pieces), s
+
+
+class _GrowsPieceOutput(nn.Module):
+    """``a``'s output (a piece's, chained in the root's implicit region) is grown in place by
+    the root's own code: the graph's output memory moves with it."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        y = self.a(x)
+        if y.sum().item() > 1e9:  # a host sync: the root runs piecewise, a and b are pieces
+            y = y * 0
+        y.resize_(8, 16)
+        y[4:] = x
+        return self.b(y)
+
+
+def test_a_pieces_output_grown_in_place_by_the_root_runs_that_piece_eagerly():
+    torch.manual_seed(0)
+    ref = _GrowsPieceOutput().to(DEV).eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.randn(4, 16, device=DEV)
+            assert torch.equal(g(x), ref(x)), i
+        # a region's alias the caller grows: that graph runs eagerly too
+        lin = _linear(2)
+        f = cg.graphify(copy.deepcopy(lin))
+        with cg.graph_region():
+            for _ in range(3):
+                f(torch.randn(4, 16, device=DEV))
+            y = f(torch.randn(4, 16, device=DEV))
+            y.resize_(64, 16)
+            y.fill_(7.0)
+            for _ in range(3):
+                x = torch.randn(4, 16, device=DEV)
+                assert torch.equal(f(x), lin(x))
+            assert torch.equal(y, torch.full((64, 16), 7.0, device=DEV))
+    assert any("resized in place" in r for r in cg.stats(g.a).eager_calls)
+    assert cg.stats(g.b).replays >= 3
+    assert sum(n for r, n in cg.stats(f).eager_calls.items() if "resized in place" in r) == 3
+    assert cg.stats(f).replays >= 1

@@ -86,6 +86,27 @@ def test_an_alias_the_caller_changed_and_dropped_leaves_later_outputs_fresh(sim,
         assert torch.equal(g(x), ref(x))
 
 
+@pytest.mark.parametrize("keep", [False, True])
+def test_an_alias_the_caller_grew_takes_the_graphs_memory_and_the_graph_runs_eagerly(sim, keep):
+    # (growing it reallocates the storage the graph writes: a later replay would write the old
+    # memory, which the pool may hand to a later capture; the graph runs eagerly from then on)
+    ref, g = _pair()
+    with torch.no_grad(), cg.graph_region():
+        g(torch.randn(2, 8))
+        y = g(torch.randn(2, 8))
+        y.resize_(64, 8)
+        y.fill_(7.0)
+        if not keep:
+            del y
+        for _ in range(3):
+            x = torch.randn(2, 8)
+            assert torch.equal(g(x), ref(x))
+        if keep:
+            assert torch.equal(y, torch.full((64, 8), 7.0))
+    reasons = cg.stats(g).eager_calls
+    assert sum(n for r, n in reasons.items() if "resized in place" in r) == 3, reasons
+
+
 def test_a_weak_reference_to_an_alias_stops_its_reuse(sim):
     ref, g = _pair()
     with torch.no_grad(), cg.graph_region():

@@ -3,18 +3,14 @@ calls (and inside the root's own eager code). CPU, on the simulated backend (``s
 scenario runs a graphified model beside an eager twin (``copy.deepcopy`` before ``graphify``)
 and compares outputs (and gradients, buffers) bitwise.
 
-Finding F1 (strict xfail): the root's eager code grows a piece's output in place
-(``y.resize_``, an ``out=`` of another size). In a piecewise plan the pieces chain in the
-root's implicit region: a piece's output is handed on as an alias of its graph's static
+Finding F1 (fixed; its tests check the fix): the root's eager code grows a piece's output
+in place (``y.resize_``, an ``out=`` of another size). In a piecewise plan the pieces chain in
+the root's implicit region: a piece's output is handed on as an alias of its graph's static
 output, without a clone. Growing it reallocates that storage (the graph's own memory moves
-with it): later replays write the old address while the alias handed out reads the new one.
-On the double the next replay raises "stale replay" (an AssertionError: "a CUDA graph would
-read the freed memory"); on a GPU the root reads the previous call's values, silently.
-Only ``copy_outputs=False`` outputs are checked for this (``_engine._replay``:
-``entry.handed_moved()``, "resized by its caller"); region slots (``_region.Slot``, guarded by
-``GraphRegion.protect_before`` on use counts only) are not. README allows the *caller* to
-resize what the root returns (copied on the way out) and asks explicit ``graph_region`` users
-to clone what they resize; a piecewise plan is automatic, so the model's own code cannot know.
+with it): later replays wrote the old address while the alias handed out read the new one (on
+the double: "stale replay"; on a GPU: the previous call's values, silently). Region slots are
+now checked as ``copy_outputs=False`` outputs were (``CapturedGraph.handed``): the moved
+piece runs eagerly for good, with the reason.
 
 The rest are controls that passed: a piece called twice in one forward (its first output kept),
 pieces' outputs written in place by the root between pieces, kept across calls, viewed; a
@@ -351,13 +347,14 @@ def _grows(how):
     return g
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="F1: a piece's chained output grown in place by the root moves the "
-                          "graph's static output memory; later replays write the old address "
-                          "(no moved-storage check on region slots, only on copy_outputs=False)")
 @pytest.mark.parametrize("how", ["resize_", "cat out="])
 def test_f1_root_grows_a_pieces_output_in_place(sim, how):
-    _grows(how)
+    # (fixed: a region slot's memory is checked as a copy_outputs=False output's is; the piece
+    # whose output moved runs eagerly from then on, with the reason)
+    g = _grows(how)
+    reasons = cg.stats(g.a).eager_calls
+    assert any("resized in place" in r for r in reasons), reasons
+    assert cg.stats(g.b).replays >= 3  # (its neighbour stays graphed)
 
 
 def test_f1_control_grown_out_of_place(sim):
