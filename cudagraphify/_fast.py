@@ -23,7 +23,7 @@ from . import _guards, _region, _segrun, _statics, _trial, _watch
 from ._nested import bypassing, nesting, sizes_log
 from ._pieces import STATE
 from ._training import settled as _settled
-from ._signature import _PLAIN, is_constant, is_opaque, is_static_state, storage_of, \
+from ._signature import PLAIN_TYPES, is_constant, is_opaque, is_static_state, storage_of, \
     strict_key
 from ._state import StateUnkeyable, may_be_static_state, state_key
 
@@ -272,10 +272,11 @@ class Bypass:
     (:attr:`bypassing`), while no pending call may have settled (``_training.settled``) and
     nothing those checks look at changed since it was made: the global state (grad mode among
     it), the flags, the pieces given back, module writes (``_watch``), which parameters require
-    grad; a piece is bypassed only while its decision is the one marked. The root's own fast path has checked its tensors, other
-    arguments and statics. A plain forward is always correct: all this decides is that no piece
-    could replay a graph instead (a call that could is then decided by its own path). Pieces
-    that are roots of their own pieces, or decided around an opaque argument, are not marked."""
+    grad; a piece is bypassed only while its decision is the one marked. The root's own fast
+    path has checked its tensors, other arguments and statics. A plain forward is always
+    correct: all this decides is that no piece could replay a graph instead (a call that could
+    is then decided by its own path). Pieces that are roots of their own pieces, or decided
+    around an opaque argument, are not marked."""
 
     __slots__ = ("marked", "global_state", "flags_epoch", "pieces_epoch", "watch_epoch",
                  "settled", "statics", "grads")
@@ -342,7 +343,7 @@ def _mixed(leaves: tuple) -> tuple | None:
         elif is_constant(v):
             # (a value whose ``==`` is not what an op sees, a float, a frozen dataclass: by its
             # strict_key, on every call, the same object too)
-            consts.append((i, v, None if type(v) in _PLAIN else strict_key(v)))
+            consts.append((i, v, None if type(v) in PLAIN_TYPES else strict_key(v)))
         else:
             return None
     return tensors, consts, states

@@ -27,6 +27,7 @@ from ._state import StateUnkeyable, demoted, float_bits, is_static_state, object
     state_key
 
 __all__ = [
+    "PLAIN_TYPES",
     "Signature",
     "Unkeyable",
     "CallState",
@@ -148,7 +149,7 @@ def _immutable_type(tp: type) -> bool:
 
 # the constant types whose ``==`` within one type is what an op sees (not floats: ``0.0 ==
 # -0.0``; nor what holds values of several types: ``(2,) == (2.0,)``)
-_PLAIN = frozenset({int, bool, str, bytes, type(None), type(Ellipsis), type(NotImplemented),
+PLAIN_TYPES = frozenset({int, bool, str, bytes, type(None), type(Ellipsis), type(NotImplemented),
                     torch.dtype, torch.device, torch.layout, torch.memory_format})
 
 
@@ -158,7 +159,7 @@ def strict_key(value: Any) -> Any:
     ``2``, ``2.0`` and ``True`` inside a tuple, a frozenset or a frozen dataclass (by their
     types), ranges by their start, stop and step."""
     tp = type(value)
-    if tp in _PLAIN:
+    if tp in PLAIN_TYPES:
         return (tp, value)
     if isinstance(value, float):
         return (tp, float_bits(value))
@@ -400,7 +401,7 @@ def build_signature(
         elif is_constant(leaf):
             # (by value; what ``==`` mixes up, ``Cfg(2)`` and ``Cfg(2.0)``, by strict_key)
             constants.append(Constant(idx, type(leaf),
-                                      leaf if type(leaf) in _PLAIN else strict_key(leaf)))
+                                      leaf if type(leaf) in PLAIN_TYPES else strict_key(leaf)))
         else:
             return (
                 Unkeyable(not_keyable(f"argument leaf {idx}", leaf)),
