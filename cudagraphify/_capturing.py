@@ -334,6 +334,9 @@ class Capturing:
         entry.shared = shared
         entry.seq = seq
         entry.borrowed = list(borrow.items())
+        # (a slot it reads in place whose memory the caller grows moves away from where this
+        # graph reads: checked as its own outputs handed out are, see ``handed_moved``)
+        entry.handed += [(slot.tensor, slot.ptr) for slot in borrow.values()]
         if mutated and not chain and not copy_outputs:
             # The caller holds the graph's own outputs: one passed back as an input the forward
             # writes would be overwritten by the copy-back after the replay.

@@ -85,14 +85,15 @@ def captured_among(backend, device, tokens) -> bool:
 class Slot:
     """A static output of a region graph, handed out as an alias instead of a copy."""
 
-    __slots__ = ("region", "live", "tensor", "storage", "cdata", "seq", "baseline", "alias",
-                 "lone", "thread")
+    __slots__ = ("region", "live", "tensor", "ptr", "storage", "cdata", "seq", "baseline",
+                 "alias", "lone", "thread")
 
     def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int, lone: bool = True):
         self.region = region
         self.lone = lone  # no other output of its graph on its memory (see hand_out)
         self.live = region._live  # the region's slots whose last alias may still be held
         self.tensor = tensor
+        self.ptr = tensor.data_ptr()  # its address in the pool (an alias grown moves the tensor)
         self.storage = tensor.untyped_storage()  # held: reading its use count is then cheap
         self.cdata = self.storage._cdata  # (valid while ``storage`` is held)
         self.seq = seq
@@ -325,7 +326,7 @@ class GraphRegion:
         def pool_output(t: torch.Tensor, lone: bool = True):
             slot = Slot(self, t, seq, lone)
             slots.append(slot)
-            self._slots[t.data_ptr()] = slot
+            self._slots[slot.ptr] = slot
             return slot.hand_out
 
         kept: list[tuple[Slot, int]] = []
@@ -338,8 +339,8 @@ class GraphRegion:
             # stays protected as before (its baseline refitted once the graph's own references
             # are gone: ``refit``).
             for slot in slots:
-                if self._slots.get(slot.tensor.data_ptr()) is slot:
-                    del self._slots[slot.tensor.data_ptr()]
+                if self._slots.get(slot.ptr) is slot:
+                    del self._slots[slot.ptr]
                 if slot not in self._live:
                     continue
                 if self.closed:  # (closing: nothing replays in this pool again)

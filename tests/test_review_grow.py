@@ -5,7 +5,9 @@ callables beside eager twins (``copy.deepcopy`` before ``graphify``) and compare
 (``torch.equal``). On the double a replay that reads memory which moved raises an
 ``AssertionError`` ("stale replay"); on a GPU it reads the freed memory, silently.
 
-Findings (strict xfail tests):
+Findings: G1 and G2 are fixed (their tests are plain tests now: a borrowed slot's address is
+in the borrower's ``handed`` and the slot keeps its key, ``Slot.ptr``); G3 is documented in the
+README (strict xfail tests).
 
 - G1 (silent on a GPU; left open by the change): a graph that BORROWS a slot (reads another
   graph's output in place: ``GraphRegion.borrowable`` at its capture, ``entry.borrowed``) is
@@ -107,10 +109,6 @@ def _borrows(fb) -> bool:
 
 # -- G1: a borrower reads a moved slot's old memory -------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G1: fb borrowed fa's slot; after the slot's memory moved (the caller "
-                          "grew an alias), fb's copy-in writes the moved slot.tensor and its "
-                          "replay reads fa's old memory, on every later call (stale replay)")
 def test_g1_borrower_reads_the_old_memory_after_the_alias_grew_and_was_dropped(sim, path):
     ra, fa = _pair(0)
     rb, fb = _pair(1)
@@ -127,10 +125,6 @@ def test_g1_borrower_reads_the_old_memory_after_the_alias_grew_and_was_dropped(s
 
 @pytest.mark.parametrize("how", ["storage grown", "grown, shrunk back", "storage same size",
                                  "storage freed and back"])
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G1: the moved alias passed to the graph that borrows its slot: the "
-                          "shape guard passes, the copy-in is a self-copy, the replay reads the "
-                          "old memory (stale replay)")
 def test_g1_the_moved_alias_passed_straight_to_the_borrower(sim, path, how):
     ra, fa = _pair(0)
     rb, fb = _pair(1)
@@ -180,9 +174,6 @@ class _GrowsOnce(nn.Module):
         return self.b(y)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G1: b borrowed a's slot; the root grows a's output once: b reads a's "
-                          "old memory on that call and every later one (stale replay)")
 def test_g1_piecewise_root_grows_a_pieces_output_on_one_call(sim):
     torch.manual_seed(0)
     ref = _GrowsOnce().eval()
@@ -475,10 +466,6 @@ def test_control_threads_each_in_a_region_of_its_own(sim):
 
 # -- G2: a released graph whose alias grew keeps the grown memory -----------------------------
 
-@pytest.mark.xfail(strict=True,
-                   reason="G2: _slots keyed by the slot's data_ptr at capture; forget deletes "
-                          "the key at its data_ptr now (moved): the stale key keeps the slot "
-                          "and the caller's grown storage until the region closes")
 def test_g2_a_released_graph_whose_alias_grew_keeps_the_grown_memory(sim):
     ra, fa = _pair(0)
     use = torch._C._storage_Use_Count
