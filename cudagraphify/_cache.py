@@ -132,6 +132,9 @@ class Owned:
     # (a graph's) the version counters its replay moves and its backward checks: a
     # _versions.Counters, or None where there are none
     counters: Any = None
+    # (an inference graph whose forward read ``requires_grad`` under no_grad) which of its
+    # owner's parameters and buffers required grad then: another pattern is another graph
+    grads_read: tuple | None = None
 
     @property
     def owner(self):
@@ -157,6 +160,11 @@ class Owned:
         flags = self.flags
         if flags is not None and not flags.check():
             return False
+        grads = self.grads_read
+        if grads is not None:
+            owner = self.owner
+            if owner is None or owner.statics.grad_pattern() != grads:
+                return False
         state = self.state
         return state is None or state.valid()
 

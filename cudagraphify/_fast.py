@@ -385,7 +385,8 @@ class Fast:
         # (entries that write their inputs or the statics keep to the slow path: it checks
         # that no argument aliases what is written)
         if state.options.enabled is not True or state._moves or entry.owner is not state \
-                or entry.flags is None or entry.hazard or entry.mutated or entry.written_statics:
+                or entry.flags is None or entry.hazard or entry.mutated or entry.written_statics \
+                or entry.grads_read is not None:
             return None
         grads = None
         if torch.is_grad_enabled():  # (an inference graph: no tensor of the call needs grad)

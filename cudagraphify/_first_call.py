@@ -538,6 +538,9 @@ class FirstCall(Capturing):
             entry.release()
             return Outcome(EAGER, self.result, reason=guard.unguardable)
         entry.pinned = tuple(self.pinned)
+        if not self.training and not torch.is_grad_enabled() and any(
+                p is not None and p.reads_requires_grad for p in (self.warm_probe, second)):
+            entry.grads_read = self.statics.grad_pattern()
         # parameters and buffers the forward writes, the real call or the graph: an argument
         # that shares their memory must not be read from a copy (checked on every call)
         graph_writes = self.graph_writes(second)

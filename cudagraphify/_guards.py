@@ -24,6 +24,7 @@ import collections
 import dataclasses
 import dis
 import functools
+import gc
 import inspect
 import itertools
 import os
@@ -304,6 +305,11 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
         for item in value:
             _watch_value(item, out, tensors, seen, depth + 1)
         return
+    elif isinstance(value, _MAPPING_VIEWS):
+        # a read-only view (``MappingProxyType``, a dict's keys, values or items): it holds
+        # nothing of its own, and shows its mapping as it is now: watched as that mapping
+        _watch_value(_viewed(value), out, tensors, seen, depth)
+        return
     else:
         d = object_dict(value)
         if not isinstance(d, dict):
@@ -323,6 +329,17 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     for item in list(d.values()):
         if isinstance(item, torch.Tensor) or not is_constant(item):
             _watch_value(item, out, tensors, seen, depth + 1)
+
+
+_MAPPING_VIEWS = (types.MappingProxyType, type({}.keys()), type({}.values()), type({}.items()))
+
+
+def _viewed(view: Any) -> Any:
+    """The mapping a ``MappingProxyType`` or a dict view shows (its one referent)."""
+    if not isinstance(view, types.MappingProxyType):
+        view = view.mapping  # (a dict view's mapping: a proxy of its dict)
+    (mapping,) = gc.get_referents(view)
+    return mapping
 
 
 _CALLABLE_TYPES = (types.FunctionType, types.MethodType, functools.partial, weakref.ref,

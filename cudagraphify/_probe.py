@@ -157,6 +157,8 @@ class _Mode(TorchFunctionMode):
         if probe.layouts is not None:
             probe.note_layouts(args, kwargs)
         out = func(*args, **kwargs) if kwargs else func(*args)
+        if name in GRAD_READS and probe.screens:
+            probe.read_grad_state(name)
         if out is not None and name in NODE_READS and probe.screens:
             # (a hook on an autograd node is a C method no patch reaches: the read is noted)
             from ._hooks import node_read
@@ -219,6 +221,10 @@ def _lookup(dotted: str) -> tuple[Any, str] | None:
 
 CAPTURING_QUERY = "torch.cuda.is_current_stream_capturing"
 NODE_READS = ("Tensor.grad_fn", "Tensor._grad_fn")  # (reads of a tensor's autograd node)
+# reads of autograd's state of a tensor: its gradient (set by a backward or ``zero_grad``
+# outside the call: neither the tensor nor whether there is one is the graph's), and whether it
+# requires grad (``requires_grad_()`` between calls: see ``Probe.reads_requires_grad``)
+GRAD_READS = frozenset({"Tensor.grad", "Tensor._grad", "Tensor.requires_grad"})
 _active: dict[int, "Probe"] = {}  # thread id -> the probe recording on that thread
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -365,6 +371,10 @@ class Probe:
         # under no_grad: its signature's key holds no parameters' requires_grad, see
         # _first_call)
         self.grad_on = False
+        # ``requires_grad`` of a tensor read under no_grad (a no_grad key holds no parameters'
+        # requires_grad: a graph of it is checked against theirs at its capture, see
+        # ``Owned.grads_read``)
+        self.reads_requires_grad = False
         self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
         # where ``written`` is tracked: the storages (as they are after the op) of tensors from
         # before the call whose layout an op changed (see note_relayouts)
@@ -585,6 +595,14 @@ class Probe:
         what = f"{shape} {str(t.dtype).replace('torch.', '')} tensor"
         self.outside[ptr] = Finding(self.path, op_name(func), ("OUTSIDE_TENSOR",),
                                     f"{_user_frame()} (reads a {what})")
+
+    def read_grad_state(self, name: str) -> None:
+        """The forward read a tensor's ``.grad`` (refused: a finding) or ``requires_grad``."""
+        if name == "Tensor.requires_grad":
+            if not _grad_enabled():
+                self.reads_requires_grad = True
+            return
+        self.findings.append(Finding.at_caller(self.path, name, ("PYTHON_STATE",)))
 
     def may_rehearse(self) -> bool:
         """Whether the code asked if it is being captured, and every place that asked is

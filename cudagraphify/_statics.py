@@ -21,15 +21,20 @@ Not detected per call: in-place layout changes of parameters (``p.set_(...)``/``
 
 from __future__ import annotations
 
+import collections
 import contextlib
+import gc
+import sys
 import threading
+import types
 from typing import Iterator, Sequence
 
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["StaticState", "generation", "generation_bump", "no_one_layout", "watch", "watched"]
+__all__ = ["REGISTRIES", "StaticState", "generation", "generation_bump", "no_one_layout",
+           "rewatch", "watch", "watched"]
 
 _generation = 0
 _lock = threading.Lock()
@@ -109,16 +114,64 @@ def watched(module: torch.nn.Module) -> bool:
     return type(module.__dict__.get("_parameters")) is _WatchedDict
 
 
-def watch(module: torch.nn.Module) -> None:
-    """Make ``module``'s registries report writes (``watched`` from now on)."""
-    _watch(module)
+REGISTRIES = ("_parameters", "_buffers", "_modules")
+# registries made watched (an ``OrderedDict``: a model pickled by an older torch, or code that
+# sets ``self._modules = OrderedDict()``; ``ModuleList.__delitem__`` sets one)
+_PLAIN_REGISTRIES = (dict, collections.OrderedDict)
 
 
-def _watch(module: torch.nn.Module) -> None:
-    for attr in ("_parameters", "_buffers", "_modules"):
+def watch(module: torch.nn.Module) -> str | None:
+    """Make ``module``'s registries report writes (``watched`` from now on). Where one is a
+    mapping of another kind, which cannot be swapped for one that reports: why not."""
+    return _watch(module)
+
+
+def _watch(module: torch.nn.Module) -> str | None:
+    why = None
+    for attr in REGISTRIES:
         d = module.__dict__.get(attr)
-        if type(d) is dict:
+        if type(d) in _PLAIN_REGISTRIES:
+            # (watched as a copy put in its place: a reference to it kept elsewhere, a view
+            # ``self.names = self.heads.keys()``, would go on showing the old one; references:
+            # the module's dict, ``d``, getrefcount's argument)
+            if sys.getrefcount(d) > 3 and _kept_elsewhere(d):
+                why = why or (f"{type(module).__name__}.{attr} is referenced from elsewhere "
+                              "(a view of it kept: .keys(), .values()), which would not "
+                              "follow the copy that watches its writes")
+                continue
             module.__dict__[attr] = _WatchedDict(d)
+        elif d is not None and type(d) is not _WatchedDict:
+            why = why or (f"{type(module).__name__}.{attr} is a {type(d).__name__}, whose "
+                          "writes cannot be watched (a changed parameter, buffer or submodule "
+                          "would not be seen)")
+    return why
+
+
+# what may refer to a registry for a moment: an iteration over it under way (a ``for layer in
+# self.layers`` the capture happens inside of) goes on over the old one, which holds the same
+_PASSING = (type(iter({})), type(iter({}.values())), type(iter({}.items())), types.FrameType)
+
+
+def _kept_elsewhere(d: dict) -> bool:
+    """Whether something other than an iteration under way refers to ``d`` (beyond the module's
+    dict and our caller's frame)."""
+    here = sys._getframe(1)
+    for r in gc.get_referrers(d):  # (no closure over ``d`` here: its cell would refer to it)
+        if r is here or isinstance(r, _PASSING):
+            continue
+        if isinstance(r, dict) and "_parameters" in r and "_modules" in r:
+            continue  # (a module's dict: ``d`` is one of its registries)
+        return True
+    return False
+
+
+def rewatch(module: torch.nn.Module, name: str) -> None:
+    """A watched module's registry ``name`` was just set to a new mapping (``self._modules =
+    OrderedDict(...)``, as ``ModuleList.__delitem__`` does): watch the new one, and count the
+    change as a structural write."""
+    if type(module.__dict__.get(name)) in _PLAIN_REGISTRIES:
+        module.__dict__[name] = _WatchedDict(module.__dict__[name])
+    _bump()
 
 
 class StaticState:
@@ -168,8 +221,11 @@ class StaticState:
                     seen_m.add(id(m))
                     modules.append(m)
         self.modules = modules
+        unwatched = None
         for m in self.modules:
-            _watch(m)
+            why = _watch(m)
+            if unwatched is None:
+                unwatched = why
         # which submodule each name of each module holds: one module of the tree put behind
         # another name (``self.use = self.b`` where it was ``self.a``) leaves the set of
         # modules and parameters as it was, but not what forward runs
@@ -179,7 +235,7 @@ class StaticState:
         self.lazy = False  # an uninitialized parameter or buffer (a LazyModule's) in the tree
         # why calls run eagerly: a parameter or buffer with no one address and layout to guard
         # (a nested or sparse tensor), None where there is none
-        self.opaque: str | None = None
+        self.opaque: str | None = unwatched
         for m in self.modules:
             for d in (m._parameters, m._buffers):
                 for name, t in d.items():

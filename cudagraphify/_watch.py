@@ -32,7 +32,7 @@ from torch.nn.modules import module as _module_mod
 from torch.utils import hooks as _torch_hooks
 
 from ._signature import is_constant, strict_key
-from ._statics import _WatchedDict, watched
+from ._statics import REGISTRIES, _WatchedDict, rewatch, watched
 
 __all__ = ["epoch", "bump", "install", "Read", "Recorder", "recording", "hooked",
            "hook_fingerprint", "global_hooks", "global_hooks_present", "own_global_hook",
@@ -90,6 +90,8 @@ def install() -> None:
             if rec is not None:
                 rec.wrote(self, name, value)
             set_attr(self, name, value)
+            if name in REGISTRIES:  # (a new registry: ``ModuleList.__delitem__``'s)
+                rewatch(self, name)
             global epoch
             epoch = next(_counter)  # after the write: a check in between sees the old epoch
 
