@@ -131,13 +131,13 @@ def _watch(module: torch.nn.Module) -> str | None:
     for attr in REGISTRIES:
         d = module.__dict__.get(attr)
         if type(d) in _PLAIN_REGISTRIES:
-            # (watched as a copy put in its place: a reference to it kept elsewhere, a view
-            # ``self.names = self.heads.keys()``, would go on showing the old one; references:
-            # the module's dict, ``d``, getrefcount's argument)
-            if sys.getrefcount(d) > 3 and _kept_elsewhere(d):
-                why = why or (f"{type(module).__name__}.{attr} is referenced from elsewhere "
-                              "(a view of it kept: .keys(), .values()), which would not "
-                              "follow the copy that watches its writes")
+            # (watched as a copy put in its place: a view of it kept elsewhere, ``self.names =
+            # self.heads.keys()``, would go on showing the old one; references: the module's
+            # dict, ``d``, getrefcount's argument)
+            if sys.getrefcount(d) > 3 and _viewed_elsewhere(d):
+                why = why or (f"{type(module).__name__}.{attr} is shown by a view kept "
+                              "elsewhere (.keys(), .values(), .items(), MappingProxyType), "
+                              "which would not follow the copy that watches its writes")
                 continue
             module.__dict__[attr] = _WatchedDict(d)
         elif d is not None and type(d) is not _WatchedDict:
@@ -147,21 +147,16 @@ def _watch(module: torch.nn.Module) -> str | None:
     return why
 
 
-# what may refer to a registry for a moment: an iteration over it under way (a ``for layer in
-# self.layers`` the capture happens inside of) goes on over the old one, which holds the same
-_PASSING = (type(iter({})), type(iter({}.values())), type(iter({}.items())), types.FrameType)
+# what shows a dict as it is now: kept elsewhere, it would go on showing the registry a watching
+# copy replaced
+_VIEWS = (types.MappingProxyType, type({}.keys()), type({}.values()), type({}.items()))
 
 
-def _kept_elsewhere(d: dict) -> bool:
-    """Whether something other than an iteration under way refers to ``d`` (beyond the module's
-    dict and our caller's frame)."""
-    here = sys._getframe(1)
+def _viewed_elsewhere(d: dict) -> bool:
+    """Whether a view of ``d`` exists (``self.names = self.heads.keys()``)."""
     for r in gc.get_referrers(d):  # (no closure over ``d`` here: its cell would refer to it)
-        if r is here or isinstance(r, _PASSING):
-            continue
-        if isinstance(r, dict) and "_parameters" in r and "_modules" in r:
-            continue  # (a module's dict: ``d`` is one of its registries)
-        return True
+        if isinstance(r, _VIEWS):
+            return True
     return False
 
 

@@ -103,9 +103,7 @@ class Getter(nn.Module):
 @pytest.mark.parametrize("how", [
     "none",
     "_base",  # (fixed: only a view the run made may change its own layout unflagged)
-    pytest.param("grad", marks=pytest.mark.xfail(strict=True, reason=(
-        "older than d1cfebd (fails at c5944f1): the .grad getter's output, a tensor from "
-        "before the call, is noted as produced by the run: its t_() is no RELAYOUT"))),
+    "grad",  # (fixed by hunt7's F3: a forward reading .grad runs eagerly, PYTHON_STATE)
 ])
 def test_a_kept_tensor_reached_through_a_getter_then_transposed_matches_eager(how):
     torch.manual_seed(0)
