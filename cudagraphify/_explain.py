@@ -31,7 +31,7 @@ from ._probe import Probe, control_flow_findings, plan_pieces
 from ._segments import TracingProbe, runs
 from ._signature import storage_of
 from ._state import tensors_in as _tensors_in
-from ._statics import _WatchedDict
+from ._statics import _WatchedDict, watch
 from ._watch import _REGISTRIES
 
 __all__ = ["Explanation", "probe_plan", "build"]
@@ -183,6 +183,10 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     again what they held (values and versions). Parameters are not copied (a model's worth of memory):
     one the runs wrote in place is named in a warning."""
     modules = list(module.modules())
+    # (their registries watched first, as the runs' scan would: the snapshots below refer to
+    # them, and a registry kept elsewhere is not swapped for a watching copy)
+    for m in modules:
+        watch(m)
     dicts = [(m, dict(m.__dict__)) for m in modules]
     # (and what the dicts a module holds hold, by name: its parameters, buffers and
     # submodules registered (a ``register_buffer`` in forward, a dynamic rotary embedding's

@@ -587,6 +587,7 @@ class FirstCall(Capturing):
             family.verified = True
             family.guard, family.flags, family.pinned = guard, self.flags, entry.pinned
             family.held_storages = entry.held_storages
+            family.grads_read = entry.grads_read
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
                        shared=shared, states=[obj for _, obj in self.states])
 

@@ -41,7 +41,7 @@ from torch import nn
 from . import _watch, _writes
 from ._signature import is_constant, storage_of
 from ._state import host_bits, object_dict
-from ._statics import no_one_layout, ptrs_equal, watch
+from ._statics import MAPPING_VIEWS, no_one_layout, ptrs_equal, watch
 from ._watch import (GONE, INTERNAL_ATTRS, MISSING, Read, call_override, global_hooks_present,
                      nested_codes, same, short)
 
@@ -305,7 +305,7 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
         for item in value:
             _watch_value(item, out, tensors, seen, depth + 1)
         return
-    elif isinstance(value, _MAPPING_VIEWS):
+    elif isinstance(value, MAPPING_VIEWS):
         # a read-only view (``MappingProxyType``, a dict's keys, values or items): it holds
         # nothing of its own, and shows its mapping as it is now: watched as that mapping
         _watch_value(_viewed(value), out, tensors, seen, depth)
@@ -329,9 +329,6 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     for item in list(d.values()):
         if isinstance(item, torch.Tensor) or not is_constant(item):
             _watch_value(item, out, tensors, seen, depth + 1)
-
-
-_MAPPING_VIEWS = (types.MappingProxyType, type({}.keys()), type({}.values()), type({}.items()))
 
 
 def _viewed(view: Any) -> Any:

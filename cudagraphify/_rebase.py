@@ -75,6 +75,7 @@ class Family:
     flags: Any = None  # the global flags it ran under (a FlagsGuard)
     pinned: tuple = ()  # (leaf, address) of parameters passed as arguments (CapturedGraph's)
     held_storages: frozenset = frozenset()  # what it reads from outside (CapturedGraph's)
+    grads_read: tuple | None = None  # its parameters' requires_grad, read (CapturedGraph's)
     made: tuple = ()  # the template's output plan: (actions, spec, static outputs)
     nodes: list = field(default_factory=list)
     edges: Any = None
@@ -182,6 +183,8 @@ class Families:
             return None
         if any(leaves[i].data_ptr() != ptr for i, ptr in family.pinned):
             return None  # a parameter passed as an argument, read in place: another one
+        if family.grads_read is not None and state.statics.grad_pattern() != family.grads_read:
+            return None  # (its forward read requires_grad: another pattern, another branch)
         try:
             raw = retarget(family, storages, backend, device)
         except Refused:
@@ -192,6 +195,7 @@ class Families:
         entry.shared = True
         entry.pinned = family.pinned
         entry.held_storages = family.held_storages
+        entry.grads_read = family.grads_read
         entry.state_storages = frozenset(start for start, _ in storages.ranges) - {0}
         return family, entry
 

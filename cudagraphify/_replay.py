@@ -40,11 +40,14 @@ class StaticInputs:
 
     def __init__(self, leaves: list, static_flags: list[bool],
                  borrow: dict[int, torch.Tensor] | None = None):
+        # (under no_grad a copy of an argument that requires grad requires grad too: a forward
+        # may read it, ``x.requires_grad``, and the key tells the two apart)
+        marked = not torch.is_grad_enabled()
         with torch.no_grad():
-            self._build(leaves, static_flags, borrow or {})
+            self._build(leaves, static_flags, borrow or {}, marked)
 
     def _build(self, leaves: list, static_flags: list[bool],
-               borrow: dict[int, torch.Tensor]) -> None:
+               borrow: dict[int, torch.Tensor], marked: bool) -> None:
         self.leaves: list = []
         self.copy: list[tuple[int, torch.Tensor]] = []
         self.same_layout: dict[int, bool] = {}
@@ -62,6 +65,8 @@ class StaticInputs:
                     buf = torch.empty(leaf.size(), dtype=leaf.dtype, device=leaf.device)
                     self.same_layout[i] = False
                 buf.copy_(leaf)
+                if marked and leaf.requires_grad and (buf.is_floating_point() or buf.is_complex()):
+                    buf.requires_grad_(True)
                 self.copy.append((i, buf))
                 self.leaves.append(buf)
             else:

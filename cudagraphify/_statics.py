@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["REGISTRIES", "StaticState", "generation", "generation_bump", "no_one_layout",
+__all__ = ["MAPPING_VIEWS", "REGISTRIES", "StaticState", "generation", "generation_bump", "no_one_layout",
            "rewatch", "watch", "watched"]
 
 _generation = 0
@@ -131,12 +131,12 @@ def _watch(module: torch.nn.Module) -> str | None:
     for attr in REGISTRIES:
         d = module.__dict__.get(attr)
         if type(d) in _PLAIN_REGISTRIES:
-            # (watched as a copy put in its place: a view of it kept elsewhere, ``self.names =
-            # self.heads.keys()``, would go on showing the old one; references: the module's
-            # dict, ``d``, getrefcount's argument)
-            if sys.getrefcount(d) > 3 and _viewed_elsewhere(d):
-                why = why or (f"{type(module).__name__}.{attr} is shown by a view kept "
-                              "elsewhere (.keys(), .values(), .items(), MappingProxyType), "
+            # (watched as a copy put in its place: what else keeps it, a module sharing it, a
+            # view ``self.names = self.heads.keys()``, would go on with the old one;
+            # references: the module's dict, ``d``, getrefcount's argument)
+            if sys.getrefcount(d) > 3 and _kept_elsewhere(d, module.__dict__):
+                why = why or (f"{type(module).__name__}.{attr} is kept elsewhere too (another "
+                              "module sharing it, copy.copy; an attribute; a view, .keys()), "
                               "which would not follow the copy that watches its writes")
                 continue
             module.__dict__[attr] = _WatchedDict(d)
@@ -147,16 +147,39 @@ def _watch(module: torch.nn.Module) -> str | None:
     return why
 
 
-# what shows a dict as it is now: kept elsewhere, it would go on showing the registry a watching
-# copy replaced
-_VIEWS = (types.MappingProxyType, type({}.keys()), type({}.values()), type({}.items()))
+# what refers to a registry for a moment: an iteration under way over it (a ``for layer in
+# self.layers`` the capture happens inside of, ``named_parameters()``'s generator and the view
+# it holds) goes on over the old one, which holds the same
+_PASSING = (type(iter({})), type(iter({}.values())), type(iter({}.items())), types.FrameType,
+            types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
+MAPPING_VIEWS = (types.MappingProxyType, type({}.keys()), type({}.values()), type({}.items()))
 
 
-def _viewed_elsewhere(d: dict) -> bool:
-    """Whether a view of ``d`` exists (``self.names = self.heads.keys()``)."""
-    for r in gc.get_referrers(d):  # (no closure over ``d`` here: its cell would refer to it)
-        if isinstance(r, _VIEWS):
-            return True
+def _kept_elsewhere(d: dict, owner: dict) -> bool:
+    """Whether something keeps ``d`` (a registry of the module whose ``__dict__`` is
+    ``owner``) beyond an iteration under way: another module sharing it (``copy.copy``), an
+    attribute, a container, a closure, a view kept (``self.names = self.heads.keys()``). (A
+    local of a running function is no referrer gc knows: not seen.)"""
+    # (no closure over ``d`` here: its cell would refer to it)
+    found = gc.get_referrers(d)
+    here = sys._getframe(1)
+    for r in found:
+        if r is owner:  # (kept under a second name too: ``self.table = self._modules``)
+            names = 0
+            for v in owner.values():
+                names += v is d
+            if names > 1:
+                return True
+            continue
+        if r is here or isinstance(r, _PASSING):
+            continue
+        if isinstance(r, MAPPING_VIEWS):  # a view: kept, unless only an iteration holds it
+            held = gc.get_referrers(r)
+            for h in held:
+                if h is not found and not isinstance(h, _PASSING):
+                    return True
+            continue
+        return True
     return False
 
 
