@@ -224,7 +224,8 @@ NODE_READS = ("Tensor.grad_fn", "Tensor._grad_fn")  # (reads of a tensor's autog
 # reads of autograd's state of a tensor: its gradient (set by a backward or ``zero_grad``
 # outside the call: neither the tensor nor whether there is one is the graph's), and whether it
 # requires grad (``requires_grad_()`` between calls: see ``Probe.reads_requires_grad``)
-GRAD_READS = frozenset({"Tensor.grad", "Tensor._grad", "Tensor.requires_grad"})
+GRAD_READS = frozenset({"Tensor.grad", "Tensor._grad", "Tensor.requires_grad", "Tensor.is_leaf",
+                        "Tensor.is_inference"})
 _active: dict[int, "Probe"] = {}  # thread id -> the probe recording on that thread
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -597,7 +598,9 @@ class Probe:
                                     f"{_user_frame()} (reads a {what})")
 
     def read_grad_state(self, name: str) -> None:
-        """The forward read a tensor's ``.grad`` (refused: a finding) or ``requires_grad``."""
+        """The forward read a tensor's ``requires_grad``, or what the copy of an argument a
+        graph reads does not keep (refused, a finding: ``.grad``, ``is_leaf``,
+        ``is_inference()``)."""
         if name == "Tensor.requires_grad":
             if not _grad_enabled():
                 self.reads_requires_grad = True

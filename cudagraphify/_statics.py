@@ -150,8 +150,10 @@ def _watch(module: torch.nn.Module) -> str | None:
 # what refers to a registry for a moment: an iteration under way over it (a ``for layer in
 # self.layers`` the capture happens inside of, ``named_parameters()``'s generator and the view
 # it holds) goes on over the old one, which holds the same
-_PASSING = (type(iter({})), type(iter({}.values())), type(iter({}.items())), types.FrameType,
-            types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
+_PASSING = tuple({type(it) for d in ({}, collections.OrderedDict())
+                  for view in (d, d.keys(), d.values(), d.items())
+                  for it in (iter(view), reversed(view))}) + (
+    types.FrameType, types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)
 MAPPING_VIEWS = (types.MappingProxyType, type({}.keys()), type({}.values()), type({}.items()))
 
 

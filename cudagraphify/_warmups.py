@@ -123,8 +123,9 @@ def _warm_up_again(first, saved: dict, versions: dict, seen: dict) -> None:
     ops take into ``seen``)."""
     statics, leaves, fn = first.statics, first.leaves, first.fn
     copies = StaticInputs(leaves, [False] * len(leaves))
-    for i, buf in copies.copy:
-        buf.requires_grad_(first.training and leaves[i].requires_grad)
+    for i, buf in copies.copy:  # (as the capture's copies: see StaticInputs)
+        buf.requires_grad_(leaves[i].requires_grad
+                           and (first.training or not torch.is_grad_enabled()))
     a, kw = unflatten_call(copies.leaves, first.sig)
     tracker = write_tracker(first.state, {storage_of(b) for _, b in copies.copy}, saved,
                             versions, statics.weight_ptrs(), seen)

@@ -4,7 +4,7 @@ carrying ``grads_read``; under no_grad a static copy of an argument that require
 grad too). CPU, on the simulated backend (``sim``) or the share/rebase doubles; every scenario
 is compared with a plain-PyTorch twin (no cudagraphify) bitwise.
 
-Findings (strict xfails; none is a regression of 812c03c: each fails at 313b2d5 too, and each
+Findings (all fixed since: their tests are plain tests; none was a regression of 812c03c: each fails at 313b2d5 too, and each
 is left open beside what it fixed):
 
 - SA silent: the static copy of an argument keeps the argument's ``requires_grad`` now (change
@@ -67,12 +67,6 @@ from test_share_engine import _distinct, _register, reading  # noqa: F401 (fixtu
 
 pytestmark = pytest.mark.usefixtures("quiet")
 
-SILENT = pytest.mark.xfail(strict=True, raises=AssertionError,
-                           reason="silent: a replay differs from eager")
-LOUD = pytest.mark.xfail(strict=True, raises=AssertionError,
-                         reason="loud: graphs lost (every call eager, or the root piecewise)")
-
-
 def _st(g) -> str:
     s = cg.stats(g)
     return f"captures={s.captures} replays={s.replays} eager={dict(s.eager_calls)}"
@@ -105,9 +99,7 @@ class ReadsInference(nn.Module):
         return self.l(x) * (2.0 if x.is_inference() else 3.0)
 
 
-@pytest.mark.parametrize("case", [pytest.param("is_leaf-no_grad", marks=SILENT),
-                                  pytest.param("is_leaf-grad", marks=SILENT),
-                                  pytest.param("is_inference", marks=SILENT)])
+@pytest.mark.parametrize("case", ["is_leaf-no_grad", "is_leaf-grad", "is_inference"])
 def test_sa_argument_metadata_the_copy_does_not_keep(sim, case):
     torch.manual_seed(0)
     ref = ReadsInference() if case == "is_inference" else ReadsLeaf()
@@ -122,7 +114,10 @@ def test_sa_argument_metadata_the_copy_does_not_keep(sim, case):
         with ctx():
             got, want = g(x), ref(x)
         assert torch.equal(got, want), f"call {i}: {_st(g)}"
-    _replays(g, 3)
+    # (fixed: the read refuses the module that makes it, PYTHON_STATE; its Linear is graphed,
+    # under grad mode a training graph whose backward never runs here: it replays less)
+    _replays(g, 1)
+    assert any("[PYTHON_STATE]" in r for r in cg.stats(g).eager_calls), _st(g)
 
 
 # ============================== LA: an OrderedDict registry iterated at the first call =======
@@ -166,7 +161,6 @@ def _loop_then_calls(ref, g, loop: str):
     assert s.captures >= 1 and s.replays >= 3 and not s.eager_calls, _st(g)
 
 
-@LOUD
 @pytest.mark.parametrize("how,loop", [("pruned", "named_parameters"), ("pruned", "layers"),
                                       ("old_pickle", "named_parameters"),
                                       ("old_pickle", "layers")])
@@ -199,7 +193,7 @@ class NeedsGrad(nn.Module):
         return self.l(x)
 
 
-@pytest.mark.parametrize("n", [1, pytest.param(3, marks=LOUD)])
+@pytest.mark.parametrize("n", [1, 3])
 def test_lb_extra_warmups_run_on_copies_that_do_not_require_grad(sim, n):
     torch.manual_seed(0)
     ref = NeedsGrad()

@@ -68,7 +68,10 @@ for label, what, ctx, make in [
          torch.inference_mode, rand)]:
     ref, g = pair(lambda: Reads(what))
     ok, why = run(g, ref, make, ctx=ctx)
-    check(ok and cg.stats(g).replays >= 3, f"[finding] SA {label}", why or stats_line(g))
+    # (fixed: the read refuses the module that makes it, PYTHON_STATE; its Linear is graphed)
+    ok = ok and cg.stats(g).replays >= 1 and any("[PYTHON_STATE]" in r
+                                                 for r in cg.stats(g).eager_calls)
+    check(ok, f"[finding] SA {label}", why or stats_line(g))
 
 # control: requires_grad itself (change 3), under no_grad, inference_mode, grad mode in turn
 ref, g = pair(Reads)
