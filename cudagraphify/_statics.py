@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["MAPPING_VIEWS", "REGISTRIES", "StaticState", "generation", "generation_bump", "no_one_layout",
+__all__ = ["KEPT_MARK", "MAPPING_VIEWS", "REGISTRIES", "StaticState", "generation", "generation_bump", "no_one_layout",
            "rewatch", "watch", "watched"]
 
 _generation = 0
@@ -109,9 +109,16 @@ class _WatchedDict(dict):
         return (dict, (dict(self),))
 
 
+# set in a module's ``__dict__`` whose registries are watched in place (kept elsewhere too:
+# their dict versions are checked instead, see ``StaticState.same``)
+KEPT_MARK = "_cudagraphify_kept"
+_dict_version = torch._C._dynamo.guards.dict_version
+
+
 def watched(module: torch.nn.Module) -> bool:
-    """Whether a graph depends on ``module`` (its registries report writes)."""
-    return type(module.__dict__.get("_parameters")) is _WatchedDict
+    """Whether a graph depends on ``module`` (its registries report writes, or are checked)."""
+    d = module.__dict__
+    return type(d.get("_parameters")) is _WatchedDict or KEPT_MARK in d
 
 
 REGISTRIES = ("_parameters", "_buffers", "_modules")
@@ -122,25 +129,32 @@ _PLAIN_REGISTRIES = (dict, collections.OrderedDict)
 
 def watch(module: torch.nn.Module) -> str | None:
     """Make ``module``'s registries report writes (``watched`` from now on). Where one is a
-    mapping of another kind, which cannot be swapped for one that reports: why not."""
-    return _watch(module)
+    mapping that is no dict: why it cannot be watched."""
+    return _watch(module, [])
 
 
-def _watch(module: torch.nn.Module) -> str | None:
+def _watch(module: torch.nn.Module, kept: list) -> str | None:
+    """As ``watch``; a registry that something else keeps too is left in place, and goes into
+    ``kept`` (its dict version is checked on every call instead)."""
     why = None
     for attr in REGISTRIES:
         d = module.__dict__.get(attr)
         if type(d) in _PLAIN_REGISTRIES:
-            # (watched as a copy put in its place: what else keeps it, a module sharing it, a
-            # view ``self.names = self.heads.keys()``, would go on with the old one;
-            # references: the module's dict, ``d``, getrefcount's argument)
+            # (watched as a copy put in its place, unless something else keeps it, a module
+            # sharing it, thunder's jitted module, a view ``self.names = self.heads.keys()``:
+            # it would go on with the old one; references: the module's dict, ``d``,
+            # getrefcount's argument)
             if sys.getrefcount(d) > 3 and _kept_elsewhere(d, module.__dict__):
-                why = why or (f"{type(module).__name__}.{attr} is kept elsewhere too (another "
-                              "module sharing it, copy.copy; an attribute; a view, .keys()), "
-                              "which would not follow the copy that watches its writes")
+                module.__dict__[KEPT_MARK] = True  # (its attribute writes move the epoch)
+                kept.append(d)
                 continue
             module.__dict__[attr] = _WatchedDict(d)
-        elif d is not None and type(d) is not _WatchedDict:
+        elif type(d) is _WatchedDict:
+            pass
+        elif isinstance(d, dict):  # (a dict of another kind: its version, checked)
+            module.__dict__[KEPT_MARK] = True
+            kept.append(d)
+        elif d is not None:
             why = why or (f"{type(module).__name__}.{attr} is a {type(d).__name__}, whose "
                           "writes cannot be watched (a changed parameter, buffer or submodule "
                           "would not be seen)")
@@ -213,6 +227,7 @@ class StaticState:
         self._buffers: list[torch.Tensor] = []
         self._buffer_layout: list[tuple] = []
         self._buffer_guard = None
+        self._kept: list | None = None  # (registry, dict version) watched in place
         self._generation = -1
         # rescans so far: a graph that keeps some of ``tensors`` (the version counters it
         # moves and checks, see _versions) finds them again after one
@@ -242,10 +257,13 @@ class StaticState:
                     modules.append(m)
         self.modules = modules
         unwatched = None
+        kept: list = []
         for m in self.modules:
-            why = _watch(m)
+            why = _watch(m, kept)
             if unwatched is None:
                 unwatched = why
+        # registries watched in place, and their versions now (see same)
+        self._kept = [(d, _dict_version(d)) for d in kept] or None
         # which submodule each name of each module holds: one module of the tree put behind
         # another name (``self.use = self.b`` where it was ``self.a``) leaves the set of
         # modules and parameters as it was, but not what forward runs
@@ -283,8 +301,10 @@ class StaticState:
         # makes an equal address mean the same memory.
         self._held = [t.untyped_storage() for t in self.tensors]
         self._indices = list(range(len(self.tensors)))
-        self._pairs = tuple(zip(self.tensors, self.ptrs)) if len(self.tensors) <= _FEW \
-            else None
+        # (the fast path's inline check: not where registries are watched in place, whose
+        # versions ``same`` checks)
+        self._pairs = tuple(zip(self.tensors, self.ptrs)) \
+            if len(self.tensors) <= _FEW and self._kept is None else None
         self._buffers = [t for t, b in zip(self.tensors, self._is_buffer) if b]
         self._buffer_layout = [_layout(t) for t in self._buffers]
         # Buffers can change shape or stride in place (resize_, set_): checked on every call,
@@ -322,6 +342,8 @@ class StaticState:
         finally:
             for d, name, t in swapped:
                 dict.__setitem__(d, name, t)
+            if self._kept is not None:  # (put back as they were: their versions now)
+                self._kept = [(d, _dict_version(d)) for d, _ in self._kept]
 
     def grad_pattern(self) -> tuple[bool, ...]:
         return tuple([t.requires_grad for t in self.tensors])
@@ -360,6 +382,11 @@ class StaticState:
         (``resize_``, ``set_``). No side effects: the fast path's check."""
         if self._generation != _generation:
             return False
+        kept = self._kept
+        if kept is not None:
+            for d, version in kept:
+                if _dict_version(d) != version:
+                    return False
         pairs = self._pairs
         if pairs is not None:
             for t, ptr in pairs:
@@ -391,7 +418,12 @@ class StaticState:
         if self.same():
             return None
         old_slots, old_layout = self._slots, self._layout
+        old_modules, old_edges = self.modules, self._edges
         self.rescan()
+        if self._layout == old_layout and self._edges == old_edges \
+                and len(self.modules) == len(old_modules) \
+                and all(a is b for a, b in zip(self.modules, old_modules)):
+            return None  # (a registry watched in place was written: the same memory, layouts)
         return f"parameter or buffer {_first_moved(old_slots, self._layout, old_layout)} " \
             "moved to new memory or changed shape in place"
 

@@ -32,7 +32,7 @@ from torch.nn.modules import module as _module_mod
 from torch.utils import hooks as _torch_hooks
 
 from ._signature import is_constant, strict_key
-from ._statics import REGISTRIES, _WatchedDict, rewatch, watched
+from ._statics import KEPT_MARK, REGISTRIES, _WatchedDict, rewatch, watched
 
 __all__ = ["epoch", "bump", "install", "Read", "Recorder", "recording", "hooked",
            "hook_fingerprint", "global_hooks", "global_hooks_present", "own_global_hook",
@@ -84,8 +84,9 @@ def install() -> None:
         set_attr, del_attr = cls.__setattr__, cls.__delattr__
 
         def __setattr__(self, name, value):  # noqa: N807 - the patched special method
-            if type(self.__dict__.get("_parameters")) is not _WatchedDict:  # no graph reads it
-                return set_attr(self, name, value)
+            d = self.__dict__
+            if type(d.get("_parameters")) is not _WatchedDict and KEPT_MARK not in d:
+                return set_attr(self, name, value)  # (no graph reads it)
             rec = _recorders.get(threading.get_ident())
             if rec is not None:
                 rec.wrote(self, name, value)
@@ -97,7 +98,7 @@ def install() -> None:
 
         def __delattr__(self, name):  # noqa: N807
             del_attr(self, name)
-            if type(self.__dict__.get("_parameters")) is _WatchedDict:
+            if watched(self):
                 global epoch
                 epoch = next(_counter)
 

@@ -505,3 +505,52 @@ def test_control_hf_models_keep_their_graphs(sim, name):
             torch.testing.assert_close(a[key], b[key])
     s = _replays(g, 2)
     assert not any("kept elsewhere" in r for r in s.eager_calls), _st(g)
+
+
+# -- registries kept elsewhere are watched in place (their dict versions), not swapped: what a
+# wrapper that keeps them sees (thunder's jitted module does) and the module's own attribute
+# writes stay in step with eager
+
+class _Holder:
+    """Keeps a module's registries, as a jitting wrapper may."""
+
+    def __init__(self, m):
+        self.params, self.mods = m._parameters, m._modules
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(8, 8)
+        self.scale = 2.0
+
+    def forward(self, x):
+        return self.l(x) * self.scale
+
+
+@pytest.mark.parametrize("change", ["parameter", "attribute", "submodule", "through holder"])
+def test_a_registry_a_wrapper_keeps_is_checked_in_place(sim, change):
+    torch.manual_seed(0)
+    ref = _Scaled()
+    g = copy.deepcopy(ref)
+    holders = [_Holder(ref.l), _Holder(g.l), _Holder(ref), _Holder(g)]
+    g = cg.graphify(g)
+    with torch.no_grad():
+        for i in range(6):
+            if i == 3:
+                for m, h in ((ref, holders[0]), (g, holders[1])):
+                    torch.manual_seed(1)
+                    if change == "parameter":
+                        m.l.weight = nn.Parameter(torch.randn(8, 8))
+                    elif change == "attribute":
+                        m.scale = 3.0
+                    elif change == "submodule":
+                        m.l = nn.Linear(8, 8)
+                    else:
+                        h.params["bias"] = nn.Parameter(torch.randn(8))
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), ref(x)), f"call {i}"
+    if change != "submodule":  # (left in place: the holder's is the module's)
+        assert type(g.l._parameters) is dict and holders[1].params is g.l._parameters
+    s = cg.stats(g)
+    assert s.captures == 2 and s.replays >= 4 and not s.eager_calls, s
