@@ -159,7 +159,11 @@ def training():
         a.sum().backward()
         b.sum().backward()
         a.detach().resize_(50, W)
-    ok, why = C.same(g.weight.grad, ref.weight.grad)
+    # (accumulated gradients: close, as the GPU suite's training tests compare them; a graph
+    # adds into .grad in another order than AccumulateGrad)
+    ok = torch.allclose(g.weight.grad, ref.weight.grad, rtol=1e-4, atol=1e-4)
+    why = "" if ok else f"weight.grad differs (max abs diff " \
+        f"{(g.weight.grad - ref.weight.grad).abs().max().item()})"
     if ok and (C.moved_calls(g) or cg.stats(g).replays < 3):
         ok, why = False, C.stats_line(g)
     return ok, why

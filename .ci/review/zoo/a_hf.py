@@ -4,7 +4,8 @@ twin (one GPU, about a minute; DEV=cpu: a smoke test on the CPU double, ZOO=gpt2
 Per model: 6 no_grad calls on fresh inputs, then 3 at another length (bitwise equal, the path
 taken in INFO); causal LMs: ``generate()`` greedy, default cache, twice (tokens identical);
 then 3 training steps (dropout off, SGD): loss, every parameter's gradient and the updated
-weights bitwise eager's. One line per check: PASS/FAIL [zoo] ..."""
+weights bitwise eager's. One line per check: PASS/FAIL [zoo] ...; a check off in the last bits
+only is a [documented] FAIL (see ``verdict``)."""
 import copy
 import os
 import sys
@@ -87,6 +88,21 @@ def inputs(kind, batch, seq, seed):
     return dict(input_ids=ids)
 
 
+def close(got, want) -> bool:
+    return got.shape == want.shape and torch.allclose(got.double(), want.double(), rtol=1e-5,
+                                                      atol=1e-5)
+
+
+def verdict(ok, why, name, label, close_enough):
+    """Bitwise: PASS. Off in the last bits only: a [documented] FAIL (README: HF's mask built
+    differently while a capture runs, in encoders' whole graphs; gradient contributions summed
+    in another order through a piecewise plan). Else a [zoo] FAIL."""
+    if ok or not close_enough:
+        check(ok, f"[zoo] {name} {label}", why)
+    else:
+        check(False, f"[documented] {name} {label} (README; close, not bitwise)", why)
+
+
 def main_tensor(out):
     for key in ("logits", "last_hidden_state"):
         t = getattr(out, key, None)
@@ -106,14 +122,15 @@ def run_model(name):
     t0 = time.perf_counter()
     with torch.no_grad():
         for label, calls, seq in (("no_grad", 6, 12), ("longer", 3, 20)):
-            ok, why = True, ""
+            ok, why, near = True, "", True
             for i in range(calls):
                 x = inputs(kind, 2, seq, 100 * seq + i)
-                ok, why = same(main_tensor(g(**x)), main_tensor(ref(**x)))
+                got, want = main_tensor(g(**x)), main_tensor(ref(**x))
+                ok, why = same(got, want)
                 if not ok:
-                    why = f"call {i}: {why}"
+                    why, near = f"call {i}: {why}", close(got, want)
                     break
-            check(ok, f"[zoo] {name} {label}", why)
+            verdict(ok, why, name, label, near)
         info(f"{name} inference: {stats_line(g)}")
         if kind == "lm":
             prompt = inputs(kind, 1, 8, 7)["input_ids"]
@@ -130,7 +147,7 @@ def run_model(name):
     g.train()
     opt_r = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt_g = torch.optim.SGD(g.parameters(), lr=0.1)
-    ok, why = True, ""
+    ok, why, near = True, "", True
     try:
         for step in range(3):
             x = inputs(kind, 2, 12, 900 + step)
@@ -141,24 +158,25 @@ def run_model(name):
                 m._zoo_loss = loss.detach()
                 opt.step()
             ok, why = same(g._zoo_loss, ref._zoo_loss)
+            near = close(g._zoo_loss, ref._zoo_loss)
             if ok:
                 for (n, p), q in zip(g.named_parameters(), ref.parameters()):
                     if (p.grad is None) != (q.grad is None):
                         ok, why = False, f"{n}: grad None vs not"
                     elif p.grad is not None:
                         ok, why = same(p.grad, q.grad)
-                        why = f"{n}.grad: {why}"
+                        why, near = f"{n}.grad: {why}", close(p.grad, q.grad)
                     if ok:
                         ok, why = same(p.detach(), q.detach())
-                        why = f"{n}: {why}"
+                        why, near = f"{n}: {why}", close(p.detach(), q.detach())
                     if not ok:
                         break
             if not ok:
                 why = f"step {step}: {why}"
                 break
     except Exception as e:  # noqa: BLE001
-        ok, why = False, f"{type(e).__name__}: {str(e)[:160]}"
-    check(ok, f"[zoo] {name} training", why)
+        ok, why, near = False, f"{type(e).__name__}: {str(e)[:160]}", False
+    verdict(ok, why, name, "training", near)
     info(f"{name} all: {stats_line(g)} ({time.perf_counter() - t0:.1f} s)")
     cg.ungraphify(g)
 
