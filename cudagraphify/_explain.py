@@ -31,8 +31,7 @@ from ._probe import Probe, control_flow_findings, plan_pieces
 from ._segments import TracingProbe, runs
 from ._signature import storage_of
 from ._state import tensors_in as _tensors_in
-from ._statics import _WatchedDict, watch
-from ._watch import _REGISTRIES
+from ._statics import REGISTRIES, _WatchedDict, watch
 
 __all__ = ["Explanation", "probe_plan", "build"]
 
@@ -200,13 +199,13 @@ def left_as_they_were(module: torch.nn.Module, args: tuple, kwargs: dict):
     classes = [(m, type(m)) for m in modules]
     # (by memory: a view of a parameter kept in a list is the parameter's, whose writes are
     # named in the warning below, not put back)
-    registered = {storage_of(t) for m in modules for k in _REGISTRIES
+    registered = {storage_of(t) for m in modules for k in REGISTRIES
                   for t in m.__dict__[k].values() if isinstance(t, torch.Tensor)
                   and not is_lazy(t)}
     # (the tensors kept as plain attributes, and in the containers and objects kept there: a
     # layer's KV cache as ``self.caches = [k, v]``)
     tensors = [t for m in modules for k, v in m.__dict__.items()
-               if k not in _REGISTRIES and not _own_state(k, v)
+               if k not in REGISTRIES and not _own_state(k, v)
                and not isinstance(v, torch.nn.Module)
                for t in _tensors_in(v) if storage_of(t) not in registered]
     tensors += [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]

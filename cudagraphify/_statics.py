@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-__all__ = ["KEPT_MARK", "MAPPING_VIEWS", "REGISTRIES", "StaticState", "generation", "generation_bump", "no_one_layout",
-           "rewatch", "watch", "watched"]
+__all__ = ["KEPT_MARK", "MAPPING_VIEWS", "REGISTRIES", "StaticState", "generation",
+           "generation_bump", "no_one_layout", "rewatch", "watch", "watched"]
 
 _generation = 0
 _lock = threading.Lock()

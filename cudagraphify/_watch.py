@@ -195,7 +195,6 @@ INTERNAL_ATTRS = frozenset({
     "_compiled_call_impl", "__dict__", "__class__",
 })
 
-_REGISTRIES = ("_parameters", "_buffers", "_modules")
 _recorders: dict[int, "Recorder"] = {}  # thread id -> the recorder active on that thread
 _patch_users = 0
 _patch_lock = threading.Lock()
@@ -240,7 +239,7 @@ def _recording_getattribute(self, name):
             # returns once object.__getattribute__ has raised: returned here without the two
             # exceptions, where nothing on the class comes first (and the class has neither
             # lookup of its own). Registries are not reads.
-            for k in _REGISTRIES:
+            for k in REGISTRIES:
                 registry = d.get(k)
                 if registry is not None and name in registry:
                     if _class_attribute(cls, name) is not MISSING:
@@ -252,7 +251,7 @@ def _recording_getattribute(self, name):
         # Not an attribute: Module.__getattr__ looks in the registries next. Where it is in
         # none, the lookup fails (``getattr(self, name, default)``, ``hasattr``): that it is
         # absent is what the run read.
-        if not any(name in d.get(k, ()) for k in _REGISTRIES):
+        if not any(name in d.get(k, ()) for k in REGISTRIES):
             rec.read(self, name, MISSING)
         raise
     if name in d:
@@ -379,7 +378,7 @@ class Recorder:
 
     def wrote(self, module: nn.Module, name: str, value: Any) -> None:
         d = module.__dict__
-        if name in INTERNAL_ATTRS or any(name in d.get(k, ()) for k in _REGISTRIES):
+        if name in INTERNAL_ATTRS or any(name in d.get(k, ()) for k in REGISTRIES):
             return  # a parameter, buffer or submodule: the statics guard sees those
         old = d.get(name, MISSING)
         if not same(old, value):
