@@ -113,6 +113,8 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
                   torch.device("cpu"))
 
     statics = {storage_of(t) for t in (*module.parameters(), *buffers)}
+    copied = {storage_of(a) for a in (*args, *kwargs.values())
+              if isinstance(a, torch.Tensor)} - statics
 
     def two_runs(rehearse: bool) -> list[Probe]:
         probes = []
@@ -120,6 +122,8 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
             probe = (TracingProbe if not probes else Probe)(module, policy, accel=accel,
                                                             thunder=True)
             probe.rehearse = rehearse
+            # (refused as graphify's first call refuses them: see Probe.read_metadata)
+            probe.copied, probe.statics = copied, statics
             if probes:  # (the second run looks at writes too: a layout changed, RELAYOUT)
                 probe.known = statics | {storage_of(a) for a in (*args, *kwargs.values())
                                          if isinstance(a, torch.Tensor)}

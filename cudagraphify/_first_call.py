@@ -147,7 +147,10 @@ class FirstCall(Capturing):
         static_marks = _writes.marks(self.watchable, buffers)
         self.probe = self.warm_probe = probe = new_probe(self.state)
         if probe is not None:
-            probe.known = {storage_of(x) for _, x in tensors} | statics.storage_ptrs()
+            probe.statics = statics.storage_ptrs()
+            probe.known = {storage_of(x) for _, x in tensors} | probe.statics
+            probe.copied = {storage_of(x) for i, x in tensors
+                            if not self.static_flags[i]} - probe.statics
             probe.written = set()
         self.recorder = rec = Recorder()
         self.hooks_before = _watch.global_hooks()

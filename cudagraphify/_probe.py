@@ -90,6 +90,18 @@ def _user_frame() -> tuple[str, int] | None:
     return None
 
 
+def _reader_is_torch() -> bool:
+    """Whether the innermost caller outside cudagraphify and torch's dispatch of Tensor
+    methods is torch's own code."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        f = frame.f_code.co_filename
+        if not (own_file(f) or f in _DISPATCH):
+            return f.startswith(_TORCH + os.sep)
+        frame = frame.f_back
+    return False
+
+
 _PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
 
 
@@ -159,6 +171,8 @@ class _Mode(TorchFunctionMode):
         out = func(*args, **kwargs) if kwargs else func(*args)
         if name in GRAD_READS and probe.screens:
             probe.read_grad_state(name)
+        if name in COPY_READS and probe.copied and probe.screens:
+            probe.read_metadata(name, args)
         if out is not None and name in NODE_READS and probe.screens:
             # (a hook on an autograd node is a C method no patch reaches: the read is noted)
             from ._hooks import node_read
@@ -226,6 +240,18 @@ NODE_READS = ("Tensor.grad_fn", "Tensor._grad_fn")  # (reads of a tensor's autog
 # requires grad (``requires_grad_()`` between calls: see ``Probe.reads_requires_grad``)
 GRAD_READS = frozenset({"Tensor.grad", "Tensor._grad", "Tensor.requires_grad", "Tensor.is_leaf",
                         "Tensor.is_inference"})
+# reads of what a copied argument's static copy does not keep (its own storage, offset 0,
+# aligned, no base, no node, its own version counter): a forward branching on one would replay
+# the capture's branch for an argument that differs only there (see ``Probe.read_metadata``)
+COPY_READS = frozenset({"Tensor.storage_offset", "Tensor.data_ptr", "Tensor.untyped_storage",
+                        "Tensor.storage", "Tensor._version",
+                        "Tensor.is_shared", "Tensor._is_view", "Tensor._base",
+                        "Tensor.grad_fn", "Tensor._grad_fn"})
+# of those, the ones a parameter's or buffer's address guard does not cover: an in-place write
+# (an optimizer's step) keeps its graphs and moves its version
+STATIC_READS = frozenset({"Tensor._version"})
+# torch's dispatch of a Python-level Tensor method to the mode: not where a read is made
+_DISPATCH = (os.path.join(_TORCH, "overrides.py"), os.path.join(_TORCH, "_tensor.py"))
 _active: dict[int, "Probe"] = {}  # thread id -> the probe recording on that thread
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -376,6 +402,10 @@ class Probe:
         # requires_grad: a graph of it is checked against theirs at its capture, see
         # ``Owned.grads_read``)
         self.reads_requires_grad = False
+        # the storages of the arguments a graph copies in, and of the statics (set by the first
+        # call): a read of what a copy or a guard does not keep is refused (read_metadata)
+        self.copied: set[int] | frozenset = frozenset()
+        self.statics: set[int] | frozenset = frozenset()
         self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
         # where ``written`` is tracked: the storages (as they are after the op) of tensors from
         # before the call whose layout an op changed (see note_relayouts)
@@ -604,6 +634,22 @@ class Probe:
         if name == "Tensor.requires_grad":
             if not _grad_enabled():
                 self.reads_requires_grad = True
+            return
+        self.findings.append(Finding.at_caller(self.path, name, ("PYTHON_STATE",)))
+
+    def read_metadata(self, name: str, args: tuple) -> None:
+        """The forward read ``name`` (:data:`COPY_READS`) of a tensor: refused (PYTHON_STATE)
+        where that tensor's memory is a copied argument's (any of them), or a static's (a
+        version, :data:`STATIC_READS`), and the read is made by code outside torch (torch's
+        own, a full backward hook's ``grad_fn`` or an RNN's ``data_ptr`` of its weights, runs
+        on every call as it did at capture)."""
+        t = args[0] if args else None
+        if not isinstance(t, torch.Tensor):
+            return
+        ptr = storage_of(t)
+        if ptr not in self.copied and (name not in STATIC_READS or ptr not in self.statics):
+            return
+        if _reader_is_torch():
             return
         self.findings.append(Finding.at_caller(self.path, name, ("PYTHON_STATE",)))
 
