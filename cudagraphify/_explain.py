@@ -113,8 +113,8 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
                   torch.device("cpu"))
 
     statics = {storage_of(t) for t in (*module.parameters(), *buffers)}
-    copied = {storage_of(a) for a in (*args, *kwargs.values())
-              if isinstance(a, torch.Tensor)} - statics
+    copied = {storage_of(a) for a in pytree.tree_leaves((args, kwargs))
+              if isinstance(a, torch.Tensor)} - statics - {0}
 
     def two_runs(rehearse: bool) -> list[Probe]:
         probes = []

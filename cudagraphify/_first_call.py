@@ -147,10 +147,18 @@ class FirstCall(Capturing):
         static_marks = _writes.marks(self.watchable, buffers)
         self.probe = self.warm_probe = probe = new_probe(self.state)
         if probe is not None:
-            probe.statics = statics.storage_ptrs()
-            probe.known = {storage_of(x) for _, x in tensors} | probe.statics
-            probe.copied = {storage_of(x) for i, x in tensors
-                            if not self.static_flags[i]} - probe.statics
+            mine = statics.storage_ptrs()
+            probe.known = {storage_of(x) for _, x in tensors} | mine
+            pinned = [x for i, x in tensors if self.static_flags[i] or storage_of(x) in mine]
+            copied = [x for i, x in tensors if not self.static_flags[i]
+                      and storage_of(x) not in mine]
+            # (see Probe.read_metadata)
+            probe.statics = mine | {storage_of(x) for x in pinned}
+            probe.pinned = {id(x) for x in pinned}
+            probe.copied = {storage_of(x) for x in copied} - probe.statics - {0}
+            # (the Python attributes they carry: the graph's copies carry none)
+            probe.attributed = {id(x): frozenset(d) for x in copied
+                                if (d := getattr(x, "__dict__", None))}
             probe.written = set()
         self.recorder = rec = Recorder()
         self.hooks_before = _watch.global_hooks()

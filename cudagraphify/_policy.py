@@ -85,8 +85,13 @@ def op_name(func: Any) -> str:
 
 def _op_name(func: Any) -> str:
     name = getattr(func, "__name__", None) or repr(func)
-    if name == "__get__" and hasattr(getattr(func, "__self__", None), "__name__"):
-        return f"Tensor.{func.__self__.__name__}"  # a property read, such as Tensor.shape
+    if name == "__get__":  # a property read, such as Tensor.shape
+        prop = getattr(func, "__self__", None)
+        # (a C getset names itself; a Python property, __cuda_array_interface__, its getter)
+        pname = getattr(prop, "__name__", None) or getattr(getattr(prop, "fget", None),
+                                                           "__name__", None)
+        if pname:
+            return f"Tensor.{pname}"
     owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
     qual = getattr(func, "__qualname__", "")
     if owner is torch._C.TensorBase or qual.startswith(("Tensor.", "TensorBase.")):

@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import functools
 import importlib
+import importlib.util
 import os
 import sys
 import threading
@@ -90,16 +91,17 @@ def _user_frame() -> tuple[str, int] | None:
     return None
 
 
-def _reader_is_torch() -> bool:
-    """Whether the innermost caller outside cudagraphify and torch's dispatch of Tensor
-    methods is torch's own code."""
-    frame = sys._getframe(2)
-    while frame is not None:
-        f = frame.f_code.co_filename
-        if not (own_file(f) or f in _DISPATCH):
-            return f.startswith(_TORCH + os.sep)
+def _read_by_torch_or_us() -> bool:
+    """Whether the code that made a read (the caller of the probe's hook, past torch's
+    dispatch of Tensor methods) is torch's own or cudagraphify's."""
+    frame = sys._getframe(3)
+    while frame is not None and (frame.f_code.co_filename in _DISPATCH
+                                 or frame.f_code is _NOTING_CODE):
         frame = frame.f_back
-    return False
+    if frame is None:
+        return True
+    f = frame.f_code.co_filename
+    return f.startswith(_TRUSTED) or own_file(f)
 
 
 _PROJECT_MARKERS = ("pyproject.toml", "setup.py", "setup.cfg", ".git")
@@ -176,7 +178,10 @@ class _Mode(TorchFunctionMode):
         if out is not None and name in NODE_READS and probe.screens:
             # (a hook on an autograd node is a C method no patch reaches: the read is noted)
             from ._hooks import node_read
-            node_read(_getframe(1).f_code.co_filename)
+            caller = _getframe(1)
+            if caller.f_code is _NOTING_CODE:  # (a property read through it: its caller's)
+                caller = caller.f_back
+            node_read(caller.f_code.co_filename)
         if layouts:
             probe.note_relayouts(layouts, name)
         if probe.known is not None:
@@ -192,7 +197,9 @@ _getframe = sys._getframe
 def _own_code(code: Any) -> tuple[Any, bool]:
     if len(_own_codes) >= 2048:
         _own_codes.clear()
-    hit = _own_codes[id(code)] = (code, own_file(code.co_filename))
+    # (a property read through _noting_attributes is the user's read, made from there)
+    hit = _own_codes[id(code)] = (code, own_file(code.co_filename)
+                                  and code is not _NOTING_CODE)
     return hit
 
 
@@ -243,15 +250,39 @@ GRAD_READS = frozenset({"Tensor.grad", "Tensor._grad", "Tensor.requires_grad", "
 # reads of what a copied argument's static copy does not keep (its own storage, offset 0,
 # aligned, no base, no node, its own version counter): a forward branching on one would replay
 # the capture's branch for an argument that differs only there (see ``Probe.read_metadata``)
-COPY_READS = frozenset({"Tensor.storage_offset", "Tensor.data_ptr", "Tensor.untyped_storage",
-                        "Tensor.storage", "Tensor._version",
-                        "Tensor.is_shared", "Tensor._is_view", "Tensor._base",
-                        "Tensor.grad_fn", "Tensor._grad_fn"})
-# of those, the ones a parameter's or buffer's address guard does not cover: an in-place write
-# (an optimizer's step) keeps its graphs and moves its version
-STATIC_READS = frozenset({"Tensor._version"})
+_ATEN_READS = ("storage_offset", "sym_storage_offset", "_version", "is_set_to", "output_nr")
+COPY_READS = frozenset({
+    "Tensor.storage_offset", "Tensor.data_ptr", "Tensor.const_data_ptr",
+    "Tensor.untyped_storage", "Tensor.storage", "Tensor._version", "Tensor.is_shared",
+    "Tensor._is_view", "Tensor._base", "Tensor.grad_fn", "Tensor._grad_fn", "Tensor.output_nr",
+    "Tensor.is_set_to", "Tensor.__dlpack__", "Tensor.__cuda_array_interface__",
+    # (the same through torch.ops.aten, as the probe names them)
+    *(f"torch.{op}{overload}" for op in _ATEN_READS for overload in ("", ".default"))})
+# of those, what a parameter's or buffer's guard (its address, layout, the object the module
+# holds) does not cover: an in-place write (an optimizer's step) keeps its graphs
+STATIC_READS = frozenset({"Tensor._version", "torch._version", "torch._version.default"})
+# and what an argument read in place (a parameter passed in, one marked static) may differ in
+# at the same address, layout and key: its version, and whether (and of what) it is a view
+# (refused on that argument object: ``Probe.pinned``)
+PINNED_READS = STATIC_READS | frozenset({
+    "Tensor._is_view", "Tensor._base", "Tensor.grad_fn", "Tensor._grad_fn", "Tensor.output_nr",
+    "torch.output_nr", "torch.output_nr.default"})
 # torch's dispatch of a Python-level Tensor method to the mode: not where a read is made
 _DISPATCH = (os.path.join(_TORCH, "overrides.py"), os.path.join(_TORCH, "_tensor.py"))
+# readers whose reads of an argument's memory serve the kernels they launch (a capture
+# launches them on the static copy, as the replay does): torch's own code, and Triton's
+# launcher (its ``data_ptr() % 16`` picks the kernel specialised for that alignment)
+def _package_dir(name: str) -> str | None:
+    try:
+        spec = importlib.util.find_spec(name)  # (found, not imported)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin:
+        return None
+    return os.path.dirname(os.path.abspath(spec.origin)) + os.sep
+
+
+_TRUSTED = tuple(d for d in (_TORCH + os.sep, _package_dir("triton")) if d)
 _active: dict[int, "Probe"] = {}  # thread id -> the probe recording on that thread
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -302,6 +333,54 @@ def _acquire_patches() -> None:
         # rebinds a tensor from before the call (a global) before any op takes it notes its
         # layout there (``Probe.layouts``), to be put back
         patch(torch.Tensor, "set_", _noting_set, _patch_undo)
+        # a Python attribute looked for on a tensor and missing (``getattr(x, "tag", None)``,
+        # ``hasattr``), which no torch function mode sees either: on a copied argument, it is
+        # refused (a later argument may have it, and the copy never does: Probe.read_metadata)
+        if "__getattr__" not in vars(torch.Tensor):
+            torch.Tensor.__getattr__ = _missing_attribute
+            _patch_undo.append(lambda: delattr(torch.Tensor, "__getattr__"))
+
+
+def _missing_attribute(self, name):
+    probe = _active.get(threading.get_ident())
+    if probe is not None and probe.copied and probe.screens and not name.startswith("__") \
+            and not probe._tagging and not probe._non_op_depth:
+        probe.read_metadata(f"Tensor.{name}", (self,))
+    raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+_getattribute = object.__getattribute__
+_attribute_users = 0
+
+
+def _note_attributes(on: bool) -> None:
+    """One more (``on``) or one fewer probe that needs :func:`_noting_attributes`: installed
+    while any does (and ``Tensor`` has no ``__getattribute__`` of its own)."""
+    global _attribute_users
+    with _patch_lock:
+        _attribute_users += 1 if on else -1
+        mine = vars(torch.Tensor).get("__getattribute__") is _noting_attributes
+        if _attribute_users == 1 and on and "__getattribute__" not in vars(torch.Tensor):
+            torch.Tensor.__getattribute__ = _noting_attributes
+        elif _attribute_users == 0 and mine:
+            del torch.Tensor.__getattribute__
+
+
+def _noting_attributes(self, name):
+    """``Tensor.__getattribute__`` while a probe runs whose copied arguments carry Python
+    attributes (rare: the cost, a Python call per attribute read of any tensor, is paid then
+    only): a read of one of those, or of such an argument's ``__dict__``, is refused."""
+    value = _getattribute(self, name)
+    probe = _active.get(threading.get_ident())
+    if probe is not None:
+        names = probe.attributed.get(id(self))
+        if names is not None and (name in names or name == "__dict__") and probe.screens \
+                and not probe._tagging and not probe._non_op_depth:
+            probe.read_metadata(f"Tensor.{name}", (self,))
+    return value
+
+
+_NOTING_CODE = _noting_attributes.__code__
 
 
 def _noting_set(original):
@@ -406,6 +485,11 @@ class Probe:
         # call): a read of what a copy or a guard does not keep is refused (read_metadata)
         self.copied: set[int] | frozenset = frozenset()
         self.statics: set[int] | frozenset = frozenset()
+        self.pinned: set[int] | frozenset = frozenset()  # (ids of arguments read in place)
+        self._tagging = False  # (the policy's tags running: its attribute reads are its own)
+        # id -> attribute names, of the copied arguments that carry Python attributes: while
+        # this probe runs, a read of one of them is refused (see _noting_attributes)
+        self.attributed: dict[int, frozenset] = {}
         self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
         # where ``written`` is tracked: the storages (as they are after the op) of tensors from
         # before the call whose layout an op changed (see note_relayouts)
@@ -444,8 +528,12 @@ class Probe:
             if self.thunder:
                 key = tuple((tuple(a.shape), a.dtype) if isinstance(a, torch.Tensor)
                             else repr(a) for a in args)
-            tags = self.policy.tags(func, args, kwargs, accel=self.accel,
-                                    thunder=self.thunder, thunder_key=key)
+            self._tagging = True  # (Thunder's symbols look at the arguments' attributes)
+            try:
+                tags = self.policy.tags(func, args, kwargs, accel=self.accel,
+                                        thunder=self.thunder, thunder_key=key)
+            finally:
+                self._tagging = False
         if not self.policy.can_graph(func, tags):  # asked about every call, tagged or not
             self.findings.append(Finding.at_caller(self.path, name, tuple(sorted(tags))))
 
@@ -638,18 +726,21 @@ class Probe:
         self.findings.append(Finding.at_caller(self.path, name, ("PYTHON_STATE",)))
 
     def read_metadata(self, name: str, args: tuple) -> None:
-        """The forward read ``name`` (:data:`COPY_READS`) of a tensor: refused (PYTHON_STATE)
-        where that tensor's memory is a copied argument's (any of them), or a static's (a
-        version, :data:`STATIC_READS`), and the read is made by code outside torch (torch's
-        own, a full backward hook's ``grad_fn`` or an RNN's ``data_ptr`` of its weights, runs
-        on every call as it did at capture)."""
-        t = args[0] if args else None
-        if not isinstance(t, torch.Tensor):
+        """The forward read ``name`` (:data:`COPY_READS`, or a Python attribute it did not
+        find) of a tensor: refused (PYTHON_STATE) where that tensor's memory is a copied
+        argument's (any of them), or a static's (a version, :data:`STATIC_READS`), and the read
+        is made by code outside torch (torch's own, a full backward hook's ``grad_fn`` or an
+        RNN's ``data_ptr`` of its weights, runs on every call as it did at capture)."""
+        for t in args[:2]:  # (the tensor read; ``is_set_to``'s other one too)
+            if not isinstance(t, torch.Tensor):
+                continue
+            ptr = storage_of(t)
+            if ptr in self.copied or (name in STATIC_READS and ptr in self.statics) \
+                    or (name in PINNED_READS and id(t) in self.pinned):
+                break
+        else:
             return
-        ptr = storage_of(t)
-        if ptr not in self.copied and (name not in STATIC_READS or ptr not in self.statics):
-            return
-        if _reader_is_torch():
+        if _read_by_torch_or_us():
             return
         self.findings.append(Finding.at_caller(self.path, name, ("PYTHON_STATE",)))
 
@@ -697,6 +788,9 @@ class Probe:
         self._undo.append(_release_patches)
         self._undo.append(lambda: _active.__setitem__(self._thread, outer) if outer is not None
                           else _active.pop(self._thread, None))
+        if self.attributed:
+            _note_attributes(True)
+            self._undo.append(lambda: _note_attributes(False))
         mode = _Mode(self)
         mode.__enter__()
         self._undo.append(lambda: mode.__exit__(None, None, None))

@@ -58,6 +58,12 @@ def _x():
     return (torch.randn(4, 8),), {}
 
 
+def _with_meta():
+    x = torch.randn(4, 8)
+    x.meta = 1  # (not read)
+    return (x,), {}
+
+
 REFUSED = {
     # a view of the argument: the same memory, so the same reads go stale
     "view_offset": (lambda m, x: x[:, 1:].storage_offset() > 0, _x, "Tensor.storage_offset"),
@@ -70,6 +76,11 @@ REFUSED = {
                   lambda: ((torch.randn(4, 8), [torch.randn(2), torch.randn(2)]), {}),
                   "Tensor._version"),
     "buffer_version": (lambda m, x: m.b._version > 0, _x, "Tensor._version"),
+    # an argument carrying a Python attribute: its other reads go through the patched
+    # Tensor.__getattribute__, and are still the user's
+    "attributed_version": (lambda m, x: x._version > 0, lambda: _with_meta(), "Tensor._version"),
+    "attributed_grad_fn": (lambda m, x: x.grad_fn is None, lambda: _with_meta(),
+                           "Tensor.grad_fn"),
 }
 
 
@@ -144,3 +155,58 @@ def test_explain_refuses_such_a_read_as_the_first_call_does():
     (reason,) = data["modules"][0]["reasons"]
     assert reason["op"] == "Tensor.storage_offset" and reason["tags"] == ["PYTHON_STATE"]
     assert reason["file"] == "tests/test_probe_metadata.py", reason
+
+
+class Scaled(nn.Module):
+    """The attribute picks a scalar, not an op: the op sequence is the same either way."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.inner(x) * (2.0 if getattr(x, "tag", None) == "a" else 3.0)
+
+
+@pytest.mark.parametrize("tagged_first", [False, True])
+def test_a_python_attribute_of_an_argument_either_way(sim, tagged_first):
+    torch.manual_seed(0)
+    base = Scaled()
+    g, ref = cg.graphify(copy.deepcopy(base)), copy.deepcopy(base)
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.randn(4, 8)
+            if (i < 3) == tagged_first:
+                x.tag = "a"
+            assert torch.equal(g(x), ref(x)), (i, cg.stats(g))
+    # (the read is seen either way: of a missing attribute by the patched Tensor.__getattr__,
+    # of one that is there by Tensor.__getattribute__, patched while such an argument's probe
+    # runs): the root runs piecewise, inner's piece replays
+    assert "Tensor.tag [PYTHON_STATE]" in _reasons(g) and cg.stats(g).replays >= 1, _reasons(g)
+    assert "__getattribute__" not in vars(torch.Tensor)
+    assert "__getattr__" not in vars(torch.Tensor)
+
+
+@pytest.mark.parametrize("read", ["vars", "dict_get"])
+def test_a_read_of_an_arguments_dict_is_refused(sim, read):
+    how = {"vars": lambda x: vars(x).get("tag"), "dict_get": lambda x: x.__dict__.get("tag")}
+    g, ref = _twins(lambda m, x: how[read](x) == "a")
+
+    def tagged():
+        x = torch.randn(4, 8)
+        x.tag = "a"
+        return (x,), {}
+    _calls(g, ref, tagged, n=2)
+    _calls(g, ref, _x, n=2)
+    assert "Tensor.__dict__ [PYTHON_STATE]" in _reasons(g), _reasons(g)
+
+
+def test_an_attribute_the_forward_does_not_read_keeps_the_graph(sim):
+    def tagged():
+        x = torch.randn(4, 8)
+        x.meta = {"a": 1}
+        return (x,), {}
+    g, ref = _twins(lambda m, x: x.shape[0] > 2)
+    _calls(g, ref, tagged)
+    s = cg.stats(g)
+    assert s.eager_calls == {} and s.replays == 3, s

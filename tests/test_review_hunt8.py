@@ -15,46 +15,32 @@ returns the captured one. No error, no warning, no eager call. (Where the FIRST 
 differs from the copy, the probe sees the control flow differ and the root runs piecewise:
 correct; that is why these hide.) Named tensors: not testable (torch 2.13 has no ``names``).
 
-Findings (strict xfails, silent, under no_grad and grad mode, for a module and for a plain
-function ``cg.graphify(fn)``):
+Findings (silent before the fix; each now a test of the fix, under no_grad and grad mode, for
+a module and for a plain function ``cg.graphify(fn)``):
 
-- H1 ``x.storage_offset()`` (``if x.storage_offset() > 0``; a view into a packed buffer):
-  ``test_h_argument_metadata_not_keyed[offset-*]``.
+- H1 ``x.storage_offset()`` (``if x.storage_offset() > 0``; a view into a packed buffer).
 - H2 ``x.data_ptr()`` used in Python (``if x.data_ptr() % 16``: an alignment check choosing a
-  path, as vectorised-kernel dispatchers do): ``[data_ptr_align-*]``.
+  path, as vectorised-kernel dispatchers do).
 - H3 ``x.untyped_storage()``: its ``nbytes()`` (a view of a larger buffer) and its
-  ``data_ptr()`` compared with ``x.data_ptr()``: ``[storage_nbytes-*]``, ``[storage_ptr-*]``.
+  ``data_ptr()`` compared with ``x.data_ptr()``.
 - H4 ``x._version`` (``if x._version > 0``: "was this written in place before"): the copy's
-  counter is moved by every copy-in, so a capture from an argument written before (version 1)
-  agrees with it and a later fresh argument (version 0) replays the other branch:
-  ``[version-*]``.
-- H5 ``x.is_shared()`` (a tensor in shared memory, ``share_memory_()``): ``[is_shared-*]``.
-- H6 ``x._is_view()`` and ``x._base is None``: ``[is_view-*]``, ``[base_is_none-*]``.
+  counter is moved by every copy-in.
+- H5 ``x.is_shared()`` (a tensor in shared memory, ``share_memory_()``).
+- H6 ``x._is_view()`` and ``x._base is None``.
 - H7 a Python attribute of the argument tensor (``x.tag = "a"``; ``getattr(x, "tag", None)``:
-  the tensor's own ``__dict__``, which no ``__torch_function__`` sees): ``[py_attribute-*]``.
-  (Hunt 7's F4 is the same for a parameter's ``__dict__``, documented; an argument's is not.)
-- H8 ``x.grad_fn is None`` under ``no_grad``: a leaf argument requiring grad first, then a
-  non-leaf one requiring grad (``w * 1.0``: the same signature, requires_grad True). The sibling
-  of fix 7b's ``is_leaf`` (refused, PYTHON_STATE) is not refused: the probe notes a
-  ``grad_fn`` read only where a node was found (``_probe`` NODE_READS, ``out is not None``) and
-  only under grad mode: ``test_h8_grad_fn_of_an_argument_under_no_grad[module|fn]``.
-- H9 (a parameter, not an argument) ``self.w._version`` read in forward (``if
-  self.inner.w._version > 0``): an in-place write of the parameter between calls (an
-  optimizer step, ``w.add_(0.0)``) keeps the graph, as documented, and the replay returns the
-  captured branch: ``test_h9_parameter_version_read_in_python``. Gap: ``_probe`` (no
-  ``Tensor._version`` read noted) / the statics check (``_statics``: addresses and layouts, not
-  versions).
+  the tensor's own ``__dict__``, which no ``__torch_function__`` sees).
+- H8 ``x.grad_fn is None``: a leaf argument requiring grad first, then a non-leaf one
+  (``w * 1.0``: the same signature).
+- H9 (a parameter, not an argument) ``self.w._version`` read in forward: an in-place write of
+  the parameter between calls keeps the graph, as documented.
 
-Where the gap lives (all): ``_signature.build_signature`` / ``tensor_meta`` key none of this
-metadata; ``_probe`` (``GRAD_READS`` / ``Probe.read_grad_state``) refuses ``.grad``,
-``is_leaf``, ``is_inference()`` only: ``Tensor.storage_offset``, ``Tensor.data_ptr``,
-``Tensor.untyped_storage``, ``Tensor._version``, ``Tensor.is_shared``, ``Tensor._is_view``,
-``Tensor._base`` reach the probe's torch-function hook as ops (``data_ptr`` and
-``untyped_storage`` are in ``_opinfo.UNSEEN_OPS``, but only as possible unseen writers) and an
-argument's ``grad_fn`` read finding none (and any under no_grad) is not noted; a tensor's
-``__dict__`` read goes past every hook. The static copy (``_replay.StaticInputs._build``)
-cannot keep any of these (it has its own storage, offset 0, aligned, no base, no attributes,
-its own version counter).
+The fix (``_probe.Probe.read_metadata``): the probe refuses (PYTHON_STATE) a read of
+``_probe.COPY_READS`` made by code outside torch on a tensor whose memory is a copied
+argument's, a ``_version`` read on a parameter's or buffer's, and (through a
+``Tensor.__getattr__`` patched while a probe runs) a Python attribute looked up and missing
+on a copied argument; a first call whose copied argument carries attributes runs eagerly for
+that signature (``_first_call``). A module's root then runs piecewise, a function eagerly.
+More controls and the cases around them: tests/test_probe_metadata.py.
 
 Controls (plain tests, pass, each proves a replay):
 - the same eight predicates where the root runs piecewise (an ``.item()`` in the root): the
@@ -190,7 +176,11 @@ def _st(g) -> str:
 OPS = {"offset": "Tensor.storage_offset", "data_ptr_align": "Tensor.data_ptr",
        "storage_nbytes": "Tensor.untyped_storage", "storage_ptr": "Tensor.untyped_storage",
        "version": "Tensor._version", "is_shared": "Tensor.is_shared",
-       "is_view": "Tensor._is_view", "base_is_none": "Tensor._base"}
+       "is_view": "Tensor._is_view", "base_is_none": "Tensor._base",
+       # (H7: a Python attribute looked for and missing, through the patched
+       # ``Tensor.__getattr__``; one found where the copy has none takes another branch at
+       # capture: the control-flow check)
+       "py_attribute": "Tensor.tag"}
 
 
 def _refused(g, op: str) -> bool:
@@ -211,21 +201,6 @@ def test_h_argument_metadata_read_is_refused(sim, case, kind, mode):
         assert any(k.startswith("piecewise") for k in cg.stats(g).eager_calls), _st(g)
     else:  # (a function has no pieces: it runs eagerly)
         assert cg.stats(g).replays == 0 and cg.stats(g).captures == 0, _st(g)
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="open (H7): a Python attribute of an argument tensor is read past "
-                          "every hook, and the key does not hold it")
-@pytest.mark.parametrize("mode", ["no_grad", "grad"])
-@pytest.mark.parametrize("kind", ["module", "fn"])
-def test_h7_python_attribute_of_an_argument(sim, kind, mode):
-    pred, first, later = CASES["py_attribute"]
-    g, ref = _twins(pred, kind == "fn")
-    calls = _run(g, ref, first, later, mode == "grad")
-    assert all(ok for ok, _ in calls[:3]), f"before the change: {calls} {_st(g)}"
-    assert cg.stats(g).replays >= 1, _st(g)
-    assert all(ok for ok, _ in calls[3:]), (
-        f"silent: the same signature replayed the captured branch: {calls} {_st(g)}")
 
 
 def _leaf():
