@@ -11,6 +11,7 @@ signature with the same tensor layouts and the same other arguments). Anything e
 from __future__ import annotations
 
 import functools
+import itertools
 import operator
 import threading
 import weakref
@@ -23,8 +24,8 @@ from . import _guards, _region, _segrun, _statics, _trial, _watch
 from ._nested import bypassing, nesting, sizes_log
 from ._pieces import STATE
 from ._training import settled as _settled
-from ._signature import PLAIN_TYPES, is_constant, is_opaque, is_static_state, storage_of, \
-    strict_key
+from ._signature import PLAIN_TYPES, is_constant, is_opaque, is_static_state, repeated, \
+    storage_of, strict_key
 from ._state import StateUnkeyable, may_be_static_state, state_key
 
 __all__ = ["Bypass", "Fast", "EagerFast", "MISS"]
@@ -377,7 +378,8 @@ class Fast:
     __slots__ = ("state", "entry", "region", "n", "names", "tguard", "global_state", "flags",
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "statics",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
-                 "state_copied", "outside", "ranges", "slot", "grads", "base")
+                 "state_copied", "outside", "ranges", "slot", "grads", "base", "pairs",
+                 "spread")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -404,9 +406,15 @@ class Fast:
             if mixed is None:
                 return None
         tensors = leaves if mixed is None else [leaves[i] for i in mixed[0]]
-        if not tensors:
-            return None
+        if not tensors or (len(tensors) > 1 and repeated(tensors)):
+            return None  # (a call passing one tensor twice keeps to the slow path)
         self = Fast()
+        # the tensors' positions, checked to be distinct objects (part of the key: see
+        # _signature.repeated): pairwise where they are few, else by a set of their ids
+        where = range(len(leaves)) if mixed is None else mixed[0]
+        few = len(where) <= 5
+        self.pairs = tuple(itertools.combinations(where, 2)) if few else ()
+        self.spread = None if few else tuple(where)
         self.state, self.entry, self.region, self.n = state, entry, region, len(args)
         # under grad mode (its C guard checks that the call's is the same), what the slow path
         # decides on every call too: training not refused, no saved-tensor hooks, and the same
@@ -491,6 +499,12 @@ class Fast:
                         or (get_device is not None and get_device() != self.device):
                     return _MISS
                 if _forward_ad._current_level >= 0:  # (see _guards.dual_level)
+                    return _MISS
+                for i, j in self.pairs:
+                    if args[i] is args[j]:
+                        return _MISS
+                spread = self.spread
+                if spread is not None and len({id(args[i]) for i in spread}) != len(spread):
                     return _MISS
                 copied = self.state_copied
                 if copied:  # (see _engine: an argument sharing a state's or held memory)

@@ -667,7 +667,7 @@ class FirstCall(Capturing):
 
 def _leaf_label(sig: Signature, index: int) -> str:
     """How a message names the argument that leaf ``index`` belongs to."""
-    specs, names = sig.spec
+    specs, names = sig.spec[:2]
     nargs = len(specs) - len(names)
     start = 0
     for k, spec in enumerate(specs):

@@ -267,8 +267,9 @@ STATIC_READS = frozenset({"Tensor._version", "torch._version", "torch._version.d
 PINNED_READS = STATIC_READS | frozenset({
     "Tensor._is_view", "Tensor._base", "Tensor.grad_fn", "Tensor._grad_fn", "Tensor.output_nr",
     "torch.output_nr", "torch.output_nr.default"})
-# torch's dispatch of a Python-level Tensor method to the mode: not where a read is made
-_DISPATCH = (os.path.join(_TORCH, "overrides.py"), os.path.join(_TORCH, "_tensor.py"))
+# torch's dispatch of a Python-level Tensor method, or of an op called through torch.ops, to
+# the mode: not where a read is made
+_DISPATCH = tuple(os.path.join(_TORCH, f) for f in ("overrides.py", "_tensor.py", "_ops.py"))
 # readers whose reads of an argument's memory serve the kernels they launch (a capture
 # launches them on the static copy, as the replay does): torch's own code, and Triton's
 # launcher (its ``data_ptr() % 16`` picks the kernel specialised for that alignment)

@@ -28,6 +28,7 @@ from ._state import StateUnkeyable, demoted, float_bits, is_static_state, object
 
 __all__ = [
     "PLAIN_TYPES",
+    "repeated",
     "Signature",
     "Unkeyable",
     "CallState",
@@ -355,6 +356,10 @@ def build_signature(
             # the same spec the general path builds, so a call keys alike on either path
             spec = (_LEAF_SPECS[len(args)] if len(args) < len(_LEAF_SPECS)
                     else (_LEAF,) * len(args), ())
+            if len(args) > 1:
+                repeats = repeated(args)
+                if repeats:
+                    spec = (*spec, repeats)
             return Signature(spec, metas, (), state), list(args), [False] * len(args)
 
     leaves: list = []
@@ -409,6 +414,10 @@ def build_signature(
                 static_flags,
             )
     spec = (tuple(specs), names)
+    if len(metas) > 1:
+        repeats = repeated(leaves)
+        if repeats:
+            spec = (*spec, repeats)
     try:
         sig = Signature(spec, tuple(metas), tuple(constants), state)
         hash(sig)
@@ -417,9 +426,25 @@ def build_signature(
     return sig, leaves, static_flags
 
 
+def repeated(leaves) -> tuple:
+    """Which tensor leaves are the same object as an earlier one: ``(index, the earlier
+    one's)`` pairs, () where none is. Part of the key (a third item of ``Signature.spec``):
+    each leaf has a static copy of its own, so a forward's ``x is y`` (or a torch function's:
+    ``nn.MultiheadAttention``'s self-attention path) sees copies that are not, and a graph
+    captured from distinct arguments must not replay a call that passes one twice."""
+    first: dict[int, int] = {}
+    out = []
+    for i, leaf in enumerate(leaves):
+        if isinstance(leaf, torch.Tensor):
+            j = first.setdefault(id(leaf), i)
+            if j != i:
+                out.append((i, j))
+    return tuple(out)
+
+
 def unflatten_call(leaves: list, sig: Signature) -> tuple[tuple, dict]:
     """Rebuild ``(args, kwargs)`` from leaves, with the structure recorded in ``sig``."""
-    specs, names = sig.spec
+    specs, names = sig.spec[:2]
     out = []
     start = 0
     for spec in specs:

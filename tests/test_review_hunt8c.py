@@ -10,7 +10,14 @@ captured and replays; a later call passes one with the SAME shape, strides, dtyp
 (the same signature) that differs only where the copy does not keep it; eager takes the other
 branch, the replay the captured one. No error, no warning, no eager call.
 
-Findings (strict xfails):
+Status since the fix that followed this review: S1, S2, S4, S5, S6 and E1 are refused (more
+names in ``_probe.COPY_READS``, ``STATIC_READS`` and ``PINNED_READS``; ``torch/_ops.py`` is
+dispatch, not a reader; explain flattens its arguments) and S3's ``x is y`` is another key
+(``_signature.repeated``): plain tests now. L1: Triton's files are trusted readers (checked on
+the GPU). Open, strict xfails (README): S3 for arguments that share memory without being one
+object, S7, S8, S9.
+
+Findings (strict xfails when found):
 
 Silent, a read the set misses (``_probe.COPY_READS`` lists names; these reach the same metadata
 under other names, or past the mode):
@@ -159,6 +166,15 @@ def _silent(g, calls):
         f"silent: the same signature replayed the captured branch: {calls} {_st(g)}")
 
 
+def _fixed(g, calls):
+    """Since the fix: every call eager's result, and the read refused with its reason (or,
+    for arguments passed twice, another signature of the key)."""
+    assert all(ok for ok, _ in calls), (calls, _st(g))
+    s = cg.stats(g)
+    assert any("[PYTHON_STATE]" in k or "control flow" in k for k in s.eager_calls) \
+        or s.captures >= 2, _st(g)
+
+
 def _fresh():
     return (torch.randn(4, 8),)
 
@@ -178,11 +194,10 @@ SILENT = pytest.mark.xfail(strict=True, raises=AssertionError,
 
 # ============================== S1 const_data_ptr ===========================================
 
-@SILENT
 @pytest.mark.parametrize("kind", ["module", "fn"])
 def test_s1_const_data_ptr(sim, kind):
     g, ref = _twins(lambda x: x.const_data_ptr() % 16 != 0, kind == "fn")
-    _silent(g, _run(g, ref, _fresh, _misaligned))
+    _fixed(g, _run(g, ref, _fresh, _misaligned))
 
 
 class SNet(nn.Module):
@@ -223,13 +238,11 @@ def _paths_run(how, pred):
 PATHS = ["capture_sizes", "graph_region", "share_graph"]
 
 
-@SILENT
 @pytest.mark.parametrize("how", PATHS)
 def test_s1_const_data_ptr_other_paths(sim, how):
     res, g = _paths_run(how, lambda x: x.const_data_ptr() % 16 != 0)
-    k = len(res) // 5
-    assert all(res[:3 * k]) and cg.stats(g).replays >= 1, (res, _st(g))
-    assert all(res), f"silent: {res} {_st(g)}"
+    assert all(res), f"{res} {_st(g)}"
+    assert cg.stats(g).replays >= 1 and "Tensor.const_data_ptr [PYTHON_STATE]" in _st(g), _st(g)
 
 
 # ============================== S2 aten storage_offset ======================================
@@ -238,12 +251,11 @@ ATEN = {"storage_offset": lambda x: torch.ops.aten.storage_offset(x) > 0,
         "sym_storage_offset": lambda x: torch.ops.aten.sym_storage_offset.default(x) > 0}
 
 
-@SILENT
 @pytest.mark.parametrize("kind", ["module", "fn"])
 @pytest.mark.parametrize("op", list(ATEN))
 def test_s2_aten_storage_offset(sim, op, kind):
     g, ref = _twins(ATEN[op], kind == "fn")
-    _silent(g, _run(g, ref, _fresh, _offset))
+    _fixed(g, _run(g, ref, _fresh, _offset))
 
 
 # ============================== S3 aliasing between arguments ===============================
@@ -266,11 +278,19 @@ ALIAS = {"is": (lambda x, y: x is y, _same),
          "_is_alias_of": (lambda x, y: torch._C._is_alias_of(x, y), _view_of_one)}
 
 
+@pytest.mark.parametrize("kind", ["module", "fn"])
+def test_s3_an_argument_passed_twice_is_another_key(sim, kind):
+    # (fixed: which tensor leaves are the same object is in the key, _signature.repeated)
+    pred, later = ALIAS["is"]
+    g, ref = _twins(pred, kind == "fn")
+    _fixed(g, _run(g, ref, _two, later))
+
+
 @SILENT
 @pytest.mark.parametrize("kind", ["module", "fn"])
-@pytest.mark.parametrize("case", list(ALIAS))
-def test_s3_argument_aliasing(sim, case, kind):
-    pred, later = ALIAS[case]
+def test_s3_arguments_sharing_memory(sim, kind):
+    # (open: arguments that are views of one memory, not the same object, key alike)
+    pred, later = ALIAS["_is_alias_of"]
     g, ref = _twins(pred, kind == "fn")
     _silent(g, _run(g, ref, _two, later))
 
@@ -286,11 +306,10 @@ def _second_output():
         return (torch.std_mean(torch.randn(3, 4, 8, requires_grad=True), dim=0)[1],)
 
 
-@SILENT
 @pytest.mark.parametrize("mode", ["no_grad", "grad"])
 def test_s4_output_nr(sim, mode):
     g, ref = _twins(lambda x: x.output_nr == 0)
-    _silent(g, _run(g, ref, _leaf, _second_output, grad=mode == "grad"))
+    _fixed(g, _run(g, ref, _leaf, _second_output, grad=mode == "grad"))
 
 
 # ============================== S5 _version of a static argument ============================
@@ -307,7 +326,6 @@ class KV(nn.Module):
         return h + 1
 
 
-@SILENT
 @pytest.mark.parametrize("how", ["mark_static", "static_argnames"])
 def test_s5_version_of_a_static_argument(sim, how):
     torch.manual_seed(0)
@@ -327,7 +345,7 @@ def test_s5_version_of_a_static_argument(sim, how):
             r0 = cg.stats(g).replays
             a, b = g(x, kv=kv_g), ref(x, kv=kv_r)
             calls.append((torch.equal(a, b), cg.stats(g).replays - r0))
-    _silent(g, calls)
+    _fixed(g, calls)
 
 
 # ============================== S6 a parameter argument, then its view ======================
@@ -349,7 +367,6 @@ class PArg(nn.Module):
 VIEWNESS = {"_is_view": lambda w: w._is_view(), "_base": lambda w: w._base is None}
 
 
-@SILENT
 @pytest.mark.parametrize("case", list(VIEWNESS))
 def test_s6_parameter_argument_then_its_view(sim, case):
     torch.manual_seed(0)
@@ -365,7 +382,7 @@ def test_s6_parameter_argument_then_its_view(sim, case):
         a.sum().backward()
         b.sum().backward()
         calls.append((torch.equal(a.detach(), b.detach()), cg.stats(g).replays - r0))
-    _silent(g, calls)
+    _fixed(g, calls)
 
 
 # ============================== S7 TorchScript ==============================================
@@ -414,10 +431,7 @@ class NestedRead(nn.Module):
         return h * 2 if ys[0].storage_offset() > 0 else h + 1
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="report: explain's probe.copied holds top-level tensor arguments "
-                          "only; graphify refuses the root, explain says graphed")
-def test_e1_explain_misses_a_read_on_a_nested_argument(sim):
+def test_e1_explain_refuses_a_read_on_a_nested_argument(sim):
     torch.manual_seed(0)
     model = NestedRead()
     g = cg.graphify(copy.deepcopy(model))
