@@ -113,8 +113,12 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
                   torch.device("cpu"))
 
     statics = {storage_of(t) for t in (*module.parameters(), *buffers)}
-    copied = {storage_of(a) for a in pytree.tree_leaves((args, kwargs))
-              if isinstance(a, torch.Tensor)} - statics - {0}
+    tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
+    copied = {storage_of(a) for a in tensors} - statics - {0}
+    # (graphify's first call sets the same: see Probe.read_metadata, read_attribute)
+    pinned = {id(a) for a in tensors if storage_of(a) in statics}
+    arguments = {id(a) for a in tensors}
+    attributed = {id(a): frozenset(d) for a in tensors if (d := getattr(a, "__dict__", None))}
 
     def two_runs(rehearse: bool) -> list[Probe]:
         probes = []
@@ -123,7 +127,8 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
                                                             thunder=True)
             probe.rehearse = rehearse
             # (refused as graphify's first call refuses them: see Probe.read_metadata)
-            probe.copied, probe.statics = copied, statics
+            probe.copied, probe.statics, probe.pinned = copied, statics, pinned
+            probe.arguments, probe.attributed = arguments, attributed
             if probes:  # (the second run looks at writes too: a layout changed, RELAYOUT)
                 probe.known = statics | {storage_of(a) for a in (*args, *kwargs.values())
                                          if isinstance(a, torch.Tensor)}

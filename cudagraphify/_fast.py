@@ -115,6 +115,10 @@ class EagerFast:
         if len(self.tensors) != sum(isinstance(v, _Tensor) for v in values):
             return None  # a tensor subclass: decide again
         ts = [values[i] for i in self.tensors]
+        if len(ts) > 1 and repeated(ts):
+            # (its guard cannot tell such a call from one of distinct tensors, another key
+            # that may be graphed: see _signature.repeated)
+            return None
         self.tguard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
                                     dynamic_dims_strides=[list(t.stride()) for t in ts])
         self.others = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
@@ -410,11 +414,12 @@ class Fast:
             return None  # (a call passing one tensor twice keeps to the slow path)
         self = Fast()
         # the tensors' positions, checked to be distinct objects (part of the key: see
-        # _signature.repeated): pairwise where they are few, else by a set of their ids
-        where = range(len(leaves)) if mixed is None else mixed[0]
-        few = len(where) <= 5
-        self.pairs = tuple(itertools.combinations(where, 2)) if few else ()
-        self.spread = None if few else tuple(where)
+        # _signature.repeated): None for one tensor; pairwise where they are few, else
+        # (``pairs`` empty) by a set of their ids
+        where = tuple(range(len(leaves)) if mixed is None else mixed[0])
+        self.pairs = None if len(where) < 2 else tuple(itertools.combinations(where, 2)) \
+            if len(where) <= 5 else ()
+        self.spread = (operator.itemgetter(*where), len(where)) if len(where) > 5 else None
         self.state, self.entry, self.region, self.n = state, entry, region, len(args)
         # under grad mode (its C guard checks that the call's is the same), what the slow path
         # decides on every call too: training not refused, no saved-tensor hooks, and the same
@@ -500,12 +505,14 @@ class Fast:
                     return _MISS
                 if _forward_ad._current_level >= 0:  # (see _guards.dual_level)
                     return _MISS
-                for i, j in self.pairs:
-                    if args[i] is args[j]:
+                pairs = self.pairs
+                if pairs is not None:
+                    if pairs:
+                        for i, j in pairs:
+                            if args[i] is args[j]:
+                                return _MISS
+                    elif len(set(map(id, self.spread[0](args)))) != self.spread[1]:
                         return _MISS
-                spread = self.spread
-                if spread is not None and len({id(args[i]) for i in spread}) != len(spread):
-                    return _MISS
                 copied = self.state_copied
                 if copied:  # (see _engine: an argument sharing a state's or held memory)
                     ranges = self.ranges

@@ -156,8 +156,10 @@ class FirstCall(Capturing):
             probe.statics = mine | {storage_of(x) for x in pinned}
             probe.pinned = {id(x) for x in pinned}
             probe.copied = {storage_of(x) for x in copied} - probe.statics - {0}
-            # (the Python attributes they carry: the graph's copies carry none)
-            probe.attributed = {id(x): frozenset(d) for x in copied
+            # (the Python attributes they carry: the graph's copies carry none, and a later
+            # argument, the same object or not, may carry others)
+            probe.arguments = {id(x) for _, x in tensors}
+            probe.attributed = {id(x): frozenset(d) for _, x in tensors
                                 if (d := getattr(x, "__dict__", None))}
             probe.written = set()
         self.recorder = rec = Recorder()
@@ -387,6 +389,11 @@ class FirstCall(Capturing):
             return self._eager(self.states_guard.unguardable)
         if self.statics.opaque is not None:  # (a module the call ran outside its tree)
             return self._eager(self.statics.opaque)
+        if self.training and len(self.sig.spec) > 2 \
+                and any(self.leaves[i].requires_grad for i, _ in self.sig.spec[2]):
+            return self._eager("a tensor that requires grad is passed twice: a graph gives each "
+                               "input a copy and a gradient of its own, so the forward would "
+                               "not see one tensor (x is y) where the call does")
         if self.short_of_memory:  # writes could not be checked: try again on a later call
             return Outcome(DEFERRED, self.result, reason=f"capture deferred (retried on a later "
                            f"call): {self.short_of_memory}", guard=self.warm_guard)

@@ -101,6 +101,12 @@ def _read_by_torch_or_us() -> bool:
     if frame is None:
         return True
     f = frame.f_code.co_filename
+    if f.startswith("<") and frame.f_back is not None:
+        # code made at run time (``exec``: Triton's launcher binds its arguments so, reading
+        # their ``data_ptr``): trusted where a trusted file called it (an ``exec``'d forward,
+        # a notebook's, is called by torch's module call: its caller's caller decides nothing)
+        caller = frame.f_back.f_code.co_filename
+        return _TRITON is not None and caller.startswith(_TRITON)
     return f.startswith(_TRUSTED) or own_file(f)
 
 
@@ -283,7 +289,8 @@ def _package_dir(name: str) -> str | None:
     return os.path.dirname(os.path.abspath(spec.origin)) + os.sep
 
 
-_TRUSTED = tuple(d for d in (_TORCH + os.sep, _package_dir("triton")) if d)
+_TRITON = _package_dir("triton")
+_TRUSTED = tuple(d for d in (_TORCH + os.sep, _TRITON) if d)
 _active: dict[int, "Probe"] = {}  # thread id -> the probe recording on that thread
 _patch_lock = threading.Lock()
 _patch_users = 0
@@ -344,9 +351,9 @@ def _acquire_patches() -> None:
 
 def _missing_attribute(self, name):
     probe = _active.get(threading.get_ident())
-    if probe is not None and probe.copied and probe.screens and not name.startswith("__") \
-            and not probe._tagging and not probe._non_op_depth:
-        probe.read_metadata(f"Tensor.{name}", (self,))
+    if probe is not None and id(self) in probe.arguments and probe.screens \
+            and not name.startswith("__") and not probe._tagging and not probe._non_op_depth:
+        probe.read_attribute(name)
     raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
@@ -377,7 +384,9 @@ def _noting_attributes(self, name):
         names = probe.attributed.get(id(self))
         if names is not None and (name in names or name == "__dict__") and probe.screens \
                 and not probe._tagging and not probe._non_op_depth:
-            probe.read_metadata(f"Tensor.{name}", (self,))
+            # (``__dict__`` read by torch's code too: ``Tensor.__deepcopy__`` hands the
+            # attributes on to a new tensor, which the copy's would not have)
+            probe.read_attribute(name, anyone=name == "__dict__")
     return value
 
 
@@ -487,8 +496,11 @@ class Probe:
         self.copied: set[int] | frozenset = frozenset()
         self.statics: set[int] | frozenset = frozenset()
         self.pinned: set[int] | frozenset = frozenset()  # (ids of arguments read in place)
+        # ids of every tensor argument object of the call, copied or read in place: a Python
+        # attribute looked up on one is refused (see _missing_attribute)
+        self.arguments: set[int] | frozenset = frozenset()
         self._tagging = False  # (the policy's tags running: its attribute reads are its own)
-        # id -> attribute names, of the copied arguments that carry Python attributes: while
+        # id -> attribute names, of the tensor arguments that carry Python attributes: while
         # this probe runs, a read of one of them is refused (see _noting_attributes)
         self.attributed: dict[int, frozenset] = {}
         self.states_written: set[int] = set()  # a rehearsal's: its copies of static states
@@ -744,6 +756,17 @@ class Probe:
         if _read_by_torch_or_us():
             return
         self.findings.append(Finding.at_caller(self.path, name, ("PYTHON_STATE",)))
+
+    def read_attribute(self, name: str, anyone: bool = False) -> None:
+        """The forward looked up the Python attribute ``name`` of one of the call's tensor
+        arguments (``arguments``: the graph's copy of it, or a later argument, may not have
+        it, or have another): refused (PYTHON_STATE), unless torch's code (or ours) made the
+        lookup and not ``anyone``."""
+        if not anyone and _read_by_torch_or_us():
+            return
+        if anyone and own_file(sys._getframe(2).f_code.co_filename):
+            return
+        self.findings.append(Finding.at_caller(self.path, f"Tensor.{name}", ("PYTHON_STATE",)))
 
     def may_rehearse(self) -> bool:
         """Whether the code asked if it is being captured, and every place that asked is

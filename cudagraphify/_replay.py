@@ -51,12 +51,24 @@ class StaticInputs:
         self.leaves: list = []
         self.copy: list[tuple[int, torch.Tensor]] = []
         self.same_layout: dict[int, bool] = {}
+        # a tensor passed twice (``f(x, x)``, a key of its own: _signature.repeated) gets one
+        # buffer, so that the run on the copies sees what the call saw (``x is y``), unless it
+        # requires grad under grad mode (a graph gives each input its own gradient: such a
+        # call is not captured, see _first_call)
+        first: dict[int, int] = {}
         for i, (leaf, static) in enumerate(zip(leaves, static_flags)):
+            j = first.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
             if i in borrow:  # another graph's static output, with this leaf's layout: no buffer
                 self.copy.append((i, borrow[i]))
                 self.leaves.append(borrow[i])
                 self.same_layout[i] = True
+            elif j is not None and not static and (marked or not leaf.requires_grad):
+                buf = self.leaves[j]
+                self.copy.append((i, buf))
+                self.leaves.append(buf)
+                self.same_layout[i] = self.same_layout[j]
             elif isinstance(leaf, torch.Tensor) and not static:
+                first.setdefault(id(leaf), i)
                 if not overlaps(leaf):
                     buf = torch.empty_strided(leaf.size(), leaf.stride(), dtype=leaf.dtype,
                                               device=leaf.device)
