@@ -210,3 +210,40 @@ def test_an_attribute_the_forward_does_not_read_keeps_the_graph(sim):
     _calls(g, ref, tagged)
     s = cg.stats(g)
     assert s.eager_calls == {} and s.replays == 3, s
+
+
+_LAUNCHER = '''
+def launch(x):
+    # (as Triton's launcher does: code made at run time binds the arguments, reading their
+    # data_ptr to pick the kernel specialised for that alignment)
+    ns = {}
+    exec(compile("def bind(x):\\n    return x.data_ptr() % 16\\n", "<string>", "exec"), ns)
+    return ns["bind"](x)
+'''
+
+
+@pytest.mark.parametrize("trusted", [True, False])
+def test_code_made_at_run_time_is_trusted_where_triton_calls_it(sim, tmp_path, monkeypatch,
+                                                                 trusted):
+    import importlib.util
+    from cudagraphify import _probe
+    folder = tmp_path / "triton_like"
+    folder.mkdir()
+    (folder / "launcher.py").write_text(_LAUNCHER)
+    spec = importlib.util.spec_from_file_location("triton_like_launcher", folder / "launcher.py")
+    launcher = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(launcher)
+    if trusted:
+        monkeypatch.setattr(_probe, "_TRITON", str(folder) + "/")
+
+    def read(m, x):
+        launcher.launch(x)
+        return True
+
+    g, ref = _twins(read)
+    _calls(g, ref, _x)
+    s = cg.stats(g)
+    if trusted:
+        assert s.eager_calls == {} and s.replays == 3, s
+    else:  # (called from anywhere else, the run-time code is the user's)
+        assert "Tensor.data_ptr [PYTHON_STATE]" in _reasons(g), _reasons(g)

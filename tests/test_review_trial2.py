@@ -356,7 +356,8 @@ def test_control_lone_only_for_one_positional_tensor(sim):
     mk = _fast.EagerFast.decided
     assert mk(root, None, _Entry(), (), {"x": t}).lone is None
     assert mk(root, None, _Entry(), (t, 3), {}).lone is None
-    assert mk(root, None, _Entry(), (t, t), {}).lone is None
+    assert mk(root, None, _Entry(), (t, t), {}) is None  # (a tensor passed twice: none)
+    assert mk(root, None, _Entry(), (t, t.clone()), {}).lone is None
     assert mk(root, None, _Entry(), (t.as_subclass(_Sub),), {}) is None
     d = mk(root, None, _Entry(), (t,), {})
     # the DirectCall asks lone only for one positional argument and no keyword

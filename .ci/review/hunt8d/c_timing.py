@@ -1,5 +1,5 @@
 """Hunt-8d review on CUDA: the per-call cost of ``Fast``'s new distinctness check
-(``pairs`` for up to 5 tensors, ``spread`` beyond), measured in one process: a graphified small
+(``pairs`` for up to 5 tensors, ``spread`` beyond; None: no check), measured in one process: a graphified small
 module (elementwise, its own parameter) called with 1, 2, 3, 6 positional tensors, replaying
 through ``Fast``, with the check as made and with ``pairs``/``spread`` cleared (as before
 f8c82f7). INFO lines (ns per call, median of 7 timings); one [control] line that every call
@@ -49,7 +49,7 @@ with torch.no_grad():
             fast.pairs, fast.spread = pairs, spread
             sync_all()
             on.append(timeit.timeit(lambda: g(*xs), number=NUM) / NUM * 1e9)
-            fast.pairs, fast.spread = (), None
+            fast.pairs, fast.spread = None, None  # (no check: as for one tensor)
             sync_all()
             off.append(timeit.timeit(lambda: g(*xs), number=NUM) / NUM * 1e9)
         fast.pairs, fast.spread = pairs, spread
