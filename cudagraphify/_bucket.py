@@ -34,7 +34,7 @@ from ._explain import _own_state
 from ._guards import StateGuard
 from ._hooks import HookWatch
 from ._nested import Nested
-from ._signature import is_constant, storage_of, strict_key
+from ._signature import is_constant, repeated, storage_of, strict_key
 
 __all__ = ["Bucketed", "bucketed"]
 
@@ -69,7 +69,8 @@ class Bucketed:
         if bucket is None or bucket == n:
             return self._target(*args, **kwargs)  # its own size (or none): as it is
         # (n itself: a forward may compute with the batch size, which padding changes)
-        key = (n, bucket, spec, tuple(_leaf_key(t, self.dim) for t in leaves),
+        # (which tensors are one object too, each padded once: see _signature.repeated)
+        key = (n, bucket, spec, tuple(_leaf_key(t, self.dim) for t in leaves), repeated(leaves),
                torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                getattr(self._target, "training", None))  # (a module's train/eval: each its own)
         if key in self.refused:
@@ -77,7 +78,7 @@ class Bucketed:
             if when is None or when.flags_same():
                 return self._target(*args, **kwargs)
             del self.refused[key], self._refused_in[key]
-        padded = [self._pad(t, bucket) if isinstance(t, torch.Tensor) else t for t in leaves]
+        padded = self._padded(leaves, bucket)
         ran = self.verified.get(key)
         if ran is None or not ran.same():
             if _capture.default_backend().in_capture():
@@ -115,6 +116,20 @@ class Bucketed:
                 f"bucketed(dim={self.dim}): tensor arguments disagree on the batch size "
                 f"(dimension {self.dim}): {sorted(rows)}; every tensor argument is padded")
         return next(iter(rows), None)
+
+    def _padded(self, leaves: list, bucket: int, zeros: bool = False) -> list:
+        """The call's leaves with each tensor padded (see :meth:`_pad`), a tensor passed twice
+        padded once: the padded call passes one tensor there too."""
+        done: dict[int, torch.Tensor] = {}
+        out = []
+        for t in leaves:
+            if isinstance(t, torch.Tensor):
+                p = done.get(id(t))
+                if p is None:
+                    p = done[id(t)] = self._pad(t, bucket, zeros)
+                t = p
+            out.append(t)
+        return out
 
     def _pad(self, t: torch.Tensor, bucket: int, zeros: bool = False) -> torch.Tensor:
         """``t`` padded to ``bucket`` rows: its last row repeated (real values: no inf or NaN a
@@ -198,8 +213,7 @@ class Bucketed:
             # it)
             device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), None)
             with HookWatch(block=True) as watch, _writes.rng_kept(device):
-                for pad in (padded, [self._pad(t, bucket, zeros=True)
-                                     if isinstance(t, torch.Tensor) else t for t in leaves]):
+                for pad in (padded, self._padded(leaves, bucket, zeros=True)):
                     a, kw = pytree.tree_unflatten(pad, spec)
                     out = self._target(*a, **kw)
                     # (a copy: with copy_outputs=False the next replay writes the same memory)

@@ -56,12 +56,20 @@ class StaticInputs:
         # requires grad under grad mode (a graph gives each input its own gradient: such a
         # call is not captured, see _first_call)
         first: dict[int, int] = {}
+        # (one read in place is read in place wherever it is passed: ``f(x, kv=x)`` with ``kv``
+        # named static)
+        in_place = {id(leaf) for leaf, static in zip(leaves, static_flags)
+                    if static and isinstance(leaf, torch.Tensor)}
         for i, (leaf, static) in enumerate(zip(leaves, static_flags)):
             j = first.get(id(leaf)) if isinstance(leaf, torch.Tensor) else None
             if i in borrow:  # another graph's static output, with this leaf's layout: no buffer
                 self.copy.append((i, borrow[i]))
                 self.leaves.append(borrow[i])
                 self.same_layout[i] = True
+                first.setdefault(id(leaf), i)  # (passed twice: the slot for both)
+            elif isinstance(leaf, torch.Tensor) and not static and id(leaf) in in_place \
+                    and (marked or not leaf.requires_grad):
+                self.leaves.append(leaf)
             elif j is not None and not static and (marked or not leaf.requires_grad):
                 buf = self.leaves[j]
                 self.copy.append((i, buf))
@@ -94,6 +102,17 @@ class StaticInputs:
                 if ptr:
                     out.setdefault(ptr, i)
         return out
+
+
+def _once(copy: list) -> list:
+    """``StaticInputs.copy`` with one entry per buffer (the first leaf that has it)."""
+    seen: set[int] = set()
+    out = []
+    for i, buf in copy:
+        if id(buf) not in seen:
+            seen.add(id(buf))
+            out.append((i, buf))
+    return out
 
 
 def _view_of_input(i: int, out: torch.Tensor, static: torch.Tensor) -> Callable[[list], Any]:
@@ -340,7 +359,8 @@ class CapturedGraph(Owned):
         self.after_release: list[Callable[[], None]] = []  # run once released
         self.input_copies = 0
         self._replay = raw.replay
-        self._copy_in = [(i, buf, buf.data_ptr()) for i, buf in inputs.copy]
+        # (a buffer two leaves share, one tensor passed twice, copied in once)
+        self._copy_in = [(i, buf, buf.data_ptr()) for i, buf in _once(inputs.copy)]
         self._copy_back = [(i, buf) for i, buf in inputs.copy if i in set(mutated)]
         copied = {i for i, _ in inputs.copy}
         # Leaves read in place (marked static, or statics passed as arguments): their address

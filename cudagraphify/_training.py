@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from ._cache import Owned
 from ._copies import clone_keeps, overlaps
 from ._errors import CudagraphifyError
-from ._replay import OutputPlanError, StaticInputs, output_leaves
+from ._replay import OutputPlanError, StaticInputs, _once, output_leaves
 from ._signature import unflatten_call
 
 __all__ = ["TrainingGraph", "capture_training", "saved_by_backward", "warmup_backward"]
@@ -144,7 +144,7 @@ class TrainingGraph(Owned):
         self.mutated: list[int] = []
         self.gen = 0
         self._inputs = inputs
-        self._copy = [(tensor_idx.index(i), buf) for i, buf in inputs.copy]
+        self._copy = [(tensor_idx.index(i), buf) for i, buf in _once(inputs.copy)]
         self._n_user = len(tensor_idx)
         # Detached: the capture's autograd graph (and the parameters' AccumulateGrad nodes it
         # holds, created on the capture stream) must not outlive the capture.

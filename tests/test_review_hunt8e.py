@@ -4,7 +4,13 @@ does; no eager fast path for such a call; attribute refusals by argument object)
 simulated backend (``sim``); every scenario runs a graphified twin beside an eager one
 (``copy.deepcopy`` before ``graphify``), compared bitwise, and ``cg.stats`` proves the replays.
 
-Findings (strict xfails; each asserts the right behaviour and fails because of the finding):
+Status since the fix that followed this review: every finding below (S1-S3, L1, C1) is fixed
+and its test a plain test: a borrowed slot passed twice is the buffer of both leaves, a copied
+leaf that is one object with a leaf read in place is read in place too, ``bucketed`` keys and
+pads a tensor passed twice once, and the replay (and a training graph) copies a shared buffer
+in once.
+
+Findings (strict xfails when found; each asserts the right behaviour and failed because of it):
 
 Silent (a replay that differs from eager; no error, no warning, no eager call):
 
@@ -88,12 +94,6 @@ import cudagraphify as cg
 
 pytestmark = pytest.mark.usefixtures("quiet")
 
-SILENT = pytest.mark.xfail(strict=True, raises=AssertionError,
-                           reason="silent: the capture does not see x is y as the call does")
-LOUD = pytest.mark.xfail(strict=True, raises=AssertionError,
-                         reason="loud: a needless eager run")
-COST = pytest.mark.xfail(strict=True, raises=AssertionError,
-                         reason="cost: the one shared buffer is copied in once per leaf")
 
 
 def _st(g) -> str:
@@ -150,7 +150,6 @@ class Root(nn.Module):
         return self.b(h, h)
 
 
-@SILENT
 @pytest.mark.parametrize("how", ["region_per_call", "one_region", "piecewise"])
 def test_s1_chained_output_passed_twice(sim, how):
     calls = []
@@ -202,7 +201,6 @@ class KV(nn.Module):
         return x * self.w * (2.0 if x is kv else 3.0) + kv
 
 
-@SILENT
 def test_s2_static_name_and_copied_position_one_object(sim):
     g, ref = _twin(KV, static_argnames="kv")
     x = torch.randn(4, 8)
@@ -234,7 +232,6 @@ def _bucketed_calls(pattern):
     return g, b, calls
 
 
-@SILENT
 def test_s3_bucketed_pads_a_repeated_tensor_apart(sim):
     g, b, calls = _bucketed_calls(["distinct"] * 3 + ["same"] * 3)
     assert all(ok for p, ok, _ in calls if p == "distinct"), (calls, _st(g))
@@ -264,7 +261,6 @@ class Block(nn.Module):
         return self.mha(h, h, h, need_weights=False)[0] + x
 
 
-@LOUD
 @pytest.mark.parametrize("how", ["piecewise", "region"])
 def test_l1_self_attention_after_a_graphed_piece(sim, how):
     torch.manual_seed(0)
@@ -290,7 +286,6 @@ def test_l1_self_attention_after_a_graphed_piece(sim, how):
 
 # ============================== C1 the shared buffer copied in twice ========================
 
-@COST
 def test_c1_repeated_tensor_copied_in_once_per_replay(sim):
     g, ref = _twin(Body)
     with torch.no_grad():
