@@ -366,8 +366,12 @@ else:
     g, ref = twins(lambda x, h: h * 2 if hasattr(x, "__cuda_array_interface__") else h + 1)
     res, why = calls(g, ref, lambda i: ((rand(),), {}), 5)
     s = cg.stats(g)
-    check(all(o for o, _ in res) and not s.eager_calls and s.replays == 4,
-          "[control] hasattr(x, '__cuda_array_interface__') stays graphed (a dunder)",
+    # (on the H100 run at 4f65eb1 this control, expecting a graph, FAILED: ``hasattr``
+    # evaluates the property, which reads the pointer, and the read is refused. Kept so, as
+    # the README says: correct, a needless eager root where met)
+    check(all(o for o, _ in res) and refused(g, "Tensor.__cuda_array_interface__"),
+          "[control] hasattr(x, '__cuda_array_interface__') refused: it evaluates the "
+          "property, a read of the pointer (README)",
           f"{why} ({stats_line(g)})")
 
 finish("a_checks")
