@@ -9,48 +9,14 @@ without CUDA. ``[finding]`` lines FAIL where the finding holds; ``[control]`` li
 DEV=cpu: a smoke test of the scripts' own logic on the CPU double of tests/conftest.py, whose
 capture is made to leave the RNG as a CUDA capture does.
 """
+
 import importlib.util
 import os
 
-# (the shared part is the callables review's common.py, loaded under a name of its own; this
-# folder's own helpers follow)
-_spec = importlib.util.spec_from_file_location("review_common", os.path.join(
-    os.path.dirname(os.path.abspath(__file__)), "..", "callables", "common.py"))
+# (the same lines as hunt 7's common.py, which loads the callables review's shared part and adds
+# ``scenario``: loaded under a name of its own, its names made this module's)
+_spec = importlib.util.spec_from_file_location("review_hunt7_common", os.path.join(
+    os.path.dirname(os.path.abspath(__file__)), "..", "hunt7", "common.py"))
 _shared = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_shared)
-CPU, DEV, FAILS, ROOT, W = _shared.CPU, _shared.DEV, _shared.FAILS, _shared.ROOT, _shared.W
-check, finish, info, same = _shared.check, _shared.finish, _shared.info, _shared.same
-rng_state, skip_without_cuda = _shared.rng_state, _shared.skip_without_cuda
-stats_line, sync_all, twin_run = _shared.stats_line, _shared.sync_all, _shared.twin_run
-
-import torch  # noqa: E402
-
-
-def scenario(make, change, before=3, after=3, fresh=False, train=False, shape=(8, 64)):
-    """(ok, detail, graphed): ``make()`` graphed beside an eager twin (a deep copy, or built
-    again from the same seed with ``fresh``); ``before`` no_grad calls, ``change`` on both,
-    ``after`` more. Not ok also where nothing replayed before the change (proves nothing)."""
-    import copy
-    import cudagraphify as cg
-    torch.manual_seed(0)
-    ref = make().to(DEV).train(train)
-    if fresh:
-        torch.manual_seed(0)
-        g = make().to(DEV).train(train)
-    else:
-        g = copy.deepcopy(ref)
-    g = cg.graphify(g)
-    with torch.no_grad():
-        for i in range(before + after):
-            if i == before:
-                if cg.stats(g).replays < 1:
-                    return False, "no replay before the change: " + stats_line(g), g
-                change(ref)
-                change(g)
-            x = torch.randn(*shape, device=DEV)
-            got, want = g(x.clone()), ref(x.clone())
-            sync_all()
-            ok, why = same(got, want)
-            if not ok:
-                return False, f"call {i}: {why} ({stats_line(g)})", g
-    return True, "", g
+globals().update({k: v for k, v in vars(_shared).items() if not k.startswith("__")})
