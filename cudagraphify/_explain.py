@@ -114,11 +114,6 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
 
     statics = {storage_of(t) for t in (*module.parameters(), *buffers)}
     tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
-    copied = {storage_of(a) for a in tensors} - statics - {0}
-    # (graphify's first call sets the same: see Probe.read_metadata, read_attribute)
-    pinned = {id(a) for a in tensors if storage_of(a) in statics}
-    arguments = {id(a) for a in tensors}
-    attributed = {id(a): frozenset(d) for a in tensors if (d := getattr(a, "__dict__", None))}
 
     def two_runs(rehearse: bool) -> list[Probe]:
         probes = []
@@ -126,9 +121,8 @@ def probe_plan(module: torch.nn.Module, args: tuple, kwargs: dict, policy=None):
             probe = (TracingProbe if not probes else Probe)(module, policy, accel=accel,
                                                             thunder=True)
             probe.rehearse = rehearse
-            # (refused as graphify's first call refuses them: see Probe.read_metadata)
-            probe.copied, probe.statics, probe.pinned = copied, statics, pinned
-            probe.arguments, probe.attributed = arguments, attributed
+            # (refused as graphify's first call refuses them: none is marked static here)
+            probe.watch_arguments(tensors, [False] * len(tensors), statics)
             if probes:  # (the second run looks at writes too: a layout changed, RELAYOUT)
                 probe.known = statics | {storage_of(a) for a in (*args, *kwargs.values())
                                          if isinstance(a, torch.Tensor)}

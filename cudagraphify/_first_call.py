@@ -149,18 +149,8 @@ class FirstCall(Capturing):
         if probe is not None:
             mine = statics.storage_ptrs()
             probe.known = {storage_of(x) for _, x in tensors} | mine
-            pinned = [x for i, x in tensors if self.static_flags[i] or storage_of(x) in mine]
-            copied = [x for i, x in tensors if not self.static_flags[i]
-                      and storage_of(x) not in mine]
-            # (see Probe.read_metadata)
-            probe.statics = mine | {storage_of(x) for x in pinned}
-            probe.pinned = {id(x) for x in pinned}
-            probe.copied = {storage_of(x) for x in copied} - probe.statics - {0}
-            # (the Python attributes they carry: the graph's copies carry none, and a later
-            # argument, the same object or not, may carry others)
-            probe.arguments = {id(x) for _, x in tensors}
-            probe.attributed = {id(x): frozenset(d) for _, x in tensors
-                                if (d := getattr(x, "__dict__", None))}
+            probe.watch_arguments([x for _, x in tensors],
+                                  [self.static_flags[i] for i, _ in tensors], mine)
             probe.written = set()
         self.recorder = rec = Recorder()
         self.hooks_before = _watch.global_hooks()

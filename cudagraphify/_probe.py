@@ -738,6 +738,23 @@ class Probe:
             return
         self.findings.append(Finding.at_caller(self.path, name, ("PYTHON_STATE",)))
 
+    def watch_arguments(self, tensors: list, in_place: list[bool], statics: set[int]) -> None:
+        """Set what :meth:`read_metadata` and :meth:`read_attribute` refuse for a call whose
+        tensor leaves are ``tensors`` (``in_place``: each read in place, marked or named
+        static, rather than copied; ``statics``: the storages of the parameters and buffers,
+        whose own leaves are read in place too)."""
+        ptrs = [storage_of(x) for x in tensors]
+        pinned = [(x, p) for x, p, s in zip(tensors, ptrs, in_place) if s or p in statics]
+        self.statics = statics | {p for _, p in pinned}
+        self.pinned = {id(x) for x, _ in pinned}
+        self.copied = {p for x, p in zip(tensors, ptrs) if id(x) not in self.pinned} \
+            - self.statics - {0}
+        # (the Python attributes they carry: the graph's copies carry none, and a later
+        # argument, the same object or not, may carry others)
+        self.arguments = {id(x) for x in tensors}
+        self.attributed = {id(x): frozenset(d) for x in tensors
+                           if (d := getattr(x, "__dict__", None))}
+
     def read_metadata(self, name: str, args: tuple) -> None:
         """The forward read ``name`` (:data:`COPY_READS`, or a Python attribute it did not
         find) of a tensor: refused (PYTHON_STATE) where that tensor's memory is a copied

@@ -356,11 +356,8 @@ def build_signature(
             # the same spec the general path builds, so a call keys alike on either path
             spec = (_LEAF_SPECS[len(args)] if len(args) < len(_LEAF_SPECS)
                     else (_LEAF,) * len(args), ())
-            if len(args) > 1:
-                repeats = repeated(args)
-                if repeats:
-                    spec = (*spec, repeats)
-            return Signature(spec, metas, (), state), list(args), [False] * len(args)
+            return Signature(_with_repeats(spec, args), metas, (), state), list(args), \
+                [False] * len(args)
 
     leaves: list = []
     static_flags: list[bool] = []
@@ -413,11 +410,8 @@ def build_signature(
                 leaves,
                 static_flags,
             )
-    spec = (tuple(specs), names)
-    if len(metas) > 1:
-        repeats = repeated(leaves)
-        if repeats:
-            spec = (*spec, repeats)
+    spec = _with_repeats((tuple(specs), names), leaves) if len(metas) > 1 \
+        else (tuple(specs), names)
     try:
         sig = Signature(spec, tuple(metas), tuple(constants), state)
         hash(sig)
@@ -440,6 +434,12 @@ def repeated(leaves) -> tuple:
             if j != i:
                 out.append((i, j))
     return tuple(out)
+
+
+def _with_repeats(spec: tuple, leaves) -> tuple:
+    """``spec`` with :func:`repeated` as a third item where a tensor leaf repeats."""
+    repeats = repeated(leaves) if len(leaves) > 1 else ()
+    return (*spec, repeats) if repeats else spec
 
 
 def unflatten_call(leaves: list, sig: Signature) -> tuple[tuple, dict]:
