@@ -383,7 +383,7 @@ class Fast:
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "statics",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
                  "state_copied", "outside", "ranges", "slot", "grads", "base", "pairs",
-                 "spread")
+                 "spread", "where")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -412,11 +412,13 @@ class Fast:
         tensors = leaves if mixed is None else [leaves[i] for i in mixed[0]]
         if not tensors or (len(tensors) > 1 and repeated(tensors)):
             return None  # (a call passing one tensor twice keeps to the slow path)
+        if any(t.__dict__ for t in tensors):
+            return None  # (Python attributes: part of the key, see _signature.leaf_kind)
         self = Fast()
         # the tensors' positions, checked to be distinct objects (part of the key: see
         # _signature.repeated): None for one tensor; pairwise where they are few, else
         # (``pairs`` empty) by a set of their ids
-        where = tuple(range(len(leaves)) if mixed is None else mixed[0])
+        where = self.where = tuple(range(len(leaves)) if mixed is None else mixed[0])
         self.pairs = None if len(where) < 2 else tuple(itertools.combinations(where, 2)) \
             if len(where) <= 5 else ()
         self.spread = (operator.itemgetter(*where), len(where)) if len(where) > 5 else None
@@ -505,6 +507,11 @@ class Fast:
                     return _MISS
                 if _forward_ad._current_level >= 0:  # (see _guards.dual_level)
                     return _MISS
+                # (a tensor that carries Python attributes is another key, its class too: the
+                # C guard checks the class; see _signature.leaf_kind)
+                for i in self.where:
+                    if args[i].__dict__:
+                        return _MISS
                 pairs = self.pairs
                 if pairs is not None:
                     if pairs:

@@ -231,7 +231,7 @@ def fingerprint(first) -> tuple | None:
         # what the rehearsal's writes are compared with
         tuple(first.mutated), tuple(first.wrote_statics),
         # the call without its sizes: nesting, dtypes, devices, constants, grad mode
-        sig.spec, tuple(m[2:7] + (len(m) > 7,) for m in sig.tensors), sig.constants, sig.state,
+        sig.spec, tuple(m[2:8] + (len(m) > 8,) for m in sig.tensors), sig.constants, sig.state,
         # which module attributes it read (a module made by the forward: by its class)
         tuple((names.get(id(m), type(m).__qualname__), name)
               for m, name, _ in first.warm_guard.reads),

@@ -43,6 +43,7 @@ __all__ = [
     "strict_key",
     "mark_static",
     "is_marked_static",
+    "leaf_kind",
 ]
 
 _Tensor = torch.Tensor
@@ -248,14 +249,29 @@ def storage_of(t: torch.Tensor) -> int:
         return 0  # (ValueError: a lazy module's uninitialized parameter)
 
 
+def leaf_kind(t: torch.Tensor) -> tuple | None:
+    """What a tensor leaf is besides its layout, part of the key (the item after the neg bit):
+    None for a plain ``Tensor`` without Python attributes (nearly every call), else its class
+    and whether it carries attributes. A graph's static copy is a plain tensor with none, so a
+    forward's ``isinstance(x, nn.Parameter)`` or ``vars(x)`` of a copy would not answer as the
+    argument does; a call whose argument differs there is another key, whose first call's
+    probe sees those reads (an argument that carries attributes: :mod:`._probe`'s
+    ``attributed``; a class the copy does not have: the capture takes the other path)."""
+    if type(t) is _Tensor and not t.__dict__:
+        return None
+    return (type(t), bool(t.__dict__))
+
+
 def tensor_meta(t: torch.Tensor, static: bool) -> tuple:
     """A tensor leaf's part of the key; the conj and neg bits too (a parameter passed as an
-    argument is read in place: a conj or neg view of its memory reads it otherwise); one read
-    in place by request (``static``) by its address as well (the last item)."""
+    argument is read in place: a conj or neg view of its memory reads it otherwise), its
+    :func:`leaf_kind`; one read in place by request (``static``) by its address as well (the
+    last item)."""
     if static:
         return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(),
-                t.is_neg(), t.data_ptr())
-    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg())
+                t.is_neg(), leaf_kind(t), t.data_ptr())
+    return (t.shape, t.stride(), t.dtype, t.device, t.requires_grad, t.is_conj(), t.is_neg(),
+            leaf_kind(t))
 
 
 def call_state() -> CallState:
@@ -350,9 +366,9 @@ def build_signature(
     # Fast path: positional tensors only, no statics: no pytree work at all.
     if not kwargs and not static_positions and not _static_tensors:
         if all(type(a) is _Tensor and a.layout is _strided and not a.is_nested
-               and not _functorch_wrapped(a) for a in args):
+               and not _functorch_wrapped(a) and not a.__dict__ for a in args):
             metas = tuple([(a.shape, a.stride(), a.dtype, a.device, a.requires_grad,
-                            a.is_conj(), a.is_neg()) for a in args])
+                            a.is_conj(), a.is_neg(), None) for a in args])
             # the same spec the general path builds, so a call keys alike on either path
             spec = (_LEAF_SPECS[len(args)] if len(args) < len(_LEAF_SPECS)
                     else (_LEAF,) * len(args), ())

@@ -14,8 +14,8 @@ Status since the fix that followed this review: S1, S2, S4, S5, S6 and E1 are re
 names in ``_probe.COPY_READS``, ``STATIC_READS`` and ``PINNED_READS``; ``torch/_ops.py`` is
 dispatch, not a reader; explain flattens its arguments) and S3's ``x is y`` is another key
 (``_signature.repeated``): plain tests now. L1: Triton's files are trusted readers (checked on
-the GPU). Open, strict xfails (README): S3 for arguments that share memory without being one
-object, S7, S8, S9.
+the GPU). S8 is fixed since (a leaf's class is in the key, ``_signature.leaf_kind``). Open,
+strict xfails (README): S3 for arguments that share memory without being one object, S7, S9.
 
 Findings (strict xfails when found):
 
@@ -400,11 +400,13 @@ def test_s7_torchscript_read(sim):
 
 # ============================== S8 the class of a copied argument ===========================
 
-@SILENT
 def test_s8_parameter_class_of_a_copied_argument(sim):
+    # (fixed: a leaf's class is in the key, _signature.leaf_kind: the Parameter calls are
+    # another signature, whose capture on a plain copy takes the other branch: caught)
     g, ref = _twins(lambda x: isinstance(x, nn.Parameter))
-    _silent(g, _run(g, ref, _fresh,
-                    lambda: (nn.Parameter(torch.randn(4, 8), requires_grad=False),)))
+    calls = _run(g, ref, _fresh, lambda: (nn.Parameter(torch.randn(4, 8), requires_grad=False),))
+    _silent(g, calls)
+    _fixed(g, calls)
 
 
 # ============================== S9 a torch helper reads for the user =======================
