@@ -34,7 +34,7 @@ from ._explain import _own_state
 from ._guards import StateGuard
 from ._hooks import HookWatch
 from ._nested import Nested
-from ._signature import is_constant, repeated, storage_of, strict_key
+from ._signature import is_constant, leaf_kind, repeated, storage_of, strict_key
 
 __all__ = ["Bucketed", "bucketed"]
 
@@ -319,10 +319,12 @@ class _State:
 
 def _leaf_key(leaf: Any, dim: int) -> Hashable:
     """What a bucket's check holds for, of one argument: a tensor's other dimensions, dtype,
-    device and grad; any other value itself (by identity where it cannot be hashed)."""
+    device, grad and kind (its class, whether it carries Python attributes: the padded tensor
+    is a plain one without; see _signature.leaf_kind); any other value itself (by identity
+    where it cannot be hashed)."""
     if isinstance(leaf, torch.Tensor):
         return (leaf.shape[:dim] + leaf.shape[dim + 1:], leaf.dtype, leaf.device,
-                leaf.requires_grad)
+                leaf.requires_grad, leaf_kind(leaf))
     if is_constant(leaf):
         return strict_key(leaf)  # (``0.0`` and ``-0.0`` apart, as the signature keeps them)
     try:

@@ -68,7 +68,7 @@ class EagerFast:
 
     __slots__ = ("state", "region", "reason", "n", "names", "types", "tensors", "tguard",
                  "others", "entry", "statics_same", "chained", "still", "flags", "flags_epoch",
-                 "grads", "pick", "one", "bypass", "scanned", "grad_mode", "lone")
+                 "grads", "pick", "one", "bypass", "scanned", "grad_mode", "lone", "dicts")
 
     @staticmethod
     def opaque(state, region, reason: str, args: tuple,
@@ -121,6 +121,12 @@ class EagerFast:
             return None
         self.tguard = _TensorGuards(*ts, dynamic_dims_sizes=[list(t.shape) for t in ts],
                                     dynamic_dims_strides=[list(t.stride()) for t in ts])
+        # a decision made for tensors that carry Python attributes (another key: see
+        # _signature.leaf_kind) takes only calls whose tensors carry them where these did
+        # (the C guard checks the class); one made for plain tensors runs an attributed call
+        # eagerly too, which is always correct
+        self.dicts = tuple(bool(t.__dict__) for t in ts) if any(t.__dict__ for t in ts) \
+            else None
         self.others = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
         # the call's tensors, as the guard takes them: a tuple (one frame less than a list
         # comprehension), or the one tensor
@@ -129,7 +135,7 @@ class EagerFast:
         # one positional tensor and nothing else: ``fits`` is its guard's check of that tensor
         # (a marked piece's DirectCall asks it so, one call less)
         self.lone = self.tguard.check if self.one and self.n == 1 and not self.names \
-            and not self.others else None
+            and not self.others and self.dicts is None else None
         if any(is_static_state(v) for _, v in self.others):
             return None  # keyed by what it holds, never held (see _state): decide again
         self.entry = entry
@@ -145,7 +151,7 @@ class EagerFast:
         self.state, self.region, self.reason = state, region, reason
         self.n, self.names = len(args), tuple(kwargs)
         self.types, self.tensors, self.tguard, self.others, self.entry = (), (), None, (), None
-        self.pick, self.one, self.lone = _none, False, None
+        self.pick, self.one, self.lone, self.dicts = _none, False, None, None
         self.chained = True  # (an opaque call's: see PieceRuns.chained)
         self.still = self.flags = self.grads = None
         self.flags_epoch = -1
@@ -198,7 +204,8 @@ class EagerFast:
                     return _MISS
             if not (self.tguard.check(self.pick(values)) if self.one
                     else self.tguard.check(*self.pick(values))) \
-                    or _grad_enabled() is not self.grad_mode:
+                    or _grad_enabled() is not self.grad_mode \
+                    or (self.dicts is not None and not self._same_dicts(values)):
                 return _MISS
             # (global flags are not checked: they change no eager decision, but where the
             # decision is a pending backward's, another signature's graph may replay; grad
@@ -251,8 +258,17 @@ class EagerFast:
         for i, v in self.others:
             if values[i] is not v:
                 return False
+        if self.dicts is not None and not self._same_dicts(values):
+            return False
         return self.tguard.check(self.pick(values)) if self.one \
             else self.tguard.check(*self.pick(values))
+
+    def _same_dicts(self, values: tuple) -> bool:
+        """Whether the call's tensors carry Python attributes where the decision's did."""
+        for i, had in zip(self.tensors, self.dicts):
+            if (not values[i].__dict__) is had:
+                return False
+        return True
 
     def _run(self, state, fn: Callable, args: tuple, kwargs: dict) -> Any:
         # (``chained``'s answer where segments are off and no piece of its plans may replay:
@@ -383,7 +399,7 @@ class Fast:
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "statics",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
                  "state_copied", "outside", "ranges", "slot", "grads", "base", "pairs",
-                 "spread", "where")
+                 "spread", "where", "dicts")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -412,9 +428,11 @@ class Fast:
         tensors = leaves if mixed is None else [leaves[i] for i in mixed[0]]
         if not tensors or (len(tensors) > 1 and repeated(tensors)):
             return None  # (a call passing one tensor twice keeps to the slow path)
-        if any(t.__dict__ for t in tensors):
-            return None  # (Python attributes: part of the key, see _signature.leaf_kind)
         self = Fast()
+        # which tensors carry Python attributes (part of the key: _signature.leaf_kind; a
+        # library's, ``nn.Buffer``'s ``persistent``, ``mark_dynamic``'s): None where none does
+        self.dicts = tuple(bool(t.__dict__) for t in tensors) \
+            if any(t.__dict__ for t in tensors) else None
         # the tensors' positions, checked to be distinct objects (part of the key: see
         # _signature.repeated): None for one tensor; pairwise where they are few, else
         # (``pairs`` empty) by a set of their ids
@@ -509,9 +527,15 @@ class Fast:
                     return _MISS
                 # (a tensor that carries Python attributes is another key, its class too: the
                 # C guard checks the class; see _signature.leaf_kind)
-                for i in self.where:
-                    if args[i].__dict__:
-                        return _MISS
+                dicts = self.dicts
+                if dicts is None:
+                    for i in self.where:
+                        if args[i].__dict__:
+                            return _MISS
+                else:
+                    for i, had in zip(self.where, dicts):
+                        if (not args[i].__dict__) is had:
+                            return _MISS
                 pairs = self.pairs
                 if pairs is not None:
                     if pairs:

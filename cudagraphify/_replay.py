@@ -24,6 +24,7 @@ __all__ = ["StaticInputs", "CapturedGraph", "plan_outputs", "output_leaves", "Ou
            "clone_output", "static_output"]
 
 _data = torch.Tensor.data.__get__  # ``t.data`` as a function of ``t``
+_Parameter = torch.nn.Parameter
 
 
 class OutputPlanError(CudagraphifyError):
@@ -87,6 +88,11 @@ class StaticInputs:
                 buf.copy_(leaf)
                 if marked and leaf.requires_grad and (buf.is_floating_point() or buf.is_complex()):
                     buf.requires_grad_(True)
+                if type(leaf) is _Parameter:
+                    # (a Parameter the module does not own, copied: the copy is one too, on the
+                    # same memory, so the capture sees the class the call does; the class is in
+                    # the key, see _signature.leaf_kind)
+                    buf = _Parameter(buf, requires_grad=buf.requires_grad)
                 self.copy.append((i, buf))
                 self.leaves.append(buf)
             else:
