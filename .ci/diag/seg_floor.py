@@ -1,0 +1,151 @@
+"""#16: what a segments replay costs per torch call, against the floor of its design.
+
+On workload A's GPT with an ``.item()`` in every block (``--sync item`` or ``item-inline``),
+prints µs per forward, best of interleaved rounds, for:
+
+- eager;
+- ``bare mode``: eager under a ``TorchFunctionMode`` that only calls through;
+- ``floor``: a ``TorchFunctionMode`` that answers every call but ``.item()`` with the output
+  recorded at that position (no check, no graph): what any interception of every call costs;
+- ``pieces``: ``graphify`` (its piecewise plan, pieces chained);
+- ``segments``: ``graphify(segments=True)`` with the segments kept (no trial);
+
+then, with ``--profile``, a cProfile of the segments' replays (top functions by own time) and
+the total of the compiled member checks. On a machine without CUDA (or ``--cpu``) the CPU double
+(tests/conftest.py's SimBackend, its replay a no-op) stands in: host time only.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import dataclasses
+import pstats
+import sys
+import time
+import warnings
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import cudagraphify as cg
+from cudagraphify.bench.models import WORKLOADS, GPT, model_and_input
+
+p = argparse.ArgumentParser()
+p.add_argument("--cpu", action="store_true")
+p.add_argument("--sync", default="item-inline")
+p.add_argument("--dim", type=int, default=None)
+p.add_argument("--rounds", type=int, default=5)
+p.add_argument("--calls", type=int, default=30)
+p.add_argument("--profile", action="store_true")
+opts = p.parse_args()
+warnings.simplefilter("ignore")
+
+DEV = "cuda" if torch.cuda.is_available() and not opts.cpu else "cpu"
+if DEV == "cpu":
+    sys.path.insert(0, "tests")
+    from conftest import SimBackend, SimGraph
+    from cudagraphify import _capture
+    SimGraph.replay = lambda self: None
+    _capture.set_backend(SimBackend())  # (no clock: no trial, segments and pieces kept)
+    torch.set_num_threads(1)
+sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+cfg = WORKLOADS["A"]
+if opts.dim:
+    cfg = dataclasses.replace(cfg, dim=opts.dim, heads=12 if opts.dim % 12 == 0 else 1)
+
+
+class Bare(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+class Record(TorchFunctionMode):
+    def __init__(self, outs):
+        super().__init__()
+        self.outs = outs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.outs.append(out)
+        return out
+
+
+class Floor(TorchFunctionMode):
+    def __init__(self, outs):
+        super().__init__()
+        self.outs, self.i = outs, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        i = self.i
+        self.i = i + 1
+        if func is torch.Tensor.item:
+            return func(*args, **(kwargs or {}))
+        out = self.outs[i]
+        return out.detach() if type(out) is torch.Tensor else out
+
+
+def per_call(fn, x) -> float:
+    sync()
+    t = time.perf_counter()
+    for _ in range(opts.calls):
+        fn(x)
+    sync()
+    return (time.perf_counter() - t) / opts.calls * 1e6
+
+
+def main() -> None:
+    model, x = model_and_input(cfg, DEV, opts.sync)
+    print(f"device {DEV} ({torch.cuda.get_device_name() if DEV == 'cuda' else 'CPU double'}), "
+          f"torch {torch.__version__}, sync {opts.sync}, {cfg}")
+    with torch.no_grad():
+        ref = model(x)
+        outs: list = []
+        with Record(outs):
+            model(x)
+
+        def bare(x):
+            with Bare():
+                return model(x)
+
+        def floor(x):
+            with Floor(outs):
+                return model(x)
+
+        variants = {"eager": model, "bare mode": bare, "floor": floor}
+        for name, segs in (("pieces", False), ("segments", True)):
+            g = GPT.from_config(cfg, DEV, sync=opts.sync)
+            g.load_state_dict(model.state_dict())
+            cg.graphify(g, segments=segs)
+            if segs:  # (kept whatever their trial would say: the cost of the design is asked)
+                from cudagraphify import _trial
+                _trial.MARGIN = float("inf")
+            for _ in range(30):
+                g(x)
+            s = cg.stats(g)
+            print(f"{name}: bitwise eager's: {torch.equal(g(x), ref)}; graphs {s.graphs}, "
+                  f"segments {s.segments}, segment replays {s.segment_replays}")
+            variants[name] = g
+        samples = {k: [] for k in variants}
+        for _ in range(opts.rounds):
+            for k, fn in variants.items():
+                samples[k].append(per_call(fn, x))
+        best_eager = min(samples["eager"])
+        for k, v in samples.items():
+            print(f"  {k:<10} {min(v):8.0f} µs  ({min(v) / best_eager:.3f} of eager; "
+                  f"{min(v) / len(outs):.2f} µs per call of the forward's {len(outs)})")
+        if opts.profile:
+            g = variants["segments"]
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(opts.calls):
+                g(x)
+            sync()
+            pr.disable()
+            st = pstats.Stats(pr)
+            own = [v for k, v in st.stats.items() if k[0].startswith("<segment call")]
+            print(f"compiled member checks: {sum(v[1] for v in own)} calls, "
+                  f"{sum(v[2] for v in own) / opts.calls * 1e6:.0f} µs a forward (profiled)")
+            st.sort_stats("tottime").print_stats(22)
+
+
+main()
