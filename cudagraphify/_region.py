@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from ._cache import GraphCache
 from ._capture import MULTI_STREAM, drain
 from ._copies import copies_of, copy_of
+from ._signature import leaf_kind
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._options import Stats
 
@@ -302,10 +303,13 @@ class GraphRegion:
         return pool
 
     def borrowable(self, leaves: list) -> dict[int, Slot]:
-        """Leaves that are exactly a slot's tensor (an alias handed out): read them in place."""
+        """Leaves that are exactly a slot's tensor (an alias handed out): read them in place
+        (not one of another class, or that carries Python attributes, ``nn.Parameter(h)``: the
+        slot is a plain tensor; such a leaf is copied, as the class is kept there, see
+        ``_replay.StaticInputs``)."""
         out: dict[int, Slot] = {}
         for i, x in enumerate(leaves):
-            if isinstance(x, torch.Tensor):
+            if isinstance(x, torch.Tensor) and leaf_kind(x) is None:
                 slot = self._slots.get(x.data_ptr())
                 if slot in out.values():
                     continue  # the same alias twice: one leaf borrows it, the others copy

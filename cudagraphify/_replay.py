@@ -266,6 +266,16 @@ def plan_outputs(
             seen[id(leaf)] = k
             ptr = leaf.untyped_storage().data_ptr()
             i = by_storage.get(ptr) if ptr else None
+            if (isinstance(leaf, torch.nn.Parameter) or leaf.__dict__) and not (
+                    (i is not None and leaf is inputs.leaves[i])
+                    or (ptr in persistent_storages and id(leaf) in persistent_ids)):
+                # (every action below but handing back the caller's own object makes a tensor
+                # by an op, which keeps no Python attribute, and of a Parameter makes a plain
+                # tensor; another subclass's op keeps its class)
+                raise OutputPlanError(
+                    f"forward returns a {type(leaf).__name__}"
+                    f"{' that carries Python attributes' if leaf.__dict__ else ''}: a replay "
+                    "would hand out a plain tensor, without its class or attributes")
             if leaf.numel() == 0 or not ptr:
                 actions.append(clone_output(leaf))
             elif i is not None and inputs.same_layout.get(i, True):

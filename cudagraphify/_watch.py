@@ -361,6 +361,16 @@ class _WeakValue:
         return type(now) is types.MethodType and now.__self__ is m and now.__func__ is self.func
 
 
+class _InRegistry:
+    """What a registry (``_parameters``, ``_buffers``, ``_modules``) held under a name before a
+    run set it anew (see :meth:`Recorder.wrote`)."""
+
+    __slots__ = ("registry", "value")
+
+    def __init__(self, registry: str, value: Any):
+        self.registry, self.value = registry, value
+
+
 class Recorder:
     """What one run of a forward read from modules, which modules ran, and which module
     attributes it changed."""
@@ -378,8 +388,19 @@ class Recorder:
 
     def wrote(self, module: nn.Module, name: str, value: Any) -> None:
         d = module.__dict__
-        if name in INTERNAL_ATTRS or any(name in d.get(k, ()) for k in REGISTRIES):
-            return  # a parameter, buffer or submodule: the statics guard sees those
+        if name in INTERNAL_ATTRS:
+            return
+        registry = next((k for k in REGISTRIES if name in d.get(k, ())), None)
+        if registry is not None:
+            # a parameter, buffer or submodule set anew: the statics guard sees the change on
+            # the next call, but what a run that is not a call (a capture's) binds there, its
+            # static copy of an argument (``self.seen = x``, ``nn.Parameter(x)``), must be
+            # put back, and a forward that sets one on every call is refused as any other
+            # attribute write is (a replay cannot repeat it)
+            old = d[registry][name]
+            if old is not value:
+                self.writes.append((module, name, _InRegistry(registry, old), value))
+            return
         old = d.get(name, MISSING)
         if not same(old, value):
             self.writes.append((module, name, old, value))
@@ -388,7 +409,10 @@ class Recorder:
         """Put back the module attributes the run changed (the last write first): a run that
         was not a call (an extra warm-up, a capture's)."""
         for module, name, old, _ in reversed(self.writes):
-            if old is MISSING:
+            if type(old) is _InRegistry:
+                module.__dict__[old.registry][name] = old.value
+                module.__dict__.pop(name, None)  # (a plain attribute it may have left)
+            elif old is MISSING:
                 module.__dict__.pop(name, None)
             else:
                 module.__dict__[name] = old
