@@ -421,6 +421,12 @@ def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
     slots: list[tuple[str, Any]] = []  # one output of the graph, one object twice, as eager's
     for kind, leaf in kinds:
         if kind == "tensor":
+            if isinstance(leaf, torch.nn.Parameter) or leaf.__dict__:
+                # (the graph's outputs come back as plain tensors, as ``plan_outputs``'s)
+                raise OutputPlanError(
+                    f"forward returns a {type(leaf).__name__}"
+                    f"{' that carries Python attributes' if leaf.__dict__ else ''}: a replay "
+                    "would hand out a plain tensor, without its class or attributes")
             n = index.get(id(leaf))
             if n is None:
                 n = index[id(leaf)] = len(tensors)

@@ -89,8 +89,15 @@ def install() -> None:
                 return set_attr(self, name, value)  # (no graph reads it)
             rec = _recorders.get(threading.get_ident())
             if rec is not None:
-                rec.wrote(self, name, value)
-            set_attr(self, name, value)
+                undo = rec.wrote(self, name, value)
+                try:
+                    set_attr(self, name, value)
+                except BaseException:
+                    if undo is not None:  # (a registry write that did not happen)
+                        undo()
+                    raise
+            else:
+                set_attr(self, name, value)
             if name in REGISTRIES:  # (a new registry: ``ModuleList.__delitem__``'s)
                 rewatch(self, name)
             global epoch
@@ -386,32 +393,49 @@ class Recorder:
         if key not in self.reads:  # the first read is what the run's code saw first
             self.reads[key] = Read(module, name, value, on_class)
 
-    def wrote(self, module: nn.Module, name: str, value: Any) -> None:
+    def wrote(self, module: nn.Module, name: str, value: Any) -> Callable[[], None] | None:
+        """Note that ``module.name = value`` is about to be set; for a registry's name, what
+        forgets the note if the set raises."""
         d = module.__dict__
         if name in INTERNAL_ATTRS:
-            return
+            return None
         registry = next((k for k in REGISTRIES if name in d.get(k, ())), None)
         if registry is not None:
             # a parameter, buffer or submodule set anew: the statics guard sees the change on
             # the next call, but what a run that is not a call (a capture's) binds there, its
             # static copy of an argument (``self.seen = x``, ``nn.Parameter(x)``), must be
             # put back, and a forward that sets one on every call is refused as any other
-            # attribute write is (a replay cannot repeat it)
+            # attribute write is (a replay cannot repeat it). One entry per name: a forward
+            # that sets it back to what it held (a swap for a masked run) wrote nothing
             old = d[registry][name]
-            if old is not value:
-                self.writes.append((module, name, _InRegistry(registry, old), value))
-            return
+            if old is value:
+                return None
+            writes = self.writes
+            for k, (m, n, was, _) in enumerate(writes):
+                if m is module and n == name and type(was) is _InRegistry:
+                    entry = writes[k]
+                    if was.value is value:
+                        del writes[k]
+                        return lambda: writes.insert(k, entry)
+                    writes[k] = (module, name, was, value)
+                    return lambda: writes.__setitem__(k, entry)
+            writes.append((module, name, _InRegistry(registry, old), value))
+            return writes.pop
         old = d.get(name, MISSING)
         if not same(old, value):
             self.writes.append((module, name, old, value))
+        return None
 
     def undo(self) -> None:
         """Put back the module attributes the run changed (the last write first): a run that
         was not a call (an extra warm-up, a capture's)."""
-        for module, name, old, _ in reversed(self.writes):
+        for module, name, old, new in reversed(self.writes):
             if type(old) is _InRegistry:
-                module.__dict__[old.registry][name] = old.value
-                module.__dict__.pop(name, None)  # (a plain attribute it may have left)
+                registry = module.__dict__.get(old.registry)
+                # (only where what the run set is still there: a training capture's registries
+                # held stand-ins of the parameters, put back since, see _statics.stand_ins)
+                if registry is not None and registry.get(name, MISSING) is new:
+                    registry[name] = old.value
             elif old is MISSING:
                 module.__dict__.pop(name, None)
             else:
