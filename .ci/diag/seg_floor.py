@@ -7,6 +7,10 @@ prints µs per forward, best of interleaved rounds, for:
 - ``bare mode``: eager under a ``TorchFunctionMode`` that only calls through;
 - ``floor``: a ``TorchFunctionMode`` that answers every call but ``.item()`` with the output
   recorded at that position (no check, no graph): what any interception of every call costs;
+- ``module floor``: as ``floor``, but the calls of the block's submodules (Attention, MLP,
+  LayerNorm) are answered whole, at the module call, with the output recorded there, their
+  own Python and ops not run: what matching a submodule call as one member of a segment (its
+  state guarded as a piece's is) could reach;
 - ``pieces``: ``graphify`` (its piecewise plan, pieces chained);
 - ``segments``: ``graphify(segments=True)`` with the segments kept (no trial);
 
@@ -84,6 +88,65 @@ class Floor(TorchFunctionMode):
         return out.detach() if type(out) is torch.Tensor else out
 
 
+class ModuleFloor:
+    """Submodule calls answered whole with the outputs recorded at them (``record`` first),
+    the remaining top-level calls by :class:`Floor`'s rule (their own outputs)."""
+
+    def __init__(self):
+        from cudagraphify.bench import models
+        self.kinds = (models.Attention, models.MLP, torch.nn.LayerNorm)
+        self.orig = {k: k.forward for k in self.kinds}
+        self.outs: list = []
+        self.ops: list = []
+        self.i = 0
+
+    def record(self, model, x):
+        def rec(k):
+            def forward(m, *a):
+                out = self.orig[k](m, *a)
+                self.outs.append(out)
+                return out
+            return forward
+        for k in self.kinds:
+            k.forward = rec(k)
+        try:
+            class Ops(TorchFunctionMode):  # (the calls outside the submodules)
+                def __torch_function__(mode, func, types, args=(), kwargs=None):
+                    out = func(*args, **(kwargs or {}))
+                    mode_outs.append(out)
+                    return out
+            mode_outs = self.ops
+            for k in self.kinds:  # (their own ops are not recorded: run outside the mode)
+                k.forward = (lambda k: lambda m, *a: _outside(lambda: rec(k)(m, *a)))(k)
+            with Ops():
+                model(x)
+        finally:
+            for k in self.kinds:
+                k.forward = self.orig[k]
+
+    def run(self, model, x):
+        def replay(m, *a):
+            i = self.i
+            self.i = i + 1
+            return _outside(self.outs[i].detach)  # (not a call the Floor mode answers)
+        for k in self.kinds:
+            k.forward = replay
+        self.i = 0
+        try:
+            with Floor(self.ops):
+                return model(x)
+        finally:
+            for k in self.kinds:
+                k.forward = self.orig[k]
+
+
+def _outside(fn):
+    """``fn()`` with the current TorchFunctionMode off."""
+    from torch.overrides import _pop_mode_temporarily
+    with _pop_mode_temporarily():
+        return fn()
+
+
 def per_call(fn, x) -> float:
     sync()
     t = time.perf_counter()
@@ -111,7 +174,10 @@ def main() -> None:
             with Floor(outs):
                 return model(x)
 
-        variants = {"eager": model, "bare mode": bare, "floor": floor}
+        mf = ModuleFloor()
+        mf.record(model, x)
+        variants = {"eager": model, "bare mode": bare, "floor": floor,
+                    "module floor": lambda x: mf.run(model, x)}
         for name, segs in (("pieces", False), ("segments", True)):
             g = GPT.from_config(cfg, DEV, sync=opts.sync)
             g.load_state_dict(model.state_dict())
@@ -131,7 +197,7 @@ def main() -> None:
                 samples[k].append(per_call(fn, x))
         best_eager = min(samples["eager"])
         for k, v in samples.items():
-            print(f"  {k:<10} {min(v):8.0f} µs  ({min(v) / best_eager:.3f} of eager; "
+            print(f"  {k:<12} {min(v):8.0f} µs  ({min(v) / best_eager:.3f} of eager; "
                   f"{min(v) / len(outs):.2f} µs per call of the forward's {len(outs)})")
         if opts.profile:
             g = variants["segments"]
