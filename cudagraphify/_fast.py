@@ -50,6 +50,13 @@ def _none(values: tuple) -> tuple:
     return ()
 
 
+def _attributed(tensors) -> tuple[bool, ...] | None:
+    """Which of a call's tensors carry Python attributes (part of the key:
+    _signature.leaf_kind), or None where none does (nearly every call)."""
+    flags = tuple(bool(t.__dict__) for t in tensors)
+    return flags if any(flags) else None
+
+
 class EagerFast:
     """The previous call's decision to run eagerly, for calls that would decide the same.
 
@@ -125,8 +132,7 @@ class EagerFast:
         # _signature.leaf_kind) takes only calls whose tensors carry them where these did
         # (the C guard checks the class); one made for plain tensors runs an attributed call
         # eagerly too, which is always correct
-        self.dicts = tuple(bool(t.__dict__) for t in ts) if any(t.__dict__ for t in ts) \
-            else None
+        self.dicts = _attributed(ts)
         self.others = [(i, v) for i, v in enumerate(values) if i not in set(self.tensors)]
         # the call's tensors, as the guard takes them: a tuple (one frame less than a list
         # comprehension), or the one tensor
@@ -431,8 +437,7 @@ class Fast:
         self = Fast()
         # which tensors carry Python attributes (part of the key: _signature.leaf_kind; a
         # library's, ``nn.Buffer``'s ``persistent``, ``mark_dynamic``'s): None where none does
-        self.dicts = tuple(bool(t.__dict__) for t in tensors) \
-            if any(t.__dict__ for t in tensors) else None
+        self.dicts = _attributed(tensors)
         # the tensors' positions, checked to be distinct objects (part of the key: see
         # _signature.repeated): None for one tensor; pairwise where they are few, else
         # (``pairs`` empty) by a set of their ids

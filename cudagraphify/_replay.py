@@ -201,6 +201,17 @@ def _handed_static(action) -> torch.Tensor | None:
     return t
 
 
+def refuse_lost_kind(t: torch.Tensor) -> None:
+    """Raise :class:`OutputPlanError` for an output a replay cannot hand out as eager does when
+    it makes it anew by an op: an ``nn.Parameter`` (its ops make plain tensors; another
+    subclass's keep their class) or one that carries Python attributes (no op keeps them)."""
+    if isinstance(t, _Parameter) or t.__dict__:
+        raise OutputPlanError(
+            f"forward returns a {type(t).__name__}"
+            f"{' that carries Python attributes' if t.__dict__ else ''}: a replay would hand "
+            "out a plain tensor, without its class or attributes")
+
+
 def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], Any]:
     """Each flat output leaf of a capture as ``("tensor", t)``, ``("arg", leaf index)`` (a
     non-tensor argument object returned as it is) or ``("const", value)``; and the spec.
@@ -266,16 +277,11 @@ def plan_outputs(
             seen[id(leaf)] = k
             ptr = leaf.untyped_storage().data_ptr()
             i = by_storage.get(ptr) if ptr else None
-            if (isinstance(leaf, torch.nn.Parameter) or leaf.__dict__) and not (
-                    (i is not None and leaf is inputs.leaves[i])
+            if not ((i is not None and leaf is inputs.leaves[i])
                     or (ptr in persistent_storages and id(leaf) in persistent_ids)):
                 # (every action below but handing back the caller's own object makes a tensor
-                # by an op, which keeps no Python attribute, and of a Parameter makes a plain
-                # tensor; another subclass's op keeps its class)
-                raise OutputPlanError(
-                    f"forward returns a {type(leaf).__name__}"
-                    f"{' that carries Python attributes' if leaf.__dict__ else ''}: a replay "
-                    "would hand out a plain tensor, without its class or attributes")
+                # by an op)
+                refuse_lost_kind(leaf)
             if leaf.numel() == 0 or not ptr:
                 actions.append(clone_output(leaf))
             elif i is not None and inputs.same_layout.get(i, True):

@@ -27,7 +27,7 @@ import torch.utils._pytree as pytree
 from ._cache import Owned
 from ._copies import clone_keeps, overlaps
 from ._errors import CudagraphifyError
-from ._replay import OutputPlanError, StaticInputs, _once, output_leaves
+from ._replay import OutputPlanError, StaticInputs, _once, output_leaves, refuse_lost_kind
 from ._signature import unflatten_call
 
 __all__ = ["TrainingGraph", "capture_training", "saved_by_backward", "warmup_backward"]
@@ -421,12 +421,7 @@ def _plan(out: Any, leaves: list) -> tuple[list[torch.Tensor], Callable, Any]:
     slots: list[tuple[str, Any]] = []  # one output of the graph, one object twice, as eager's
     for kind, leaf in kinds:
         if kind == "tensor":
-            if isinstance(leaf, torch.nn.Parameter) or leaf.__dict__:
-                # (the graph's outputs come back as plain tensors, as ``plan_outputs``'s)
-                raise OutputPlanError(
-                    f"forward returns a {type(leaf).__name__}"
-                    f"{' that carries Python attributes' if leaf.__dict__ else ''}: a replay "
-                    "would hand out a plain tensor, without its class or attributes")
+            refuse_lost_kind(leaf)  # (the graph's outputs come back as new tensors)
             n = index.get(id(leaf))
             if n is None:
                 n = index[id(leaf)] = len(tensors)
