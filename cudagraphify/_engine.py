@@ -36,7 +36,7 @@ from ._cache import (THRASH_EVICTIONS, THRASH_USES, CachePolicy, EagerEntry, Gra
 from ._errors import CudagraphifyUsageError, warn_once
 from ._fast import MISS, EagerFast, Fast
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
-from ._nested import in_graphed_call, plain_reason, sizes_log
+from ._nested import in_graphed_call, plain_reason, segment_mode, sizes_log
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
 from ._options import Options, Stats
 from ._piecewise import PiecewiseEntry, plan
@@ -255,6 +255,11 @@ class GraphedState(PieceRuns):
             plain = plain_reason()
             if plain is not None:
                 self.eager_calls[plain] += 1
+            mode = segment_mode.mode
+            if mode is not None and self.statics.root is not None and in_graphed_call():
+                # (a segments' record meets a module's first calls here, before its
+                # DirectCall is in place; answered whole only from there, see _segmodes)
+                return mode.module(self.statics.root, fn, args, kwargs, whole=False)
             return fn(*args, **kwargs)
         if region is not None:
             with region.lock, self.lock:

@@ -16,7 +16,8 @@ import threading
 sizes_log: contextvars.ContextVar[list | None] = contextvars.ContextVar(
     "cudagraphify_sizes_log", default=None)
 
-__all__ = ["Nested", "Plain", "bypassing", "in_graphed_call", "nesting", "plain_reason"]
+__all__ = ["Nested", "Plain", "bypassing", "in_graphed_call", "nesting", "plain_reason",
+           "segment_mode"]
 
 _tls = threading.local()
 nesting = [0]  # warm-ups and captures in progress, any thread (the fast path's cheap check)
@@ -31,6 +32,17 @@ class _Bypassing(threading.local):
 
 
 bypassing = _Bypassing()
+
+
+class _SegmentMode(threading.local):
+    """This thread's segments mode while it records or replays a forward (see _segmodes): a
+    graphed module's ``DirectCall`` met inside it hands the call to the mode (which may answer
+    it whole, past the module's Python); None outside."""
+
+    mode = None
+
+
+segment_mode = _SegmentMode()
 
 
 def in_graphed_call() -> bool:

@@ -157,11 +157,16 @@ class _Matcher:
     earlier member's output (this run's), a static's identity or address and layout, a copied
     tensor's layout."""
 
-    def __init__(self, call: "_Call", i: int, seg: "_Segment"):
+    def __init__(self, call: "_Call | _Member", i: int, seg: "_Segment",
+                 bufs: dict[int, list] | None = None):
         self.lines: list[str] = []
         self.env: dict[str, Any] = {"_Tensor": _Tensor, "_Parameter": _Parameter}
         self.copies: list[str] = []
         self.call, self.i, self.seg = call, i, seg
+        # (a module member's: per copied argument, the buffers of the calls that read it,
+        # loaded from it; such an argument is a plain tensor without attributes, as recorded:
+        # the module's Python, which is not run, might ask)
+        self.bufs = bufs
         self.k = 0  # the next tensor leaf
 
     def const(self, value: Any) -> str:
@@ -202,6 +207,9 @@ class _Matcher:
         self.k += 1
         x = f"x{k}"
         self.lines.append(f"    {x} = {expr}")
+        if self.bufs is not None and ref[0] != X:
+            # (a module member's: no attributes set on it since, the module might ask)
+            self.fail_if(f"{x}.__dict__")
         if ref[0] == P:
             self.lines.append(f"    h = handed.get({ref[1]})")
             self.fail_if(f"h is None or h[{ref[2]}] is not {x}")
@@ -212,9 +220,12 @@ class _Matcher:
         if ref[0] == S:
             self.fail_if(f"{x} is not {self.const(ref[1])} and ({plain} or {x}.data_ptr() != "
                          f"{ref[2]} or {layout})")
-        else:
+        elif self.bufs is None:
             self.fail_if(f"{plain} or {layout}")
             self.copies.append(f"({self.const(self.seg.bufs[self.i, k])}, {x})")
+        else:
+            self.fail_if(f"type({x}) is not _Tensor or {x}.__dict__ or {layout}")
+            self.copies.extend(f"({self.const(buf)}, {x})" for buf in self.bufs[k])
 
     def build(self):
         args, kwargs = self.call.struct
@@ -269,3 +280,47 @@ class _Segment:
         self.bufs: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> static buffer
         self.outs: dict[int, list[torch.Tensor]] = {}  # call -> its static outputs
         self.refused: str | None = None
+
+
+class _Frame:
+    """The record of one call of a graphed module (a piece) met inside the forward: the calls
+    its forward made (``start`` to ``end - 1``), its arguments' structure, which of those calls
+    read each tensor argument, and which calls' outputs it returned. Where all of its calls are
+    members of one graphed segment, it becomes a :class:`_Member`."""
+
+    __slots__ = ("module", "start", "end", "struct", "leaves", "ids", "metas", "reads",
+                 "out_struct", "out_refs", "why")
+
+    def __init__(self, module, start: int, struct: tuple, leaves: list):
+        self.module, self.start, self.end = module, start, start
+        self.struct = struct
+        self.leaves = leaves  # (while it runs: the ids below stay its arguments')
+        self.ids = {id(leaf): a for a, leaf in enumerate(leaves)}
+        self.metas = [_meta(leaf) for leaf in leaves]
+        self.reads: list[tuple[int, int, int]] = []  # (call, leaf, argument)
+        self.out_struct = None
+        self.out_refs: list[tuple[int, int]] = []  # per output tensor: (call, k)
+        # why it cannot be answered whole (None: it may be)
+        self.why: str | None = "the same tensor passed twice" \
+            if len(self.ids) != len(leaves) else "an argument carries attributes" \
+            if any(leaf.__dict__ for leaf in leaves) else None
+
+
+class _Member:
+    """A module call answered whole: its arguments checked (a compiled :class:`_Matcher` over
+    its structure, as a call's), its copied arguments loaded into the buffers of the calls
+    that read them, and its outputs the segment's static outputs of the calls that made them;
+    its forward's Python does not run (as a piece's replay: what it reads of modules is the
+    plan's entry's guard, the global state its segment's)."""
+
+    __slots__ = ("module", "start", "end", "segment", "name", "struct", "refs", "match",
+                 "out_struct", "out_refs", "hand")
+
+    def __init__(self, frame: _Frame, segment: "_Segment", refs: list):
+        self.module, self.start, self.end = frame.module, frame.start, frame.end
+        self.segment = segment
+        self.name = type(frame.module).__name__
+        self.struct, self.refs = frame.struct, refs
+        self.out_struct, self.out_refs = frame.out_struct, frame.out_refs
+        self.hand = sorted({j for j, _ in frame.out_refs})
+        self.match = None

@@ -12,10 +12,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from . import _guards, _region
+from ._nested import segment_mode
 from ._opinfo import info_of, infos
 from ._probe import _user_frame
-from ._segcalls import (_META, P, S, VARYING, X, _Call, _MethodWrapper, _Opaque,
-                        _Segment, _State, _bitwise_equal, _build, _flat, _getframe,
+from ._segcalls import (_META, P, S, VARYING, X, _Call, _Frame, _Member, _MethodWrapper,
+                        _Opaque, _Segment, _State, _bitwise_equal, _build, _flat, _getframe,
                         _grad_enabled, _inference, _meta, _own_code, _own_codes, _own_frame,
                         _raw_stream, _strided, _structure)
 
@@ -59,7 +60,21 @@ def direct_launch(events) -> str | None:
     return None
 
 
-class _Recorder(TorchFunctionMode):
+class _Mode(TorchFunctionMode):
+    """Either mode: this thread's :data:`~._nested.segment_mode` while it is on (a graphed
+    module's ``DirectCall`` hands its calls to :meth:`module`)."""
+
+    def __enter__(self):
+        self._outer = segment_mode.mode
+        segment_mode.mode = self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        segment_mode.mode = self._outer
+        return super().__exit__(*exc)
+
+
+class _Recorder(_Mode):
     def __init__(self, plan: "SegmentPlan"):
         super().__init__()
         self.plan = plan
@@ -67,6 +82,67 @@ class _Recorder(TorchFunctionMode):
         self.made_ptrs: set[int] = set()  # the storages of the members' outputs
         self.frozen: set[tuple[int, int]] = set()  # lean outputs copied once read (see _sources)
         self.state: _State | None = None  # the last member's
+        self.frames: list[_Frame] = []  # the module calls running, outermost first
+        # the outputs of a finished module call's calls that it did not return: read by a
+        # later call, that module is not answered whole (a replay would not hand them out)
+        self.inner: dict[int, _Frame] = {}
+
+    def module(self, module, fn, args: tuple, kwargs: dict, whole: bool = True) -> Any:
+        """A graphed module's call (a piece): run, and recorded as a :class:`_Frame` (see
+        :meth:`SegmentPlan._members`) where it has no hooks."""
+        plan = self.plan
+        d = module.__dict__
+        if any(d.get(name) for name in _HOOKS):
+            return fn(*args, **kwargs)
+        leaves: list = []
+        try:
+            struct = _structure(args, kwargs, leaves)
+        except _Opaque:
+            return fn(*args, **kwargs)
+        with _no_modes():  # (its arguments' layouts: not the forward's calls)
+            frame = _Frame(module, len(plan.calls), struct, leaves)
+        self.frames.append(frame)
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.frames.pop()
+        frame.end = len(plan.calls)
+        frame.leaves, frame.ids = [], {}
+        if frame.why is not None or frame.end == frame.start:
+            return out
+        outs: list = []
+        try:
+            frame.out_struct = _flat(out, outs)
+        except _Opaque:
+            return out
+        made = self.made
+        for t in outs:
+            hit = made.get(id(t))
+            if hit is None or hit[2] is not t or not frame.start <= hit[0] < frame.end:
+                return out  # (an argument, a parameter, a tensor made unseen: not whole)
+            frame.out_refs.append((hit[0], hit[1]))
+        returned = set(frame.out_refs)
+        for key, hit in made.items():
+            if frame.start <= hit[0] < frame.end and (hit[0], hit[1]) not in returned:
+                self.inner[key] = frame
+        plan.frames.append(frame)
+        return out
+
+    def _read(self, leaves: list, call: _Call | None) -> None:
+        """The running module calls that a call with these tensor arguments (``call``: a
+        member's, with its sources) makes, and finished ones it reads inside of."""
+        j = len(self.plan.calls) - 1
+        for k, leaf in enumerate(leaves):
+            frame = self.inner.get(id(leaf))
+            if frame is not None:
+                frame.why = "a later call reads what its calls made, not returned"
+            for frame in self.frames:
+                a = frame.ids.get(id(leaf))
+                if a is not None:
+                    frame.reads.append((j, k, a))
+                elif call is None or call.refs[k][0] == X or (
+                        call.refs[k][0] == P and call.refs[k][1] < frame.start):
+                    frame.why = "its calls read a tensor that is not its argument"
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -99,6 +175,18 @@ class _Recorder(TorchFunctionMode):
         held = len(plan.copied_held)
         if why is None:
             why = self._sources(call, leaves)
+        if self.frames or self.inner:
+            if why is not None:  # (a boundary's tensors: kept only for this)
+                leaves = []
+                try:
+                    _structure(args, kwargs, leaves)
+                except _Opaque:  # (what it holds is not seen: no module call around or
+                    # before it is answered whole)
+                    for frame in [*self.frames, *self.inner.values()]:
+                        frame.why = "a call passes an opaque argument"
+            self._read(leaves, call if why is None else None)
+            if why is not None:
+                leaves = []
         lean = False
         if why is None:
             call.metas = tuple(_meta(leaf) for leaf in leaves)
@@ -205,6 +293,12 @@ class _Recorder(TorchFunctionMode):
         return None
 
 
+_NO = object()  # (a module call not answered whole)
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
+          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
+_no_modes = torch._C.DisableTorchFunction
+
+
 class _Run:
     """One replayed call of the forward: where it is in the plan, what it handed out."""
 
@@ -261,6 +355,45 @@ class _Run:
             plan.replays += 1
             plan.last = self.token
 
+    def whole(self, member: _Member, args: tuple, kwargs: dict) -> Any:
+        """A module call answered whole, or :data:`_NO` (nothing done but a pending segment
+        replayed: its calls are met one by one then, as any call)."""
+        seg = member.segment
+        state = seg.state
+        plan = self.plan
+        # (the global state as the op path checks it: with torch functions on)
+        if not state.check() or _inference() is not state.inference or \
+                (_guards.flags_epoch != state.epoch and not state.same_flags()) or \
+                (self.token is not None and _raw_stream(plan.index) != self.token) or \
+                (self.pending is not seg and member.start != seg.first) or \
+                not plan.guard.valid():
+            return _NO
+        # (no mode sees the check's reads, the copies and detaches: they are not the
+        # forward's calls, and would replay the segment early)
+        with _no_modes():
+            try:
+                copies = member.match(args, kwargs, self.handed)
+            except RuntimeError:  # (a layout read that a tensor refuses: sparse strides)
+                return _NO
+            if copies is None:
+                return _NO
+            if self.pending is not seg:
+                self.start(seg)
+            try:
+                for buf, leaf in copies:
+                    buf.copy_(leaf)
+            except RuntimeError:  # (a sparse tensor: its calls copy again, or diverge)
+                return _NO
+            self.cursor = member.end
+            handed, calls = self.handed, plan.calls
+            for j in member.hand:
+                handed[j] = [t.detach() for t in calls[j].outs]
+            out = _build(member.out_struct, iter([handed[j][k] for j, k in member.out_refs]))
+            plan.whole += 1
+            if member.end - 1 == seg.last:
+                self.flush()
+        return out
+
     def diverge(self, func, args, kwargs) -> Any:
         self.flush()
         self.note()
@@ -269,10 +402,27 @@ class _Run:
         return func(*args, **kwargs)
 
 
-class _Replayer(TorchFunctionMode):
+class _Replayer(_Mode):
     def __init__(self, run: _Run):
         super().__init__()
         self.run = run
+
+    def module(self, module, fn, args: tuple, kwargs: dict, whole: bool = True) -> Any:
+        """A graphed module's call: answered whole where the plan has it as a member at this
+        point of the forward and it matches (see :meth:`_Run.whole`), else its forward runs
+        and its calls are met one by one (``whole=False``: a call through ``_call_impl``, its
+        hooks run: never answered whole)."""
+        run = self.run
+        if whole and not run.diverged:
+            members = run.plan.members.get(run.cursor)
+            if members is not None:
+                for member in members:
+                    if member.module is module:
+                        out = run.whole(member, args, kwargs)
+                        if out is not _NO:
+                            return out
+                        break
+        return fn(*args, **kwargs)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         run = self.run

@@ -38,21 +38,22 @@ or the parameters' addresses change (:class:`~._guards.FlagsGuard`, the statics'
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
 from ._capture import drain
-from ._guards import FlagsGuard
+from ._guards import FlagsGuard, StateGuard
 from ._nested import Nested
 from ._opinfo import written_by
 from ._policy import default_policy
 from ._copies import copies_of, copy_of
-from . import _trial, _writes
+from . import _trial, _watch, _writes
 from ._trial import MARGIN, Trial
-from ._segcalls import (P, S, VARYING, X, _Call, _Matcher, _Opaque, _Segment, _Tensor,
-                        _bitwise_equal, _build, _call_args, _flat, _meta, _raw_stream,
+from ._segcalls import (P, S, VARYING, X, _Call, _Matcher, _Member, _Opaque, _Segment,
+                        _Tensor, _bitwise_equal, _build, _call_args, _flat, _meta, _raw_stream,
                         _use_count)
 from ._segmodes import _Recorder, _Replayer, _Run, _profiler, direct_launch
 
@@ -77,6 +78,12 @@ class SegmentPlan:
         self.sites: list[str] = []  # per call: the user's file:line
         self.timing: tuple[float, float] | None = None  # the trial's (segments, without) s
         self.segments: list[_Segment] = []
+        # module calls (pieces) met in the record, and those answered whole (see _members):
+        # first call -> members starting there (outermost first)
+        self.frames: list = []
+        self.members: dict[int, list[_Member]] = {}
+        self.whole = 0  # module calls answered whole
+        self.guard: StateGuard | None = None  # what the record read of modules
         self.policy = state.options.op_policy or default_policy
         self.static_ptrs = state.statics.storage_ptrs()
         self.copied_ptrs: set[int] = set()
@@ -120,6 +127,7 @@ class SegmentPlan:
         self.earlier = None
         self.calls, self.sites, self.boundaries = [], [], {}
         self.copied_held, self.copied_ptrs = [], set()
+        self.frames, self.members = [], {}
 
     def refusal(self, func, info, args: tuple, kwargs: dict) -> str | None:
         """Why a call cannot be a member, or None."""
@@ -146,10 +154,11 @@ class SegmentPlan:
         self.dry, self.earlier = dry, earlier
         # (a dry record graphs nothing: the profiler, slow to run, is for the record that does)
         prof = _profiler() if self.device.type == "cuda" and not dry else None
+        rec = _watch.Recorder()  # (what it reads of modules: see _members)
         if prof is not None:
             self.profiling = True
             try:
-                with prof, Nested(), _Recorder(self):
+                with prof, Nested(), _watch.recording(rec, ran=False), _Recorder(self):
                     out = fn(*args, **kwargs)
             finally:
                 self.profiling = False
@@ -164,10 +173,10 @@ class SegmentPlan:
                              "does not see)", seen=False)
             return out
         else:
-            with Nested(), _Recorder(self):
+            with Nested(), _watch.recording(rec, ran=False), _Recorder(self):
                 out = fn(*args, **kwargs)
         if dry:  # (what the comparison reads, and nothing that holds memory)
-            self.copied_held = []
+            self.copied_held, self.frames = [], []
             for call in self.calls:
                 call.eager_out = []
                 call.refs = [ref if ref[0] == P else (ref[0],) for ref in call.refs]
@@ -176,6 +185,7 @@ class SegmentPlan:
         if earlier is not None:
             self.vary_from(earlier)
             self.earlier = None
+        self._guard(rec)
         self._views_alone()
         self._capture()
         self.last = self.token  # (the verifying replays ran on the call's stream)
@@ -187,12 +197,70 @@ class SegmentPlan:
                 call.segment, call.outs = seg, seg.outs[i]
                 call.match = _Matcher(call, i, seg).build()
                 call.single = call.out_struct == 0 and type(call.out_struct) is int
+        self._members()
         self._baselines = self._use_counts()
         self.ready = True
         clock = getattr(self.backend, "clock", None)
         if clock is not None and any(seg.graph is not None for seg in self.segments):
             self.trial = Trial(clock(self.device))
         return out
+
+    def _guard(self, rec: "_watch.Recorder") -> None:
+        """What the record read of modules (their attributes, classes, forwards and hooks), as
+        a guard a module call answered whole checks first: its Python, which does not run,
+        would read them (and the forward may change them before it)."""
+        root = self.state.statics.root
+        mods = [m for m in self.state.statics.modules if m is not root]
+        refs = [weakref.ref(m) for m in mods]
+        guard = StateGuard(list(rec.reads.values()),
+                           hooks=lambda: _watch.hook_fingerprint(refs), ran=mods,
+                           owned=frozenset(map(id, self.state.statics.modules)))
+        self.guard = guard if not guard.unguardable else None
+
+    def _members(self) -> None:
+        """The module calls of the record that a replay answers whole (:class:`_Member`):
+        those whose calls are all members of one graphed segment, none returning an argument
+        as it is, whose calls read no tensor but its arguments, the parameters and buffers
+        and what its own calls made, and whose calls' outputs that it did not return no later
+        call reads (see _Recorder.module); only where what the record read of modules can be
+        guarded (see :meth:`_guard`)."""
+        frames, self.frames = self.frames, []
+        if self.guard is None:
+            return
+        calls = self.calls
+        last_read: dict[tuple[int, int], int] = {}
+        for i, call in enumerate(calls):
+            for ref in call.refs:
+                if ref[0] == P:
+                    last_read[ref[1], ref[2]] = i
+        for frame in frames:
+            seg = calls[frame.start].segment
+            if frame.why is not None or seg is None or any(
+                    calls[j].segment is not seg or calls[j].same
+                    for j in range(frame.start, frame.end)):
+                continue
+            returned = set(frame.out_refs)
+            if any(frame.start <= j < frame.end and (j, k) not in returned and i >= frame.end
+                   for (j, k), i in last_read.items()):
+                continue
+            refs: list = []
+            bufs: dict[int, list] = {}
+            for a, meta in enumerate(frame.metas):
+                reads = [(j, k) for j, k, b in frame.reads if b == a]
+                kinds = {calls[j].refs[k][0] for j, k in reads}
+                if len(kinds) > 1:
+                    break
+                if not reads or kinds == {X}:
+                    refs.append((X, meta))
+                    bufs[a] = [seg.bufs[j, k] for j, k in reads]
+                else:
+                    refs.append(calls[reads[0][0]].refs[reads[0][1]])
+            else:
+                member = _Member(frame, seg, refs)
+                member.match = _Matcher(member, frame.start, seg, bufs).build()
+                self.members.setdefault(frame.start, []).append(member)
+        for members in self.members.values():  # (the outermost first)
+            members.sort(key=lambda m: -m.end)
 
     def timed(self, fn, args: tuple, kwargs: dict, without) -> Any:
         """A call while the trial runs: the segments' replay or ``without`` (the forward as it
@@ -456,6 +524,7 @@ class SegmentPlan:
             seg.outs, seg.bufs = {}, {}
         for call in self.calls:  # (the member checks hold the static buffers too)
             call.outs, call.match, call.segment = [], None, None
+        self.members, self.frames = {}, []
         self.pool = None
         self._baselines = []
         self.ready = False
@@ -474,6 +543,11 @@ class SegmentPlan:
             lines.append(f"segment {s}: calls {seg.first}-{seg.last} ({len(names)}: "
                          f"{names[0]} at {self.sites[seg.first]} .. {names[-1]} at "
                          f"{self.sites[seg.last]}) {what}")
+        members = [m for start in sorted(self.members) for m in self.members[start]]
+        if members:
+            lines.append("module calls answered whole (their Python not run), "
+                         f"{self.whole} so far: " +
+                         ", ".join(f"{m.name} at call {m.start}" for m in members))
         for i, why in sorted(self.boundaries.items()):
             lines.append(f"call {i} {self.calls[i].name} at {self.sites[i]}: eager ({why})")
         return lines

@@ -495,8 +495,10 @@ GONE = _Gone()  # what a Read of a deleted module reads now
 
 
 @contextlib.contextmanager
-def recording(rec: Recorder) -> Iterator[Recorder]:
-    """Record, on this thread, the module attributes read and the modules run (see module docs)."""
+def recording(rec: Recorder, ran: bool = True) -> Iterator[Recorder]:
+    """Record, on this thread, the module attributes read and the modules run (see module docs;
+    ``ran=False``: not the modules run, whose global pre-hook would send every graphed
+    module's call through ``_call_impl``)."""
     global _patch_users
     install()
     with _patch_lock:
@@ -507,7 +509,8 @@ def recording(rec: Recorder) -> Iterator[Recorder]:
     outer = _recorders.get(tid)
     _recorders[tid] = rec
     try:
-        with own_global_hook(_module_mod.register_module_forward_pre_hook, rec._pre):
+        with own_global_hook(_module_mod.register_module_forward_pre_hook, rec._pre) if ran \
+                else contextlib.nullcontext():
             yield rec
     finally:
         if outer is not None:

@@ -23,7 +23,7 @@ from . import _guards, _watch
 from ._engine import STATE, GraphedState
 from ._fast import MISS
 from ._nested import bypassing as _bypassing, in_graphed_call, plain_reason
-from ._nested import nesting as _nesting
+from ._nested import nesting as _nesting, segment_mode as _segment_mode
 from ._errors import CudagraphifyUsageError, name_of
 from ._options import Options
 
@@ -239,6 +239,10 @@ class DirectCall(_watch.CallImpl):
         why = state.given_back
         if why is not None:  # a piece whose graph did not pay (see _trial)
             if state._backward_pending or _nesting[0]:
+                mode = _segment_mode.mode if _nesting[0] else None
+                if mode is not None and not state._backward_pending:
+                    # (a segments' run: the module may be answered whole, see _segmodes)
+                    return mode.module(module, self.fn, args, kwargs)
                 return state._given_back(self.fn, args, kwargs)
             state.eager_calls[why] += 1  # (``_given_back``'s common case, one frame less)
             return self.fn(*args, **kwargs)
@@ -249,6 +253,9 @@ class DirectCall(_watch.CallImpl):
             plain = plain_reason()
             if plain is not None:
                 state.eager_calls[plain] += 1
+            mode = _segment_mode.mode
+            if mode is not None:  # (a segments' run: the module may be answered whole)
+                return mode.module(module, self.fn, args, kwargs)
             return self.fn(*args, **kwargs)
         bypass = state._bypass
         if bypass is not None and bypass[0] is _bypassing.token:
