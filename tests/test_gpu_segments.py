@@ -42,6 +42,12 @@ def test_sync_blocks_replay_their_segments_bitwise(sync):
     # (call 1 is probed, call 2 recorded, calls 3-5 replay the five segments)
     assert (s.segments, s.segment_replays) == (5, 3 * 5), plan.describe()
     assert plan.divergences == 0
+    # each block's submodules (and ln_f) answered whole at their calls in every replayed call
+    names = sorted(type(m.module).__name__ for ms in plan.members.values() for m in ms)
+    per_block = ["Attention", "LayerNorm", "LayerNorm", "MLP"] if sync == "item" else \
+        ["LayerNorm", "LayerNorm", "Linear", "Linear", "Linear", "Linear"]
+    assert names == sorted(per_block * 4 + ["LayerNorm"]), plan.describe()
+    assert plan.whole == 3 * len(names)
 
 
 class _Branchy(nn.Module):
