@@ -512,3 +512,108 @@ def test_control_a_member_returning_a_tuple_with_one_output_twice(segments):
     g = _graphed(m)
     _calls(g, m, *[torch.randn(3, 8) for _ in range(5)])
     assert _plan(g).whole > 0
+
+
+# ---- F2 more: write-only attributes and side effects outside modules
+
+class _Flags(nn.Module):
+    """Sets a flag it never reads (a user resets it and reads it after the forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.used = False
+
+    def forward(self, x):
+        self.used = True
+        return self.lin(x)
+
+
+@pytest.mark.xfail(strict=True, reason="silent state: an attribute the member's forward only "
+                   "writes (not read: not in the guard) is not set again once reset")
+def test_f2c_a_write_only_attribute_reset_by_the_user(segments):
+    g, m, x, plan = _warm(_Flags())
+    whole = plan.whole
+    for mod in (m, g):
+        mod.inner.used = False
+    _calls(g, m, x)
+    assert plan.whole > whole
+    assert g.inner.used == m.inner.used
+
+
+CALLS = [0]
+HITS = 0
+
+
+class _CountsGlobally(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        global HITS
+        HITS += 1
+        return self.lin(x)
+
+
+@pytest.mark.xfail(strict=True, reason="silent state: a global the member's forward writes "
+                   "(a counter) is not written")
+def test_f2d_a_global_counter_in_the_members_forward(segments):
+    global HITS
+    g, m, x, plan = _warm(_CountsGlobally())
+    whole = plan.whole
+    before = HITS
+    with torch.no_grad():
+        g(x)
+    assert plan.whole > whole
+    assert HITS == before + 1
+
+
+# ---- autocast toggled by the host from data, a separately graphed submodule
+
+class _Autocast(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _ReadsClassAttr()
+        self.on = False
+
+    def forward(self, x):
+        h = x.relu()
+        h = h * 1 if h.sum().item() > -1e9 else h
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.on):
+            out = self.inner(h)
+        return out.float() + 1
+
+
+def test_control_autocast_toggled_around_a_member(segments):
+    torch.manual_seed(0)
+    m = _Autocast().eval()
+    g = _graphed(m)
+    x = torch.randn(3, 8)
+    _calls(g, m, x, x, x)
+    assert _plan(g).whole > 0
+    for mod in (m, g):
+        mod.on = True
+    _calls(g, m, x, x)
+
+
+class _HostsGraphed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = _ReadsClassAttr()
+        self.other = cg.graphify(_ReadsClassAttr())
+
+    def forward(self, x):
+        h = x.relu()
+        h = h * 1 if h.sum().item() > -1e9 else h
+        return self.other(self.inner(h)) + 1
+
+
+def test_control_a_separately_graphed_submodule_first_called_in_the_record(segments):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = _HostsGraphed().eval()
+    g = _graphed(m)
+    # (the eager twin: the same weights, its submodule graphed too)
+    _calls(g, m, *[torch.randn(3, 8) for _ in range(6)])
