@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from . import _guards, _region
+from . import _guards, _region, _watch
 from ._nested import segment_mode
 from ._opinfo import info_of, infos
 from ._probe import _user_frame
@@ -102,12 +102,16 @@ class _Recorder(_Mode):
         with _no_modes():  # (its arguments' layouts: not the forward's calls)
             frame = _Frame(module, len(plan.calls), struct, leaves)
         self.frames.append(frame)
+        epoch = _watch.epoch
         try:
             out = fn(*args, **kwargs)
         finally:
             self.frames.pop()
         frame.end = len(plan.calls)
         frame.leaves, frame.ids = [], {}
+        if _watch.epoch != epoch:  # (any module attribute set, hook registered: a replay that
+            # skips its Python would not set it again, after a user reset it)
+            return out
         if frame.why is not None or frame.end == frame.start:
             return out
         outs: list = []

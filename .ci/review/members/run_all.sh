@@ -5,8 +5,10 @@
 # One line per check: PASS/FAIL. [control] lines should PASS; [finding] lines FAIL where the
 # finding holds.
 # a_findings: F1 the skipped Python's reads outside module instance attributes (a module
-#   global, a class attribute, a closure cell, a replaced function) [silent]; F2 its writes
-#   (tensors kept as attributes, a write-only attribute, a global counter) [silent state].
+#   global, a class attribute, a closure cell, a replaced function) [silent; as a piece's
+#   replay: pre-existing, documented]; F2 its writes: tensors kept as attributes and a
+#   write-only attribute [fixed: such a module is not answered whole, these lines PASS], a
+#   global counter [silent state; as a piece's replay].
 # b_controls: config object / dict / instance attribute / parameter changed, a counter, one
 #   member twice with its output kept across calls, a global hook registered later.
 # DEV=cpu: a smoke test on the CPU double of tests/conftest.py.
