@@ -522,6 +522,10 @@ def _retire_piece(ref: weakref.ref) -> None:
         return
     d = module.__dict__
     fwd = d.get("forward")
+    from . import _segrun  # (not at import: it imports the engine)
+    if isinstance(fwd, GraphedForward) and (fwd._self_dispatch.options.segments
+                                            or _segrun.ENABLED):
+        return  # (with segments on, its DirectCall stays: a segments' replay answers it whole)
     if isinstance(fwd, GraphedForward) and fwd._self_dispatch.options.piece:
         if isinstance(getattr(d.get("_compiled_call_impl"), "__self__", None), DirectCall):
             # (not deleted: ``Module._wrapped_call_impl`` reads it twice, and a call on another

@@ -334,3 +334,23 @@ def test_explain_counts_the_members(segments):
     text = "\n".join(_plan(g).describe())
     assert "module calls answered whole (their Python not run), 2 so far: _Scaled at call 0, " \
         "_Scaled at call" in text
+
+
+def test_a_piece_given_back_for_good_is_still_answered_whole(segments):
+    """With segments on, a piece given back keeps its DirectCall (no PlainCall put in its
+    place, which no segments' replay would meet)."""
+    import weakref
+
+    from cudagraphify import _wrap
+
+    torch.manual_seed(0)
+    m = _Root().eval()
+    g = _graphed(m)
+    x = torch.randn(3, 8)
+    _calls(g, m, x, x, x)
+    plan = _plan(g)
+    whole = plan.whole
+    _wrap._retire_piece(weakref.ref(g.b))
+    assert not isinstance(g.b.__dict__["_compiled_call_impl"], cg._watch.PlainCall)
+    _calls(g, m, x, x)
+    assert plan.whole == whole + 4
