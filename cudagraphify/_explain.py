@@ -293,7 +293,14 @@ def build(name: str, module: torch.nn.Module | None, plan, stats: Stats,
                                 "reason": reason, "calls": n}
                                for reason, n in stats.eager_calls.items()]
         elif plan is None:
-            node["status"] = "no plan yet (call it, or explain it with example inputs)"
+            # (a piece given back before it made a plan of its own: segments answered its
+            # calls, or its trial ran on calls another run planned)
+            given_back = getattr(state_of_module(sub), "given_back", None) if not path \
+                else None
+            node["status"] = "given back (eager)" if given_back else \
+                "no plan yet (call it, or explain it with example inputs)"
+            if given_back:
+                node["reasons"] = [{"text": given_back, "reason": given_back}]
         elif path in graphed or (path == "" and "" in graphed):
             given_back = getattr(state_of_module(sub), "given_back", None)
             node["status"] = "given back (eager)" if given_back else "graphed"
