@@ -92,7 +92,7 @@ class _Recorder(_Mode):
         :meth:`SegmentPlan._members`) where it has no hooks."""
         plan = self.plan
         d = module.__dict__
-        if any(d.get(name) for name in _HOOKS):
+        if any(d.get(name) for name in _watch._HOOK_DICTS):
             return fn(*args, **kwargs)
         leaves: list = []
         try:
@@ -132,9 +132,18 @@ class _Recorder(_Mode):
         plan.frames.append(frame)
         return out
 
-    def _read(self, leaves: list, call: _Call | None) -> None:
-        """The running module calls that a call with these tensor arguments (``call``: a
-        member's, with its sources) makes, and finished ones it reads inside of."""
+    def _read(self, args: tuple, kwargs: dict, leaves: list, call: _Call | None) -> None:
+        """The running module calls that a call makes, and the finished ones whose
+        intermediates it reads. ``call``: a member's, its tensor arguments ``leaves`` with
+        their sources; None: a boundary's (its tensors found here, kept only for this)."""
+        if call is None:
+            leaves = []
+            try:
+                _structure(args, kwargs, leaves)
+            except _Opaque:  # (what it holds is not seen: no module call around or before
+                # it is answered whole)
+                for frame in [*self.frames, *self.inner.values()]:
+                    frame.why = "a call passes an opaque argument"
         j = len(self.plan.calls) - 1
         for k, leaf in enumerate(leaves):
             frame = self.inner.get(id(leaf))
@@ -180,17 +189,7 @@ class _Recorder(_Mode):
         if why is None:
             why = self._sources(call, leaves)
         if self.frames or self.inner:
-            if why is not None:  # (a boundary's tensors: kept only for this)
-                leaves = []
-                try:
-                    _structure(args, kwargs, leaves)
-                except _Opaque:  # (what it holds is not seen: no module call around or
-                    # before it is answered whole)
-                    for frame in [*self.frames, *self.inner.values()]:
-                        frame.why = "a call passes an opaque argument"
-            self._read(leaves, call if why is None else None)
-            if why is not None:
-                leaves = []
+            self._read(args, kwargs, leaves, call if why is None else None)
         lean = False
         if why is None:
             call.metas = tuple(_meta(leaf) for leaf in leaves)
@@ -298,8 +297,6 @@ class _Recorder(_Mode):
 
 
 _NO = object()  # (a module call not answered whole)
-_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks",
-          "_forward_hooks_with_kwargs", "_forward_pre_hooks_with_kwargs")
 _no_modes = torch._C.DisableTorchFunction
 
 

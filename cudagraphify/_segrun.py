@@ -79,7 +79,7 @@ class SegmentPlan:
         self.timing: tuple[float, float] | None = None  # the trial's (segments, without) s
         self.segments: list[_Segment] = []
         # module calls (pieces) met in the record, and those answered whole (see _members):
-        # first call -> members starting there (outermost first)
+        # first call -> the members starting there (outermost first)
         self.frames: list = []
         self.members: dict[int, list[_Member]] = {}
         self.whole = 0  # module calls answered whole
@@ -208,7 +208,11 @@ class SegmentPlan:
     def _guard(self, rec: "_watch.Recorder") -> None:
         """What the record read of modules (their attributes, classes, forwards and hooks), as
         a guard a module call answered whole checks first: its Python, which does not run,
-        would read them (and the forward may change them before it)."""
+        would read them (and the forward may change them before it). None where the record
+        met no module call."""
+        if not self.frames:
+            self.guard = None
+            return
         root = self.state.statics.root
         mods = [m for m in self.state.statics.modules if m is not root]
         refs = [weakref.ref(m) for m in mods]
@@ -259,7 +263,7 @@ class SegmentPlan:
                 member = _Member(frame, seg, refs)
                 member.match = _Matcher(member, frame.start, seg, bufs).build()
                 self.members.setdefault(frame.start, []).append(member)
-        for members in self.members.values():  # (the outermost first)
+        for members in self.members.values():  # (the outermost first: explain lists them so)
             members.sort(key=lambda m: -m.end)
 
     def timed(self, fn, args: tuple, kwargs: dict, without) -> Any:
