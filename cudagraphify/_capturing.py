@@ -389,6 +389,8 @@ class Capturing:
             group.swaps = True
             group.refuse(_SWAPS)
             return None
+        if made is not None:  # (what its replay sets again: its template layer's, see verify)
+            self.shared_sets = group.layer_sets(k, self.key)
         return made
 
     def _cache_part(self):

@@ -93,6 +93,7 @@ class FirstCall(Capturing):
         self.may_borrow = True
         self.marked = None  # (versions before the capture: see _rehearsal.mark)
         self.capture_versions: list = []  # the statics' versions before it (graph_writes)
+        self.shared_sets: list = []  # a share_graph layer's: what its replay sets (_sets)
         self.run_versions: dict = {}  # what the capture's probe saw written (Probe.versions)
         self.run_layouts: dict = {}  # and the layouts of what its ops took (Probe.layouts)
         # the storages from before the call that the capture's backward wrote (its Python:
@@ -546,6 +547,11 @@ class FirstCall(Capturing):
             entry.release()
             return Outcome(EAGER, self.result, reason=guard.unguardable)
         entry.pinned = tuple(self.pinned)
+        sets = self._sets(self.shared_sets if shared else rec.sets)
+        if sets:  # (a replay sets them again, as a call would)
+            entry.sets = sets
+            if not self.training:
+                entry._replay = _watch.setting(entry._replay, sets)
         if not self.training and not torch.is_grad_enabled() and any(
                 p is not None and p.reads_requires_grad for p in (self.warm_probe, second)):
             entry.grads_read = self.statics.grad_pattern()
@@ -596,8 +602,27 @@ class FirstCall(Capturing):
             family.guard, family.flags, family.pinned = guard, self.flags, entry.pinned
             family.held_storages = entry.held_storages
             family.grads_read = entry.grads_read
+            family.sets = sets
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
                        shared=shared, states=[obj for _, obj in self.states])
+
+    def _sets(self, made: list) -> tuple:
+        """Of the module attributes the capture's run set to the constant they held (``made``,
+        as ``Recorder.sets``; a share_graph layer's: its template layer's, on its own modules),
+        those the real call set to that constant too, as ``(weakref, name, value)``: a replay
+        runs no Python, and the user may change one between calls (a flag reset), or another
+        signature's call set its own value (``self.last_n = x.shape[0]``). A set only the
+        capture's path makes is none of them."""
+        if not made:
+            return ()
+        real = {(id(m), n): v for m, n, _, v in self.recorder.writes}
+        real.update(((id(m), n), v) for m, n, v in self.recorder.sets)
+        sets = {}
+        for module, name, value in made:
+            key = (id(module), name)
+            if key in real and _watch.same(real[key], value):
+                sets[key] = (weakref.ref(module), name, value)
+        return tuple(sets.values())
 
     def _outside_outputs(self, entry, second: Probe | None) -> list[Finding]:
         """Outputs that no op of the capture made and that are none of the arguments,

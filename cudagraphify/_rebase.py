@@ -41,6 +41,7 @@ from typing import Any, Callable, Hashable
 import torch
 import torch.utils._pytree as pytree
 
+from . import _watch
 from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages, host_ranges,
                          memory_ranges, plan_rebase, readable_ranges)
 
@@ -76,6 +77,7 @@ class Family:
     pinned: tuple = ()  # (leaf, address) of parameters passed as arguments (CapturedGraph's)
     held_storages: frozenset = frozenset()  # what it reads from outside (CapturedGraph's)
     grads_read: tuple | None = None  # its parameters' requires_grad, read (CapturedGraph's)
+    sets: tuple = ()  # module attributes its forward sets to a constant (CapturedGraph's)
     made: tuple = ()  # the template's output plan: (actions, spec, static outputs)
     nodes: list = field(default_factory=list)
     edges: Any = None
@@ -196,6 +198,9 @@ class Families:
         entry.pinned = family.pinned
         entry.held_storages = family.held_storages
         entry.grads_read = family.grads_read
+        if family.sets:
+            entry.sets = family.sets
+            entry._replay = _watch.setting(entry._replay, family.sets)
         entry.state_storages = frozenset(start for start, _ in storages.ranges) - {0}
         return family, entry
 

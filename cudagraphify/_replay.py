@@ -364,6 +364,7 @@ class CapturedGraph(Owned):
     """
 
     hazard: frozenset | set = frozenset()
+    sets: tuple = ()  # module attributes its forward sets to a constant (_watch.set_again)
     trial = None  # a piece's graph being timed against its eager run (see _trial)
     # (calls its replay was blocked by a later graph's held output, its uses at the last of
     # them, and their thread: see _engine._replay)

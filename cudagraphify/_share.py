@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, NamedTuple
+from typing import Any, Iterable, Iterator, NamedTuple
 
 import torch
 from torch.nn.parameter import is_lazy
@@ -39,7 +39,7 @@ from ._options import Stats
 from ._signature import storage_of
 from ._state import tensors_in as _tensors_in
 from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
-from . import _writes
+from . import _watch, _writes
 
 __all__ = ["ShareGroup", "first_difference", "plan_rebase", "Refused", "Storages"]
 
@@ -153,6 +153,9 @@ class _Template:
     positions: tuple | None = None  # with a cache: where its part lies among the cache's tensors
     cache: Any = None  # with a cache: a weak reference to it (None: none, or not weakly held)
     users: int = 0  # layers' graphs made from it and not yet released (they read its memory)
+    # module attributes its capture's run set to the constant they held, as (path inside the
+    # layer, name, value): a layer's replay sets its own again (see ``layer_sets``)
+    sets: tuple = ()
 
     def dead(self) -> bool:
         """Whether the cache it was made for is gone (no call can pass it again)."""
@@ -188,6 +191,28 @@ def _ranges(tensors) -> tuple:
 
 def _part_layout(tensors) -> list:
     return [_describe(t) for t in tensors]
+
+
+@contextlib.contextmanager
+def _attrs_kept(layers) -> Iterator[None]:
+    """The plain attributes of every module of ``layers`` put back on exit as they were
+    (cudagraphify's own, ``_watch.INTERNAL_ATTRS``, as they are)."""
+    internal = _watch.INTERNAL_ATTRS
+    kept = [(m.__dict__, dict(m.__dict__)) for layer in layers for m in layer.modules()]
+    try:
+        yield
+    finally:
+        changed = False
+        for d, was in kept:
+            for name in [n for n in d if n not in was and n not in internal]:
+                del d[name]
+                changed = True
+            for name, value in was.items():
+                if d.get(name, _watch.MISSING) is not value and name not in internal:
+                    d[name] = value
+                    changed = True
+        if changed:
+            _watch.bump()
 
 
 @contextlib.contextmanager
@@ -282,17 +307,31 @@ class ShareGroup:
             # them, on the CPU a capture's run too; put back after, whatever happens)
             kept = [] if states is None else list(states.tensors) if t is None else \
                 [states.every[j] for j in t.positions or ()] + list(states.tensors)
-            with _bytes_kept(kept) as after:
-                return self._make(k, key, t, fn, a, kw, inputs, leaves, backend, device,
-                                  expected, guard, states, after)
+            # (the group's runs are no calls: the module attributes they set are put back, as
+            # the engine does after a capture's run; a layer not called yet is not watched)
+            rec = _watch.Recorder()
+            with _attrs_kept(self.layers), _bytes_kept(kept) as after:
+                try:
+                    with _watch.recording(rec, ran=False):
+                        return self._make(k, key, t, fn, a, kw, inputs, leaves, backend,
+                                          device, expected, guard, states, after, rec)
+                finally:
+                    rec.undo()
 
     def _make(self, k, key, t, fn, a, kw, inputs, leaves, backend, device, expected, guard,
-              states, after):
+              states, after, rec):
         if t is None:
             if len(self._templates) >= self.max_templates:
                 self.refuse(f"more than max_graphs={self.max_templates} signatures shared")
                 return None
             t = self._new_template(k, key, fn, a, kw, inputs, backend, device, guard, states)
+            if rec.writes and t.reason is None:
+                # (a counter: each layer's replay would leave it as it is; its engine refuses
+                # the per-layer graph too, see _first_call.verify)
+                module, name, _, _ = rec.writes[0]
+                t.reason = (f"forward sets {type(module).__name__}.{name} on every call (a "
+                            "Python side effect a replay cannot repeat)")
+            t.sets = self._relative(t.layer, rec.sets)
         if t.reason is not None:
             self.refuse(t.reason)
             return None
@@ -336,6 +375,26 @@ class ShareGroup:
         except Exception as e:  # noqa: BLE001 - the real call ran: unproven means refused
             self.refuse(f"sharing failed unexpectedly: {type(e).__name__}: {e}")
             return None
+
+    def _relative(self, k: int, sets: list) -> tuple:
+        """The sets (``Recorder.sets``) made on layer ``k``'s modules, as (path inside the
+        layer, name, value)."""
+        paths = {id(m): p for p, m in self.layers[k].named_modules()}
+        return tuple(dict.fromkeys((paths[id(m)], n, v) for m, n, v in sets
+                                   if id(m) in paths))
+
+    def layer_sets(self, k: int, key) -> list:
+        """What layer ``k``'s graph for ``key`` sets again after a replay: the attributes its
+        template layer's capture set to a constant, on layer ``k``'s own modules, as
+        (module, name, value)."""
+        t = self._templates.get(key)
+        out = []
+        for path, name, value in t.sets if t is not None else ():
+            try:
+                out.append((self.layers[k].get_submodule(path), name, value))
+            except AttributeError:
+                pass
+        return out
 
     def piece_group(self, path: str) -> "ShareGroup":
         """The group of the submodules at ``path`` of every layer (a piecewise plan's piece)."""

@@ -29,6 +29,7 @@ from ._copies import clone_keeps, overlaps
 from ._errors import CudagraphifyError
 from ._replay import OutputPlanError, StaticInputs, _once, output_leaves, refuse_lost_kind
 from ._signature import unflatten_call
+from ._watch import set_again
 
 __all__ = ["TrainingGraph", "capture_training", "saved_by_backward", "warmup_backward"]
 
@@ -129,6 +130,7 @@ class TrainingGraph(Owned):
     # (_capturing._counting_versions), and those of the buffers and frozen parameters autograd
     # saves, checked by hand at backward: a _versions.Counters (set by verify), or None
     counters = None
+    sets: tuple = ()  # module attributes its forward sets to a constant (_watch.set_again)
 
     def __init__(self, fwd_raw, bwd_raw, inputs: StaticInputs, tensor_idx: list[int],
                  out_tensors: list[torch.Tensor], out_diff: list[bool], rebuild, spec,
@@ -262,6 +264,8 @@ class TrainingGraph(Owned):
         counters = self.counters
         if counters is not None:  # (as the in-place ops the replay ran would have)
             counters.move()
+        if self.sets:
+            set_again(self.sets)
         if self._strided is None:
             return [o.clone() for o in self._outs]
         return [torch.empty_strided(o.size(), o.stride(), dtype=o.dtype,

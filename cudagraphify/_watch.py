@@ -36,7 +36,7 @@ from ._statics import KEPT_MARK, REGISTRIES, _WatchedDict, rewatch, watched
 
 __all__ = ["epoch", "bump", "install", "Read", "Recorder", "recording", "hooked",
            "hook_fingerprint", "global_hooks", "global_hooks_present", "own_global_hook",
-           "INTERNAL_ATTRS", "MISSING", "same", "short"]
+           "INTERNAL_ATTRS", "MISSING", "same", "short", "setting", "set_again"]
 
 _counter = itertools.count(1)
 epoch = 0  # read as ``_watch.epoch``: bumped by every module write the per-call path cannot see
@@ -386,6 +386,9 @@ class Recorder:
         self.reads: dict[tuple[int, str], Read] = {}
         self.called: dict[int, nn.Module] = {}
         self.writes: list[tuple[nn.Module, str, Any, Any]] = []
+        # (the attributes set to the constant they held: ``self.used = True`` on a call after
+        # the first, a per-signature ``self.last_n = x.shape[0]``; see ``set_again``)
+        self.sets: list[tuple[nn.Module, str, Any]] = []
         self._thread = threading.get_ident()
 
     def read(self, module: nn.Module, name: str, value: Any, on_class: bool = False) -> None:
@@ -424,6 +427,8 @@ class Recorder:
         old = d.get(name, MISSING)
         if not same(old, value):
             self.writes.append((module, name, old, value))
+        elif is_constant(value):
+            self.sets.append((module, name, value))
         return None
 
     def undo(self) -> None:
@@ -446,6 +451,32 @@ class Recorder:
     def _pre(self, module, args):
         if threading.get_ident() == self._thread:
             self.called.setdefault(id(module), module)
+
+
+def setting(replay: Callable[[], None], sets: tuple) -> Callable[[], None]:
+    """``replay`` followed by :func:`set_again` (an inference graph's replay, whichever path
+    calls it)."""
+    def run():
+        replay()
+        set_again(sets)
+    return run
+
+
+def set_again(sets: tuple) -> None:
+    """Set again the module attributes a graph's forward sets to a constant (``(weakref of the
+    module, name, value)``, see ``Recorder.sets``), as the forward would have: a user may have
+    changed one since (a flag reset), or another signature's call set its own value. A change
+    bumps the epoch, as a forward's set does (a guard that read the old value checks again)."""
+    changed = False
+    for ref, name, value in sets:
+        module = ref()
+        if module is not None:
+            d = module.__dict__
+            if d.get(name, MISSING) is not value:
+                d[name] = value
+                changed = True
+    if changed:
+        bump()
 
 
 class CallImpl:

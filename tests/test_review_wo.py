@@ -1,12 +1,11 @@
 """A forward that sets a module attribute to a constant (a write-only flag ``self.used = True``,
-a per-signature ``self.last_n = x.shape[0]``): a replay runs no Python, so it does not set it.
-Open (silent, user-visible state; outputs are right): once a user resets the flag, or another
-signature's call set another value, replays leave it as it is. A fix that guarded such a set as
-a read (6d76db4, helper-132's review: this file) was reverted: it captured on every call where
-the value changes per signature or is reset per call, and made share_graph refuse layers. The
-design to build: record the constant sets of the capture's run and set them again after each
-replay. CPU, simulated backend (``sim``) and share_graph's graph-reading double (``reading``);
-every output compared with an eager deep-copied twin, and the user-visible attribute too."""
+a per-signature ``self.last_n = x.shape[0]``): a replay runs no Python, so it sets those again
+itself (``_watch.set_again``; tests/test_sets_again.py). helper-132's review of an earlier fix
+(6d76db4, reverted: it guarded such a set as a read, and captured on every call where the value
+changes per signature or is reset per call, and made share_graph refuse layers), adapted: once
+strict xfails, now plain tests. CPU, simulated backend (``sim``) and share_graph's graph-reading
+double (``reading``); every output compared with an eager deep-copied twin, and the user-visible
+attribute too."""
 
 
 from __future__ import annotations
@@ -21,10 +20,6 @@ from torch import nn
 import cudagraphify as cg
 import test_share_engine as tse  # noqa: F401
 from test_share_engine import _register, _unseen, reading  # noqa: F401 (fixtures)
-
-_OPEN = ("open (silent, user-visible state): a replay does not set the module attribute its "
-         "forward sets to a constant (README, Limitations); ")
-
 
 class _Flag(nn.Module):
     def __init__(self, d: int = 4):
@@ -87,10 +82,6 @@ def _shared_layers():
     return layers, ref, cg.share_graph(layers)
 
 
-@pytest.mark.xfail(strict=True, reason=_OPEN + "share_graph's "
-                   "layers replaying the template's graph keep a write-only flag the user reset "
-                   "(the shared graphs' guard is the layer's real call's, where the set was a "
-                   "write, not a read: _first_call.verify, guard = warm_guard if shared)")
 def test_share_graph_layers_set_the_flag_again_after_a_reset(reading, quiet):  # noqa: F811
     layers, ref, group = _shared_layers()
     x = torch.randn(2, 8)
@@ -116,8 +107,6 @@ def test_share_graph_shares_every_layer_of_a_flag_setting_block(reading, quiet):
     assert s.per_layer == 0 and not s.reasons, s.reasons
 
 
-@pytest.mark.xfail(strict=True, reason=_OPEN + "a per-signature constant keeps the last "
-                   "eager run's value (with the reverted guard: 18 captures, 0 replays)")
 def test_a_per_signature_constant_keeps_replaying(sim, quiet):
     torch.manual_seed(0)
     m = _PerSig().eval()
@@ -131,8 +120,6 @@ def test_a_per_signature_constant_keeps_replaying(sim, quiet):
     assert s.captures <= 4 and s.replays >= 10, (s.captures, s.replays)
 
 
-@pytest.mark.xfail(strict=True, reason=_OPEN + "a flag reset before every call stays reset "
-                   "(with the reverted guard: a capture on every call)")
 def test_a_flag_reset_before_every_call_does_not_capture_every_call(sim, quiet):
     torch.manual_seed(0)
     m = _Flag().eval()
@@ -150,7 +137,6 @@ def test_a_flag_reset_before_every_call_does_not_capture_every_call(sim, quiet):
 # -- further cases ------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason=_OPEN + "per signature constant values are right")
 def test_per_signature_constant_values_are_right(sim, quiet):
     torch.manual_seed(0)
     m = _PerSig().eval()
@@ -161,7 +147,6 @@ def test_per_signature_constant_values_are_right(sim, quiet):
             assert g.last_n == m.last_n
 
 
-@pytest.mark.xfail(strict=True, reason=_OPEN + "capture sizes flag reset")
 def test_capture_sizes_flag_reset(sim, quiet):
     torch.manual_seed(0)
     m = _Flag().eval()
@@ -175,10 +160,9 @@ def test_capture_sizes_flag_reset(sim, quiet):
         g.used = m.used = False
         _same(g, m, torch.randn(4, 4))
         assert g.used is True
-    assert cg.stats(g).captures == 4
+    assert cg.stats(g).captures == 3  # (a reset is no read: no new capture)
 
 
-@pytest.mark.xfail(strict=True, reason=_OPEN + "bucketed flag reset")
 def test_bucketed_flag_reset(sim, quiet):
     torch.manual_seed(0)
     m = _Flag().eval()
@@ -194,7 +178,6 @@ def test_bucketed_flag_reset(sim, quiet):
         assert g.used is True
 
 
-@pytest.mark.xfail(strict=True, reason=_OPEN + "training flag reset")
 def test_training_flag_reset(sim, quiet):
     torch.manual_seed(0)
     m = _Flag().train()
