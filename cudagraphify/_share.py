@@ -26,7 +26,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, NamedTuple
+from typing import Any, Iterable, NamedTuple
 
 import torch
 from torch.nn.parameter import is_lazy
@@ -194,28 +194,6 @@ def _part_layout(tensors) -> list:
 
 
 @contextlib.contextmanager
-def _attrs_kept(layers) -> Iterator[None]:
-    """The plain attributes of every module of ``layers`` put back on exit as they were
-    (cudagraphify's own, ``_watch.INTERNAL_ATTRS``, as they are)."""
-    internal = _watch.INTERNAL_ATTRS
-    kept = [(m.__dict__, dict(m.__dict__)) for layer in layers for m in layer.modules()]
-    try:
-        yield
-    finally:
-        changed = False
-        for d, was in kept:
-            for name in [n for n in d if n not in was and n not in internal]:
-                del d[name]
-                changed = True
-            for name, value in was.items():
-                if d.get(name, _watch.MISSING) is not value and name not in internal:
-                    d[name] = value
-                    changed = True
-        if changed:
-            _watch.bump()
-
-
-@contextlib.contextmanager
 def _bytes_kept(tensors: list):
     """Inside, ``tensors`` may be written (a replay, a capture's run on the CPU, a proof);
     afterwards they hold what they held before (as the real call left a cache). Yields their
@@ -308,9 +286,10 @@ class ShareGroup:
             kept = [] if states is None else list(states.tensors) if t is None else \
                 [states.every[j] for j in t.positions or ()] + list(states.tensors)
             # (the group's runs are no calls: the module attributes they set are put back, as
-            # the engine does after a capture's run; a layer not called yet is not watched)
-            rec = _watch.Recorder()
-            with _attrs_kept(self.layers), _bytes_kept(kept) as after:
+            # the engine does after a capture's run; a layer not called yet, which no graph
+            # reads, too)
+            rec = _watch.Recorder(everything=True)
+            with _bytes_kept(kept) as after:
                 try:
                     with _watch.recording(rec, ran=False):
                         return self._make(k, key, t, fn, a, kw, inputs, leaves, backend,
@@ -324,14 +303,8 @@ class ShareGroup:
             if len(self._templates) >= self.max_templates:
                 self.refuse(f"more than max_graphs={self.max_templates} signatures shared")
                 return None
-            t = self._new_template(k, key, fn, a, kw, inputs, backend, device, guard, states)
-            if rec.writes and t.reason is None:
-                # (a counter: each layer's replay would leave it as it is; its engine refuses
-                # the per-layer graph too, see _first_call.verify)
-                module, name, _, _ = rec.writes[0]
-                t.reason = (f"forward sets {type(module).__name__}.{name} on every call (a "
-                            "Python side effect a replay cannot repeat)")
-            t.sets = self._relative(t.layer, rec.sets)
+            t = self._new_template(k, key, fn, a, kw, inputs, backend, device, guard, states,
+                                   rec)
         if t.reason is not None:
             self.refuse(t.reason)
             return None
@@ -409,7 +382,7 @@ class ShareGroup:
     # -- templates ---------------------------------------------------------------------------
 
     def _new_template(self, k: int, key, fn, a, kw, inputs, backend, device,
-                      guard=None, states: Slice | None = None) -> _Template:
+                      guard=None, states: Slice | None = None, rec=None) -> _Template:
         from ._cugraph import DriverError, driver_available, read_graph
 
         layer = self.layers[k]
@@ -419,14 +392,25 @@ class ShareGroup:
         # a refused template must not count as the engine's capture run.
         raw, out = backend.capture(lambda: forward_a(*a, **kw), device, pool=pool,
                                    keep_graph=True)
+        # (what the capture's run set, after the layer's real call: a counter set anew, or a
+        # constant set again, which a layer's replay sets too; ``rec``: see ``make``)
+        wrote = list(rec.writes) if rec is not None else []
+        sets = self._relative(k, rec.sets) if rec is not None else ()
         self.captures += 1
         self.capture_seconds += raw.capture_seconds
         # (with a cache, not the call: it would keep the cache alive; see _call)
         t = _Template(raw, k, [], None, _storages(layer, states), _layout(layer), inputs, out,
                       reads=_reads_of(layer, guard), call=(a, kw) if states is None else None,
                       guard=guard, positions=None if states is None else states.positions,
-                      cache=_weak(states.objects[0]) if states is not None else None)
+                      cache=_weak(states.objects[0]) if states is not None else None,
+                      sets=sets)
         try:
+            if wrote:
+                # (each layer's replay would leave it as it is; the engine refuses the layer's
+                # own graph for it too, see _first_call.verify)
+                module, name, _, _ = wrote[0]
+                raise Refused(f"forward sets {type(module).__name__}.{name} on every call (a "
+                              "Python side effect a replay cannot repeat)")
             if len(self.layers) < 2:
                 raise Refused("one layer: nothing to share")
             if not driver_available():

@@ -86,7 +86,17 @@ def install() -> None:
         def __setattr__(self, name, value):  # noqa: N807 - the patched special method
             d = self.__dict__
             if type(d.get("_parameters")) is not _WatchedDict and KEPT_MARK not in d:
-                return set_attr(self, name, value)  # (no graph reads it)
+                # (no graph reads it; noted only by a recorder of every module's sets)
+                rec = _recorders.get(threading.get_ident()) if _everything else None
+                if rec is None or not rec.everything:
+                    return set_attr(self, name, value)
+                undo = rec.wrote(self, name, value)
+                try:
+                    return set_attr(self, name, value)
+                except BaseException:
+                    if undo is not None:
+                        undo()
+                    raise
             rec = _recorders.get(threading.get_ident())
             if rec is not None:
                 undo = rec.wrote(self, name, value)
@@ -204,6 +214,7 @@ INTERNAL_ATTRS = frozenset({
 
 _recorders: dict[int, "Recorder"] = {}  # thread id -> the recorder active on that thread
 _patch_users = 0
+_everything = 0  # recorders of every module's sets (``Recorder(everything=True)``) active
 _patch_lock = threading.Lock()
 _object_getattribute = object.__getattribute__
 _get_ident = threading.get_ident
@@ -382,7 +393,9 @@ class Recorder:
     """What one run of a forward read from modules, which modules ran, and which module
     attributes it changed."""
 
-    def __init__(self):
+    def __init__(self, everything: bool = False):
+        # (``everything``: the sets of modules no graph reads too, see ``recording``)
+        self.everything = everything
         self.reads: dict[tuple[int, str], Read] = {}
         self.called: dict[int, nn.Module] = {}
         self.writes: list[tuple[nn.Module, str, Any, Any]] = []
@@ -530,10 +543,11 @@ def recording(rec: Recorder, ran: bool = True) -> Iterator[Recorder]:
     """Record, on this thread, the module attributes read and the modules run (see module docs;
     ``ran=False``: not the modules run, whose global pre-hook would send every graphed
     module's call through ``_call_impl``)."""
-    global _patch_users
+    global _patch_users, _everything
     install()
     with _patch_lock:
         _patch_users += 1
+        _everything += rec.everything
         if _patch_users == 1:
             nn.Module.__getattribute__ = _recording_getattribute
     tid = threading.get_ident()
@@ -550,6 +564,7 @@ def recording(rec: Recorder, ran: bool = True) -> Iterator[Recorder]:
             _recorders.pop(tid, None)
         with _patch_lock:
             _patch_users -= 1
+            _everything -= rec.everything
             if _patch_users == 0:
                 del nn.Module.__getattribute__
 

@@ -64,14 +64,10 @@ class _PerSig(nn.Module):
 
 # -- F1: share_graph refuses a per-signature constant (or a reset flag) as a "counter" --------
 
-_F1 = ("F1 (perf, wrong reason): ShareGroup._make counts every write its recorder saw during "
-       "_new_template as a counter, the partner layer's first run of a new signature included "
-       "(its last_n moves from the old signature's value, or from the flag a user reset): the "
-       "signature is refused sharing for good ('forward sets ... on every call'); 4ccb3ae "
-       "shared it (8 retargets, per_layer 0)")
+# (fixed: only the template layer's own capture counts, not its partner layer's first run of a
+# new signature, whose last_n moves from the old signature's value, or from a flag a user reset)
 
 
-@pytest.mark.xfail(strict=True, reason=_F1)
 def test_f1_share_graph_shares_the_second_signature_of_a_per_signature_constant(reading):  # noqa: F811
     layers, ref, group = _layers(_PerSig)
     with torch.no_grad():
@@ -84,7 +80,6 @@ def test_f1_share_graph_shares_the_second_signature_of_a_per_signature_constant(
     assert s.per_layer == 0 and not s.reasons, s.reasons
 
 
-@pytest.mark.xfail(strict=True, reason=_F1)
 def test_f1b_share_graph_shares_a_new_signature_after_a_flag_reset(reading):  # noqa: F811
     layers, ref, group = _layers(_Flag)
     with torch.no_grad():
@@ -103,7 +98,7 @@ def test_f1b_share_graph_shares_a_new_signature_after_a_flag_reset(reading):  # 
     assert s.per_layer == 0 and not s.reasons, s.reasons
 
 
-# -- F2: _attrs_kept puts back a write another thread made while the group captured ------------
+# -- F2: a snapshot of every layer's attributes put back a write another thread made ------------
 
 class _Scaled(nn.Module):
     def __init__(self):
@@ -116,11 +111,8 @@ class _Scaled(nn.Module):
         return self.lin(x) * self.scale
 
 
-@pytest.mark.xfail(strict=True, reason="F2 (silent wrong output): _share._attrs_kept snapshots "
-                   "every plain attribute of every layer module when make starts and puts all "
-                   "of them back at its end, so a write another thread made meanwhile (a config "
-                   "update: layers[3].scale = 3.0) is undone; layer 3 computes with 1.0 from "
-                   "then on (4ccb3ae kept the write)")
+# (fixed: the group's runs are recorded, modules no graph reads included, and only what they
+# set is put back: no snapshot of every layer's attributes)
 def test_f2_a_write_made_by_another_thread_while_the_group_captures_is_kept(
         reading, monkeypatch):  # noqa: F811
     layers, ref, group = _layers(_Scaled)
@@ -161,8 +153,8 @@ class _UnderGlobal(nn.Module):
         return self.lin(x)
 
 
-@pytest.mark.xfail(strict=True, reason="F3 (wrong attribute, low: unguarded globals are "
-                   "documented): _first_call._sets keeps a set both the real call and the "
+@pytest.mark.xfail(strict=True, reason="F3, documented limitation (README: non-tensor "
+                   "globals are not guarded): _first_call._sets keeps a set both the real call and the "
                    "capture made; a replay repeats it after the global that chose the branch "
                    "turned it off (eager leaves the reset flag False; 4ccb3ae left it too)")
 def test_f3_a_set_under_a_global_flag_is_not_repeated_once_the_flag_is_off(sim):
