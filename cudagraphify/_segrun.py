@@ -465,15 +465,17 @@ class SegmentPlan:
                 st = t.untyped_storage()
                 if st.data_ptr() in self.pool_ptrs:
                     storages[st.data_ptr()] = st
-        return [(st, _use_count(st._cdata), st.data_ptr(), st.nbytes())
+        return [(st._cdata, _use_count(st._cdata), st, st.data_ptr())
                 for st in storages.values()]
 
     def held(self) -> bool:
         """Whether a tensor on the graphs' memory outlived the call that handed it out (the
         forward kept it, or returned it inside an object the output copy does not look into):
         a replay would overwrite it."""
-        for st, n, ptr, nbytes in self._baselines:  # (resized or freed: the graph's is gone)
-            if _use_count(st._cdata) != n or st.data_ptr() != ptr or st.nbytes() != nbytes:
+        # (a storage resized or freed: the graph's memory is gone; a resize always moves its
+        # data, a tensor's resize within its storage's bytes leaves the storage as it is)
+        for cdata, n, st, ptr in self._baselines:
+            if _use_count(cdata) != n or st.data_ptr() != ptr:
                 return True
         return False
 
