@@ -286,9 +286,10 @@ class ShareGroup:
             kept = [] if states is None else list(states.tensors) if t is None else \
                 [states.every[j] for j in t.positions or ()] + list(states.tensors)
             # (the group's runs are no calls: the module attributes they set are put back, as
-            # the engine does after a capture's run; a layer not called yet, which no graph
-            # reads, too)
-            rec = _watch.Recorder(everything=True)
+            # the engine does after a capture's run; the plain ones of a layer not called yet,
+            # which no graph reads, too)
+            rec = _watch.Recorder(everything=frozenset(
+                id(m) for layer in self.layers for m in layer.modules()))
             with _bytes_kept(kept) as after:
                 try:
                     with _watch.recording(rec, ran=False):

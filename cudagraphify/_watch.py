@@ -86,17 +86,14 @@ def install() -> None:
         def __setattr__(self, name, value):  # noqa: N807 - the patched special method
             d = self.__dict__
             if type(d.get("_parameters")) is not _WatchedDict and KEPT_MARK not in d:
-                # (no graph reads it; noted only by a recorder of every module's sets)
+                # (no graph reads it; a plain attribute of a module a recorder names is noted,
+                # see ``Recorder.everything``)
                 rec = _recorders.get(threading.get_ident()) if _everything else None
-                if rec is None or not rec.everything:
-                    return set_attr(self, name, value)
-                undo = rec.wrote(self, name, value)
-                try:
-                    return set_attr(self, name, value)
-                except BaseException:
-                    if undo is not None:
-                        undo()
-                    raise
+                if rec is not None and id(self) in rec.everything \
+                        and not isinstance(value, (nn.Module, nn.Parameter)) \
+                        and not any(name in d.get(k, ()) for k in REGISTRIES):
+                    rec.wrote(self, name, value)
+                return set_attr(self, name, value)
             rec = _recorders.get(threading.get_ident())
             if rec is not None:
                 undo = rec.wrote(self, name, value)
@@ -214,7 +211,7 @@ INTERNAL_ATTRS = frozenset({
 
 _recorders: dict[int, "Recorder"] = {}  # thread id -> the recorder active on that thread
 _patch_users = 0
-_everything = 0  # recorders of every module's sets (``Recorder(everything=True)``) active
+_everything = 0  # active recorders of unwatched modules' sets (``Recorder.everything``)
 _patch_lock = threading.Lock()
 _object_getattribute = object.__getattribute__
 _get_ident = threading.get_ident
@@ -393,8 +390,11 @@ class Recorder:
     """What one run of a forward read from modules, which modules ran, and which module
     attributes it changed."""
 
-    def __init__(self, everything: bool = False):
-        # (``everything``: the sets of modules no graph reads too, see ``recording``)
+    def __init__(self, everything: frozenset[int] = frozenset()):
+        # (``everything``: the ids of modules whose plain attributes' sets are noted though no
+        # graph reads them: a share_graph group's layers, whose runs are no calls; not a
+        # registry's, and not those of a module made since, in the runs, whose own set-up
+        # they are)
         self.everything = everything
         self.reads: dict[tuple[int, str], Read] = {}
         self.called: dict[int, nn.Module] = {}
@@ -547,7 +547,7 @@ def recording(rec: Recorder, ran: bool = True) -> Iterator[Recorder]:
     install()
     with _patch_lock:
         _patch_users += 1
-        _everything += rec.everything
+        _everything += bool(rec.everything)
         if _patch_users == 1:
             nn.Module.__getattribute__ = _recording_getattribute
     tid = threading.get_ident()
@@ -564,7 +564,7 @@ def recording(rec: Recorder, ran: bool = True) -> Iterator[Recorder]:
             _recorders.pop(tid, None)
         with _patch_lock:
             _patch_users -= 1
-            _everything -= rec.everything
+            _everything -= bool(rec.everything)
             if _patch_users == 0:
                 del nn.Module.__getattribute__
 

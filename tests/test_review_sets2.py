@@ -1,8 +1,10 @@
 """Review of d59b2ff (share_graph's runs recorded with ``Recorder(everything=True)`` and undone
 with ``rec.undo()``; the template's counter check) and c6ac1e0 (segments' held check without
 the storage size). CPU, share_graph's graph-reading double (``reading``); outputs compared with
-an eager deep-copied twin (``torch.equal``). xfail(strict): a confirmed finding (each passes on
-a605b6a, the commit before d59b2ff); plain tests: controls that hold."""
+an eager deep-copied twin (``torch.equal``). The findings (S1, S1b, S2: the partner
+layer's first run partly undone) were strict xfails, fixed since: the group's recorder notes
+the plain attributes of the layers' modules as they were when it started only (no registry's,
+no module made in the runs); plain tests now, with the controls."""
 
 from __future__ import annotations
 
@@ -69,12 +71,7 @@ class _LazyScale(nn.Module):
         return self.scale(self.lin(x))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "S1: ShareGroup.make's Recorder(everything=True) records the sets _Scale.__init__ makes on "
-    "the module the partner layer's warm-up creates (old value MISSING); rec.undo() pops them "
-    "but keeps the submodule registered (an _modules entry made through a name not yet in a "
-    "registry is undone from __dict__, a no-op): layer 1's scale.factor is the class default "
-    "1.0 from then on, its every call 3x off eager's"))
+# (S1: the partner's warm-up builds the submodule; its __init__ sets were undone)
 def test_s1_partner_lazily_built_submodule_keeps_its_init_attributes(reading):  # noqa: F811
     layers, ref, group = _layers(_LazyScale)
     bad = _run(layers, ref)
@@ -93,9 +90,7 @@ class _LazyNorm(nn.Module):
         return self.norm(self.lin(x))
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason=(
-    "S1b: as S1 with a torch module: the partner's lazily made LayerNorm loses normalized_shape "
-    "and eps, and every later call of layer 1 raises AttributeError (eager: fine)"))
+# (S1b: the same for an nn.LayerNorm: every later call raised AttributeError)
 def test_s1b_partner_lazily_built_layernorm_still_runs(reading):  # noqa: F811
     layers, ref, _ = _layers(_LazyNorm)
     assert not _run(layers, ref)
@@ -119,10 +114,7 @@ class _ReadyTable(nn.Module):
         return self.lin(x) + self.table
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "S2: the partner layer is unwatched; with everything=True its warm-up's buffer replacement is "
-    "recorded as an _InRegistry write and rec.undo() puts the old zeros back (a605b6a's "
-    "_attrs_kept left registries alone), while its dict says ready: layer 1 adds zeros forever"))
+# (S2: the partner's buffer replacement was put back while its dict flag stayed)
 def test_s2_partner_first_run_buffer_replacement_is_kept_with_its_flag(reading):  # noqa: F811
     layers, ref, _ = _layers(_ReadyTable)
     bad = _run(layers, ref)
