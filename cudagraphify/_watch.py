@@ -74,6 +74,32 @@ def _bumping(fn: Callable, watched_only: bool = False) -> Callable:
     return wrapper
 
 
+def _noting(register: Callable, setattr_code: types.CodeType) -> Callable:
+    """``register_buffer``/``register_parameter`` called by a forward (not by
+    ``nn.Module.__setattr__``, ``setattr_code``, whose write is noted already) noting the write
+    to this thread's recorder, as ``__setattr__`` does: a forward that registers its argument
+    anew on every call is a write a replay cannot repeat (its capture's run would leave the
+    static copy registered)."""
+    @functools.wraps(register)
+    def wrapper(self, name, value, *args, **kwargs):
+        d = self.__dict__
+        rec = _recorders.get(threading.get_ident()) if _recorders else None
+        if rec is None or sys._getframe(1).f_code is setattr_code or \
+                type(d.get("_parameters")) is not _WatchedDict or \
+                not isinstance(name, str) or name not in d.get(
+                    "_buffers" if register.__name__ == "register_buffer" else "_parameters",
+                    ()):
+            return register(self, name, value, *args, **kwargs)
+        undo = rec.wrote(self, name, value)
+        try:
+            return register(self, name, value, *args, **kwargs)
+        except BaseException:
+            if undo is not None:
+                undo()
+            raise
+    return wrapper
+
+
 def install() -> None:
     """Patch, once per process, the writes that bump the epoch (see the module docs)."""
     global _installed
@@ -118,6 +144,8 @@ def install() -> None:
 
         cls.__setattr__ = __setattr__
         cls.__delattr__ = __delattr__
+        for name in ("register_buffer", "register_parameter"):
+            setattr(cls, name, _noting(getattr(cls, name), set_attr.__code__))
         for name in _HOOK_METHODS:
             setattr(cls, name, _bumping(getattr(cls, name), watched_only=True))
         for name in _GLOBAL_HOOK_FUNCTIONS:

@@ -206,7 +206,6 @@ def _reg_param(m, x):
     return x * m.w
 
 
-@SILENT
 @pytest.mark.parametrize("body", [_reg_buffer, _reg_param], ids=["buffer", "parameter"])
 def test_s2_register_buffer_of_argument_keeps_static_copy(sim, body):
     g, ref = _twins(W, body)
