@@ -80,19 +80,23 @@ def _noting(register: Callable, setattr_code: types.CodeType) -> Callable:
     to this thread's recorder, as ``__setattr__`` does: a forward that registers its argument
     anew on every call is a write a replay cannot repeat (its capture's run would leave the
     static copy registered)."""
+    registry, keyword = ("_buffers", "tensor") if register.__name__ == "register_buffer" \
+        else ("_parameters", "param")
+
     @functools.wraps(register)
-    def wrapper(self, name, value, *args, **kwargs):
+    def wrapper(self, *args, **kwargs):
         d = self.__dict__
         rec = _recorders.get(threading.get_ident()) if _recorders else None
         if rec is None or sys._getframe(1).f_code is setattr_code or \
-                type(d.get("_parameters")) is not _WatchedDict or \
-                not isinstance(name, str) or name not in d.get(
-                    "_buffers" if register.__name__ == "register_buffer" else "_parameters",
-                    ()):
-            return register(self, name, value, *args, **kwargs)
+                type(d.get("_parameters")) is not _WatchedDict:
+            return register(self, *args, **kwargs)
+        name = args[0] if args else kwargs.get("name")
+        value = args[1] if len(args) > 1 else kwargs.get(keyword)
+        if not isinstance(name, str) or name not in d.get(registry, ()):
+            return register(self, *args, **kwargs)
         undo = rec.wrote(self, name, value)
         try:
-            return register(self, name, value, *args, **kwargs)
+            return register(self, *args, **kwargs)
         except BaseException:
             if undo is not None:
                 undo()
