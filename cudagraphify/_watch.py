@@ -74,9 +74,9 @@ def _bumping(fn: Callable, watched_only: bool = False) -> Callable:
     return wrapper
 
 
-def _noting(register: Callable, setattr_code: types.CodeType) -> Callable:
-    """``register_buffer``/``register_parameter`` called by a forward (not by
-    ``nn.Module.__setattr__``, ``setattr_code``, whose write is noted already) noting the write
+def _noting(register: Callable) -> Callable:
+    """``register_buffer``/``register_parameter`` called by a forward (not inside the patched
+    ``nn.Module.__setattr__`` of that module, whose write is noted already) noting the write
     to this thread's recorder, as ``__setattr__`` does: a forward that registers its argument
     anew on every call is a write a replay cannot repeat (its capture's run would leave the
     static copy registered)."""
@@ -87,8 +87,8 @@ def _noting(register: Callable, setattr_code: types.CodeType) -> Callable:
     def wrapper(self, *args, **kwargs):
         d = self.__dict__
         rec = _recorders.get(threading.get_ident()) if _recorders else None
-        if rec is None or sys._getframe(1).f_code is setattr_code or \
-                type(d.get("_parameters")) is not _WatchedDict:
+        if rec is None or rec.setting is self or (
+                type(d.get("_parameters")) is not _WatchedDict and KEPT_MARK not in d):
             return register(self, *args, **kwargs)
         name = args[0] if args else kwargs.get("name")
         value = args[1] if len(args) > 1 else kwargs.get(keyword)
@@ -127,12 +127,15 @@ def install() -> None:
             rec = _recorders.get(threading.get_ident())
             if rec is not None:
                 undo = rec.wrote(self, name, value)
+                rec.setting = self  # (its register_buffer/_parameter: noted here, see _noting)
                 try:
                     set_attr(self, name, value)
                 except BaseException:
                     if undo is not None:  # (a registry write that did not happen)
                         undo()
                     raise
+                finally:
+                    rec.setting = None
             else:
                 set_attr(self, name, value)
             if name in REGISTRIES:  # (a new registry: ``ModuleList.__delitem__``'s)
@@ -149,7 +152,7 @@ def install() -> None:
         cls.__setattr__ = __setattr__
         cls.__delattr__ = __delattr__
         for name in ("register_buffer", "register_parameter"):
-            setattr(cls, name, _noting(getattr(cls, name), set_attr.__code__))
+            setattr(cls, name, _noting(getattr(cls, name)))
         for name in _HOOK_METHODS:
             setattr(cls, name, _bumping(getattr(cls, name), watched_only=True))
         for name in _GLOBAL_HOOK_FUNCTIONS:
@@ -431,6 +434,7 @@ class Recorder:
         self.reads: dict[tuple[int, str], Read] = {}
         self.called: dict[int, nn.Module] = {}
         self.writes: list[tuple[nn.Module, str, Any, Any]] = []
+        self.setting: nn.Module | None = None  # the module whose __setattr__ runs (_noting)
         # (the attributes set to the constant they held: ``self.used = True`` on a call after
         # the first, a per-signature ``self.last_n = x.shape[0]``; see ``set_again``)
         self.sets: list[tuple[nn.Module, str, Any]] = []
