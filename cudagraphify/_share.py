@@ -383,7 +383,7 @@ class ShareGroup:
     # -- templates ---------------------------------------------------------------------------
 
     def _new_template(self, k: int, key, fn, a, kw, inputs, backend, device,
-                      guard=None, states: Slice | None = None, rec=None) -> _Template:
+                      guard, states: Slice | None, rec) -> _Template:
         from ._cugraph import DriverError, driver_available, read_graph
 
         layer = self.layers[k]
@@ -395,8 +395,8 @@ class ShareGroup:
                                    keep_graph=True)
         # (what the capture's run set, after the layer's real call: a counter set anew, or a
         # constant set again, which a layer's replay sets too; ``rec``: see ``make``)
-        wrote = list(rec.writes) if rec is not None else []
-        sets = self._relative(k, rec.sets) if rec is not None else ()
+        wrote = list(rec.writes)
+        sets = self._relative(k, rec.sets)
         self.captures += 1
         self.capture_seconds += raw.capture_seconds
         # (with a cache, not the call: it would keep the cache alive; see _call)

@@ -94,14 +94,21 @@ def _noting(register: Callable) -> Callable:
         value = args[1] if len(args) > 1 else kwargs.get(keyword)
         if not isinstance(name, str) or name not in d.get(registry, ()):
             return register(self, *args, **kwargs)
-        undo = rec.wrote(self, name, value)
-        try:
-            return register(self, *args, **kwargs)
-        except BaseException:
-            if undo is not None:
-                undo()
-            raise
+        return _noted(rec, self, name, value, register, self, *args, **kwargs)
     return wrapper
+
+
+def _noted(rec: "Recorder", module: nn.Module, name: str, value: Any, write: Callable,
+           *args, **kwargs) -> Any:
+    """``write(*args, **kwargs)``, the write of ``module.name = value``, noted to ``rec``
+    first; the note forgotten where the write raises (a registry write that did not happen)."""
+    undo = rec.wrote(module, name, value)
+    try:
+        return write(*args, **kwargs)
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
 
 
 def install() -> None:
@@ -126,14 +133,9 @@ def install() -> None:
                 return set_attr(self, name, value)
             rec = _recorders.get(threading.get_ident())
             if rec is not None:
-                undo = rec.wrote(self, name, value)
                 rec.setting = self  # (its register_buffer/_parameter: noted here, see _noting)
                 try:
-                    set_attr(self, name, value)
-                except BaseException:
-                    if undo is not None:  # (a registry write that did not happen)
-                        undo()
-                    raise
+                    _noted(rec, self, name, value, set_attr, self, name, value)
                 finally:
                     rec.setting = None
             else:
