@@ -269,13 +269,17 @@ class _Call:
 
 
 class _Segment:
-    __slots__ = ("calls", "first", "last", "graph", "bufs", "outs", "refused", "state")
+    __slots__ = ("calls", "first", "last", "launch", "graph", "bufs", "outs", "refused", "state")
 
     def __init__(self, first: int, state: _State):
         self.state = state  # its members' (see _State)
         self.calls: list[int] = []
         self.first = first
         self.last = first
+        # its last call that copies an input in (its first where none does): a replay launches
+        # there, and the GPU runs the segment while the forward's Python meets the calls after
+        # it (they read only the graph's outputs and statics, and write nothing in place)
+        self.launch = first
         self.graph = None
         self.bufs: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> static buffer
         self.outs: dict[int, list[torch.Tensor]] = {}  # call -> its static outputs

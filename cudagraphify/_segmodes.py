@@ -303,12 +303,14 @@ _no_modes = torch._C.DisableTorchFunction
 class _Run:
     """One replayed call of the forward: where it is in the plan, what it handed out."""
 
-    __slots__ = ("plan", "cursor", "pending", "handed", "diverged", "stream", "token", "side")
+    __slots__ = ("plan", "cursor", "entered", "pending", "handed", "diverged", "stream", "token",
+                 "side")
 
     def __init__(self, plan: "SegmentPlan"):
         self.plan = plan
         self.cursor = 0
-        self.pending: _Segment | None = None
+        self.entered: _Segment | None = None  # the segment whose calls are being met
+        self.pending: _Segment | None = None  # the same, its graph not yet replayed
         self.handed: dict[int, list[torch.Tensor]] = {}
         self.diverged = False
         # (CUDA) the stream the call started on: members are met on it (their inputs are
@@ -338,7 +340,7 @@ class _Run:
 
     def start(self, seg: _Segment) -> None:
         self.flush()
-        self.pending = seg
+        self.entered = self.pending = seg
 
     def flush(self) -> None:
         seg = self.pending
@@ -366,7 +368,7 @@ class _Run:
         if not state.check() or _inference() is not state.inference or \
                 (_guards.flags_epoch != state.epoch and not state.same_flags()) or \
                 (self.token is not None and _raw_stream(plan.index) != self.token) or \
-                (self.pending is not seg and member.start != seg.first) or \
+                (self.entered is not seg and member.start != seg.first) or \
                 not plan.guard.valid():
             return _NO
         # (no mode sees the check's reads, the copies and detaches: they are not the
@@ -378,21 +380,21 @@ class _Run:
                 return _NO
             if copies is None:
                 return _NO
-            if self.pending is not seg:
+            if self.entered is not seg:
                 self.start(seg)
             try:
                 for buf, leaf in copies:
                     buf.copy_(leaf)
             except RuntimeError:  # (a sparse tensor: its calls copy again, or diverge)
                 return _NO
+            if member.end > seg.launch:  # (its inputs all in: see _Segment.launch)
+                self.flush()
             self.cursor = member.end
             handed, calls = self.handed, plan.calls
             for j in member.hand:
                 handed[j] = [t.detach() for t in calls[j].outs]
             out = _build(member.out_struct, iter([handed[j][k] for j, k in member.out_refs]))
             plan.whole += 1
-            if member.end - 1 == seg.last:
-                self.flush()
         return out
 
     def diverge(self, func, args, kwargs) -> Any:
@@ -471,7 +473,7 @@ class _Replayer(_Mode):
                 (_guards.flags_epoch != state.epoch and not state.same_flags()) or \
                 (run.token is not None and _raw_stream(plan.index) != run.token):
             return run.diverge(func, args, kwargs)  # (a member met on a side stream, too)
-        if run.pending is not seg:
+        if run.entered is not seg:
             if i != seg.first:  # (a segment is entered at its first call only)
                 return run.diverge(func, args, kwargs)
             run.start(seg)
@@ -480,6 +482,8 @@ class _Replayer(_Mode):
                 buf.copy_(leaf)
         except RuntimeError:  # (a sparse tensor where a dense one was recorded)
             return run.diverge(func, args, kwargs)
+        if i >= seg.launch:  # (its inputs all in: see _Segment.launch)
+            run.flush()
         run.cursor = i + 1
         if call.same:  # (x.float() of a float x is x itself)
             leaves: list = []
@@ -498,6 +502,4 @@ class _Replayer(_Mode):
         else:
             outs = handed[i] = [t.detach() for t in call.outs]
             out = _build(call.out_struct, iter(outs))
-        if i == seg.last:
-            run.flush()
         return out

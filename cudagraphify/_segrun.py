@@ -25,10 +25,13 @@ CPU copy) still makes most of its torch calls between those. With segments on
 - **replay**: the forward's Python runs; a member call whose function, argument structure,
   values and tensor sources match the record, made under its segment's global state, is not
   run: its copied inputs are copied into the graph's buffers and it returns aliases of the
-  graph's outputs (an argument it returned as is at record, as is). The graph replays when
-  its segment ends (its last member, or any other call). A call that does not match replays
-  the pending segment (its graph writes only memory of its own, so values already handed out
-  come out right) and runs, with the rest of the forward, eagerly. Outputs on the graph's
+  graph's outputs (an argument it returned as is at record, as is). The graph replays as soon
+  as its inputs are all copied in (at its last member that copies one, its first where none
+  does): the GPU runs it while the forward's Python meets the members after that point, which
+  read only the graph's outputs and statics. A call that does not match replays the pending
+  segment and runs, with the rest of the forward, eagerly: values already handed out come out
+  right (the graph writes only memory of its own, and every input it read was in), and what it
+  computed for the calls not met is never handed out. Outputs on the graph's
   memory are copied before the forward returns them (a tensor returned twice, once; views of
   one another stay views of one copy).
 
@@ -440,6 +443,7 @@ class SegmentPlan:
                 raise RuntimeError("its calls ran under global flags set inside the forward "
                                    "that cannot be set again for the capture")
             inputs = self._inputs(seg)
+            seg.launch = max((i for i, _ in seg.bufs), default=seg.first)
             load()
             self.backend.warmup(run, self.device)
             load()

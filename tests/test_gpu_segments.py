@@ -139,3 +139,52 @@ def test_generate_with_a_dynamic_cache_graphs_the_runs_around_the_growing_attent
     refused = [seg.refused for seg in plan.segments]
     assert refused.count(_segrun.VARYING) >= 6, plan.describe()
     assert cg.stats(g).segments > 0 and plan.replays > 20, plan.describe()
+
+
+
+class _LateInput(nn.Module):
+    """A segment whose last copied input (``y``) comes after GPU-heavy members, then members
+    that read only the graph's outputs (the replay launches at ``+ y``: see _Segment.launch);
+    then a boundary, and a segment whose last call reads its host value (it diverges when the
+    value changes, after that segment's replay launched at its first call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(1024, 1024)
+        self.b = nn.Linear(1024, 1024)
+
+    def forward(self, x, y):
+        top = x.amax()
+        h = x
+        for _ in range(4):
+            h = self.a(h).tanh()
+        h = h + y
+        for _ in range(4):
+            h = self.b(h).sigmoid()
+        n = 1.0 if top.item() < 100 else 0.5
+        return self.b(h) * 2 + n
+
+
+def test_a_segment_replayed_at_its_last_copied_input_is_eagers(device="cuda"):
+    torch.manual_seed(0)
+    m = _LateInput().to(device).eval()
+    g = _graphed(m)
+    inputs = [(torch.randn(64, 1024, device=device), torch.randn(64, 1024, device=device))
+              for _ in range(6)]
+    with torch.no_grad():
+        kept = [g(x, y) for x, y in inputs]  # (every input new; every output kept)
+        for (x, y), got in zip(inputs, kept):
+            assert torch.equal(got, m(x, y))
+        (plan,) = _plans(g)
+        first, last = plan.segments
+        assert first.graph is not None and first.first < first.launch < first.last, \
+            plan.describe()
+        assert last.graph is not None and last.launch == last.first, plan.describe()
+        replays, divergences = plan.replays, plan.divergences
+        assert divergences == 0 and replays == 2 * 4, plan.describe()
+        # the host value changes: the last segment's ``+ 0.5`` diverges after its replay
+        # launched; eager's result all the same
+        x = inputs[0][0].clone()
+        x[3, 5] = 1000.0
+        assert torch.equal(g(x, inputs[0][1]), m(x, inputs[0][1]))
+        assert plan.divergences == 1 and plan.replays == replays + 2
