@@ -434,7 +434,7 @@ class _TwoSegs(nn.Module):
         b = a + y
         c = b.tanh()
         n = c.abs().amax().item()
-        d = self.fc(b) * n
+        d = self.fc(b) * (1.0 if n < 1e30 else 0.5)  # (n steers Python only)
         e = d + a
         return e * e.sum().item()
 
@@ -447,7 +447,7 @@ def test_control_a_later_segment_reads_an_earlier_ones_outputs(segments):
     plan = _plan(g)
     graphed = [s for s in plan.segments if s.graph is not None]
     assert len(graphed) == 2 and graphed[1].launch == graphed[1].first
-    assert plan.divergences == 0
+    assert plan.divergences == 0 and plan.replays == 2 * 6
 
 
 class _Same(nn.Module):
