@@ -155,10 +155,12 @@ class _Matcher:
     pairs to copy in, or None when anything differs: the number of arguments, a keyword's
     name, a value's type or value (a float by its bits), a tensor's type, the identity of an
     earlier member's output (this run's), a static's identity or address and layout, a copied
-    tensor's layout."""
+    tensor's layout, a copied tensor on the graphs' own memory (``pool``: an output of this
+    run's, perhaps of a segment not replayed yet, where the record copied another tensor)."""
 
-    def __init__(self, call: "_Call | _Member", i: int, seg: "_Segment",
+    def __init__(self, call: "_Call | _Member", i: int, seg: "_Segment", pool: set[int],
                  bufs: dict[int, list] | None = None):
+        self.pool = pool
         self.lines: list[str] = []
         self.env: dict[str, Any] = {"_Tensor": _Tensor, "_Parameter": _Parameter}
         self.copies: list[str] = []
@@ -220,12 +222,14 @@ class _Matcher:
         if ref[0] == S:
             self.fail_if(f"{x} is not {self.const(ref[1])} and ({plain} or {x}.data_ptr() != "
                          f"{ref[2]} or {layout})")
-        elif self.bufs is None:
-            self.fail_if(f"{plain} or {layout}")
-            self.copies.append(f"({self.const(self.seg.bufs[self.i, k])}, {x})")
         else:
-            self.fail_if(f"type({x}) is not _Tensor or {x}.__dict__ or {layout}")
-            self.copies.extend(f"({self.const(buf)}, {x})" for buf in self.bufs[k])
+            if self.bufs is None:
+                self.fail_if(f"{plain} or {layout}")
+                self.copies.append(f"({self.const(self.seg.bufs[self.i, k])}, {x})")
+            else:
+                self.fail_if(f"type({x}) is not _Tensor or {x}.__dict__ or {layout}")
+                self.copies.extend(f"({self.const(buf)}, {x})" for buf in self.bufs[k])
+            self.fail_if(f"{x}.untyped_storage().data_ptr() in {self.const(self.pool)}")
 
     def build(self):
         args, kwargs = self.call.struct

@@ -2,10 +2,11 @@
 record's (:class:`_Recorder`: every top-level call run eagerly and recorded, as a member or a
 boundary) and the replay's (:class:`_Replayer`, with its call's :class:`_Run`: a member call
 that matches the record is answered from its segment's graph), and the profiler that finds work
-the modes do not see (:func:`direct_launch`)."""
+the modes do not see (:func:`direct_launch`) and the waits between calls (:func:`waits`)."""
 
 from __future__ import annotations
 
+import bisect
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -58,6 +59,50 @@ def direct_launch(events) -> str | None:
             return (f"{name} ran outside every torch call the mode sees (a C++ or Triton "
                     "kernel called directly): a graphed segment would not see its work")
     return None
+
+
+# a device wait or a host sync: what orders the call's stream after work on another (a
+# weight written there, then waited for): made outside every recorded call, it must come
+# before the replay of a segment whose calls it separates
+_WAITS = ("cudaStreamWaitEvent", "cuStreamWaitEvent", "cudaStreamSynchronize",
+          "cuStreamSynchronize", "cudaEventSynchronize", "cuEventSynchronize",
+          "cudaDeviceSynchronize", "cuCtxSynchronize")
+
+
+def canary(device: torch.device) -> None:
+    """A wait of the call's stream on itself (no effect), made under the record's profiler
+    before its first call: :func:`waits` finds it, or the profile shows no waits at all."""
+    event = torch.cuda.Event()
+    stream = torch.cuda.current_stream(device)
+    event.record(stream)
+    stream.wait_event(event)
+
+
+def waits(events) -> set[int] | None:
+    """From a profile of the record: the calls that a device wait or host sync made outside
+    every recorded call came just before (``j``: between calls ``j - 1`` and ``j``), ordered
+    by start time against the calls' profiler ranges; None where the profile holds no wait
+    before the first call, not even :func:`canary`'s (a profiler that does not report them:
+    every segment then replays at its last call, as no wait can come between its calls
+    unseen)."""
+    starts, found = [], []
+    for evt in events:
+        name = evt.name
+        if name == _RANGE:
+            starts.append(evt.time_range.start)
+            continue
+        if name not in _WAITS:
+            continue
+        parent = evt.cpu_parent
+        while parent is not None and parent.name != _RANGE:
+            parent = parent.cpu_parent
+        if parent is None:
+            found.append(evt.time_range.start)
+    starts.sort()
+    at = [bisect.bisect_left(starts, t) for t in found]
+    if 0 not in at:
+        return None
+    return {j for j in at if j > 0}
 
 
 class _Mode(TorchFunctionMode):
@@ -368,12 +413,13 @@ class _Run:
         if not state.check() or _inference() is not state.inference or \
                 (_guards.flags_epoch != state.epoch and not state.same_flags()) or \
                 (self.token is not None and _raw_stream(plan.index) != self.token) or \
-                (self.entered is not seg and member.start != seg.first) or \
-                not plan.guard.valid():
+                (self.entered is not seg and member.start != seg.first):
             return _NO
-        # (no mode sees the check's reads, the copies and detaches: they are not the
-        # forward's calls, and would replay the segment early)
+        # (no mode sees the guard's and the check's reads, the copies and detaches: they are
+        # not the forward's calls, and would replay the segment before its launch)
         with _no_modes():
+            if not plan.guard.valid():
+                return _NO
             try:
                 copies = member.match(args, kwargs, self.handed)
             except RuntimeError:  # (a layout read that a tensor refuses: sparse strides)
@@ -382,6 +428,8 @@ class _Run:
                 return _NO
             if self.entered is not seg:
                 self.start(seg)
+            elif self.pending is None and member.start <= seg.launch:
+                self.pending = seg  # (see __torch_function__)
             try:
                 for buf, leaf in copies:
                     buf.copy_(leaf)
@@ -477,6 +525,10 @@ class _Replayer(_Mode):
             if i != seg.first:  # (a segment is entered at its first call only)
                 return run.diverge(func, args, kwargs)
             run.start(seg)
+        elif run.pending is None and i <= seg.launch:
+            # (replayed before its launch, by a call of cudagraphify's own that needed real
+            # values: its inputs were not all in; it replays again at its launch)
+            run.pending = seg
         try:
             for buf, leaf in copies:
                 buf.copy_(leaf)

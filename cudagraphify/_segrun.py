@@ -58,7 +58,7 @@ from ._trial import MARGIN, Trial
 from ._segcalls import (P, S, VARYING, X, _Call, _Matcher, _Member, _Opaque, _Segment,
                         _Tensor, _bitwise_equal, _build, _call_args, _flat, _meta, _raw_stream,
                         _use_count)
-from ._segmodes import _Recorder, _Replayer, _Run, _profiler, direct_launch
+from ._segmodes import _Recorder, _Replayer, _Run, _profiler, canary, direct_launch, waits
 
 __all__ = ["ENABLED", "SegmentPlan", "Segments", "VARYING", "direct_launch"]
 
@@ -102,6 +102,10 @@ class SegmentPlan:
         self.matched = 0  # calls that matched the record throughout
         self.ready = False
         self.profiling = False  # the record runs under the profiler (CUDA)
+        # the calls that a wait outside every call came just before, in the record (see
+        # _segmodes.waits; None: the profile shows none, not even the canary's). On the CPU
+        # (no streams) none
+        self.waits: set[int] | None = set()
         self.cuda = device.type == "cuda"
         self.index = (device.index if device.index is not None else torch.cuda.current_device()) \
             if self.cuda else None
@@ -161,14 +165,18 @@ class SegmentPlan:
         if prof is not None:
             self.profiling = True
             try:
-                with prof, Nested(), _watch.recording(rec, ran=False), _Recorder(self):
-                    out = fn(*args, **kwargs)
+                with prof:
+                    canary(self.device)
+                    with Nested(), _watch.recording(rec, ran=False), _Recorder(self):
+                        out = fn(*args, **kwargs)
             finally:
                 self.profiling = False
-            why = direct_launch(prof.events())
+            events = prof.events()
+            why = direct_launch(events)
             if why is not None:
                 self.no_segments(why, seen=True)
                 return out
+            self.waits = waits(events)
         elif self.device.type == "cuda" and not dry:
             with Nested():
                 out = fn(*args, **kwargs)
@@ -198,7 +206,7 @@ class SegmentPlan:
             seg = self.segments[call.seg] if call.seg is not None else None
             if seg is not None and seg.refused is None:
                 call.segment, call.outs = seg, seg.outs[i]
-                call.match = _Matcher(call, i, seg).build()
+                call.match = _Matcher(call, i, seg, self.pool_ptrs).build()
                 call.single = call.out_struct == 0 and type(call.out_struct) is int
         self._members()
         self._baselines = self._use_counts()
@@ -264,7 +272,7 @@ class SegmentPlan:
                     refs.append(calls[reads[0][0]].refs[reads[0][1]])
             else:
                 member = _Member(frame, seg, refs)
-                member.match = _Matcher(member, frame.start, seg, bufs).build()
+                member.match = _Matcher(member, frame.start, seg, self.pool_ptrs, bufs).build()
                 self.members.setdefault(frame.start, []).append(member)
         for members in self.members.values():  # (the outermost first: explain lists them so)
             members.sort(key=lambda m: -m.end)
@@ -407,6 +415,16 @@ class SegmentPlan:
                     pairs.append((buf, ref[2]))
         return pairs
 
+    def _launch(self, seg: _Segment) -> int:
+        """Where ``seg`` replays (see :class:`~._segcalls._Segment`): its last call that copies
+        an input in, and after every wait the record saw between its calls (a weight written
+        on another stream and waited for: a replay before the wait would read it before the
+        write); its last call where the profile could not show waits."""
+        if self.waits is None:
+            return seg.last
+        return max([seg.first, *(i for i, _ in seg.bufs),
+                    *(j for j in self.waits if seg.first < j <= seg.last)])
+
     def _capture_one(self, seg: _Segment) -> None:
         calls = self.calls
         inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -443,7 +461,7 @@ class SegmentPlan:
                 raise RuntimeError("its calls ran under global flags set inside the forward "
                                    "that cannot be set again for the capture")
             inputs = self._inputs(seg)
-            seg.launch = max((i for i, _ in seg.bufs), default=seg.first)
+            seg.launch = self._launch(seg)
             load()
             self.backend.warmup(run, self.device)
             load()
@@ -549,7 +567,8 @@ class SegmentPlan:
                          f"segments, {self.timing[1] * 1e6:.0f} µs without: kept")
         for s, seg in enumerate(self.segments):
             names = [self.calls[i].name for i in seg.calls]
-            what = f"refused: {seg.refused}" if seg.refused else "graphed"
+            what = f"refused: {seg.refused}" if seg.refused else \
+                f"graphed, replays at call {seg.launch}"
             lines.append(f"segment {s}: calls {seg.first}-{seg.last} ({len(names)}: "
                          f"{names[0]} at {self.sites[seg.first]} .. {names[-1]} at "
                          f"{self.sites[seg.last]}) {what}")

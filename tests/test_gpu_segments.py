@@ -188,3 +188,56 @@ def test_a_segment_replayed_at_its_last_copied_input_is_eagers(device="cuda"):
         x[3, 5] = 1000.0
         assert torch.equal(g(x, inputs[0][1]), m(x, inputs[0][1]))
         assert plan.divergences == 1 and plan.replays == replays + 2
+
+
+_READY: list = [None]  # the event the forward waits for (a global: no guard reads it)
+
+
+class _Prefetched(nn.Module):
+    """``w`` is written on another stream before each call (a prefetch that lands late); the
+    forward waits for it (``wait_event``, which no mode sees) between two calls of a segment,
+    after its only copied input."""
+
+    def __init__(self, d=256):
+        super().__init__()
+        self.s = nn.Parameter(torch.randn(d))
+        self.w = nn.Parameter(torch.randn(d))
+
+    def forward(self, x):
+        h = (x * self.s).relu()  # (x: the segment's only copied input)
+        h = h * 2 + 1
+        torch.cuda.current_stream().wait_event(_READY[0])
+        o = h * self.w  # (reads w after the wait)
+        return o * (1.0 if o.abs().amax().item() < 1e30 else 0.5)
+
+
+def test_a_wait_between_calls_of_a_segment_comes_before_its_replay():
+    torch.manual_seed(0)
+    m = _Prefetched().cuda().eval()
+    g = _graphed(m)
+    side = torch.cuda.Stream()
+    ws = [torch.randn(256, device="cuda") for _ in range(6)]
+    xs = [torch.randn(4, 256, device="cuda") for _ in range(6)]
+    outs = {}
+    with torch.no_grad():
+        for model, key in ((g, "graphed"), (m, "eager")):
+            _READY[0] = ready = torch.cuda.Event()
+            got = []
+            for w, x in zip(ws, xs):
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    torch.cuda._sleep(50_000_000)  # (the write lands late)
+                    model.w.copy_(w)
+                    ready.record(side)
+                got.append(model(x))
+            outs[key] = got
+    for a, b in zip(outs["graphed"], outs["eager"]):
+        assert torch.equal(a, b)
+    (plan,) = _plans(g)
+    # the record's profile showed the waits (the canary's and the forward's)
+    assert plan.waits is not None, "the profiler does not report stream waits"
+    (seg,) = [s for s in plan.segments if s.graph is not None]
+    reader = next(i for i in seg.calls if i in plan.waits)
+    assert plan.calls[reader - 1].name.endswith("add") and seg.launch == reader, \
+        (plan.waits, seg.launch, plan.describe())
+    assert plan.replays >= 3 and plan.divergences == 0, plan.describe()

@@ -3,7 +3,7 @@ its last call that copies an input, and ``_Run.entered`` keeps the segment being
 that replay). CPU, simulated backend (its replay computes at once, on the captured memory),
 every output compared bitwise with an eager twin.
 
-Findings (strict xfails, they pass once fixed):
+Findings (strict xfails where open; F1 and P1 are fixed, their tests plain):
 - F1 a flush that is not the launch (cudagraphify's own torch call: ``_Run.whole`` evaluates
   ``plan.guard.valid()`` with the replay mode on, and a guard over a plain tensor attribute
   calls ``t.data_ptr()``) replays the pending segment before its later inputs are copied in;
@@ -13,9 +13,12 @@ Findings (strict xfails, they pass once fixed):
   reads them is met: a write the mode does not see between the two (on a GPU: a write on
   another stream that the forward orders with ``wait_event``/``wait_stream``, which no mode
   sees) is missed. Emulated here with a write under ``DisableTorchFunction``; the GPU
-  reproduction is .ci/review/launch/a_findings.py.
+  reproduction is .ci/review/launch/a_findings.py. Fixed on CUDA: the record's profile shows
+  the wait, and the segment replays after it (``_segmodes.waits``); the emulation stays open on
+  the CPU double, which has no profiler (on CUDA that write is a kernel the profiler finds).
 - P1 (pre-existing, also on 72e3715) a copied input whose tensor is, on replay, an output this
-  segment handed out before its graph replayed is copied stale.
+  segment handed out before its graph replayed is copied stale. Fixed: a copied input on the
+  graphs' memory does not match (the call runs eagerly).
 Controls: the edge cases checked around the launch point (all match eager).
 """
 
@@ -89,10 +92,6 @@ class _Attr(nn.Module):
         return h * h.abs().amax().item()
 
 
-@pytest.mark.xfail(strict=True, reason="F1: _Run.whole's guard check (t.data_ptr() of a plain "
-                   "tensor attribute, cudagraphify's own call) flushes the pending segment "
-                   "before y is copied in; _Run.entered keeps the segment matched and nothing "
-                   "replays it again: outputs from the previous call's y")
 @pytest.mark.parametrize("attr", ["large", "cpu-scalar"])
 def test_f1_a_guard_check_before_the_launch_replays_the_segment_early(segments, attr):
     torch.manual_seed(0)
@@ -113,8 +112,6 @@ def test_f1_control_without_the_tensor_attribute(segments):
     assert plan.replays == 4  # (one per replayed call: no early replay)
 
 
-@pytest.mark.xfail(strict=True, reason="F1: the segment's last replay in the call runs before "
-                   "y is copied into the launch call's buffer")
 def test_f1_the_last_replay_reads_this_calls_y(segments):
     """F1 from the replays themselves: the last replay of the segment in a call (the one whose
     outputs the calls from the launch on hand out) must read this call's y."""
@@ -163,9 +160,11 @@ class _LateWrite(nn.Module):
         return d * d.sum().item()
 
 
-@pytest.mark.xfail(strict=True, reason="F2: the graph reads the parameter at the launch (x * 2), "
-                   "before a write that eager orders before the member reading it "
-                   "(GPU: a write on another stream waited for with wait_event)")
+@pytest.mark.xfail(strict=True, reason="F2 on the CPU double only: a write no mode sees between "
+                   "the launch and the reader. On CUDA such a write is a kernel outside every "
+                   "recorded call (the record's profiler refuses the segments, direct_launch), "
+                   "and a wait for a write on another stream is found by the profiler and "
+                   "moves the launch after it (_segmodes.waits; tests/test_gpu_segments.py)")
 def test_f2_a_static_written_between_the_launch_and_its_reader(segments):
     torch.manual_seed(0)
     m = _LateWrite().eval()
@@ -210,9 +209,6 @@ class _Source(nn.Module):
         return c * c.abs().amax().item()
 
 
-@pytest.mark.xfail(strict=True, reason="P1 (pre-existing, 72e3715 too): a copied input whose "
-                   "tensor is an output the same segment handed out before its graph replayed "
-                   "is copied before the graph wrote it (the previous call's value)")
 def test_p1_a_copied_input_that_is_a_pending_output(segments):
     torch.manual_seed(0)
     m = _Source().eval()

@@ -156,3 +156,100 @@ def test_members_answered_whole_around_the_launch_point(segments):
     (seg,) = [s for s in plan.segments if s.graph is not None]
     assert seg.first < seg.launch < seg.last
     assert plan.whole > 0 and plan.divergences == 0
+
+
+def _peek(t):
+    """Marked as cudagraphify's own code by the test below: its torch call sees real values
+    (the mode replays the pending segment first)."""
+    return t.sum()
+
+
+class _Peeking(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, y):
+        a = self.lin(x).relu()
+        _peek(a)  # (before the launch: y is still to come)
+        b = (a * 3 + y).tanh()
+        return b * (1.0 if b.abs().amax().item() < 1e4 else 0.5)
+
+
+def test_a_segment_replayed_before_its_launch_replays_again_at_it(segments, monkeypatch):
+    """An own call (cudagraphify's: it needs real values) before the launch replays the
+    segment with y not yet copied in; the segment must replay again at its launch."""
+    from cudagraphify import _segcalls
+    monkeypatch.setitem(_segcalls._own_codes, _peek.__code__, True)
+    torch.manual_seed(0)
+    m = _Peeking().eval()
+    g = _graphed(m)
+    _run(m, g, [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(6)])
+    plan = _plan(g)
+    (seg,) = [s for s in plan.segments if s.graph is not None]
+    assert seg.first < seg.launch and plan.divergences == 0
+    before = plan.replays
+    _run(m, g, [(torch.randn(4, 8), torch.randn(4, 8))])
+    assert plan.replays == before + 2  # (at the peek, and again at the launch)
+
+
+# -- waits between calls (a weight written on another stream, then waited for) --------------
+
+class _TEvt:
+    """A profiler event: name, parent, start time."""
+
+    def __init__(self, name, start, parent=None):
+        self.name, self.cpu_parent = name, parent
+        self.time_range = type("R", (), {"start": start})()
+
+
+def test_waits_are_placed_between_the_calls_they_came_between():
+    from cudagraphify._segmodes import _RANGE, waits
+    calls = [_TEvt(_RANGE, t) for t in (10, 20, 30, 40)]
+    inside = _TEvt("cudaStreamSynchronize", 21, calls[1])  # (part of call 1: .item())
+    canary = _TEvt("cudaStreamWaitEvent", 5)
+    assert waits([canary, *calls, inside]) == set()
+    assert waits([canary, *calls, _TEvt("cudaStreamWaitEvent", 25)]) == {2}
+    assert waits([canary, *calls, _TEvt("cudaEventSynchronize", 15),
+                  _TEvt("cuStreamWaitEvent", 45)]) == {1, 4}
+    # (another name under a call: not a wait)
+    assert waits([canary, *calls, _TEvt("cudaLaunchKernel", 25)]) == set()
+    # no wait before the first call, not even the canary's: the profile does not show waits
+    assert waits([*calls, _TEvt("cudaStreamWaitEvent", 25)]) is None
+
+
+@pytest.mark.parametrize("seen", [{5}, None])
+def test_a_wait_between_two_calls_moves_the_launch_after_it(segments, monkeypatch, seen):
+    """The record saw a wait before call 5 (``.neg()``): the first segment replays there,
+    not at ``+ y`` (call 3); a profile that shows no waits: at its last call."""
+    from cudagraphify import _segrun
+    capture = _segrun.SegmentPlan._capture
+
+    def with_waits(self):
+        self.waits = None if seen is None else set(seen)
+        capture(self)
+
+    monkeypatch.setattr(_segrun.SegmentPlan, "_capture", with_waits)
+    torch.manual_seed(0)
+    m = _Probe().eval()
+    g = _graphed(m)
+    inputs = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(5)]
+    _run(m, g, inputs)
+    plan = _plan(g)
+    first, second = plan.segments
+    assert plan.calls[3].name.endswith("add") and plan.calls[5].name.endswith("neg")
+    assert first.launch == (5 if seen else first.last)
+    assert second.launch == (second.first if seen else second.last)
+    seen_now: list = []
+    before = segments.replays
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _WATCHED[:] = [segments, seen_now]
+        try:
+            got = g(*inputs[0])
+        finally:
+            _WATCHED.clear()
+        assert torch.equal(got, m(*inputs[0]))
+    assert [(w, n - before) for w, n in seen_now] == [
+        ("before y", 0), ("after y", 0), ("second segment started", 1)]
+    assert plan.divergences == 0
