@@ -64,9 +64,12 @@ def direct_launch(events) -> str | None:
 # a device wait or a host sync: what orders the call's stream after work on another (a
 # weight written there, then waited for): made outside every recorded call, it must come
 # before the replay of a segment whose calls it separates
+# (a query polled until true is a host sync too)
 _WAITS = ("cudaStreamWaitEvent", "cuStreamWaitEvent", "cudaStreamSynchronize",
           "cuStreamSynchronize", "cudaEventSynchronize", "cuEventSynchronize",
-          "cudaDeviceSynchronize", "cuCtxSynchronize")
+          "cudaDeviceSynchronize", "cuCtxSynchronize", "cudaEventQuery", "cuEventQuery",
+          "cudaStreamQuery", "cuStreamQuery")
+_CPU = torch.autograd.DeviceType.CPU
 
 
 def canary(device: torch.device) -> None:
@@ -80,13 +83,16 @@ def canary(device: torch.device) -> None:
 
 def waits(events) -> set[int] | None:
     """From a profile of the record: the calls that a device wait or host sync made outside
-    every recorded call came just before (``j``: between calls ``j - 1`` and ``j``), ordered
-    by start time against the calls' profiler ranges; None where the profile holds no wait
-    before the first call, not even :func:`canary`'s (a profiler that does not report them:
-    every segment then replays at its last call, as no wait can come between its calls
-    unseen)."""
+    every recorded call came just before (``j``: between calls ``j - 1`` and ``j``): its end
+    (a sync on another thread starts before the calls it orders) against the start of the
+    calls' profiler ranges, on the host's timeline (a range's twin on the GPU's is left out);
+    None where the profile holds no wait before the first call, not even :func:`canary`'s (a
+    profiler that does not report them: every segment then replays at its last call, and no
+    module call is answered whole)."""
     starts, found = [], []
     for evt in events:
+        if getattr(evt, "device_type", _CPU) != _CPU:  # (a range's twin on the GPU's timeline)
+            continue
         name = evt.name
         if name == _RANGE:
             starts.append(evt.time_range.start)
@@ -97,7 +103,7 @@ def waits(events) -> set[int] | None:
         while parent is not None and parent.name != _RANGE:
             parent = parent.cpu_parent
         if parent is None:
-            found.append(evt.time_range.start)
+            found.append(evt.time_range.end)
     starts.sort()
     at = [bisect.bisect_left(starts, t) for t in found]
     if 0 not in at:

@@ -254,6 +254,10 @@ class SegmentPlan:
                     calls[j].segment is not seg or calls[j].same
                     for j in range(frame.start, frame.end)):
                 continue
+            # (a wait its Python makes would not be made: see _segmodes.waits; where the
+            # profile shows no waits, any module might make one)
+            if self.waits is None or any(frame.start < j < frame.end for j in self.waits):
+                continue
             returned = set(frame.out_refs)
             if any(frame.start <= j < frame.end and (j, k) not in returned and i >= frame.end
                    for (j, k), i in last_read.items()):
@@ -400,7 +404,8 @@ class SegmentPlan:
                 continue
             for t in [*(t for i in seg.calls for t in seg.outs[i]), *seg.bufs.values()]:
                 ptr = t.untyped_storage().data_ptr()
-                if ptr not in self.static_ptrs:  # (a member may return a view of a parameter)
+                # (a member may return a view of a parameter; an empty tensor has no memory)
+                if ptr and ptr not in self.static_ptrs:
                     self.pool_ptrs.add(ptr)
 
     def _inputs(self, seg: _Segment) -> list[tuple[torch.Tensor, torch.Tensor]]:

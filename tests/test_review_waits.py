@@ -9,7 +9,7 @@ shows as a wrong value. The CPU double runs no profiler, so a record's ``waits``
 write that lands at the wait is emulated by a write no mode sees (as tests/test_review_launch.py
 F2 does). GPU reproductions: .ci/review/waits/.
 
-Findings (strict xfails: they pass once fixed):
+Findings (strict xfails until fixed; all seven fixed after the review, their tests plain):
 - W1 ``waits`` counts every event named ``_RANGE``; with CUDA activity on, Kineto reports each
   ``record_function`` range a second time on the GPU timeline (``gpu_user_annotation``,
   ``device_type`` CUDA, same name, GPU time stamps). The record syncs inside every member's
@@ -106,9 +106,6 @@ def test_w1_control_waits_without_twins():
     assert waits(_record_events(7, 1, twins=False)) == {1}
 
 
-@pytest.mark.xfail(strict=True, reason="W1: waits() counts the GPU twins of the calls' ranges "
-                   "(gpu_user_annotation, device_type CUDA, same name) as calls: a wait "
-                   "between calls 3 and 4 lands at 8")
 def test_w1_gpu_twins_of_the_ranges_do_not_move_a_wait():
     assert waits(_record_events(7, 4)) == {4}
 
@@ -166,9 +163,6 @@ def test_w1_control_the_wait_seen_in_place_moves_the_launch(segments, monkeypatc
     assert (seg.first, seg.last, seg.launch) == (0, 6, 4) and plan.replays >= 3
 
 
-@pytest.mark.xfail(strict=True, reason="W1: with the twins the wait is placed at call 8, past the "
-                   "segment's last call (6): dropped, the segment replays at call 0, before the "
-                   "write that call 4 reads")
 def test_w1_end_to_end_the_twins_drop_the_wait(segments, monkeypatch):
     _with_events(monkeypatch, twins=True)
     torch.manual_seed(0)
@@ -247,9 +241,6 @@ def test_w2_control_a_wait_in_the_outer_forward(segments, monkeypatch):
     assert plan.whole > 0 and plan.replays >= 3
 
 
-@pytest.mark.xfail(strict=True, reason="W2: the module answered whole skips its Python, the wait "
-                   "with it (plan.waits has a wait inside it): the graph reads w before the "
-                   "write lands")
 def test_w2_a_wait_inside_a_module_answered_whole(segments, monkeypatch):
     g, bad = _prefetched(monkeypatch, outside=False)
     assert _plan(g).replays >= 3
@@ -259,8 +250,6 @@ def test_w2_a_wait_inside_a_module_answered_whole(segments, monkeypatch):
 # -- W3, W4 -----------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="W3: a host sync of another thread is placed by its start "
-                   "(before call 1); the forward learns of it after its end (before call 3)")
 def test_w3_a_host_sync_on_another_thread_is_placed_by_its_end():
     evts = [_Evt("cudaStreamWaitEvent", 1)]
     evts += [_Evt(_RANGE, 10 * (i + 1), 10 * (i + 1) + 6) for i in range(5)]
@@ -277,8 +266,6 @@ def test_w3_control_a_wait_on_another_thread_only_moves_launches_later():
     assert waits(evts) == {3}
 
 
-@pytest.mark.xfail(strict=True, reason="W4: a host sync by polling (cudaEventQuery until true, "
-                   "between calls 2 and 3) is not one of _WAITS")
 def test_w4_a_polled_event_is_a_host_sync():
     evts = [_Evt("cudaStreamWaitEvent", 1)]
     evts += [_Evt(_RANGE, 10 * (i + 1), 10 * (i + 1) + 6) for i in range(5)]
@@ -332,9 +319,6 @@ def test_w5_control_a_nonempty_extra_input(segments):
     assert _extra_run(segments, 2) == (11, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="W5: an empty copied input's buffer has storage address 0, "
-                   "which joins pool_ptrs; the same empty input on replay 'is on the pool': "
-                   "every call diverges, the plan is given up")
 def test_w5_an_empty_copied_input_still_replays(segments):
     assert _extra_run(segments, 0) == (11, 0)
 
@@ -360,9 +344,6 @@ class _MaskOuter(nn.Module):
         return h * h.abs().amax().item()
 
 
-@pytest.mark.xfail(strict=True, reason="W6: a module argument no call of it reads is an X leaf "
-                   "without buffers; the pool check refuses it when it is an earlier member's "
-                   "output: the module is no longer answered whole")
 def test_w6_an_unread_module_argument_on_the_pool_is_answered_whole(segments):
     torch.manual_seed(0)
     m = _MaskOuter().eval()

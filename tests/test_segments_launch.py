@@ -200,7 +200,7 @@ class _TEvt:
 
     def __init__(self, name, start, parent=None):
         self.name, self.cpu_parent = name, parent
-        self.time_range = type("R", (), {"start": start})()
+        self.time_range = type("R", (), {"start": start, "end": start + 1})()
 
 
 def test_waits_are_placed_between_the_calls_they_came_between():
