@@ -72,6 +72,22 @@ def _run(m, g, inputs):
             assert torch.equal(got, want), (got - want).abs().max()
 
 
+def _watched(backend, m, g, inputs) -> list:
+    """One call of ``g`` with :func:`_mark` on: where it was, and the replays since the call
+    began; its output checked against ``m``'s."""
+    seen: list = []
+    before = backend.replays
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _WATCHED[:] = [backend, seen]
+        try:
+            got = g(*inputs)
+        finally:
+            _WATCHED.clear()
+        assert torch.equal(got, m(*inputs))
+    return [(where, n - before) for where, n in seen]
+
+
 def test_the_graph_replays_once_its_last_input_is_copied_in(segments):
     torch.manual_seed(0)
     m = _Probe().eval()
@@ -86,22 +102,13 @@ def test_the_graph_replays_once_its_last_input_is_copied_in(segments):
     assert first.launch > first.first and first.launch < first.last
     assert plan.calls[first.launch].name.endswith("add")
     assert second.launch == second.first
-    seen: list = []
     before = segments.replays
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _WATCHED[:] = [segments, seen]
-        try:
-            got = g(*inputs[0])
-        finally:
-            _WATCHED.clear()
-        assert torch.equal(got, m(*inputs[0]))
-    assert plan.divergences == 0
-    assert [(w, n - before) for w, n in seen] == [
+    assert _watched(segments, m, g, inputs[0]) == [
         ("before y", 0),  # (not yet: y is still to come)
         ("after y", 1),  # (replayed before ``tanh``, ``neg`` and ``abs`` were met)
         ("second segment started", 1)]
     assert segments.replays - before == 2  # (the second: at its first call, ``self.lin``'s)
+    assert plan.divergences == 0
 
 
 def test_inputs_that_change_every_call_come_out_right(segments):
@@ -240,16 +247,6 @@ def test_a_wait_between_two_calls_moves_the_launch_after_it(segments, monkeypatc
     assert plan.calls[3].name.endswith("add") and plan.calls[5].name.endswith("neg")
     assert first.launch == (5 if seen else first.last)
     assert second.launch == (second.first if seen else second.last)
-    seen_now: list = []
-    before = segments.replays
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        _WATCHED[:] = [segments, seen_now]
-        try:
-            got = g(*inputs[0])
-        finally:
-            _WATCHED.clear()
-        assert torch.equal(got, m(*inputs[0]))
-    assert [(w, n - before) for w, n in seen_now] == [
+    assert _watched(segments, m, g, inputs[0]) == [
         ("before y", 0), ("after y", 0), ("second segment started", 1)]
     assert plan.divergences == 0
