@@ -281,9 +281,10 @@ class _Segment:
         self.calls: list[int] = []
         self.first = first
         self.last = first
-        # its last call that copies an input in (its first where none does): a replay launches
-        # there, and the GPU runs the segment while the forward's Python meets the calls after
-        # it (they read only the graph's outputs and statics, and write nothing in place)
+        # its last call that copies an input in (its first where none does), and after every
+        # wait the record saw between its calls (SegmentPlan._launch): a replay launches there,
+        # and the GPU runs the segment while the forward's Python meets the calls after it
+        # (they read only the graph's outputs and statics, and write nothing in place)
         self.launch = first
         self.graph = None
         self.bufs: dict[tuple[int, int], torch.Tensor] = {}  # (call, leaf) -> static buffer

@@ -27,7 +27,8 @@ CPU copy) still makes most of its torch calls between those. With segments on
   run: its copied inputs are copied into the graph's buffers and it returns aliases of the
   graph's outputs (an argument it returned as is at record, as is). The graph replays as soon
   as its inputs are all copied in (at its last member that copies one, its first where none
-  does): the GPU runs it while the forward's Python meets the members after that point, which
+  does) and after every device wait or host sync the record's profile showed between its
+  calls: the GPU runs it while the forward's Python meets the members after that point, which
   read only the graph's outputs and statics. A call that does not match replays the pending
   segment and runs, with the rest of the forward, eagerly: values already handed out come out
   right (the graph writes only memory of its own, and every input it read was in), and what it
