@@ -354,3 +354,9 @@ def segments_enabled():
         yield
     finally:
         _segrun.ENABLED = old
+
+
+@pytest.fixture
+def segments(sim, segments_enabled):
+    """Segments on, over the CPU double (the ``sim`` backend)."""
+    return sim

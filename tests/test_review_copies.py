@@ -21,11 +21,6 @@ import cudagraphify as cg
 from test_review_outputs import _Piecewise as _PiecewiseBase, piecewise_calls
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 def _replayed(f, n=3):
     s = cg.stats(f)
     assert s.replays == n and not s.eager_calls, s

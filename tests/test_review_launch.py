@@ -35,11 +35,6 @@ from torch import nn
 import cudagraphify as cg
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 @pytest.fixture(autouse=True)
 def _quiet():
     with warnings.catch_warnings():

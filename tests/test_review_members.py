@@ -22,11 +22,6 @@ _AS_A_PIECE = ("pre-existing, as a piece's replay (segments off, the same model,
                "documented (README, Limitations: not guarded): ")
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 def _graphed(m, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -19,11 +19,6 @@ from cudagraphify import _wrap
 from cudagraphify._segcalls import VARYING as _VARYING
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 def _graphed(m, **kw):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

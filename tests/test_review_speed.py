@@ -20,11 +20,6 @@ import cudagraphify as cg
 from test_segments_match import _NOW, _Timed  # (the test clock and its model)
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 @pytest.fixture(autouse=True)
 def _quiet():
     with warnings.catch_warnings():

@@ -44,11 +44,6 @@ from cudagraphify import _segcalls, _segrun
 from cudagraphify._segmodes import _RANGE, waits
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 @pytest.fixture(autouse=True)
 def _quiet():
     with warnings.catch_warnings():

@@ -17,11 +17,6 @@ import cudagraphify as cg
 from cudagraphify.bench.models import GPT
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 def _graphed(m):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

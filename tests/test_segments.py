@@ -16,11 +16,6 @@ from cudagraphify import _segmodes, _segrun
 from cudagraphify.bench.models import GPT
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 def _graphed(m):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

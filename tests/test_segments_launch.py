@@ -16,11 +16,6 @@ from torch import nn
 import cudagraphify as cg
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 def _graphed(m):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -18,11 +18,6 @@ import cudagraphify as cg
 from cudagraphify import _segrun
 
 
-@pytest.fixture
-def segments(sim, segments_enabled):
-    return sim
-
-
 class _Args(nn.Module):
     """After a host sync, mode ``v`` (read from the input) changes one argument of one call."""
 
