@@ -8,8 +8,15 @@ import torch, transformers
 import os
 import cudagraphify as cg
 
-DEV = os.environ.get("DEV", "cuda")  # (DEV=cpu: a smoke run of the script, no graph)
+DEV = os.environ.get("DEV", "cuda")  # (cpu: a smoke run, no graph; sim: the CPU double)
 sync = torch.cuda.synchronize if DEV == "cuda" else (lambda: None)
+if DEV == "sim":  # the CPU double (tests/conftest.py): host time only, no rebased graphs
+    import sys
+    sys.path.insert(0, "tests")
+    from conftest import SimBackend
+    from cudagraphify import _capture
+    _capture.set_backend(SimBackend())
+    DEV = "cpu"
 
 warnings.simplefilter("ignore")
 torch.manual_seed(0)
