@@ -22,11 +22,13 @@ A module the check ran that is switched to train mode afterwards is checked agai
 
 from __future__ import annotations
 
+import sys
 import warnings
 from typing import Any, Callable, Hashable, Iterable
 
 import torch
 import torch.utils._pytree as pytree
+from torch.overrides import TorchFunctionMode
 
 from . import _capture, _watch, _writes
 from ._errors import CudagraphifyUsageError, CudagraphifyWarning
@@ -34,6 +36,8 @@ from ._explain import _own_state
 from ._guards import StateGuard
 from ._hooks import HookWatch
 from ._nested import Nested
+from ._policy import HOST_READS
+from ._probe import _Mode as _ProbeMode, own_file
 from ._signature import is_constant, leaf_kind, repeated, storage_of, strict_key
 
 __all__ = ["Bucketed", "bucketed"]
@@ -68,6 +72,10 @@ class Bucketed:
         bucket = next((s for s in self.sizes if s >= n), None) if n else None
         if bucket is None or bucket == n:
             return self._target(*args, **kwargs)  # its own size (or none): as it is
+        opaque = next((v for v in leaves if not isinstance(v, torch.Tensor)
+                       and not is_constant(v)), None)
+        if opaque is not None:
+            return self._opaque(opaque, args, kwargs)
         # (n itself: a forward may compute with the batch size, which padding changes)
         # (which tensors are one object too, each padded once: see _signature.repeated)
         key = (n, bucket, spec, tuple(_leaf_key(t, self.dim) for t in leaves), repeated(leaves),
@@ -159,7 +167,11 @@ class Bucketed:
         epoch = _watch.epoch  # (before its runs: a change they make is seen on the next call)
         rec = _watch.Recorder()  # the modules it ran and the module attributes it read
         # eagerly, on the call's own rows: this call's result
-        with Nested(), probe, _watch.recording(rec), HookWatch() as hooks:
+        # (the host reads' mode under the probe's: the probe tells the forward's calls from
+        # cudagraphify's own by the caller's frame, which is the probe's own handler for the
+        # mode under it)
+        reads = _HostReads(leaves)
+        with Nested(), reads, probe, _watch.recording(rec), HookWatch() as hooks:
             swaps = _writes.swaps_made()
             want = self._target(*args, **kwargs)
             swaps = _writes.swaps_made() - swaps
@@ -168,6 +180,11 @@ class Bucketed:
         if not isinstance(self._target, torch.nn.Module):
             # (a refusal below holds while the modules it ran keep their training flags)
             self._refused_in[key] = _State(list(rec.called.values()), guard, epoch)
+        if reads.found:
+            return self._refuse(key, want, f"forward reads on the host ({reads.found}) a value "
+                                "computed from a tensor that is neither an argument nor a "
+                                "parameter (a flag or count in a buffer): it may change in "
+                                "place after the check, unseen")
         if guard.unguardable:
             return self._refuse(key, want, f"what forward reads cannot be watched for a "
                                 f"change that would make rows interact: {guard.unguardable}")
@@ -238,19 +255,102 @@ class Bucketed:
         why = _disagree(want, runs[0], runs[1], self.dim, bucket, n)
         if why:
             return self._refuse(key, want, why)
-        modules = list(self._target.modules()) if isinstance(self._target, torch.nn.Module) \
+        roots = [self._target] if isinstance(self._target, torch.nn.Module) \
             else list(rec.called.values())
         self._refused_in.pop(key, None)
         if ran is None:
             ran = self.verified[key] = _Ran()
-        ran.states.append(_State(modules, guard, epoch))
+        ran.states.append(_State(roots, guard, epoch))
         return want
+
+    def _opaque(self, value: Any, args: tuple, kwargs: dict) -> Any:
+        """A call with an argument that is neither a tensor nor an immutable value (an options
+        object): unpadded. A check holds for what the argument held then, and nothing sees
+        it change in place afterwards (a flag that makes rows interact)."""
+        key = ("argument", type(value))
+        if key not in self.refused:
+            self._refuse(key, None, f"argument of type {type(value).__name__} is neither a "
+                         "tensor nor an immutable value: what it holds may change after a "
+                         "check, unseen")
+        return self._target(*args, **kwargs)
 
     def _refuse(self, key, result: Any, why: str) -> Any:
         self.refused[key] = why
-        warnings.warn(f"cudagraphify: bucketed: batch {key[0]} bucket runs unpadded: {why}",
+        what = "calls with such an argument run" if key[0] == "argument" else \
+            f"batch {key[0]} bucket runs"
+        warnings.warn(f"cudagraphify: bucketed: {what} unpadded: {why}",
                       CudagraphifyWarning, stacklevel=3)
         return result
+
+
+class _HostReads(TorchFunctionMode):
+    """(A bucket's check, its real call.) Whether the forward brings to the host (``bool(t)``,
+    ``.item()``, ``nonzero``: :data:`~._policy.HOST_READS`) a value computed from module state
+    that no guard watches: a tensor that is neither one of the call's arguments nor a parameter
+    (a buffer, a tensor kept in an attribute or a global), or anything an op computed from one.
+    Such a value decides the forward's Python (``if self.center:``) and may change in place
+    (``fill_``, ``load_state_dict``) with no attribute written: the check cannot stand for
+    later calls. Parameters and what the arguments hold are the data the check runs on (see
+    the module docs). ``found``: the first such read's name ("": none)."""
+
+    def __init__(self, leaves: list):
+        super().__init__()
+        self.clean = {storage_of(t) for t in leaves if isinstance(t, torch.Tensor)}
+        self.made: set[int] = set()  # storages the run wrote from clean values only
+        self.state: set[int] = set()  # storages it wrote from module state
+        self.found = ""
+
+    def _from_state(self, t: torch.Tensor) -> bool:
+        p = storage_of(t)
+        return bool(p) and (p in self.state or p not in self.clean and p not in self.made
+                            and not isinstance(t, torch.nn.Parameter))
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        caller = sys._getframe(1)
+        if caller.f_code is _PROBE_HANDLER:  # (the probe's mode, above this one, passed it on)
+            caller = caller.f_back
+        if caller is not None and own_file(caller.f_code.co_filename):
+            return func(*args, **kwargs)  # cudagraphify's own call (a guard's look), or the
+            # probe's bookkeeping: not the forward's
+        with torch._C.DisableTorchFunction():  # (its own looks: no mode's calls)
+            ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            tainted = any(self._from_state(t) for t in ins)
+            if tainted and not self.found and func in HOST_READS:
+                self.found = getattr(func, "__qualname__", None) or repr(func)
+        out = func(*args, **kwargs)
+        with torch._C.DisableTorchFunction():
+            into = self.state if tainted else self.made
+            for t in pytree.tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    p = storage_of(t)
+                    if p and p not in self.state:
+                        into.add(p)
+            if tainted:  # (an in-place write of state into a clean tensor: state now)
+                for t in _written(func, args, kwargs):
+                    p = storage_of(t)
+                    if p:
+                        self.state.add(p)
+                        self.made.discard(p)
+        return out
+
+
+_PROBE_HANDLER = _ProbeMode.__torch_function__.__code__
+
+
+def _written(func, args: tuple, kwargs: dict) -> list:
+    """The tensors ``func`` writes in place (its first argument, an ``out=``)."""
+    name = getattr(func, "__name__", "")
+    out = [t for t in pytree.tree_leaves(kwargs.get("out")) if isinstance(t, torch.Tensor)]
+    if args and isinstance(args[0], torch.Tensor) and (
+            name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_DUNDERS):
+        out.append(args[0])
+    return out
+
+
+_IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__",
+                               "__itruediv__", "__ifloordiv__", "__imod__", "__ipow__",
+                               "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__"})
 
 
 def _own(m: torch.nn.Module) -> dict:
@@ -283,18 +383,26 @@ class _Ran:
 
 
 class _State:
-    """The modules a bucket's check ran and their training flags (BatchNorm, dropout: a
-    module switched to train mode computes across the batch), and the module state its
-    forward read (a flag that makes it compute across rows), re-read only after a module
-    attribute was written (``_watch.epoch``; mutable values the guard watches, every call)."""
+    """The modules of a bucket's check (the target's tree, or the trees of the modules a
+    function's check ran) and their training flags (BatchNorm, dropout: a module switched to
+    train mode computes across the batch), and the module state its forward read (a flag that
+    makes it compute across rows), re-read only after a module attribute was written
+    (``_watch.epoch``; mutable values the guard watches, every call). After such a write the
+    trees are walked again: a submodule replaced (a head that normalises over the batch) is
+    another tree, checked again."""
 
-    __slots__ = ("modules", "flags", "epoch", "guard")
+    __slots__ = ("roots", "modules", "flags", "epoch", "guard")
 
-    def __init__(self, modules: list[torch.nn.Module], guard: StateGuard, epoch: int):
-        self.modules = modules
-        self.flags = [m.training for m in modules]
+    def __init__(self, roots: list[torch.nn.Module], guard: StateGuard, epoch: int):
+        self.roots = roots
+        self.modules = _tree(roots)
+        self.flags = [m.training for m in self.modules]
         self.epoch = epoch
         self.guard = guard
+
+    def _same_tree(self) -> bool:
+        now = _tree(self.roots)
+        return len(now) == len(self.modules) and all(a is b for a, b in zip(now, self.modules))
 
     def flags_same(self) -> bool:
         """Whether the modules keep the training flags they had (module writes bump the
@@ -302,36 +410,40 @@ class _State:
         now = _watch.epoch
         if now == self.epoch:
             return True
-        if [m.training for m in self.modules] != self.flags:
+        if not self._same_tree() or [m.training for m in self.modules] != self.flags:
             return False
         self.epoch = now
         return True
 
     def same(self) -> bool:
-        if _watch.epoch == self.epoch and not self.guard.volatile:
-            return True
         now = _watch.epoch
-        if [m.training for m in self.modules] != self.flags or not self.guard.valid():
+        if now == self.epoch and not self.guard.volatile:
+            return True
+        if (now != self.epoch and not self._same_tree()) \
+                or [m.training for m in self.modules] != self.flags or not self.guard.valid():
             return False
         self.epoch = now
         return True
 
 
+def _tree(roots: list[torch.nn.Module]) -> list[torch.nn.Module]:
+    """The modules of ``roots``' trees, each once, in walk order."""
+    seen: dict[int, torch.nn.Module] = {}
+    for root in roots:
+        for m in root.modules():
+            seen.setdefault(id(m), m)
+    return list(seen.values())
+
+
 def _leaf_key(leaf: Any, dim: int) -> Hashable:
     """What a bucket's check holds for, of one argument: a tensor's other dimensions, dtype,
     device, grad and kind (its class, whether it carries Python attributes: the padded tensor
-    is a plain one without; see _signature.leaf_kind); any other value itself (by identity
-    where it cannot be hashed)."""
+    is a plain one without; see _signature.leaf_kind); a constant by its value (no other value
+    is keyed: see :meth:`Bucketed._opaque`)."""
     if isinstance(leaf, torch.Tensor):
         return (leaf.shape[:dim] + leaf.shape[dim + 1:], leaf.dtype, leaf.device,
                 leaf.requires_grad, leaf_kind(leaf))
-    if is_constant(leaf):
-        return strict_key(leaf)  # (``0.0`` and ``-0.0`` apart, as the signature keeps them)
-    try:
-        hash(leaf)
-    except TypeError:
-        return ("unhashable", id(leaf))
-    return (type(leaf), leaf)
+    return strict_key(leaf)  # (``0.0`` and ``-0.0`` apart, as the signature keeps them)
 
 
 def _disagree(want: Any, got: Any, other: Any, dim: int, bucket: int, n: int) -> str:

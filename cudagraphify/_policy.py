@@ -37,6 +37,8 @@ _PROTOCOL_SYNC = {T.item, T.tolist, T.__bool__, T.__int__, T.__float__, T.__inde
 _DYNAMIC = {torch.nonzero, T.nonzero, torch.argwhere, T.argwhere, torch.masked_select,
             T.masked_select, torch.unique, T.unique, torch.unique_consecutive,
             T.unique_consecutive, torch.bincount, T.bincount}
+# Calls that bring a tensor's values to the host (a Python value, or a shape made from them)
+HOST_READS = frozenset(_PROTOCOL_SYNC | _DYNAMIC)
 _INDEXING = {T.__getitem__, T.__setitem__, T.index_put, T.index_put_, torch.index_put}
 _DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
             F.feature_alpha_dropout}

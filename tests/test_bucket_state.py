@@ -1,0 +1,206 @@
+"""bucketed: module state a bucket's check cannot stand for (hunt 9's findings, fixed).
+
+- A value read on the host (``bool(t)``, ``.item()``, ``nonzero``) that comes from module
+  state no guard watches (a buffer, a tensor kept in an attribute, or anything an op computed
+  from one) refuses the bucket at its check: such a state may change in place afterwards.
+  Parameters and what the arguments hold are the check's data: reads of those are bucketed.
+- A submodule replaced after a check is another module tree: checked again.
+- An argument that is neither a tensor nor an immutable value runs unpadded.
+
+Elementwise models, so that padded and unpadded outputs are equal bit for bit on the CPU;
+the graphified targets run through the simulated backend (conftest.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+
+pytestmark = pytest.mark.usefixtures("quiet")
+
+
+def _rowwise(x, w):
+    return torch.tanh(x * w)
+
+
+def _center(h):
+    return h - h.mean(0, keepdim=True)
+
+
+class Gated(nn.Module):
+    """Centres the batch where ``gate(self, h)`` is true on the host."""
+
+    def __init__(self, gate):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.register_buffer("flag", torch.tensor(False))
+        self.kept = torch.tensor(0)  # a tensor in a plain attribute
+        self.gate = gate
+
+    def forward(self, x):
+        h = _rowwise(x, self.w)
+        return _center(h) if self.gate(self, x) else h
+
+
+def _served(target, ref, calls=3, n=3):
+    b = cg.bucketed(target, [4, 8])
+    with torch.no_grad():
+        for _ in range(calls):
+            x = torch.randn(n, 4)
+            assert torch.equal(b(x.clone()), ref(x.clone()))
+    return b
+
+
+def _twins(gate, graph):
+    torch.manual_seed(0)
+    ref = Gated(gate)
+    m = copy.deepcopy(ref)
+    return ref, m, (cg.graphify(m) if graph else m)
+
+
+def _copied_flag(self, x):
+    h = torch.zeros((), dtype=torch.bool)
+    h.copy_(self.flag)  # (state written into a tensor the run made)
+    return bool(h)
+
+
+def _indexed_flag(self, x):
+    h = torch.zeros(2, dtype=torch.bool)
+    h[0] = self.flag  # (state set into a tensor the run made: ``__setitem__`` returns None)
+    return bool(h.any())
+
+
+def _argument_written_with_state(self, x):
+    x.add_(self.flag * 0)  # (the argument now holds what came from state)
+    return bool(x.isnan().any())
+
+
+STATE_READS = {
+    "a buffer set into a new tensor by indexing": _indexed_flag,
+    "an argument written with state": _argument_written_with_state,
+    "a buffer itself": lambda self, x: bool(self.flag),
+    "a buffer through an op": lambda self, x: bool(self.flag.any()),
+    "a buffer's item": lambda self, x: (self.flag * 1).sum().item() > 0,
+    "a tensor in a plain attribute": lambda self, x: self.kept.item() > 0,
+    "a buffer copied into a new tensor": _copied_flag,
+    "a buffer mixed with the data": lambda self, x: bool((x.abs().amax() * self.flag) > 0),
+}
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("read", list(STATE_READS))
+def test_a_host_read_of_module_state_refuses_the_bucket_at_its_check(sim, read, graph):
+    ref, m, target = _twins(STATE_READS[read], graph)
+    b = _served(target, ref)
+    (why,) = b.refused.values()
+    assert "reads on the host" in why and "neither an argument nor a parameter" in why
+    assert b.padded_calls == 0  # (refused before any padded run)
+    for mod in (ref, m):  # the state changed in place, no attribute written: still eager's
+        mod.flag.fill_(True)
+        mod.kept.fill_(1)
+    with torch.no_grad():
+        x = torch.randn(3, 4)
+        assert torch.equal(b(x.clone()), ref(x.clone()))
+
+
+DATA_READS = {
+    "the arguments": lambda self, x: not bool(torch.isfinite(x).all()),
+    "a parameter": lambda self, x: self.w.abs().sum().item() < 0,
+    "a new tensor": lambda self, x: torch.zeros(()).item() > 0,
+}
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("read", list(DATA_READS))
+def test_a_host_read_of_the_data_is_bucketed(sim, read, graph):
+    ref, m, target = _twins(DATA_READS[read], graph)
+    b = _served(target, ref)
+    assert not b.refused and b.padded_calls >= 2 + 2  # (the check's two, then padded calls)
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.head = nn.Identity()
+
+    def forward(self, x):
+        return self.head(_rowwise(x, self.w))
+
+
+def _batch_head():
+    return nn.BatchNorm1d(4, affine=False, track_running_stats=False).eval()
+
+
+def test_a_submodule_of_a_function_targets_module_replaced_is_checked_again(sim):
+    torch.manual_seed(0)
+    ref = Outer()
+    m = copy.deepcopy(ref)
+    g = cg.graphify(m)
+    b = _served(lambda x: g(x) * 2, lambda x: ref(x) * 2)
+    assert not b.refused
+    ref.head, m.head = _batch_head(), _batch_head()
+    with torch.no_grad():
+        x = torch.randn(3, 4)
+        assert torch.equal(b(x.clone()), ref(x.clone()) * 2)
+    assert any("rows interact" in why for why in b.refused.values())
+
+
+def test_a_submodule_replaced_by_a_rowwise_one_is_checked_and_padded_again(sim):
+    torch.manual_seed(0)
+    ref = Outer()
+    m = copy.deepcopy(ref)
+    b = _served(cg.graphify(m), ref)
+    padded = b.padded_calls
+    ref.head, m.head = nn.Tanh(), nn.Tanh()
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 4)
+            assert torch.equal(b(x.clone()), ref(x.clone()))
+    assert not b.refused
+    assert b.padded_calls == padded + 2 + 1  # (checked again: two padded runs, then one call)
+
+
+class Scaled(nn.Module):
+    def forward(self, x, opts):
+        return x * opts.scale
+
+
+class Opts:
+    scale = 2.0
+
+
+def test_an_argument_neither_tensor_nor_constant_runs_unpadded_with_one_warning(sim):
+    b = cg.bucketed(cg.graphify(Scaled()), [4, 8])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            for n in (3, 5, 3):
+                x = torch.randn(n, 4)
+                assert torch.equal(b(x, Opts()), x * 2.0)
+    assert b.padded_calls == 0
+    assert list(b.refused) == [("argument", Opts)]
+    assert sum("neither a tensor nor an immutable value" in str(w.message)
+               for w in caught) == 1
+
+
+class ByValue(nn.Module):
+    def forward(self, x, scale: float, shift: tuple):
+        return x * scale + shift[0]
+
+
+def test_constant_arguments_are_still_keyed_by_value_and_padded(sim):
+    b = cg.bucketed(cg.graphify(ByValue()), [4, 8])
+    with torch.no_grad():
+        for scale in (2.0, 3.0, 2.0, 3.0):
+            x = torch.randn(3, 4)
+            assert torch.equal(b(x, scale, (1.0, "a")), x * scale + 1.0)
+    assert not b.refused
+    assert len(b.verified) == 2  # (one check per value)
+    assert b.padded_calls == 2 * 2 + 2  # (two checks of two padded runs, two padded calls)
