@@ -16,8 +16,11 @@ batch of positive values, a threshold the data does not reach) is not seen.
 
 A bucket and size that fail run unpadded from then on (graphed at their own size by
 ``graphify``, or eagerly), with one warning. A forward that writes memory it did not make (its
-arguments, parameters, buffers, captured tensors) or returns its argument is never bucketed.
-A module the check ran that is switched to train mode afterwards is checked again.
+arguments, parameters, buffers, captured tensors) or returns its argument is never bucketed;
+nor is one that reads on the host a value computed from module state no guard watches (a
+buffer, a tensor kept in an attribute: ``if self.center:``), which may change in place after
+the check, nor a call with an argument that is neither a tensor nor a constant. A module the
+check ran that is switched to train mode afterwards, or a submodule replaced, is checked again.
 """
 
 from __future__ import annotations
@@ -520,7 +523,8 @@ def bucketed(target: Callable, sizes: Iterable[int], *, dim: int = 0) -> Buckete
     row repeated and with zero rows: the real rows' outputs must be the same bit for bit, and
     close to eager's (padded shapes may pick other kernels: padded outputs are close to eager's,
     not equal). The check sees that call's data only (see the module docs). A size that fails,
-    a forward that writes memory it did not make, or one that returns its argument runs
+    a forward that writes memory it did not make, one that returns its argument or reads module
+    state on the host, and a call with an argument that is neither a tensor nor a constant run
     unpadded from then on, with a warning (``.refused`` says why). An empty batch runs as it
     is. Every tensor argument is padded: pass other tensors as attributes or close over them.
 
