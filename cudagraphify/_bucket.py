@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from typing import Any, Callable, Hashable, Iterable
 
 import torch
@@ -39,7 +40,7 @@ from ._explain import _own_state
 from ._guards import StateGuard
 from ._hooks import HookWatch
 from ._nested import Nested
-from ._policy import HOST_READS
+from ._policy import host_read
 from ._probe import _Mode as _ProbeMode, own_file
 from ._signature import is_constant, leaf_kind, repeated, storage_of, strict_key
 
@@ -65,6 +66,7 @@ class Bucketed:
         # ran, with their flags then; a flag changed lifts the refusal (checked again)
         self._refused_in: dict[Hashable, _State] = {}
         self.padded_calls = 0  # calls that ran padded to a bucket (checks included)
+        self._set_up: set[Hashable] = set()  # keys whose check's call set up module state
 
     def __repr__(self) -> str:
         return f"bucketed({self._target!r}, sizes={self.sizes}, dim={self.dim})"
@@ -183,11 +185,17 @@ class Bucketed:
         if not isinstance(self._target, torch.nn.Module):
             # (a refusal below holds while the modules it ran keep their training flags)
             self._refused_in[key] = _State(list(rec.called.values()), guard, epoch)
+        if key not in self._set_up and reads.set_up(
+                _tree([self._target] if isinstance(self._target, torch.nn.Module)
+                      else list(rec.called.values()))):
+            # (checked on the next call, the state it set up then found from before the call)
+            self._set_up.add(key)
+            return want
         if reads.found:
             return self._refuse(key, want, f"forward reads on the host ({reads.found}) a value "
                                 "computed from a tensor that is neither an argument nor a "
-                                "parameter (a flag or count in a buffer): it may change in "
-                                "place after the check, unseen")
+                                "trainable parameter (a flag or count in a buffer): it may "
+                                "change in place after the check, unseen")
         if guard.unguardable:
             return self._refuse(key, want, f"what forward reads cannot be watched for a "
                                 f"change that would make rows interact: {guard.unguardable}")
@@ -302,11 +310,23 @@ class _HostReads(TorchFunctionMode):
         self.made: set[int] = set()  # storages the run wrote from clean values only
         self.state: set[int] = set()  # storages it wrote from module state
         self.found = ""
+        self.reads: list[str] = []  # the host reads of clean values
 
     def _from_state(self, t: torch.Tensor) -> bool:
         p = storage_of(t)
+        # (a frozen parameter, ``requires_grad=False``, may be a flag: state)
         return bool(p) and (p in self.state or p not in self.clean and p not in self.made
-                            and not isinstance(t, torch.nn.Parameter))
+                            and not (isinstance(t, torch.nn.Parameter) and t.requires_grad))
+
+    def set_up(self, modules: list[torch.nn.Module]) -> bool:
+        """After the run: whether it read a value on the host and left in module state a
+        tensor it made (a buffer set up on first use, ``if self.flag is None``): later calls
+        find that tensor there, state that may change in place, which this run counted as
+        its own values."""
+        if self.found or not self.reads:
+            return False
+        made = self.made | self.state
+        return any(storage_of(t) in made for m in modules for t in _tensors_of(m))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -319,8 +339,12 @@ class _HostReads(TorchFunctionMode):
         with torch._C.DisableTorchFunction():  # (its own looks: no mode's calls)
             ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             tainted = any(self._from_state(t) for t in ins)
-            if tainted and not self.found and func in HOST_READS:
-                self.found = getattr(func, "__qualname__", None) or repr(func)
+            if not self.found and ins and host_read(func, args, kwargs):
+                name = getattr(func, "__qualname__", None) or repr(func)
+                if tainted:
+                    self.found = name
+                else:  # (see set_up)
+                    self.reads.append(name)
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
             into = self.state if tainted else self.made
@@ -339,6 +363,13 @@ class _HostReads(TorchFunctionMode):
 
 
 _PROBE_HANDLER = _ProbeMode.__torch_function__.__code__
+
+
+def _tensors_of(m: torch.nn.Module) -> list:
+    """The tensors a module keeps: its buffers, parameters and plain tensor attributes."""
+    d = m.__dict__
+    return [t for t in (*d.get("_buffers", {}).values(), *d.get("_parameters", {}).values(),
+                        *d.values()) if isinstance(t, torch.Tensor)]
 
 
 def _written(func, args: tuple, kwargs: dict) -> list:
@@ -394,7 +425,7 @@ class _State:
     trees are walked again: a submodule replaced (a head that normalises over the batch) is
     another tree, checked again."""
 
-    __slots__ = ("roots", "modules", "flags", "epoch", "guard")
+    __slots__ = ("roots", "modules", "flags", "epoch", "guard", "hooks")
 
     def __init__(self, roots: list[torch.nn.Module], guard: StateGuard, epoch: int):
         self.roots = roots
@@ -402,10 +433,15 @@ class _State:
         self.flags = [m.training for m in self.modules]
         self.epoch = epoch
         self.guard = guard
+        self.hooks = _watch.hook_fingerprint([weakref.ref(m) for m in self.modules])
 
     def _same_tree(self) -> bool:
+        """The same modules in the trees, with the same hooks (theirs and the global ones: a
+        hook registered since may compute across rows)."""
         now = _tree(self.roots)
-        return len(now) == len(self.modules) and all(a is b for a, b in zip(now, self.modules))
+        return len(now) == len(self.modules) \
+            and all(a is b for a, b in zip(now, self.modules)) \
+            and _watch.hook_fingerprint([weakref.ref(m) for m in now]) == self.hooks
 
     def flags_same(self) -> bool:
         """Whether the modules keep the training flags they had (module writes bump the

@@ -37,8 +37,10 @@ _PROTOCOL_SYNC = {T.item, T.tolist, T.__bool__, T.__int__, T.__float__, T.__inde
 _DYNAMIC = {torch.nonzero, T.nonzero, torch.argwhere, T.argwhere, torch.masked_select,
             T.masked_select, torch.unique, T.unique, torch.unique_consecutive,
             T.unique_consecutive, torch.bincount, T.bincount}
-# Calls that bring a tensor's values to the host (a Python value, or a shape made from them)
-HOST_READS = frozenset(_PROTOCOL_SYNC | _DYNAMIC)
+# Calls that bring a tensor's values to the host (a Python value, or a shape made from them),
+# whatever the device (``host_read`` adds the rules' and aten's tags); ``in`` too, whose
+# ``.item()`` runs inside it, where no mode sees it
+HOST_READS = frozenset(_PROTOCOL_SYNC | _DYNAMIC | {T.__contains__})
 _INDEXING = {T.__getitem__, T.__setitem__, T.index_put, T.index_put_, torch.index_put}
 _DROPOUT = {F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout,
             F.feature_alpha_dropout}
@@ -204,6 +206,19 @@ def _to_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset) -> set:
         if _on_device(args[0], accel) != _on_device(args[1], accel):
             return {"CROSS_DEVICE"}
     return set()
+
+
+_EVERY_DEVICE = frozenset({"cpu", "cuda", "mps", "xpu", "hpu", "xla", "meta", "privateuseone"})
+
+
+def host_read(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Whether a call brings tensor values to the host on any device: a Python value
+    (``.item()``, ``bool``, ``in``) or a shape made from them (``nonzero``, a boolean mask,
+    ``repeat_interleave`` by a tensor; aten's data-dependent tags)."""
+    if func in HOST_READS:
+        return True
+    tags = builtin_tags(func, args, kwargs, _EVERY_DEVICE) | torch_op_tags(func)
+    return "HOST_SYNC" in tags or "DYNAMIC_SHAPE" in tags
 
 
 _RULED = frozenset(_PROTOCOL_SYNC | _DYNAMIC | _INDEXING | _DROPOUT | _FACTORY_FROM_DATA | {

@@ -36,6 +36,7 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _grad_enabled = torch.is_grad_enabled
 # cudagraphify's own machinery; its reference models (bench/models.py) count as user code
 _OWN_MODELS = os.path.join(_HERE, "bench", "models.py")
+_HERE_DIR = os.path.join(_HERE, "")  # (with its separator: not ``<_HERE>_contrib/``)
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 
 
@@ -75,7 +76,7 @@ class Finding:
 def own_file(filename: str) -> bool:
     """Whether ``filename`` is cudagraphify's own code (its reference models, bench/models.py,
     count as user code)."""
-    return filename.startswith(_HERE) and filename != _OWN_MODELS
+    return filename.startswith(_HERE_DIR) and filename != _OWN_MODELS
 
 
 def _user_frame() -> tuple[str, int] | None:

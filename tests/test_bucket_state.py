@@ -99,7 +99,7 @@ def test_a_host_read_of_module_state_refuses_the_bucket_at_its_check(sim, read, 
     ref, m, target = _twins(STATE_READS[read], graph)
     b = _served(target, ref)
     (why,) = b.refused.values()
-    assert "reads on the host" in why and "neither an argument nor a parameter" in why
+    assert "reads on the host" in why and "neither an argument nor a trainable parameter" in why
     assert b.padded_calls == 0  # (refused before any padded run)
     for mod in (ref, m):  # the state changed in place, no attribute written: still eager's
         mod.flag.fill_(True)
@@ -204,3 +204,54 @@ def test_constant_arguments_are_still_keyed_by_value_and_padded(sim):
     assert not b.refused
     assert len(b.verified) == 2  # (one check per value)
     assert b.padded_calls == 2 * 2 + 2  # (two checks of two padded runs, two padded calls)
+
+
+class LazyFlag(nn.Module):
+    """A flag buffer set up on the first call (``if self.flag is None``), read through an op."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.register_buffer("flag", None)
+
+    def forward(self, x):
+        if self.flag is None:
+            self.flag = torch.zeros(2, dtype=torch.bool)  # (a buffer: its registry's name)
+        h = _rowwise(x, self.w)
+        return _center(h) if bool(self.flag.any()) else h
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_state_set_up_on_the_checks_call_is_checked_on_the_next_call(sim, graph):
+    torch.manual_seed(0)
+    ref = LazyFlag()
+    m = copy.deepcopy(ref)
+    b = _served(cg.graphify(m) if graph else m, ref)
+    (why,) = b.refused.values()  # (the second call's check found the buffer from before it)
+    assert "reads on the host" in why and b.padded_calls == 0
+    for mod in (ref, m):
+        mod.flag.fill_(True)
+    with torch.no_grad():
+        x = torch.randn(3, 4)
+        assert torch.equal(b(x.clone()), ref(x.clone()))
+
+
+class MadeEachCall(nn.Module):
+    """A tensor made anew on every call, read on the host: the call's own values."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+
+    def forward(self, x):
+        self.seen = torch.zeros(())  # (set to a new tensor every call: changes on every call)
+        h = _rowwise(x, self.w)
+        return _center(h) if bool(self.seen > 0) else h
+
+
+def test_a_tensor_set_on_every_call_is_checked_once_more_then_decided(sim):
+    torch.manual_seed(0)
+    ref = MadeEachCall()
+    b = _served(copy.deepcopy(ref), ref, calls=4)
+    (why,) = b.refused.values()  # (the second check goes on: it sets the attribute anew)
+    assert "on every call" in why

@@ -115,9 +115,6 @@ def _refused_as_state(b):
 
 # -- B2-1: Tensor.__contains__ --------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B2-1: `True in buf` (Tensor.__contains__, a Python bool) is "
-                   "no host read: a buffer flag flipped in place after the check keeps the bucket "
-                   "padding (padded rows enter the batch mean); _policy.py:HOST_READS")
 def test_b2_1_contains_on_a_buffer(sim):
     # (graphified, the simulated backend flags the capture itself: graphify's policy misses
     # Tensor.__contains__ too, a host sync inside the graph, _policy.py:_PROTOCOL_SYNC)
@@ -140,11 +137,6 @@ SHAPE_READS = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B2-2: a data-dependent shape made from a buffer (one-arg "
-                   "torch.where, boolean-mask indexing, repeat_interleave by a tensor) reaches the "
-                   "host through numel/len, which _HostReads does not count: flipped in place, the "
-                   "bucket keeps padding; _bucket.py:_HostReads (count dynamic-shape ops, or shape "
-                   "reads of tainted tensors) / _policy.py:HOST_READS")
 @pytest.mark.parametrize("read", list(SHAPE_READS))
 def test_b2_2_data_dependent_shape_of_a_buffer(sim, read):
     b, ok = _flipped_matches(SHAPE_READS[read])
@@ -183,10 +175,6 @@ def _lazy(lazy, graph):
     return b, torch.equal(got, want)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B2-3: a buffer the forward creates on the check's own call "
-                   "(lazy set-up) is 'made from clean values': its host read is not state, and "
-                   "flipped in place later the bucket keeps padding; _bucket.py:_HostReads/_check "
-                   "(a storage module state holds after the run is state, whoever made it)")
 @pytest.mark.parametrize("graph", [False, True])
 def test_b2_3_buffer_created_on_the_first_call(sim, graph):
     b, ok = _lazy(True, graph)
@@ -200,10 +188,6 @@ def test_b2_3_control_buffer_made_in_init_is_refused(sim):
 
 # -- B2-4: a frozen parameter used as a flag --------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B2-4: an nn.Parameter(requires_grad=False) flag is data by "
-                   "design; changed in place after the check (load_state_dict, fill_) the bucket "
-                   "keeps padding; _bucket.py:_HostReads._from_state (frozen parameters as state, "
-                   "or guard the _version of tensors read on the host)")
 @pytest.mark.parametrize("how", ["fill", "load_state_dict"])
 def test_b2_4_frozen_parameter_flag(sim, how):
     ref, m, b = _gated(lambda s: bool(s.pflag))
@@ -253,10 +237,6 @@ def _from_file(filename):
     return b, torch.equal(got, want)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B2-5: own_file tests the package directory as a bare "
-                   "prefix: a user model in '<package dir>_contrib/models.py' counts as "
-                   "cudagraphify's own, _HostReads skips its buffer read, and the flag flipped "
-                   "later keeps the bucket padding; _probe.py:own_file (prefix with os.sep)")
 def test_b2_5_user_file_next_to_the_package(sim):
     b, ok = _from_file(_HERE + "_contrib" + os.sep + "models.py")
     assert ok
@@ -303,10 +283,6 @@ def _outer(graph, change):
     return b, torch.equal(got, want)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B2-6: a forward (pre-)hook registered on a submodule after "
-                   "the check (centring the batch) is not seen: the bucket keeps padding and the "
-                   "padded rows enter the mean; _bucket.py:_State.same (compare the trees' hook "
-                   "dicts and the global module hooks)")
 @pytest.mark.parametrize("graph", [False, True])
 @pytest.mark.parametrize("hook", list(HOOKS))
 def test_b2_6_hook_registered_after_the_check(sim, hook, graph):
