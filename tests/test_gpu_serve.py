@@ -160,3 +160,34 @@ def test_bucketed_refuses_a_batch_that_interacts_on_the_gpu():
             x = torch.randn(3, 8, device=DEV)
             assert torch.equal(b(x), torch.softmax(lin(x), dim=0))
     assert b.refused and not b.verified and b.padded_calls == 2  # (the check's two paddings)
+
+
+class _FlagCentred(nn.Module):
+    """Rowwise, but centres the batch while its ``center`` buffer (a CUDA bool) is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("center", torch.tensor(False))
+
+    def forward(self, x):
+        h = self.lin(x)
+        return h - h.mean(0, keepdim=True) if self.center else h
+
+
+def test_bucketed_refuses_a_host_read_of_a_cuda_buffer_flag():
+    """``if self.center:`` syncs on a CUDA buffer: the bucket is refused at its check (the
+    flag may be flipped in place afterwards, unseen); every call equals eager's, flipped too."""
+    torch.manual_seed(0)
+    ref = _FlagCentred().to(DEV)
+    m = copy.deepcopy(ref)
+    b = cg.bucketed(cg.graphify(m), [4])
+    with torch.no_grad():
+        for flip in (False, False, True, True):
+            if flip:
+                ref.center.fill_(True)
+                m.center.fill_(True)
+            x = torch.randn(3, 8, device=DEV)
+            assert torch.equal(b(x), ref(x))
+    (why,) = b.refused.values()
+    assert "reads on the host" in why and b.padded_calls == 0
