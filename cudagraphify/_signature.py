@@ -56,6 +56,17 @@ _CONSTANT_TYPES = (
     torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, range, enum.Enum,
 )
 
+_EXACT_CONSTANT_TYPES = frozenset(_CONSTANT_TYPES) - {enum.Enum}
+
+
+def _has_instance_dict(value: Any) -> bool:
+    try:
+        object.__getattribute__(value, "__dict__")
+    except AttributeError:
+        return False
+    return True
+
+
 # id -> weak reference of each tensor marked static. (A WeakSet would compare tensors with ``==``.)
 _static_tensors: dict[int, weakref.ref] = {}
 
@@ -90,7 +101,11 @@ def is_marked_static(tensor: torch.Tensor) -> bool:
 def is_constant(value: Any) -> bool:
     """True for immutable values that may be keyed on by value and returned as they are."""
     if isinstance(value, _CONSTANT_TYPES):
-        return True
+        # (a subclass whose instances carry attributes, ``class Mode(str)`` with
+        # ``mode.center``: what a forward reads of it may change in place, behind a key by
+        # value; an Enum member is a constant however its class is made)
+        return type(value) in _EXACT_CONSTANT_TYPES or isinstance(value, enum.Enum) \
+            or not _has_instance_dict(value)
     if isinstance(value, torch.Tensor):  # hashed by identity but mutable: never a constant
         return False
     if isinstance(value, (tuple, frozenset)):  # (a NamedTuple too; not one with attributes)

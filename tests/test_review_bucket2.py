@@ -375,10 +375,6 @@ def _moded(opts, graph):
     return b, torch.equal(got, want)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B2-8: a str (int, float) subclass instance with a __dict__ "
-                   "is a constant keyed by value: its attribute changed after the check is unseen "
-                   "and the bucket keeps padding; _signature.py:is_constant (no instance "
-                   "attributes, as for tuples)")
 @pytest.mark.parametrize("graph", [False, True])
 def test_b2_8_str_subclass_with_attributes(sim, graph):
     b, ok = _moded(Mode("serve"), graph)
