@@ -297,12 +297,14 @@ class Bucketed:
 class _HostReads(TorchFunctionMode):
     """(A bucket's check, its real call.) Whether the forward brings to the host (``bool(t)``,
     ``.item()``, ``nonzero``: :data:`~._policy.HOST_READS`) a value computed from module state
-    that no guard watches: a tensor that is neither one of the call's arguments nor a parameter
-    (a buffer, a tensor kept in an attribute or a global), or anything an op computed from one.
+    that no guard watches: a tensor that is neither one of the call's arguments nor a trainable
+    parameter (a buffer, a frozen parameter, a tensor kept in an attribute or a global; any
+    memory the run did not make, cudagraphify's own calls' results included), or anything an op
+    computed from one.
     Such a value decides the forward's Python (``if self.center:``) and may change in place
     (``fill_``, ``load_state_dict``) with no attribute written: the check cannot stand for
-    later calls. Parameters and what the arguments hold are the data the check runs on (see
-    the module docs). ``found``: the first such read's name ("": none)."""
+    later calls. Trainable parameters and what the arguments hold are the data the check runs
+    on (see the module docs). ``found``: the first such read's name ("": none)."""
 
     def __init__(self, leaves: list):
         super().__init__()
