@@ -194,8 +194,8 @@ class Bucketed:
         if reads.found:
             return self._refuse(key, want, f"forward reads on the host ({reads.found}) a value "
                                 "computed from a tensor that is neither an argument nor a "
-                                "trainable parameter (a flag or count in a buffer): it may "
-                                "change in place after the check, unseen")
+                                "weight (a flag or count in a buffer): it may change in "
+                                "place after the check, unseen")
         if guard.unguardable:
             return self._refuse(key, want, f"what forward reads cannot be watched for a "
                                 f"change that would make rows interact: {guard.unguardable}")
@@ -297,14 +297,14 @@ class Bucketed:
 class _HostReads(TorchFunctionMode):
     """(A bucket's check, its real call.) Whether the forward brings to the host (``bool(t)``,
     ``.item()``, ``nonzero``: :data:`~._policy.HOST_READS`) a value computed from module state
-    that no guard watches: a tensor that is neither one of the call's arguments nor a trainable
-    parameter (a buffer, a frozen parameter, a tensor kept in an attribute or a global; any
-    memory the run did not make, cudagraphify's own calls' results included), or anything an op
-    computed from one.
+    that no guard watches: a tensor that is neither one of the call's arguments nor a parameter
+    (a buffer, a frozen parameter that may hold a flag, a tensor kept in an attribute or a
+    global; any memory the run did not make, cudagraphify's own calls' results included), or
+    anything an op computed from one.
     Such a value decides the forward's Python (``if self.center:``) and may change in place
     (``fill_``, ``load_state_dict``) with no attribute written: the check cannot stand for
-    later calls. Trainable parameters and what the arguments hold are the data the check runs
-    on (see the module docs). ``found``: the first such read's name ("": none)."""
+    later calls. Weights and what the arguments hold are the data the check runs on (see the
+    module docs). ``found``: the first such read's name ("": none)."""
 
     def __init__(self, leaves: list):
         super().__init__()
@@ -316,9 +316,8 @@ class _HostReads(TorchFunctionMode):
 
     def _from_state(self, t: torch.Tensor) -> bool:
         p = storage_of(t)
-        # (a frozen parameter, ``requires_grad=False``, may be a flag: state)
         return bool(p) and (p in self.state or p not in self.clean and p not in self.made
-                            and not (isinstance(t, torch.nn.Parameter) and t.requires_grad))
+                            and not (isinstance(t, torch.nn.Parameter) and not _flag_like(t)))
 
     def set_up(self, modules: list[torch.nn.Module]) -> bool:
         """After the run: whether it read a value on the host and left in module state a
@@ -365,6 +364,12 @@ class _HostReads(TorchFunctionMode):
 
 
 _PROBE_HANDLER = _ProbeMode.__torch_function__.__code__
+
+
+def _flag_like(p: torch.nn.Parameter) -> bool:
+    """A frozen parameter (``requires_grad=False``) that may hold a flag or a count: one
+    value, or not floating point. Weights, frozen for serving, are data as trainable ones."""
+    return not p.requires_grad and (p.numel() == 1 or not p.is_floating_point())
 
 
 def _tensors_of(m: torch.nn.Module) -> list:

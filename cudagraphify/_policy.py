@@ -217,8 +217,18 @@ def host_read(func: Any, args: tuple, kwargs: dict) -> bool:
     ``repeat_interleave`` by a tensor; aten's data-dependent tags)."""
     if func in HOST_READS:
         return True
-    tags = builtin_tags(func, args, kwargs, _EVERY_DEVICE) | torch_op_tags(func)
+    tags = builtin_tags(func, args, kwargs, _EVERY_DEVICE)
+    if func not in _RULED and not (func is F.one_hot and _num_classes(args, kwargs) >= 0):
+        # (aten's tags, merged over a name's overloads: a function a rule decides by its
+        # arguments, ``repeat_interleave`` by an int, and ``one_hot`` given its classes, keep
+        # their static shapes)
+        tags |= torch_op_tags(func)
     return "HOST_SYNC" in tags or "DYNAMIC_SHAPE" in tags
+
+
+def _num_classes(args: tuple, kwargs: dict) -> int:
+    n = kwargs.get("num_classes", args[1] if len(args) > 1 else -1)
+    return n if isinstance(n, int) else -1
 
 
 _RULED = frozenset(_PROTOCOL_SYNC | _DYNAMIC | _INDEXING | _DROPOUT | _FACTORY_FROM_DATA | {

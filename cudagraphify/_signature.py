@@ -59,12 +59,19 @@ _CONSTANT_TYPES = (
 _EXACT_CONSTANT_TYPES = frozenset(_CONSTANT_TYPES) - {enum.Enum}
 
 
-def _has_instance_dict(value: Any) -> bool:
+def _carries_attributes(value: Any) -> bool:
+    """Whether an instance may hold attributes of its own: an instance ``__dict__``, or slots
+    its class declares (``class Scale(float): __slots__ = ("center",)``)."""
     try:
         object.__getattribute__(value, "__dict__")
+        return True
     except AttributeError:
-        return False
-    return True
+        pass
+    for c in type(value).__mro__:
+        slots = c.__dict__.get("__slots__", ())
+        if any(n != "__weakref__" for n in ((slots,) if isinstance(slots, str) else slots)):
+            return True
+    return False
 
 
 # id -> weak reference of each tensor marked static. (A WeakSet would compare tensors with ``==``.)
@@ -105,7 +112,7 @@ def is_constant(value: Any) -> bool:
         # ``mode.center``: what a forward reads of it may change in place, behind a key by
         # value; an Enum member is a constant however its class is made)
         return type(value) in _EXACT_CONSTANT_TYPES or isinstance(value, enum.Enum) \
-            or not _has_instance_dict(value)
+            or not _carries_attributes(value)
     if isinstance(value, torch.Tensor):  # hashed by identity but mutable: never a constant
         return False
     if isinstance(value, (tuple, frozenset)):  # (a NamedTuple too; not one with attributes)

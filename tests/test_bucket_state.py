@@ -99,7 +99,7 @@ def test_a_host_read_of_module_state_refuses_the_bucket_at_its_check(sim, read, 
     ref, m, target = _twins(STATE_READS[read], graph)
     b = _served(target, ref)
     (why,) = b.refused.values()
-    assert "reads on the host" in why and "neither an argument nor a trainable parameter" in why
+    assert "reads on the host" in why and "neither an argument nor a weight" in why
     assert b.padded_calls == 0  # (refused before any padded run)
     for mod in (ref, m):  # the state changed in place, no attribute written: still eager's
         mod.flag.fill_(True)

@@ -1,7 +1,8 @@
 """Review of ec99ad7 (bucketed's host-read check: rules' and aten's tags, frozen parameters)
 and b3bcbb9 (``is_constant``: a constant type's subclass with an instance dict is no constant).
 
-Each finding is a strict xfail with a passing control. Elementwise models on the CPU (padded
+Each finding was a strict xfail, each with a passing control; all four are fixed since (the
+B3 tests now pass plainly). Elementwise models on the CPU (padded
 and unpadded outputs equal bit for bit); graphify runs through the simulated backend."""
 
 from __future__ import annotations
@@ -63,11 +64,6 @@ def test_control_a_buffer_widened_by_expand_is_bucketed(sim):
     _bucketed_ok(lambda: Interleaved(False))
 
 
-@pytest.mark.xfail(strict=True, reason="B3-1: repeat_interleave with an int repeats (static "
-                   "shape, no sync) of a buffer refuses the bucket as a host read: aten's "
-                   "tags of every overload (repeat_interleave.Tensor) are unioned; "
-                   "cudagraphify/_policy.py:host_read (let builtin_tags decide the funcs in "
-                   "_RULED, as OpPolicy.tags' static_form does)")
 def test_a_buffer_widened_by_repeat_interleave_int_is_bucketed(sim):
     _bucketed_ok(lambda: Interleaved(True))
 
@@ -94,10 +90,6 @@ def test_control_a_one_hot_by_comparison_of_a_buffer_is_bucketed(sim):
     _bucketed_ok(lambda: OneHot(False))
 
 
-@pytest.mark.xfail(strict=True, reason="B3-2: F.one_hot(buffer, num_classes=2) (a static "
-                   "shape; no value reaches Python) refuses the bucket as a host read "
-                   "(aten one_hot's dynamic_output_shape tag, for num_classes=-1 only); "
-                   "cudagraphify/_policy.py:host_read")
 def test_a_one_hot_of_a_buffer_with_num_classes_is_bucketed(sim):
     _bucketed_ok(lambda: OneHot(True))
 
@@ -130,11 +122,6 @@ def test_control_routing_with_trainable_weights_is_bucketed(sim):
     _bucketed_ok(lambda: _routed(False))
 
 
-@pytest.mark.xfail(strict=True, reason="B3-3: model.requires_grad_(False) (the usual serving "
-                   "set-up) makes every weight state: a host read of weights x input "
-                   "(MoE routing) now refuses every bucket, which passes with the same "
-                   "weights trainable; cudagraphify/_bucket.py:_HostReads._from_state (taint "
-                   "flag-like frozen parameters only: bool/int dtype or one element)")
 def test_routing_with_frozen_weights_is_bucketed(sim):
     _bucketed_ok(lambda: _routed(True))
 
@@ -171,10 +158,5 @@ def test_control_a_float_subclass_with_a_dict_sees_its_attribute_change(sim):
     _attribute_flipped(sim, DictScale)
 
 
-@pytest.mark.xfail(strict=True, reason="B3-4: a float (or complex) subclass with non-empty "
-                   "__slots__ carries attributes but has no __dict__: still keyed by value, "
-                   "a graph captured with mode.center False replays after it is set True "
-                   "(B2-8 through slots); cudagraphify/_signature.py:is_constant (a subclass "
-                   "with slots of its own, _writes.slot_names, is no constant)")
 def test_a_slotted_float_subclass_sees_its_attribute_change(sim):
     _attribute_flipped(sim, SlottedScale)
