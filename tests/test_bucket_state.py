@@ -21,16 +21,9 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
+from test_review_bucket2 import _center, _rowwise
 
 pytestmark = pytest.mark.usefixtures("quiet")
-
-
-def _rowwise(x, w):
-    return torch.tanh(x * w)
-
-
-def _center(h):
-    return h - h.mean(0, keepdim=True)
 
 
 class Gated(nn.Module):

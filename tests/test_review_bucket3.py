@@ -17,20 +17,9 @@ from torch import nn
 import cudagraphify as cg
 from cudagraphify._signature import is_constant
 
+from test_bucket_state import _rowwise, _served
+
 pytestmark = pytest.mark.usefixtures("quiet")
-
-
-def _rowwise(x, w):
-    return torch.tanh(x * w)
-
-
-def _served(target, ref, calls=3, n=3):
-    b = cg.bucketed(target, [4, 8])
-    with torch.no_grad():
-        for _ in range(calls):
-            x = torch.randn(n, 4)
-            assert torch.equal(b(x.clone()), ref(x.clone()))
-    return b
 
 
 def _bucketed_ok(make):
