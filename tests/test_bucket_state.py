@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from test_review_bucket2 import _center, _rowwise
+from test_review_bucket2 import Outer, _center, _rowwise
 
 pytestmark = pytest.mark.usefixtures("quiet")
 
@@ -115,16 +115,6 @@ def test_a_host_read_of_the_data_is_bucketed(sim, read, graph):
     ref, m, target = _twins(DATA_READS[read], graph)
     b = _served(target, ref)
     assert not b.refused and b.padded_calls >= 2 + 2  # (the check's two, then padded calls)
-
-
-class Outer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.w = nn.Parameter(torch.randn(4))
-        self.head = nn.Identity()
-
-    def forward(self, x):
-        return self.head(_rowwise(x, self.w))
 
 
 def _batch_head():
