@@ -193,9 +193,9 @@ class Bucketed:
             return want
         if reads.found:
             return self._refuse(key, want, f"forward reads on the host ({reads.found}) a value "
-                                "computed from a tensor that is neither an argument nor a "
-                                "weight (a flag or count in a buffer): it may change in "
-                                "place after the check, unseen")
+                                "computed from module state, not from the call's arguments "
+                                "(a flag or count in a buffer or a parameter): it may change "
+                                "in place after the check, unseen")
         if guard.unguardable:
             return self._refuse(key, want, f"what forward reads cannot be watched for a "
                                 f"change that would make rows interact: {guard.unguardable}")
@@ -296,28 +296,40 @@ class Bucketed:
 
 class _HostReads(TorchFunctionMode):
     """(A bucket's check, its real call.) Whether the forward brings to the host (``bool(t)``,
-    ``.item()``, ``nonzero``: :data:`~._policy.HOST_READS`) a value computed from module state
-    that no guard watches: a tensor that is neither one of the call's arguments nor a parameter
-    (a buffer, a frozen parameter that may hold a flag, a tensor kept in an attribute or a
-    global; any memory the run did not make, cudagraphify's own calls' results included), or
-    anything an op computed from one.
-    Such a value decides the forward's Python (``if self.center:``) and may change in place
-    (``fill_``, ``load_state_dict``) with no attribute written: the check cannot stand for
-    later calls. Weights and what the arguments hold are the data the check runs on (see the
-    module docs). ``found``: the first such read's name ("": none)."""
+    ``.item()``, ``nonzero``: :func:`~._policy.host_read`) a value computed from module state
+    rather than from the call's arguments. Each tensor is one of:
+
+    - state: memory the run did not make that is neither an argument nor a parameter (a
+      buffer, a tensor kept in an attribute or a global; cudagraphify's own calls' results
+      too), or what an op computed from any of it;
+    - data: the arguments, and what an op computed from them (with parameters or not);
+    - weights: the parameters, and what an op computed from them alone.
+
+    A host read of state, or of weights alone (a flag kept in a parameter, frozen or not),
+    reads what may change in place (``fill_``, ``load_state_dict``) with no attribute written:
+    the check, which saw one value, cannot stand for later calls. A host read of data is the
+    check's data (see the module docs). ``found``: the first such read's name ("": none)."""
 
     def __init__(self, leaves: list):
         super().__init__()
         self.clean = {storage_of(t) for t in leaves if isinstance(t, torch.Tensor)}
-        self.made: set[int] = set()  # storages the run wrote from clean values only
-        self.state: set[int] = set()  # storages it wrote from module state
+        self.made: set[int] = set()  # storages the run wrote from data (or from nothing)
+        self.fixed: set[int] = set()  # storages it wrote from weights alone
+        self.state: set[int] = set()  # storages it wrote from state
         self.found = ""
-        self.reads: list[str] = []  # the host reads of clean values
+        self.reads: list[str] = []  # the host reads of data
 
-    def _from_state(self, t: torch.Tensor) -> bool:
+    def _kind(self, t: torch.Tensor) -> int:
         p = storage_of(t)
-        return bool(p) and (p in self.state or p not in self.clean and p not in self.made
-                            and not (isinstance(t, torch.nn.Parameter) and not _flag_like(t)))
+        if not p:
+            return _NOTHING
+        if p in self.state:
+            return _STATE
+        if p in self.clean or p in self.made:
+            return _DATA
+        if p in self.fixed or isinstance(t, torch.nn.Parameter):
+            return _WEIGHTS
+        return _STATE
 
     def set_up(self, modules: list[torch.nn.Module]) -> bool:
         """After the run: whether it read a value on the host and left in module state a
@@ -326,7 +338,7 @@ class _HostReads(TorchFunctionMode):
         its own values."""
         if self.found or not self.reads:
             return False
-        made = self.made | self.state
+        made = self.made | self.fixed | self.state
         return any(storage_of(t) in made for m in modules for t in _tensors_of(m))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -339,37 +351,37 @@ class _HostReads(TorchFunctionMode):
             # probe's bookkeeping: not the forward's
         with torch._C.DisableTorchFunction():  # (its own looks: no mode's calls)
             ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            tainted = any(self._from_state(t) for t in ins)
+            kinds = {self._kind(t) for t in ins}
+            # (what the op's results are: state wins, then data; weights alone stay weights)
+            kind = _STATE if _STATE in kinds else _DATA if _DATA in kinds or not (
+                _WEIGHTS in kinds) else _WEIGHTS
             if not self.found and ins and host_read(func, args, kwargs):
                 name = getattr(func, "__qualname__", None) or repr(func)
-                if tainted:
+                if kind != _DATA:
                     self.found = name
                 else:  # (see set_up)
                     self.reads.append(name)
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
-            into = self.state if tainted else self.made
+            into = self.state if kind == _STATE else self.fixed if kind == _WEIGHTS else self.made
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor):
                     p = storage_of(t)
                     if p and p not in self.state:
                         into.add(p)
-            if tainted:  # (an in-place write of state into a clean tensor: state now)
+            if kind != _DATA:  # (state, or weights alone, written into a tensor in place)
                 for t in _written(func, args, kwargs):
                     p = storage_of(t)
-                    if p:
-                        self.state.add(p)
+                    if p and p not in self.state:
+                        into.add(p)
                         self.made.discard(p)
+                        if into is self.state:
+                            self.fixed.discard(p)
         return out
 
 
+_NOTHING, _DATA, _WEIGHTS, _STATE = range(4)
 _PROBE_HANDLER = _ProbeMode.__torch_function__.__code__
-
-
-def _flag_like(p: torch.nn.Parameter) -> bool:
-    """A frozen parameter (``requires_grad=False``) that may hold a flag or a count: one
-    value, or not floating point. Weights, frozen for serving, are data as trainable ones."""
-    return not p.requires_grad and (p.numel() == 1 or not p.is_floating_point())
 
 
 def _tensors_of(m: torch.nn.Module) -> list:

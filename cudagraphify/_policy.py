@@ -257,16 +257,19 @@ def builtin_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset = ACCEL)
         return tags
     if func in _DYNAMIC:
         tags |= {"DYNAMIC_SHAPE", "HOST_SYNC"}
-    elif func in (torch.where, T.where) and len(args) == 1 and not kwargs:
+    elif func in (torch.where, T.where) and len(args) + len(kwargs) == 1:  # (``condition=``)
         tags |= {"DYNAMIC_SHAPE", "HOST_SYNC"}
     elif func in (torch.repeat_interleave, T.repeat_interleave):
         repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
+        if repeats is None:  # (``repeat_interleave(counts)``: the counts are the repeats)
+            repeats = args[0] if args else kwargs.get("input")
         if isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None:
             tags |= {"DYNAMIC_SHAPE", "HOST_SYNC"}
     elif func in _INDEXING and len(args) > 1:
         index = args[1]
         parts = index if isinstance(index, (tuple, list)) else (index,)
-        if any(isinstance(p, torch.Tensor) and p.dtype == torch.bool for p in parts):
+        if any(isinstance(p, torch.Tensor) and p.dtype in (torch.bool, torch.uint8)
+               for p in parts):  # (a uint8 index is a mask too, deprecated)
             tags |= {"DYNAMIC_SHAPE", "HOST_SYNC"}
     elif func in _DROPOUT:
         training = kwargs.get("training", args[2] if len(args) > 2 else True)

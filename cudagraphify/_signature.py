@@ -16,6 +16,7 @@ import enum
 import fractions
 import pathlib
 import sys
+import types
 import uuid
 import weakref
 from typing import Any, Hashable, NamedTuple
@@ -68,10 +69,16 @@ def _carries_attributes(value: Any) -> bool:
     except AttributeError:
         pass
     for c in type(value).__mro__:
-        slots = c.__dict__.get("__slots__", ())
-        if any(n != "__weakref__" for n in ((slots,) if isinstance(slots, str) else slots)):
+        if c.__module__ == "builtins":
+            continue
+        # (a slot is a member descriptor in its class, however ``__slots__`` was given: a
+        # generator's is used up)
+        if any(type(v) is _MEMBER and k != "__weakref__" for k, v in vars(c).items()):
             return True
     return False
+
+
+_MEMBER = types.MemberDescriptorType
 
 
 # id -> weak reference of each tensor marked static. (A WeakSet would compare tensors with ``==``.)
@@ -117,7 +124,7 @@ def is_constant(value: Any) -> bool:
         return False
     if isinstance(value, (tuple, frozenset)):  # (a NamedTuple too; not one with attributes)
         return all(is_constant(v) for v in value) and (
-            type(value) in (tuple, frozenset) or not object_dict(value))
+            type(value) in (tuple, frozenset) or not _carries_attributes(value))
     tp = type(value)
     if _immutable_type(tp):
         return True

@@ -278,6 +278,13 @@ def _tags(policy, f, a, k, accel):
         return type(e).__name__
 
 
+# functions whose rules changed on purpose since 9975f9c (one-argument ``repeat_interleave``,
+# ``where(condition=)`` and uint8 masks are data-dependent shapes: review bucket4's B4-1, B4-6)
+_RULES_SINCE = frozenset({torch.repeat_interleave, torch.Tensor.repeat_interleave, torch.where,
+                          torch.Tensor.where, torch.Tensor.__getitem__, torch.Tensor.__setitem__,
+                          torch.Tensor.index_put, torch.Tensor.index_put_, torch.index_put})
+
+
 def test_cached_empty_tags_equal_the_rules_over_a_sweep():
     old = _old_policy()
     t, mask = torch.randn(3, 4), torch.rand(3, 4) > 0.5
@@ -295,7 +302,7 @@ def test_cached_empty_tags_equal_the_rules_over_a_sweep():
                     o = _tags(po, f, a, k, accel)
                     w = _tags(pn, f, a, k, accel)
                     tagged += bool(o)
-                    if o != w or _tags(pn, f, a, k, accel) != w:
+                    if (o != w or _tags(pn, f, a, k, accel) != w) and f not in _RULES_SINCE:
                         diffs.append((f, a[:1], k, accel, o, w))
     assert tagged > 1000 and not diffs[:5]
 

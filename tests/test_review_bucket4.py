@@ -2,7 +2,8 @@
 for ``one_hot`` given its classes; frozen float weights of several values are data; is_constant:
 a constant type's subclass that declares slots is no constant).
 
-Each finding is a strict xfail with a passing control. Elementwise models on the CPU (padded
+Each finding was a strict xfail with a passing control; all are fixed since (plain tests now).
+Elementwise models on the CPU (padded
 and unpadded outputs equal bit for bit); graphify runs through the simulated backend. A state
 read that the check should have refused shows as a silent wrong result once that state is
 changed in place after the check (``fill_``: no attribute written)."""
@@ -78,11 +79,6 @@ def test_b4_1_unit_one_argument_repeat_interleave_reads_values():
     assert torch.repeat_interleave(c).shape[0] == 3  # (its shape is made of c's values)
 
 
-@pytest.mark.xfail(strict=True, reason="B4-1: torch.repeat_interleave(counts) (one argument, "
-                   "or input= alone; shape from values) is no longer a host read: aten's "
-                   "DYNAMIC_SHAPE tag is skipped for _RULED and builtin_tags' rule looks only "
-                   "at args[1]/repeats=; cudagraphify/_policy.py:builtin_tags (repeat_interleave "
-                   "with no repeats: DYNAMIC_SHAPE+HOST_SYNC)")
 def test_b4_1_unit_one_argument_repeat_interleave_is_a_host_read():
     c = torch.tensor([1, 2])
     assert host_read(torch.repeat_interleave, (c,), {})
@@ -94,9 +90,6 @@ def test_b4_1_control_repeats_of_a_buffer_refuse_and_stay_right(sim):
     assert any("reads on the host" in why for why in b.refused.values())
 
 
-@pytest.mark.xfail(strict=True, reason="B4-1: a gate on torch.repeat_interleave(buffer) is "
-                   "bucketed; after counts.fill_(1) the padded rows are centred with the real "
-                   "ones (silent wrong); cudagraphify/_policy.py:builtin_tags")
 def test_b4_1_one_argument_repeat_interleave_of_a_buffer_stays_right(sim):
     _changed_after_check(lambda: _interleaved_counts(False), lambda m: m.counts.fill_(1))
 
@@ -113,11 +106,6 @@ def test_b4_2_control_a_frozen_one_value_mask_refuses_and_stays_right(sim):
     assert any("reads on the host" in why for why in b.refused.values())
 
 
-@pytest.mark.xfail(strict=True, reason="B4-2: a frozen float Parameter of 4 values used as a "
-                   "flag (if self.mask.any():) is data since 3e031d6; after mask.fill_(1) the "
-                   "padded rows are centred with the real ones (silent wrong); "
-                   "cudagraphify/_bucket.py:_HostReads._from_state/_flag_like (taint a host "
-                   "read of a value computed from parameters alone, no argument in it)")
 def test_b4_2_a_frozen_float_mask_of_several_values_stays_right(sim):
     _changed_after_check(lambda: _masked(4), lambda m: m.mask.fill_(1.0))
 
@@ -159,11 +147,6 @@ def test_b4_3_control_prelu_routing_with_trainable_weights_is_bucketed(sim):
     _bucketed_ok(lambda: _prelu_routed(False))
 
 
-@pytest.mark.xfail(strict=True, reason="B4-3: model.requires_grad_(False) with an nn.PReLU() "
-                   "(one-value weight, _flag_like) refuses a host read of weights x input "
-                   "that passes with the same weights trainable (needless refusal); "
-                   "cudagraphify/_bucket.py:_HostReads._from_state (see B4-2: a value mixed "
-                   "with the arguments is data)")
 def test_b4_3_prelu_routing_with_frozen_weights_is_bucketed(sim):
     _bucketed_ok(lambda: _prelu_routed(True))
 
@@ -208,11 +191,6 @@ def test_b4_4_control_list_slots_see_the_attribute_change(sim):
     _attribute_flipped(lambda: ListSlots(2.0))
 
 
-@pytest.mark.xfail(strict=True, reason="B4-4: __slots__ given as a generator is empty when "
-                   "read back from the class: the instance is a constant, keyed by value, and "
-                   "a graph captured with center False replays after it is set True; "
-                   "cudagraphify/_signature.py:_carries_attributes (look for member "
-                   "descriptors, or a basicsize above the constant base's)")
 def test_b4_4_generator_slots_see_the_attribute_change(sim):
     _attribute_flipped(lambda: GenSlots(2.0))
 
@@ -221,10 +199,6 @@ def test_b4_5_control_a_frozenset_subclass_with_a_dict_sees_the_attribute_change
     _attribute_flipped(lambda: DictSet([1]))
 
 
-@pytest.mark.xfail(strict=True, reason="B4-5: a frozenset subclass with __slots__ carries "
-                   "attributes but is_constant's tuple/frozenset branch asks only for a dict "
-                   "(B3-4's fix reaches _CONSTANT_TYPES only): stale graph; "
-                   "cudagraphify/_signature.py:is_constant (use _carries_attributes there)")
 def test_b4_5_a_slotted_frozenset_subclass_sees_the_attribute_change(sim):
     _attribute_flipped(lambda: SlottedSet([1]))
 
@@ -242,17 +216,10 @@ def test_b4_6_control_where_of_a_buffer_refuses_and_stays_right(sim):
     assert any("reads on the host" in why for why in b.refused.values())
 
 
-@pytest.mark.xfail(strict=True, reason="B4-6: torch.where(condition=mask) (keyword) is no "
-                   "host read: the rule wants len(args) == 1 and no kwargs, and aten tags "
-                   "none; after mask.fill_(True) padded rows join (silent wrong); "
-                   "cudagraphify/_policy.py:builtin_tags (one condition, by position or name)")
 def test_b4_6_where_by_keyword_of_a_buffer_stays_right(sim):
     _changed_after_check(lambda: _where_mask(True), lambda m: m.mask.fill_(True))
 
 
-@pytest.mark.xfail(strict=True, reason="B4-6: x[uint8 mask] (deprecated, still a boolean "
-                   "mask: a shape from values) is no host read; cudagraphify/_policy.py:"
-                   "builtin_tags (_INDEXING: uint8 indices too)")
 def test_b4_6_unit_a_uint8_mask_index_is_a_host_read():
     x = torch.zeros(3)
     assert host_read(torch.Tensor.__getitem__, (x, torch.tensor([True, False, True])), {})
