@@ -60,6 +60,11 @@ _CONSTANT_TYPES = (
 _EXACT_CONSTANT_TYPES = frozenset(_CONSTANT_TYPES) - {enum.Enum}
 
 
+_MEMBER = types.MemberDescriptorType
+# type -> whether a class of its own declares slots (cached; a class takes no slots later)
+_slotted: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+
+
 def _carries_attributes(value: Any) -> bool:
     """Whether an instance may hold attributes of its own: an instance ``__dict__``, or slots
     its class declares (``class Scale(float): __slots__ = ("center",)``)."""
@@ -68,17 +73,15 @@ def _carries_attributes(value: Any) -> bool:
         return True
     except AttributeError:
         pass
-    for c in type(value).__mro__:
-        if c.__module__ == "builtins":
-            continue
+    tp = type(value)
+    hit = _slotted.get(tp)
+    if hit is None:
         # (a slot is a member descriptor in its class, however ``__slots__`` was given: a
         # generator's is used up)
-        if any(type(v) is _MEMBER and k != "__weakref__" for k, v in vars(c).items()):
-            return True
-    return False
-
-
-_MEMBER = types.MemberDescriptorType
+        hit = _slotted[tp] = any(
+            type(v) is _MEMBER and k != "__weakref__"
+            for c in tp.__mro__ if c.__module__ != "builtins" for k, v in vars(c).items())
+    return hit
 
 
 # id -> weak reference of each tensor marked static. (A WeakSet would compare tensors with ``==``.)
