@@ -43,6 +43,7 @@ from ._nested import Nested
 from ._policy import host_read
 from ._probe import _Mode as _ProbeMode, own_file
 from ._signature import is_constant, leaf_kind, repeated, storage_of, strict_key
+from ._statics import _WatchedDict, watch
 
 __all__ = ["Bucketed", "bucketed"]
 
@@ -440,11 +441,14 @@ class _State:
     function's check ran) and their training flags (BatchNorm, dropout: a module switched to
     train mode computes across the batch), and the module state its forward read (a flag that
     makes it compute across rows), re-read only after a module attribute was written
-    (``_watch.epoch``; mutable values the guard watches, every call). After such a write the
-    trees are walked again: a submodule replaced (a head that normalises over the batch) is
-    another tree, checked again."""
+    (``_watch.epoch``; mutable values the guard watches, every call). After a write to a
+    module's registries or its hooks (``_watch.tree_epoch``: every module of the trees is
+    watched for it) the trees are walked again: a submodule replaced (a head that normalises
+    over the batch) or a hook registered is another tree, checked again. A tree with a module
+    whose submodules are not watched (a registry kept elsewhere too) is walked again on every
+    epoch move."""
 
-    __slots__ = ("roots", "modules", "flags", "epoch", "guard", "hooks")
+    __slots__ = ("roots", "modules", "flags", "epoch", "guard", "hooks", "tree", "loose")
 
     def __init__(self, roots: list[torch.nn.Module], guard: StateGuard, epoch: int):
         self.roots = roots
@@ -453,32 +457,45 @@ class _State:
         self.epoch = epoch
         self.guard = guard
         self.hooks = _watch.hook_fingerprint([weakref.ref(m) for m in self.modules])
+        for m in self.modules:
+            watch(m)  # (its registries' writes and its hooks' registrations move tree_epoch)
+        self.loose = any(type(m.__dict__.get("_modules")) is not _WatchedDict
+                         for m in self.modules)
+        self.tree = _watch.tree_epoch()  # (after the watch, which moves it)
 
-    def _same_tree(self) -> bool:
+    def _same_tree(self, tree: tuple[int, int]) -> bool:
         """The same modules in the trees, with the same hooks (theirs and the global ones: a
-        hook registered since may compute across rows)."""
+        hook registered since may compute across rows); ``tree``: ``_watch.tree_epoch()``."""
+        if tree == self.tree and not self.loose \
+                and _watch.hook_fingerprint(())[1] == self.hooks[1]:
+            # (the global hooks compared anyway, a few dicts: one registered through a name
+            # bound before cudagraphify patched the registration functions moves no epoch)
+            return True
         now = _tree(self.roots)
-        return len(now) == len(self.modules) \
-            and all(a is b for a, b in zip(now, self.modules)) \
-            and _watch.hook_fingerprint([weakref.ref(m) for m in now]) == self.hooks
+        if len(now) == len(self.modules) and all(a is b for a, b in zip(now, self.modules)) \
+                and _watch.hook_fingerprint([weakref.ref(m) for m in now]) == self.hooks:
+            self.tree = tree
+            return True
+        return False
 
     def flags_same(self) -> bool:
-        """Whether the modules keep the training flags they had (module writes bump the
-        epoch: compared again only after one)."""
-        now = _watch.epoch
-        if now == self.epoch:
+        """Whether the modules keep the training flags they had (module writes move the
+        epochs: compared again only after one)."""
+        now, tree = _watch.epoch, _watch.tree_epoch()
+        if now == self.epoch and tree == self.tree:
             return True
-        if not self._same_tree() or [m.training for m in self.modules] != self.flags:
+        if not self._same_tree(tree) or [m.training for m in self.modules] != self.flags:
             return False
         self.epoch = now
         return True
 
     def same(self) -> bool:
-        now = _watch.epoch
-        if now == self.epoch and not self.guard.volatile:
+        now, tree = _watch.epoch, _watch.tree_epoch()
+        if now == self.epoch and tree == self.tree and not self.guard.volatile:
             return True
-        if (now != self.epoch and not self._same_tree()) \
-                or [m.training for m in self.modules] != self.flags or not self.guard.valid():
+        # (a submodule added to a container, ``layers.append``, moves the tree epoch only)
+        if not self._same_tree(tree) or [m.training for m in self.modules] != self.flags \
+                or not self.guard.valid():
             return False
         self.epoch = now
         return True

@@ -32,9 +32,9 @@ from torch.nn.modules import module as _module_mod
 from torch.utils import hooks as _torch_hooks
 
 from ._signature import is_constant, strict_key
-from ._statics import KEPT_MARK, REGISTRIES, _WatchedDict, rewatch, watched
+from ._statics import KEPT_MARK, REGISTRIES, _WatchedDict, generation, rewatch, watched
 
-__all__ = ["epoch", "bump", "install", "Read", "Recorder", "recording", "hooked",
+__all__ = ["epoch", "bump", "tree_epoch", "install", "Read", "Recorder", "recording", "hooked",
            "hook_fingerprint", "global_hooks", "global_hooks_present", "own_global_hook",
            "INTERNAL_ATTRS", "MISSING", "same", "short", "setting", "set_again"]
 
@@ -48,6 +48,17 @@ def bump(*_args: Any) -> None:
     epoch = next(_counter)  # unique per bump, so two threads bumping never look unchanged
 
 
+_hooks_epoch = 0  # bumped by module hook registration and removal only (see tree_epoch)
+
+
+def tree_epoch() -> tuple[int, int]:
+    """What moves when a watched module's registries are written (a submodule set, replaced or
+    removed: :func:`._statics.generation`) or a module hook is registered or removed; a plain
+    attribute write moves ``epoch`` only. For a guard on module trees and their hooks, compared
+    once ``epoch`` moved: it walks the trees again only when this moved too."""
+    return generation(), _hooks_epoch
+
+
 _installed = False
 _install_lock = threading.Lock()
 _HOOK_METHODS = ("register_forward_hook", "register_forward_pre_hook", "register_backward_hook",
@@ -58,13 +69,16 @@ _GLOBAL_HOOK_FUNCTIONS = ("register_module_forward_hook", "register_module_forwa
 
 
 def _bumping(fn: Callable, watched_only: bool = False) -> Callable:
-    """``fn`` that bumps the epoch after it ran (for a module method with ``watched_only``:
-    only when a graph depends on the module)."""
+    """``fn`` (a hook's registration or removal) that bumps the epoch and the hooks' epoch
+    after it ran (for a module method with ``watched_only``: only when a graph depends on the
+    module)."""
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
         finally:
             if not watched_only or (args and watched(args[0])):
+                global _hooks_epoch
+                _hooks_epoch = next(_counter)  # (first: who sees the new epoch sees this)
                 bump()
 
     wrapper.__name__ = fn.__name__

@@ -4,7 +4,8 @@
   state no guard watches (a buffer, a tensor kept in an attribute, or anything an op computed
   from one) refuses the bucket at its check: such a state may change in place afterwards.
   Parameters and what the arguments hold are the check's data: reads of those are bucketed.
-- A submodule replaced after a check is another module tree: checked again.
+- A submodule replaced, added to a container (``layers.append``) or hooked after a check is
+  another module tree: checked again (the trees are walked after such a write only).
 - An argument that is neither a tensor nor an immutable value runs unpadded.
 
 Elementwise models, so that padded and unpadded outputs are equal bit for bit on the CPU;
@@ -149,6 +150,76 @@ def test_a_submodule_replaced_by_a_rowwise_one_is_checked_and_padded_again(sim):
             assert torch.equal(b(x.clone()), ref(x.clone()))
     assert not b.refused
     assert b.padded_calls == padded + 2 + 1  # (checked again: two padded runs, then one call)
+
+
+class Stack(nn.Module):
+    """Its layers run from a ModuleList the forward iterates (never called itself)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.layers = nn.ModuleList([nn.Identity()])
+
+    def forward(self, x):
+        h = _rowwise(x, self.w)
+        for layer in self.layers:
+            h = layer(h)
+        return h
+
+
+class Centering(nn.Module):
+    def forward(self, h):
+        return _center(h)
+
+
+STACK_CHANGES = {
+    "appended": lambda m, registry: m.layers.append(Centering()),  # (add_module: no attribute set)
+    "replaced": lambda m, registry: m.layers.__setitem__(0, Centering()),
+    "inserted": lambda m, registry: m.layers.insert(0, Centering()),
+    # (its registry kept elsewhere too, so not watched: walked on any module write)
+    "written past its registry": lambda m, registry: (registry.__setitem__("1", Centering()),
+                                                       setattr(m, "note", 1)),
+    "hooked": lambda m, registry: m.layers[0].register_forward_hook(lambda mod, i, o: _center(o)),
+}
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["plain", "graphified"])
+@pytest.mark.parametrize("change", list(STACK_CHANGES))
+def test_a_layer_added_to_a_container_after_the_check_is_checked_again(sim, change, graph):
+    torch.manual_seed(0)
+    ref = Stack()
+    m = copy.deepcopy(ref)
+    if change == "written past its registry":
+        m.held = m.layers._modules  # (kept in an attribute too: not watched in place)
+    b = _served(cg.graphify(m) if graph else m, ref)
+    assert not b.refused
+    STACK_CHANGES[change](ref, ref.layers._modules)
+    STACK_CHANGES[change](m, m.layers._modules)
+    with torch.no_grad():
+        for _ in range(2):
+            x = torch.randn(3, 4)
+            assert torch.equal(b(x.clone()), ref(x.clone())), "padded rows joined the batch"
+    assert any("rows interact" in why for why in b.refused.values())
+
+
+def test_an_attribute_write_does_not_walk_the_trees_a_layer_added_does(sim, monkeypatch):
+    from cudagraphify import _bucket
+    torch.manual_seed(0)
+    m = Stack()
+    b = _served(m, m)
+    walks = []
+    tree = _bucket._tree
+    monkeypatch.setattr(_bucket, "_tree", lambda roots: walks.append(1) or tree(roots))
+    with torch.no_grad():
+        for i in range(4):
+            m.note = i  # (a plain attribute of a watched module: the epoch moves)
+            b(torch.randn(3, 4))
+        assert not walks
+        m.layers.append(nn.Tanh())  # (rowwise: checked again, padded)
+        for _ in range(2):
+            x = torch.randn(3, 4)
+            assert torch.equal(b(x.clone()), m(x.clone()))
+    assert walks and not b.refused
 
 
 class Scaled(nn.Module):

@@ -26,7 +26,8 @@ passes):
   the bucket, "a flag or count in a buffer".
 - B2-10 (cost): every epoch move (any write to a watched module, ``m.note = i``) walks every
   module tree again, though no module registry changed (1202 modules: ~810 us a call, ~115 us
-  at 9de1726, on this CPU).
+  at 9de1726, on this CPU). Fixed: the trees are walked after a registry or hook write only
+  (``_watch.tree_epoch``).
 - B2-11 (needless refusal): a ``slice`` argument (immutable) runs unpadded as opaque.
 
 Elementwise models, so that padded and unpadded outputs are equal bit for bit on the CPU.
@@ -446,11 +447,6 @@ def _walks(monkeypatch, change):
     return b, len(calls)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B2-10: a plain attribute write to a watched module (any "
-                   "module a graph reads) moves the epoch, and every bucketed call then walks all "
-                   "module trees although no registry changed (1202 modules: ~810 us a call vs "
-                   "~115 us before 2c66679); _bucket.py:_State.same (walk only after a _modules "
-                   "write: a tree epoch)")
 def test_b2_10_attribute_write_walks_the_trees(sim, monkeypatch):
     b, walks = _walks(monkeypatch, lambda m, i: setattr(m, "note", i))
     assert walks == 0
