@@ -61,27 +61,50 @@ _EXACT_CONSTANT_TYPES = frozenset(_CONSTANT_TYPES) - {enum.Enum}
 
 
 _MEMBER = types.MemberDescriptorType
-# type -> whether a class of its own declares slots (cached; a class takes no slots later)
-_slotted: "weakref.WeakKeyDictionary[type, bool]" = weakref.WeakKeyDictionary()
+# id(type) -> (a weak reference to the type, whether its instances may hold attributes or its
+# class data of its own: see _carries_attributes); cached, by identity (a WeakKeyDictionary
+# would find a class by its metaclass's ``==``: another class equal to it)
+_slotted: dict[int, tuple[weakref.ref, bool]] = {}
+_NAMEDTUPLE_DATA = frozenset({"_fields", "_field_defaults"})  # (what a namedtuple's class holds)
 
 
 def _carries_attributes(value: Any) -> bool:
     """Whether an instance may hold attributes of its own: an instance ``__dict__``, or slots
-    its class declares (``class Scale(float): __slots__ = ("center",)``)."""
+    its class declares (``class Scale(float): __slots__ = ("center",)``); or its class holds
+    data (``center = False``, read through the instance) that no key by value sees change."""
     try:
         object.__getattribute__(value, "__dict__")
         return True
     except AttributeError:
         pass
     tp = type(value)
-    hit = _slotted.get(tp)
-    if hit is None:
-        # (a slot is a member descriptor in its class, however ``__slots__`` was given: a
-        # generator's is used up)
-        hit = _slotted[tp] = any(
-            type(v) is _MEMBER and k != "__weakref__"
-            for c in tp.__mro__ if c.__module__ != "builtins" for k, v in vars(c).items())
-    return hit
+    hit = _slotted.get(id(tp))
+    if hit is not None and hit[0]() is tp:
+        return hit[1]
+    carries = any(_holds_data(c) for c in tp.__mro__
+                  if getattr(c, "__module__", None) != "builtins")
+    key = id(tp)
+    _slotted[key] = (weakref.ref(tp, lambda _r: _slotted.pop(key, None)), carries)
+    return carries
+
+
+def _holds_data(c: type) -> bool:
+    """Whether class ``c`` declares slots (a member descriptor, however ``__slots__`` was
+    given: a generator's is used up) or class data of its own: anything but dunders and
+    descriptors (methods, properties: code). A structseq's fields (``sys.version_info``) are
+    read-only members, its class data its layout; a namedtuple's, its fields'."""
+    d = vars(c)
+    if "n_sequence_fields" in d:
+        return False
+    named = "_fields" in d and issubclass(c, tuple)
+    for k, v in d.items():
+        if type(v) is _MEMBER:
+            if k != "__weakref__":
+                return True
+        elif not (k.startswith("__") and k.endswith("__")) and not hasattr(type(v), "__get__") \
+                and not (named and k in _NAMEDTUPLE_DATA):
+            return True
+    return False
 
 
 # id -> weak reference of each tensor marked static. (A WeakSet would compare tensors with ``==``.)
@@ -121,8 +144,10 @@ def is_constant(value: Any) -> bool:
         # (a subclass whose instances carry attributes, ``class Mode(str)`` with
         # ``mode.center``: what a forward reads of it may change in place, behind a key by
         # value; an Enum member is a constant however its class is made)
-        return type(value) in _EXACT_CONSTANT_TYPES or isinstance(value, enum.Enum) \
-            or not _carries_attributes(value)
+        # (an Enum member whose value is one: a dict value may change in place)
+        if isinstance(value, enum.Enum):
+            return value.value is value or is_constant(value.value)
+        return type(value) in _EXACT_CONSTANT_TYPES or not _carries_attributes(value)
     if isinstance(value, torch.Tensor):  # hashed by identity but mutable: never a constant
         return False
     if isinstance(value, (tuple, frozenset)):  # (a NamedTuple too; not one with attributes)

@@ -2,7 +2,8 @@
 with the arguments are data; host-read rules; is_constant finds slots as member descriptors)
 and d58743a (is_constant: whether a type declares slots, cached per type).
 
-Findings (strict xfails, each failing today because of the finding; controls pass):
+Findings (strict xfails, each failing at review because of the finding; controls pass).
+B5-4 to B5-7 are fixed since (plain tests now):
 
 - B5-1: a tensor the forward made from nothing (``torch.arange``, ``torch.zeros``, a
   ``torch.tensor`` constant) is "data": weights combined with it are data, so a host read of
@@ -268,10 +269,6 @@ def _redefined():
     return first, mode
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B5-4: the slots cache "
-                   "(WeakKeyDictionary) finds a class by its metaclass's __eq__/__hash__: a "
-                   "slotted class equal to an unslotted one asked before is a constant; "
-                   "_signature.py:_slotted (key by id(tp), checking a weakref's referent is tp)")
 def test_b5_4_a_class_equal_to_another_is_asked_about_itself(sim):
     first, mode = _redefined()
     assert not is_constant(mode)
@@ -298,10 +295,6 @@ def _moduleless():
     return mode
 
 
-@pytest.mark.xfail(strict=True, raises=AttributeError, reason="B5-5: _carries_attributes reads "
-                   "c.__module__, which a class made without one lacks: is_constant raises "
-                   "(the graphed call too); _signature.py (getattr(c, '__module__', None), or "
-                   "skip the builtin classes by identity)")
 def test_b5_5_a_class_without_a_module_is_asked_without_raising(sim):
     mode = _moduleless()
     assert not is_constant(mode)
@@ -318,10 +311,6 @@ class Versioned(nn.Module):
         return x * 2 if version >= (3, 8) else x * 3
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B5-6: a structseq's read-only "
-                   "fields are member descriptors: no constant since dfd80f2, its call runs "
-                   "eagerly every time; _signature.py:_carries_attributes (skip a structseq's "
-                   "members: 'n_sequence_fields' in vars(c))")
 @pytest.mark.parametrize("value", [sys.version_info, time.gmtime(0)], ids=["version", "time"])
 def test_b5_6_a_structseq_argument_is_a_constant_and_replays(sim, value):
     assert is_constant(value)
@@ -358,10 +347,6 @@ class ByPreset(nn.Module):
         return x * 2 if preset.value["center"] else x * 3
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B5-7: an Enum member is a "
-                   "constant whatever its value holds: a mutable value changed after capture "
-                   "replays stale; _signature.py:is_constant (an Enum member whose value is a "
-                   "constant only)")
 def test_b5_7_an_enum_members_mutable_value_changed_is_seen(sim):
     m, g = ByPreset(), cg.graphify(ByPreset())
     try:
@@ -375,10 +360,6 @@ def test_b5_7_an_enum_members_mutable_value_changed_is_seen(sim):
         Preset.FAST.value["center"] = False
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B5-7: a class attribute of a "
-                   "constant's subclass, read through the instance, is neither keyed nor "
-                   "watched; _signature.py:is_constant (a subclass with class attributes of its "
-                   "own beyond functions is no constant)")
 def test_b5_7_a_class_attribute_of_a_constant_subclass_changed_is_seen(sim):
     try:
         _attribute_flipped(Slotted("a"), lambda: setattr(Slotted, "center", True))
