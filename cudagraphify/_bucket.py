@@ -306,7 +306,8 @@ class _HostReads(TorchFunctionMode):
     - data: the arguments, and what an op computed from them (with parameters or not);
     - weights: the parameters, and what an op computed from them alone.
 
-    A host read of state, or of weights alone (a flag kept in a parameter, frozen or not),
+    (And constants: what an op made from no tensor, ``torch.arange(4)``; weights with them
+    are weights alone.) A host read of state, or of weights alone (a flag kept in a parameter, frozen or not),
     reads what may change in place (``fill_``, ``load_state_dict``) with no attribute written:
     the check, which saw one value, cannot stand for later calls. A host read of data is the
     check's data (see the module docs). ``found``: the first such read's name ("": none)."""
@@ -314,33 +315,77 @@ class _HostReads(TorchFunctionMode):
     def __init__(self, leaves: list):
         super().__init__()
         self.clean = {storage_of(t) for t in leaves if isinstance(t, torch.Tensor)}
-        self.made: set[int] = set()  # storages the run wrote from data (or from nothing)
+        self.args = {id(t) for t in leaves if isinstance(t, torch.Tensor)}  # (alive: leaves)
+        self.made: set[int] = set()  # storages the run wrote from data
         self.fixed: set[int] = set()  # storages it wrote from weights alone
         self.state: set[int] = set()  # storages it wrote from state
+        self.const: set[int] = set()  # storages it made from no tensor (``torch.arange(4)``)
+        self.fresh: set[int] = set()  # storages it allocated (its ops' results, no views)
+        # storage -> the tensors its labels came with that are alive (held weakly: a storage
+        # whose tensors all died is freed, its address handed on; its labels go with it)
+        self._live: dict[int, int] = {}
+        self._refs: dict[int, weakref.ref] = {}
+        self.objects: dict[int, tuple[weakref.ref, int]] = {}  # tensors without storage
         self.found = ""
         self.reads: list[str] = []  # the host reads of data
 
     def _kind(self, t: torch.Tensor) -> int:
         p = storage_of(t)
-        if not p:
-            return _NOTHING
+        if not p:  # (no storage, a wrapper subclass, or empty: by the object itself)
+            if id(t) in self.args:
+                return _DATA
+            ref, kind = self.objects.get(id(t), (None, None))
+            if ref is not None and ref() is t:
+                return kind
+            return _WEIGHTS if isinstance(t, torch.nn.Parameter) else _STATE
         if p in self.state:
             return _STATE
         if p in self.clean or p in self.made:
             return _DATA
         if p in self.fixed or isinstance(t, torch.nn.Parameter):
             return _WEIGHTS
-        return _STATE
+        return _NOTHING if p in self.const else _STATE
+
+    def _label(self, t: torch.Tensor, kind: int, fresh: bool) -> None:
+        """``t`` holds values of ``kind`` (a fresh result: only those; else besides what its
+        storage held: state wins, then what it held)."""
+        p = storage_of(t)
+        if not p:
+            self.objects[id(t)] = (weakref.ref(t), kind)
+            return
+        if fresh:  # (memory a dead tensor had, handed on: its labels are not this one's)
+            for labels in (self.made, self.fixed, self.state, self.const):
+                labels.discard(p)
+            self.fresh.add(p)
+        elif p in self.state:
+            return
+        if kind == _STATE:
+            self.fixed.discard(p)
+        if kind != _DATA:
+            self.made.discard(p)
+        (self.state if kind == _STATE else self.fixed if kind == _WEIGHTS
+         else self.made if kind == _DATA else self.const).add(p)
+        key = id(t)
+        if key not in self._refs:
+            self._live[p] = self._live.get(p, 0) + 1
+            self._refs[key] = weakref.ref(t, lambda _r, p=p, key=key: self._died(p, key))
+
+    def _died(self, p: int, key: int) -> None:
+        self._refs.pop(key, None)
+        left = self._live[p] = self._live.get(p, 1) - 1
+        if left <= 0:  # (its storage freed, unless a tensor no op made still views it: then
+            del self._live[p]  # it reads as state, or as an argument's or parameter's)
+            for labels in (self.made, self.fixed, self.state, self.const, self.fresh):
+                labels.discard(p)
 
     def set_up(self, modules: list[torch.nn.Module]) -> bool:
         """After the run: whether it read a value on the host and left in module state a
         tensor it made (a buffer set up on first use, ``if self.flag is None``): later calls
         find that tensor there, state that may change in place, which this run counted as
-        its own values."""
+        its own values. (A view it made of a module's tensor, ``self.w.t()``, is not one.)"""
         if self.found or not self.reads:
             return False
-        made = self.made | self.fixed | self.state
-        return any(storage_of(t) in made for m in modules for t in _tensors_of(m))
+        return any(storage_of(t) in self.fresh for m in modules for t in _tensors_of(m))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -352,33 +397,49 @@ class _HostReads(TorchFunctionMode):
             # probe's bookkeeping: not the forward's
         with torch._C.DisableTorchFunction():  # (its own looks: no mode's calls)
             ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            kinds = {self._kind(t) for t in ins}
-            # (what the op's results are: state wins, then data; weights alone stay weights)
-            kind = _STATE if _STATE in kinds else _DATA if _DATA in kinds or not (
-                _WEIGHTS in kinds) else _WEIGHTS
+            kind = _combined({self._kind(t) for t in ins})
             if not self.found and ins and host_read(func, args, kwargs):
                 name = getattr(func, "__qualname__", None) or repr(func)
-                if kind != _DATA:
+                if kind in (_STATE, _WEIGHTS):
                     self.found = name
                 else:  # (see set_up)
                     self.reads.append(name)
+            written = _written(func, args, kwargs)
+            # (what an overwrite puts there is its sources' alone: ``h.copy_(self.p)`` or
+            # ``h[0] = self.p`` leave weights in h; state or weights written into data, in
+            # place, are what they are)
+            source = _combined({self._kind(t) for t in ins
+                                if all(t is not w for w in written)}) if written else kind
+            mine = {storage_of(t) for t in ins}
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
-            into = self.state if kind == _STATE else self.fixed if kind == _WEIGHTS else self.made
             for t in pytree.tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    p = storage_of(t)
-                    if p and p not in self.state:
-                        into.add(p)
-            if kind != _DATA:  # (state, or weights alone, written into a tensor in place)
-                for t in _written(func, args, kwargs):
-                    p = storage_of(t)
-                    if p and p not in self.state:
-                        into.add(p)
-                        self.made.discard(p)
-                        if into is self.state:
-                            self.fixed.discard(p)
+                if isinstance(t, torch.Tensor) and all(t is not w for w in written):
+                    self._label(t, kind, storage_of(t) not in mine)
+            outs = pytree.tree_leaves(kwargs.get("out"))
+            for t in written:  # (an ``out=`` tensor is overwritten)
+                k = source if _overwrites(func) or any(t is o for o in outs) else kind
+                if k in (_STATE, _WEIGHTS):
+                    self._label(t, k, False)
         return out
+
+
+def _combined(kinds: set) -> int:
+    """What an op computes from tensors of ``kinds``: state wins, then data; weights alone (or
+    with constants) stay weights; constants alone, constants."""
+    return _STATE if _STATE in kinds else _DATA if _DATA in kinds \
+        else _WEIGHTS if _WEIGHTS in kinds else _NOTHING
+
+
+_OVERWRITES = frozenset({"copy_", "fill_", "__setitem__", "index_copy_", "index_put_",
+                         "index_fill_", "masked_fill_", "masked_scatter_", "scatter_", "put_",
+                         "set_"})
+
+
+def _overwrites(func) -> bool:
+    """Whether ``func`` puts its sources' values in place of what it writes (not ``add_``,
+    which computes from both)."""
+    return getattr(func, "__name__", "") in _OVERWRITES
 
 
 _NOTHING, _DATA, _WEIGHTS, _STATE = range(4)

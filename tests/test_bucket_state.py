@@ -310,3 +310,41 @@ def test_a_tensor_set_on_every_call_is_checked_once_more_then_decided(sim):
     b = _served(copy.deepcopy(ref), ref, calls=4)
     (why,) = b.refused.values()  # (the second check goes on: it sets the attribute anew)
     assert "on every call" in why
+
+
+class Transposed(nn.Module):
+    """Reads its weight through a view (``self.w.t()``) and the data on the host."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        h = x @ self.w.t()
+        return h * 2 if bool((h > 100).any()) else h
+
+
+def test_a_view_of_a_parameter_is_not_state_set_up_by_the_check(sim):
+    """A view the run made of a module's tensor is no tensor it left in module state: the
+    check is not put off to the next call."""
+    torch.manual_seed(0)
+    m = Transposed()
+    b = cg.bucketed(m, [4, 8])
+    with torch.no_grad():
+        x = torch.randn(3, 4)
+        assert torch.equal(b(x.clone()), m(x.clone()))
+    assert b.padded_calls == 2 and not b.refused  # (checked on this call: two padded runs)
+
+
+def test_weights_alone_read_on_the_host_through_a_view_refuse(sim):
+    class Flagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.zeros(2, 1), requires_grad=False)
+
+        def forward(self, x):
+            return _center(x) if bool(self.p.t()[0, 0]) else torch.tanh(x)
+    b = cg.bucketed(Flagged(), [4, 8])
+    with torch.no_grad():
+        b(torch.randn(3, 4))
+    assert any("module state" in why for why in b.refused.values())

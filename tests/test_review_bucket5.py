@@ -3,7 +3,7 @@ with the arguments are data; host-read rules; is_constant finds slots as member 
 and d58743a (is_constant: whether a type declares slots, cached per type).
 
 Findings (strict xfails, each failing at review because of the finding; controls pass).
-B5-4 to B5-7 are fixed since (plain tests now):
+All are fixed since (plain tests now):
 
 - B5-1: a tensor the forward made from nothing (``torch.arange``, ``torch.zeros``, a
   ``torch.tensor`` constant) is "data": weights combined with it are data, so a host read of
@@ -109,10 +109,6 @@ def _made_from_nothing(read):
     return lambda: Stateful(gate, **{name: _frozen(value)}), change
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B5-1: a tensor made from no "
-                   "tensor (arange, zeros, tensor(0.5)) is data, and weights with data are "
-                   "data: a host read of a count or flag in a parameter is not refused; "
-                   "_bucket.py:_HostReads (made-from-nothing should be neutral: _NOTHING)")
 @pytest.mark.parametrize("read", list(MADE_FROM_NOTHING))
 def test_b5_1_weights_with_a_constant_tensor_read_on_the_host_stay_right(sim, read):
     make, change = _made_from_nothing(read)
@@ -152,10 +148,6 @@ def _written(how):
     return gate
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B5-2: weights written in place "
-                   "into a tensor made from the arguments read as data (the destination is an "
-                   "input of the op); _bucket.py:_HostReads.__torch_function__ (an overwrite's "
-                   "kind is its sources', not its destination's)")
 @pytest.mark.parametrize("how", ["copy_", "setitem", "out=", "index_copy_"])
 def test_b5_2_weights_written_into_data_then_read_stay_right(sim, how):
     _changed_after_check(lambda: Gx(_written(how)), _flag_set)
@@ -203,10 +195,6 @@ class Reused(nn.Module):
         return _center(h) if bool(f.any()) else h
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B5-3: weights alone computed into "
-                   "the memory of a freed data tensor read as data: _HostReads keeps addresses "
-                   "of freed storages and asks made before fixed (_kind); an op's new result "
-                   "should take its kind only (discard it from the other sets)")
 def test_b5_3_weights_alone_in_reused_memory_read_on_the_host_stay_right(sim):
     # (REUSED[0]: the check's call; no view of a module tensor, so set_up defers no check)
     for _ in range(20):  # (until the allocator gives the block back in a check's call)
@@ -374,10 +362,6 @@ def _wrapped(value):
     return TwoTensor(torch.tensor(value), torch.tensor(value))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B5-8: a buffer or parameter "
-                   "with no storage (a wrapper subclass: DTensor, a quantized tensor) has kind "
-                   "_NOTHING, and an op of nothing but it is data: its host read is not refused; "
-                   "_bucket.py:_HostReads._kind (key by id/weakref of the tensor, or state)")
 @pytest.mark.parametrize("param", [False, True], ids=["buffer", "parameter"])
 def test_b5_8_a_storageless_flag_read_on_the_host_stays_right(sim, param):
     flag = _wrapped(0.0)
