@@ -321,11 +321,10 @@ class _HostReads(TorchFunctionMode):
         self.state: set[int] = set()  # storages it wrote from state
         self.const: set[int] = set()  # storages it made from no tensor (``torch.arange(4)``)
         self.fresh: set[int] = set()  # storages it allocated (its ops' results, no views)
-        # storage -> the tensors its labels came with that are alive (held weakly: a storage
-        # whose tensors all died is freed, its address handed on; its labels go with it)
-        self._live: dict[int, int] = {}
-        self._refs: dict[int, weakref.ref] = {}
-        self.objects: dict[int, tuple[weakref.ref, int]] = {}  # tensors without storage
+        # id -> kind of the tensors without storage it made (by id, not held: a weak
+        # reference would make torch.utils.swap_tensors refuse them; an id a dead one had is
+        # labelled again by the op that makes the next one there)
+        self.objects: dict[int, int] = {}
         self.found = ""
         self.reads: list[str] = []  # the host reads of data
 
@@ -334,8 +333,8 @@ class _HostReads(TorchFunctionMode):
         if not p:  # (no storage, a wrapper subclass, or empty: by the object itself)
             if id(t) in self.args:
                 return _DATA
-            ref, kind = self.objects.get(id(t), (None, None))
-            if ref is not None and ref() is t:
+            kind = self.objects.get(id(t))
+            if kind is not None:
                 return kind
             return _WEIGHTS if isinstance(t, torch.nn.Parameter) else _STATE
         if p in self.state:
@@ -351,7 +350,7 @@ class _HostReads(TorchFunctionMode):
         storage held: state wins, then what it held)."""
         p = storage_of(t)
         if not p:
-            self.objects[id(t)] = (weakref.ref(t), kind)
+            self.objects[id(t)] = kind
             return
         if fresh:  # (memory a dead tensor had, handed on: its labels are not this one's)
             for labels in (self.made, self.fixed, self.state, self.const):
@@ -365,18 +364,6 @@ class _HostReads(TorchFunctionMode):
             self.made.discard(p)
         (self.state if kind == _STATE else self.fixed if kind == _WEIGHTS
          else self.made if kind == _DATA else self.const).add(p)
-        key = id(t)
-        if key not in self._refs:
-            self._live[p] = self._live.get(p, 0) + 1
-            self._refs[key] = weakref.ref(t, lambda _r, p=p, key=key: self._died(p, key))
-
-    def _died(self, p: int, key: int) -> None:
-        self._refs.pop(key, None)
-        left = self._live[p] = self._live.get(p, 1) - 1
-        if left <= 0:  # (its storage freed, unless a tensor no op made still views it: then
-            del self._live[p]  # it reads as state, or as an argument's or parameter's)
-            for labels in (self.made, self.fixed, self.state, self.const, self.fresh):
-                labels.discard(p)
 
     def set_up(self, modules: list[torch.nn.Module]) -> bool:
         """After the run: whether it read a value on the host and left in module state a
@@ -393,8 +380,18 @@ class _HostReads(TorchFunctionMode):
         if caller.f_code is _PROBE_HANDLER:  # (the probe's mode, above this one, passed it on)
             caller = caller.f_back
         if caller is not None and own_file(caller.f_code.co_filename):
-            return func(*args, **kwargs)  # cudagraphify's own call (a guard's look), or the
-            # probe's bookkeeping: not the forward's
+            # cudagraphify's own call (a guard's look, a graphed piece's output), or the
+            # probe's bookkeeping: not the forward's. What it allocates is state (no label
+            # a dead tensor left at its address stands)
+            with torch._C.DisableTorchFunction():
+                mine = {storage_of(t) for t in pytree.tree_leaves((args, kwargs))
+                        if isinstance(t, torch.Tensor)}
+            out = func(*args, **kwargs)
+            with torch._C.DisableTorchFunction():
+                for t in pytree.tree_leaves(out):
+                    if isinstance(t, torch.Tensor) and storage_of(t) not in mine:
+                        self._label(t, _STATE, True)
+            return out
         with torch._C.DisableTorchFunction():  # (its own looks: no mode's calls)
             ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             kind = _combined({self._kind(t) for t in ins})
