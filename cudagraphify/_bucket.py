@@ -267,8 +267,9 @@ class Bucketed:
         why = _disagree(want, runs[0], runs[1], self.dim, bucket, n)
         if why:
             return self._refuse(key, want, why)
-        roots = [self._target] if isinstance(self._target, torch.nn.Module) \
-            else list(rec.called.values())
+        # (the target's tree and the modules it ran outside it: kept in a list, a global)
+        roots = ([self._target] if isinstance(self._target, torch.nn.Module) else []) \
+            + list(rec.called.values())
         self._refused_in.pop(key, None)
         if ran is None:
             ran = self.verified[key] = _Ran()
@@ -394,7 +395,9 @@ class _HostReads(TorchFunctionMode):
             return out
         with torch._C.DisableTorchFunction():  # (its own looks: no mode's calls)
             ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-            kind = _combined({self._kind(t) for t in ins})
+            # (from what its results' values come: not a tensor that gives only a dtype,
+            # device or shape, ``self.p.to(x)``, ``zeros_like(x)``)
+            kind = _combined({self._kind(t) for t in _sources(func, args, kwargs)})
             if not self.found and ins and host_read(func, args, kwargs):
                 name = getattr(func, "__qualname__", None) or repr(func)
                 if kind in (_STATE, _WEIGHTS):
@@ -405,18 +408,25 @@ class _HostReads(TorchFunctionMode):
             # (what an overwrite puts there is its sources' alone: ``h.copy_(self.p)`` or
             # ``h[0] = self.p`` leave weights in h; state or weights written into data, in
             # place, are what they are)
-            source = _combined({self._kind(t) for t in ins
+            source = _combined({self._kind(t) for t in _sources(func, args, kwargs)
                                 if all(t is not w for w in written)}) if written else kind
-            mine = {storage_of(t) for t in ins}
+            mine = {}
+            for t in ins:
+                mine.setdefault(storage_of(t), set()).add(self._kind(t))
         out = func(*args, **kwargs)
         with torch._C.DisableTorchFunction():
             for t in pytree.tree_leaves(out):
                 if isinstance(t, torch.Tensor) and all(t is not w for w in written):
-                    self._label(t, kind, storage_of(t) not in mine)
+                    shared = mine.get(storage_of(t))
+                    if shared is None:  # (a fresh result)
+                        self._label(t, kind, True)
+                    else:  # (a view of an input, or the input itself: what it views, unless
+                        # state chose which part, ``narrow(x, 0, self.start, 1)``)
+                        self._label(t, _STATE if kind == _STATE else _combined(shared), False)
             outs = pytree.tree_leaves(kwargs.get("out"))
             for t in written:  # (an ``out=`` tensor is overwritten)
                 k = source if _overwrites(func) or any(t is o for o in outs) else kind
-                if k in (_STATE, _WEIGHTS):
+                if k in (_STATE, _WEIGHTS) or (k == _DATA and self._kind(t) == _NOTHING):
                     self._label(t, k, False)
         return out
 
@@ -436,7 +446,27 @@ _OVERWRITES = frozenset({"copy_", "fill_", "__setitem__", "index_copy_", "index_
 def _overwrites(func) -> bool:
     """Whether ``func`` puts its sources' values in place of what it writes (not ``add_``,
     which computes from both)."""
-    return getattr(func, "__name__", "") in _OVERWRITES
+    name = _name(func)
+    return name in _OVERWRITES or name.startswith("_foreach_copy")
+
+
+# functions whose tensor arguments past the first give only a dtype, device or shape
+# (``self.p.to(x)``: p's values), and those whose tensor arguments give nothing but those
+# (``zeros_like(x)``, ``x.new_zeros(2)``: constants)
+_META_AFTER_FIRST = frozenset({"to", "type_as", "view_as", "expand_as", "reshape_as"})
+_META_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
+                        "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
+                        "new_full", "empty_strided"})
+
+
+def _sources(func, args: tuple, kwargs: dict) -> list:
+    """The tensor arguments whose values ``func``'s results are computed from."""
+    name = _name(func)
+    if name in _META_ONLY:
+        return []
+    if name in _META_AFTER_FIRST and args and isinstance(args[0], torch.Tensor):
+        return [args[0]]
+    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
 _NOTHING, _DATA, _WEIGHTS, _STATE = range(4)
@@ -444,20 +474,43 @@ _PROBE_HANDLER = _ProbeMode.__torch_function__.__code__
 
 
 def _tensors_of(m: torch.nn.Module) -> list:
-    """The tensors a module keeps: its buffers, parameters and plain tensor attributes."""
+    """The tensors a module keeps: its buffers, parameters and plain tensor attributes, and
+    the tensors in the lists, tuples and dicts it keeps (``self.cache = [k, v]``)."""
     d = m.__dict__
-    return [t for t in (*d.get("_buffers", {}).values(), *d.get("_parameters", {}).values(),
-                        *d.values()) if isinstance(t, torch.Tensor)]
+    found = [*d.get("_buffers", {}).values(), *d.get("_parameters", {}).values()]
+    for v in d.values():
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (list, tuple, dict)) and not isinstance(v, _WatchedDict):
+            found += [t for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
+    return found
 
 
 def _written(func, args: tuple, kwargs: dict) -> list:
-    """The tensors ``func`` writes in place (its first argument, an ``out=``)."""
-    name = getattr(func, "__name__", "")
+    """The tensors ``func`` writes in place: an ``out=``, and its first argument (a tensor, or
+    a ``_foreach_*_``'s list) where its name says in place; an operator overload's (``torch.ops.
+    aten.copy_.default``), the arguments its schema marks written."""
     out = [t for t in pytree.tree_leaves(kwargs.get("out")) if isinstance(t, torch.Tensor)]
-    if args and isinstance(args[0], torch.Tensor) and (
-            name.endswith("_") and not name.endswith("__") or name in _IN_PLACE_DUNDERS):
-        out.append(args[0])
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        for i, a in enumerate(schema.arguments):
+            if a.alias_info is not None and a.alias_info.is_write:
+                v = args[i] if i < len(args) else kwargs.get(a.name)
+                out += [t for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
+        return out
+    name = _name(func)
+    if args and (name.endswith("_") and not name.endswith("__")
+                 or name in _IN_PLACE_DUNDERS):
+        out += [t for t in pytree.tree_leaves(args[0]) if isinstance(t, torch.Tensor)]
     return out
+
+
+def _name(func) -> str:
+    """``func``'s name, an operator overload's without namespace and overload."""
+    schema = getattr(func, "_schema", None)
+    if schema is not None:
+        return schema.name.split("::")[-1]
+    return getattr(func, "__name__", "")
 
 
 _IN_PLACE_DUNDERS = frozenset({"__setitem__", "__iadd__", "__isub__", "__imul__",
@@ -506,11 +559,13 @@ class _State:
     whose submodules are not watched (a registry kept elsewhere too) is walked again on every
     epoch move."""
 
-    __slots__ = ("roots", "modules", "flags", "epoch", "guard", "hooks", "tree", "loose")
+    __slots__ = ("roots", "modules", "types", "flags", "epoch", "guard", "hooks", "tree",
+                 "loose")
 
     def __init__(self, roots: list[torch.nn.Module], guard: StateGuard, epoch: int):
         self.roots = roots
         self.modules = _tree(roots)
+        self.types = [type(m) for m in self.modules]  # (``m.__class__ = Other``: another tree)
         self.flags = [m.training for m in self.modules]
         self.epoch = epoch
         self.guard = guard
@@ -524,23 +579,27 @@ class _State:
     def _same_tree(self, tree: tuple[int, int]) -> bool:
         """The same modules in the trees, with the same hooks (theirs and the global ones: a
         hook registered since may compute across rows); ``tree``: ``_watch.tree_epoch()``."""
-        if tree == self.tree and not self.loose \
-                and _watch.hook_fingerprint(())[1] == self.hooks[1]:
-            # (the global hooks compared anyway, a few dicts: one registered through a name
-            # bound before cudagraphify patched the registration functions moves no epoch)
+        if tree == self.tree and not self.loose and self._globals_same():
             return True
         now = _tree(self.roots)
         if len(now) == len(self.modules) and all(a is b for a, b in zip(now, self.modules)) \
+                and all(type(a) is t for a, t in zip(now, self.types)) \
                 and _watch.hook_fingerprint([weakref.ref(m) for m in now]) == self.hooks:
             self.tree = tree
             return True
         return False
 
+    def _globals_same(self) -> bool:
+        """The global module hooks as they were (a few dicts: one registered through a name
+        bound before cudagraphify patched the registration functions moves no epoch)."""
+        return not _watch.global_hooks_present() \
+            or _watch.hook_fingerprint(())[1] == self.hooks[1]
+
     def flags_same(self) -> bool:
         """Whether the modules keep the training flags they had (module writes move the
         epochs: compared again only after one)."""
         now, tree = _watch.epoch, _watch.tree_epoch()
-        if now == self.epoch and tree == self.tree:
+        if now == self.epoch and tree == self.tree and self._globals_same():
             return True
         if not self._same_tree(tree) or [m.training for m in self.modules] != self.flags:
             return False
@@ -549,7 +608,8 @@ class _State:
 
     def same(self) -> bool:
         now, tree = _watch.epoch, _watch.tree_epoch()
-        if now == self.epoch and tree == self.tree and not self.guard.volatile:
+        if now == self.epoch and tree == self.tree and not self.guard.volatile \
+                and self._globals_same():
             return True
         # (a submodule added to a container, ``layers.append``, moves the tree epoch only)
         if not self._same_tree(tree) or [m.training for m in self.modules] != self.flags \

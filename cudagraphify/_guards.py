@@ -604,6 +604,10 @@ class StateGuard:
         # drops it). A module outside it (built by forward, or a global) is held as it was
         # read: it cannot lead back to the owner
         self._reads = [r.held_weakly(owned) if id(r.module) in owned else r for r in reads]
+        # the class of each module it read from, and of each module it read (``self.s``, whose
+        # method it called): ``m.__class__ = Other`` runs other code
+        self._classes = [(type(r.module), type(r.value) if isinstance(r.value, nn.Module)
+                          else None) for r in reads]
         # argument objects passed as they are (named in static_argnames, or recognised static
         # state such as an HF StaticCache): (where, the object); what they hold is checked on
         # every call like a mutable object a forward read
@@ -715,13 +719,15 @@ class StateGuard:
                 put(value)  # (a closure cell the run rebound: ``nonlocal step; step += 1``)
 
     def _changed(self) -> str | None:
-        for r in self._reads:
+        for r, (cls, value_cls) in zip(self._reads, self._classes):
             now = r.now()
             if now is GONE:
                 return f"a module whose .{r.name} it read was deleted"
             if not r.holds(now):
                 return (f"{type(r.module).__name__}.{r.name} changed ({short(r.value)} -> "
                         f"{short(now)})")
+            if type(r.module) is not cls or (value_cls is not None and type(now) is not value_cls):
+                return f"the class of {cls.__name__} or of its .{r.name} was replaced"
         for m, cls, forward, call in self._ran:
             if type(m) is weakref.ReferenceType:
                 m = m()

@@ -102,7 +102,7 @@ def _holds_data(c: type) -> bool:
             if k != "__weakref__":
                 return True
         elif not (k.startswith("__") and k.endswith("__")) and not hasattr(type(v), "__get__") \
-                and not (named and k in _NAMEDTUPLE_DATA):
+                and not (named and k in _NAMEDTUPLE_DATA) and k != "_abc_impl":
             return True
     return False
 
@@ -144,9 +144,8 @@ def is_constant(value: Any) -> bool:
         # (a subclass whose instances carry attributes, ``class Mode(str)`` with
         # ``mode.center``: what a forward reads of it may change in place, behind a key by
         # value; an Enum member is a constant however its class is made)
-        # (an Enum member whose value is one: a dict value may change in place)
         if isinstance(value, enum.Enum):
-            return value.value is value or is_constant(value.value)
+            return _constant_member(value)
         return type(value) in _EXACT_CONSTANT_TYPES or not _carries_attributes(value)
     if isinstance(value, torch.Tensor):  # hashed by identity but mutable: never a constant
         return False
@@ -162,6 +161,23 @@ def is_constant(value: Any) -> bool:
     # the key's back (its attributes are watched; as an argument it is opaque).
     fields = _frozen_fields(value)
     return fields is not None and all(is_constant(v) for v in fields)
+
+
+_MEMBER_ATTRS = frozenset({"_value_", "_name_", "__objclass__", "_sort_order_"})
+
+
+def _constant_member(member: enum.Enum) -> bool:
+    """Whether an enum member is a constant: its value one (not a dict, which may change in
+    place), or code (a class, a function) or a bare ``object()`` sentinel, and its own
+    attributes beyond the enum's (``HTTPStatus.OK.phrase``) constants (keyed with it: see
+    :func:`strict_key`)."""
+    d = object_dict(member)
+    if d and not all(k in _MEMBER_ATTRS or is_constant(v) for k, v in d.items()):
+        return False
+    v = member._value_ if d else member.value
+    return v is member or type(v) is object or isinstance(v, (type, types.FunctionType,
+                                                              types.BuiltinFunctionType)) \
+        or is_constant(v)
 
 
 def _frozen_fields(value: Any) -> list | None:
@@ -236,6 +252,11 @@ def strict_key(value: Any) -> Any:
         return (tp, value.dtype.str, value.tobytes())  # (the dtype: a datetime's unit)
     if issubclass(tp, _IMMUTABLE):  # (``Decimal('-0') == Decimal('0')``, an instant in two
         return (tp, repr(value))  # time zones, a time's fold: by what its repr shows)
+    if isinstance(value, enum.Enum):  # (with its own attributes: one may be set anew)
+        d = object_dict(value)
+        extra = sorted((k, strict_key(v)) for k, v in d.items()
+                       if k not in _MEMBER_ATTRS) if d else ()
+        return (tp, value, tuple(extra)) if extra else (tp, value)
     if _frozen_dataclass(tp):
         fields = _frozen_fields(value)
         if fields is None:

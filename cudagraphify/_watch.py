@@ -156,6 +156,9 @@ def install() -> None:
                 set_attr(self, name, value)
             if name in REGISTRIES:  # (a new registry: ``ModuleList.__delitem__``'s)
                 rewatch(self, name)
+            elif name in _TREE_ATTRS:  # (another class, hooks dict: another tree)
+                global _hooks_epoch
+                _hooks_epoch = next(_counter)
             global epoch
             epoch = next(_counter)  # after the write: a check in between sees the old epoch
 
@@ -188,6 +191,11 @@ _HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_back
                "_forward_hooks_always_called")
 _GLOBAL_HOOK_DICTS = ("_global_forward_hooks", "_global_forward_pre_hooks",
                       "_global_backward_hooks", "_global_backward_pre_hooks")
+
+
+# attributes whose write changes what a module tree runs besides its registries: each moves
+# tree_epoch (a hooks dict set anew, ``m._forward_hooks = other._forward_hooks``; the class)
+_TREE_ATTRS = frozenset((*_HOOK_DICTS, "__class__"))
 
 
 def hooked(module: nn.Module) -> bool:
