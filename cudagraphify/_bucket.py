@@ -43,7 +43,7 @@ from ._nested import Nested
 from ._policy import host_read
 from ._probe import _Mode as _ProbeMode, own_file
 from ._signature import is_constant, leaf_kind, repeated, storage_of, strict_key
-from ._statics import _WatchedDict, watch
+from ._statics import REGISTRIES, _WatchedDict, watch
 
 __all__ = ["Bucketed", "bucketed"]
 
@@ -451,21 +451,24 @@ def _overwrites(func) -> bool:
 
 
 # functions whose tensor arguments past the first give only a dtype, device or shape
-# (``self.p.to(x)``: p's values), and those whose tensor arguments give nothing but those
-# (``zeros_like(x)``, ``x.new_zeros(2)``: constants)
+# (``self.p.to(x)``: p's values), and those whose first gives only those (``zeros_like(x)``,
+# ``x.new_zeros(2)``: constants; ``full_like(x, self.p[0])``, ``x.new_tensor(self.p)``: p's)
 _META_AFTER_FIRST = frozenset({"to", "type_as", "view_as", "expand_as", "reshape_as"})
-_META_ONLY = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
-                        "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
-                        "new_full", "empty_strided"})
+_META_FIRST = frozenset({"zeros_like", "ones_like", "empty_like", "full_like", "rand_like",
+                         "randn_like", "randint_like", "new_zeros", "new_ones", "new_empty",
+                         "new_full", "new_tensor"})
 
 
 def _sources(func, args: tuple, kwargs: dict) -> list:
     """The tensor arguments whose values ``func``'s results are computed from."""
     name = _name(func)
-    if name in _META_ONLY:
-        return []
     if name in _META_AFTER_FIRST and args and isinstance(args[0], torch.Tensor):
         return [args[0]]
+    if name in _META_FIRST:
+        if args and isinstance(args[0], torch.Tensor):
+            args = args[1:]
+        else:  # (``zeros_like(input=x)``)
+            kwargs = {k: v for k, v in kwargs.items() if k not in ("input", "self")}
     return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
 
 
@@ -475,14 +478,33 @@ _PROBE_HANDLER = _ProbeMode.__torch_function__.__code__
 
 def _tensors_of(m: torch.nn.Module) -> list:
     """The tensors a module keeps: its buffers, parameters and plain tensor attributes, and
-    the tensors in the lists, tuples and dicts it keeps (``self.cache = [k, v]``)."""
+    the tensors in the containers and plain objects it keeps (``self.cache = [k, v]``, a
+    ``SimpleNamespace``), a few levels deep."""
     d = m.__dict__
     found = [*d.get("_buffers", {}).values(), *d.get("_parameters", {}).values()]
-    for v in d.values():
+    seen: set[int] = set()
+
+    def walk(v: Any, depth: int) -> None:
         if isinstance(v, torch.Tensor):
             found.append(v)
-        elif isinstance(v, (list, tuple, dict)) and not isinstance(v, _WatchedDict):
-            found += [t for t in pytree.tree_leaves(v) if isinstance(t, torch.Tensor)]
+        elif depth > 3 or id(v) in seen or isinstance(v, (torch.nn.Module, str, bytes)) \
+                or is_constant(v):
+            return
+        else:
+            seen.add(id(v))
+            if isinstance(v, dict):
+                items = list(v.values())
+            elif isinstance(v, (list, tuple, set, frozenset)):
+                items = list(v)
+            else:
+                inner = getattr(v, "__dict__", None)
+                items = list(inner.values()) if isinstance(inner, dict) else []
+            for item in items:
+                walk(item, depth + 1)
+
+    for k, v in d.items():
+        if k not in REGISTRIES:
+            walk(v, 0)
     return found
 
 

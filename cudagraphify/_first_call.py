@@ -684,7 +684,8 @@ class FirstCall(Capturing):
                           hooks=lambda: _watch.hook_fingerprint(modules),
                           bindings=function_bindings(fn) + attrs, ran=ran,
                           objects=self.objects + carried,
-                          owned=frozenset(map(id, self.statics.modules)), loose=loose)
+                          owned=frozenset(map(id, self.statics.modules)), loose=loose,
+                          tree=self.statics.modules)
 
 
 def _leaf_label(sig: Signature, index: int) -> str:

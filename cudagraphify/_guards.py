@@ -278,7 +278,12 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
             or type(value).__module__.split(".")[0] in _INFRASTRUCTURE:
         return
     if isinstance(value, nn.Module):
-        return  # its state is the module tree's (guarded as a module it ran, or by identity)
+        # its state is the module tree's (guarded as a module it ran, or by identity); its
+        # class, compared after a module write (a method of it may run: ``self.items[0].f``)
+        seen.add(id(value))
+        watch(value)
+        out.append(_ClassCheck(value))
+        return
     seen.add(id(value))
     if len(seen) > _MAX_WATCHED:
         raise Unguardable(f"reads {_MAX_WATCHED}+ mutable objects (containers nested too deep "
@@ -329,6 +334,15 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     for item in list(d.values()):
         if isinstance(item, torch.Tensor) or not is_constant(item):
             _watch_value(item, out, tensors, seen, depth + 1)
+
+
+class _ClassCheck:
+    """A module found in what a forward read (held weakly) and its class then."""
+
+    __slots__ = ("ref", "cls")
+
+    def __init__(self, module: nn.Module):
+        self.ref, self.cls = weakref.ref(module), type(module)
 
 
 def _viewed(view: Any) -> Any:
@@ -598,7 +612,7 @@ class StateGuard:
     def __init__(self, reads: list[Read], hooks: Callable[[], tuple] | None = None,
                  bindings: list[tuple[str, Callable[[], Any], Any, Any]] = (),
                  ran: list[nn.Module] = (), objects: list[tuple[str, Any]] = (),
-                 owned: frozenset[int] = frozenset(), loose=()):
+                 owned: frozenset[int] = frozenset(), loose=(), tree: list[nn.Module] = ()):
         # the modules of the callable's own tree (ids in ``owned``) are held weakly: an entry
         # in a shared or a region's cache must not keep its owner alive (its owner's deletion
         # drops it). A module outside it (built by forward, or a global) is held as it was
@@ -614,6 +628,11 @@ class StateGuard:
         self._objects = list(objects)
         for r in reads:  # their attribute writes must bump the epoch
             watch(r.module)
+            if isinstance(r.value, nn.Module):  # (a module kept as a plain attribute: its
+                watch(r.value)  # class swapped, ``self.s.__class__ = Other``, moves it too)
+        # the classes of the modules of the callable's tree (held weakly: see above), whose
+        # methods its forward may call without calling them (``self.layers[0].helper(x)``)
+        self._tree = [(weakref.ref(m), type(m)) for m in tree]
         # the modules the run ran, each with its class, own forward and call override
         # (``module.compile()``): replacing any of them changes what runs
         self._ran = [(weakref.ref(m) if id(m) in owned else m, type(m), _forward_of(m),
@@ -683,6 +702,10 @@ class StateGuard:
         # being to run that code eagerly: held, not checked)
         checks.extend(_tensor_checks([t for t in self.tensors if not _no_address(t)
                                       and (not loose or storage_of(t) not in loose)]))
+        # (the classes of modules found in what it read: compared after a module write, as
+        # the tree's are, not on every call)
+        self._tree += [(c.ref, c.cls) for c in checks if type(c) is _ClassCheck]
+        checks = [c for c in checks if type(c) is not _ClassCheck]
         self._checks = checks
         self.volatile = bool(checks)
 
@@ -736,6 +759,10 @@ class StateGuard:
             if type(m) is not cls or _forward_of(m) is not forward \
                     or call_override(m) is not call:
                 return f"{cls.__name__}'s class, forward or compiled call was replaced"
+        for ref, cls in self._tree:
+            m = ref()
+            if m is not None and type(m) is not cls:
+                return f"the class of a {cls.__name__} in its tree was replaced"
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"
         return None

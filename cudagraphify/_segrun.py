@@ -230,7 +230,8 @@ class SegmentPlan:
         refs = [weakref.ref(m) for m in mods]
         guard = StateGuard(list(rec.reads.values()),
                            hooks=lambda: _watch.hook_fingerprint(refs), ran=mods,
-                           owned=frozenset(map(id, self.state.statics.modules)))
+                           owned=frozenset(map(id, self.state.statics.modules)),
+                           tree=self.state.statics.modules)
         self.guard = guard if not guard.unguardable else None
 
     def _members(self) -> None:

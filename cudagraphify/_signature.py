@@ -169,15 +169,31 @@ _MEMBER_ATTRS = frozenset({"_value_", "_name_", "__objclass__", "_sort_order_"})
 def _constant_member(member: enum.Enum) -> bool:
     """Whether an enum member is a constant: its value one (not a dict, which may change in
     place), or code (a class, a function) or a bare ``object()`` sentinel, and its own
-    attributes beyond the enum's (``HTTPStatus.OK.phrase``) constants (keyed with it: see
-    :func:`strict_key`)."""
+    attributes beyond the enum's (``HTTPStatus.OK.phrase``) constants, code or members (keyed
+    with it: see :func:`strict_key`)."""
     d = object_dict(member)
-    if d and not all(k in _MEMBER_ATTRS or is_constant(v) for k, v in d.items()):
+    if d and not all(k in _MEMBER_ATTRS or _by_identity(v) or is_constant(v)
+                     for k, v in d.items()):
         return False
     v = member._value_ if d else member.value
-    return v is member or type(v) is object or isinstance(v, (type, types.FunctionType,
-                                                              types.BuiltinFunctionType)) \
-        or is_constant(v)
+    return v is member or type(v) is object or _by_identity(v) or is_constant(v)
+
+
+def _by_identity(v: Any) -> bool:
+    """Code (a class, a function) or an enum member, held by an enum member: a constant by
+    identity (a member's attribute may name another member, or itself: not walked)."""
+    return isinstance(v, (type, types.FunctionType, types.BuiltinFunctionType, enum.Enum))
+
+
+def _member_key(member: enum.Enum) -> tuple:
+    """An enum member's key: the member, with its own attributes beyond the enum's (one may
+    be set anew)."""
+    d = object_dict(member)
+    if not d or d.keys() <= _MEMBER_ATTRS:
+        return (type(member), member)
+    return (type(member), member, tuple(sorted(
+        (k, (type(v), v) if _by_identity(v) else strict_key(v))
+        for k, v in d.items() if k not in _MEMBER_ATTRS)))
 
 
 def _frozen_fields(value: Any) -> list | None:
@@ -236,6 +252,8 @@ def strict_key(value: Any) -> Any:
     tp = type(value)
     if tp in PLAIN_TYPES:
         return (tp, value)
+    if isinstance(value, enum.Enum):  # (a float-valued one too: its attributes)
+        return _member_key(value)
     if isinstance(value, float):
         return (tp, float_bits(value))
     if isinstance(value, complex):
@@ -252,11 +270,6 @@ def strict_key(value: Any) -> Any:
         return (tp, value.dtype.str, value.tobytes())  # (the dtype: a datetime's unit)
     if issubclass(tp, _IMMUTABLE):  # (``Decimal('-0') == Decimal('0')``, an instant in two
         return (tp, repr(value))  # time zones, a time's fold: by what its repr shows)
-    if isinstance(value, enum.Enum):  # (with its own attributes: one may be set anew)
-        d = object_dict(value)
-        extra = sorted((k, strict_key(v)) for k, v in d.items()
-                       if k not in _MEMBER_ATTRS) if d else ()
-        return (tp, value, tuple(extra)) if extra else (tp, value)
     if _frozen_dataclass(tp):
         fields = _frozen_fields(value)
         if fields is None:

@@ -3,7 +3,8 @@ calls' results labelled state) and f7d8cfe (graphify's guard compares the classe
 modules read; ``__class__`` and hooks-dict writes move the tree epoch; enum members keyed
 with their own attributes; ``_sources``/``_written``/``_tensors_of`` in bucketed).
 
-Findings (strict xfails, each failing at review because of the finding; controls pass):
+Findings (strict xfails, each failing at review because of the finding; controls pass). All
+are fixed since (plain tests now):
 
 - B7-1 (older; B6-6's graphify half incomplete): graphify alone replays a stale graph after
   ``m.s.__class__ = Other`` where the forward calls a method of ``s`` (not ``s(x)``) and ``s``
@@ -162,9 +163,6 @@ SWAPS = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B7-1: a module's class swapped "
-                   "is not seen by graphify's guard unless the module was called, or read as a "
-                   "plain attribute and watched (registry reads are no recorded reads)")
 @pytest.mark.parametrize("where", list(SWAPS))
 def test_b7_1_a_class_swapped_on_a_module_whose_method_runs_is_seen(sim, where):
     make, swap = SWAPS[where]
@@ -209,12 +207,6 @@ def _no_recursion(fn):
         raise AssertionError("RecursionError") from None
 
 
-B7_2 = pytest.mark.xfail(strict=True, raises=AssertionError, reason="B7-2: _constant_member and "
-                         "strict_key recurse without end through a member's attribute that "
-                         "is a member")
-
-
-@B7_2
 @pytest.mark.parametrize("member", [Dir.UP, Loop.ONE], ids=["each other", "itself"])
 def test_b7_2_unit_members_referring_to_members_are_keyed(member):
     assert _no_recursion(lambda: is_constant(member))
@@ -235,7 +227,6 @@ class HoldsMember(nn.Module):
         return x * self.d.value
 
 
-@B7_2
 @pytest.mark.parametrize("how", ["argument", "attribute"])
 def test_b7_2_a_graphed_call_with_such_a_member_runs(sim, how):
     g = cg.graphify(TimesValue() if how == "argument" else HoldsMember(Dir.UP))
@@ -246,7 +237,6 @@ def test_b7_2_a_graphed_call_with_such_a_member_runs(sim, how):
             assert torch.equal(out, x)
 
 
-@B7_2
 def test_b7_2_a_bucketed_call_with_such_a_member_runs(sim):
     b = cg.bucketed(TimesValue(), [4, 8])
     with torch.no_grad():
@@ -288,9 +278,6 @@ def _replays(member):
     return cg.stats(g).replays
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B7-3: an enum member whose own "
-                   "attribute is a function or a class is no constant since f7d8cfe: every "
-                   "call runs eagerly (it replayed before)")
 @pytest.mark.parametrize("member", [Act.RELU], ids=["function attribute"])
 def test_b7_3_a_member_with_a_code_attribute_replays(sim, member):
     assert _replays(member) == 2
@@ -310,9 +297,6 @@ VALUES_FROM_AN_ARGUMENT = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B7-4: new_tensor's data and a "
-                   "tensor fill_value are no sources (_sources: _META_ONLY drops every tensor, "
-                   "new_tensor takes x as one): weights read on the host are not refused")
 @pytest.mark.parametrize("read", list(VALUES_FROM_AN_ARGUMENT))
 def test_b7_4_weights_given_as_a_fill_or_data_argument_then_read_stay_right(sim, read):
     _changed_after_check(lambda: Gx(VALUES_FROM_AN_ARGUMENT[read]), _flag_set)
@@ -359,9 +343,6 @@ class SetUpIn(nn.Module):
         return _center(h) if bool(self.flag().any()) else h
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B7-5: _tensors_of opens plain "
-                   "lists, tuples and dicts only: set-up state in a dict subclass or an "
-                   "object attribute is not seen")
 @pytest.mark.parametrize("make", [Namespaced, types.SimpleNamespace],
                          ids=["dict subclass", "SimpleNamespace"])
 def test_b7_5_state_set_up_in_another_container_then_changed_stays_right(sim, make):
