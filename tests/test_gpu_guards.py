@@ -129,6 +129,42 @@ def test_1_submodule_put_behind_another_name_after_capture():
         _before_after(ref, g, _randn(8, 32), _both(_use_b, ref, g))
 
 
+class _Doubler(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(dim))
+
+    def apply_to(self, x):
+        return x * self.w
+
+
+class _Tripler(_Doubler):
+    def apply_to(self, x):
+        return x * self.w * 3
+
+
+class _ByMethod(nn.Module):
+    """Calls a method of a submodule kept in a ModuleList (never ``__call__``)."""
+
+    def __init__(self, dim):
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.items = nn.ModuleList([_Doubler(dim)])
+
+    def forward(self, x):
+        return self.items[0].apply_to(self.lin(x))
+
+
+def test_1_class_of_a_submodule_whose_method_runs_swapped_after_capture():
+    torch.manual_seed(0)
+    ref, g = _pair(_ByMethod(32))
+
+    def swap(m):
+        m.items[0].__class__ = _Tripler
+    with torch.no_grad():
+        _before_after(ref, g, _randn(8, 32), _both(swap, ref, g))
+
+
 def test_1_lazy_module_first_call_then_graphed():
     torch.manual_seed(0)
     ref = nn.Sequential(nn.LazyLinear(32), nn.ReLU()).to(DEV)
