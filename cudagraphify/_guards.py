@@ -279,9 +279,9 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
         return
     if isinstance(value, nn.Module):
         # its state is the module tree's (guarded as a module it ran, or by identity); its
-        # class, compared after a module write (a method of it may run: ``self.items[0].f``)
+        # class, compared after a class write (a method of it may run: ``self.items[0].f``;
+        # any module's ``__class__`` write moves the tree epoch)
         seen.add(id(value))
-        watch(value)
         out.append(_ClassCheck(value))
         return
     seen.add(id(value))
@@ -393,7 +393,9 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
             out.append(lambda fn=fn, target=target: _same_method(fn(), target))
         else:
             out.append(lambda fn=fn, target=target: fn() is target)
-        if target is not None and not isinstance(target, nn.Module):
+        if isinstance(target, nn.Module):
+            out.append(_ClassCheck(target))  # (its class: a method of it may run)
+        elif target is not None:
             _watch_value(target, out, tensors, seen, depth)
     elif isinstance(fn, (weakref.ProxyType, weakref.CallableProxyType)):
         try:  # (its target's dict, through the proxy)
@@ -415,6 +417,8 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
             out.append(lambda cell=cell, held=held: _cell_holds(cell, held))
             if isinstance(held, _WATCHED_IN_CLOSURES):
                 _watch_value(held, out, tensors, seen, depth)
+            elif isinstance(held, nn.Module):
+                out.append(_ClassCheck(held))  # (its class: a method of it may run)
             # (any other object it closes over by identity only: what it reads of it is not
             # known, and watching it whole would take a manager's own bookkeeping (a list of
             # orders, a counter) for a change on every call; README)
@@ -628,11 +632,10 @@ class StateGuard:
         self._objects = list(objects)
         for r in reads:  # their attribute writes must bump the epoch
             watch(r.module)
-            if isinstance(r.value, nn.Module):  # (a module kept as a plain attribute: its
-                watch(r.value)  # class swapped, ``self.s.__class__ = Other``, moves it too)
         # the classes of the modules of the callable's tree (held weakly: see above), whose
         # methods its forward may call without calling them (``self.layers[0].helper(x)``)
         self._tree = [(weakref.ref(m), type(m)) for m in tree]
+        self._tree_at = _watch.tree_epoch()  # (classes compared again when it moves)
         # the modules the run ran, each with its class, own forward and call override
         # (``module.compile()``): replacing any of them changes what runs
         self._ran = [(weakref.ref(m) if id(m) in owned else m, type(m), _forward_of(m),
@@ -683,6 +686,8 @@ class StateGuard:
                 self.unguardable = f"{where} ({type(value).__name__}) {e}"
         for _, read, value, _ in self._bindings:
             checks.append(lambda read=read, value=value: read() is value)
+            if isinstance(value, nn.Module):  # (a graphed function's closure cell: its class)
+                checks.append(_ClassCheck(value))
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
             # (anything else by identity only: what a closed-over container or object holds
@@ -759,10 +764,13 @@ class StateGuard:
             if type(m) is not cls or _forward_of(m) is not forward \
                     or call_override(m) is not call:
                 return f"{cls.__name__}'s class, forward or compiled call was replaced"
-        for ref, cls in self._tree:
-            m = ref()
-            if m is not None and type(m) is not cls:
-                return f"the class of a {cls.__name__} in its tree was replaced"
+        tree = _watch.tree_epoch()
+        if tree != self._tree_at:  # (a class write moves it; a plain attribute write not)
+            for ref, cls in self._tree:
+                m = ref()
+                if m is not None and type(m) is not cls:
+                    return f"the class of a {cls.__name__} in its tree was replaced"
+            self._tree_at = tree
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"
         return None

@@ -166,33 +166,42 @@ def is_constant(value: Any) -> bool:
 _MEMBER_ATTRS = frozenset({"_value_", "_name_", "__objclass__", "_sort_order_"})
 
 
-def _constant_member(member: enum.Enum) -> bool:
+def _constant_member(member: enum.Enum, path: frozenset = frozenset()) -> bool:
     """Whether an enum member is a constant: its value one (not a dict, which may change in
     place), or code (a class, a function) or a bare ``object()`` sentinel, and its own
-    attributes beyond the enum's (``HTTPStatus.OK.phrase``) constants, code or members (keyed
-    with it: see :func:`strict_key`)."""
+    attributes beyond the enum's (``HTTPStatus.OK.phrase``) constants, code or members that
+    are (keyed with it: see :func:`strict_key`; a member met again on the way, by identity)."""
     d = object_dict(member)
-    if d and not all(k in _MEMBER_ATTRS or _by_identity(v) or is_constant(v)
-                     for k, v in d.items()):
-        return False
+    if d:
+        path = path | {id(member)}
+        for k, v in d.items():
+            if k in _MEMBER_ATTRS or _code(v):
+                continue
+            if isinstance(v, enum.Enum):
+                if id(v) not in path and not _constant_member(v, path):
+                    return False
+            elif not is_constant(v):
+                return False
     v = member._value_ if d else member.value
-    return v is member or type(v) is object or _by_identity(v) or is_constant(v)
+    return v is member or type(v) is object or _code(v) or is_constant(v)
 
 
-def _by_identity(v: Any) -> bool:
-    """Code (a class, a function) or an enum member, held by an enum member: a constant by
-    identity (a member's attribute may name another member, or itself: not walked)."""
-    return isinstance(v, (type, types.FunctionType, types.BuiltinFunctionType, enum.Enum))
+def _code(v: Any) -> bool:
+    """A class or a function: a constant by identity."""
+    return isinstance(v, (type, types.FunctionType, types.BuiltinFunctionType))
 
 
-def _member_key(member: enum.Enum) -> tuple:
+def _member_key(member: enum.Enum, path: frozenset = frozenset()) -> tuple:
     """An enum member's key: the member, with its own attributes beyond the enum's (one may
-    be set anew)."""
+    be set anew), a member among them by its own key (one met again on the way: by
+    identity)."""
     d = object_dict(member)
     if not d or d.keys() <= _MEMBER_ATTRS:
         return (type(member), member)
+    path = path | {id(member)}
     return (type(member), member, tuple(sorted(
-        (k, (type(v), v) if _by_identity(v) else strict_key(v))
+        (k, (type(v), v) if _code(v) or (isinstance(v, enum.Enum) and id(v) in path)
+         else _member_key(v, path) if isinstance(v, enum.Enum) else strict_key(v))
         for k, v in d.items() if k not in _MEMBER_ATTRS)))
 
 
@@ -252,6 +261,8 @@ def strict_key(value: Any) -> Any:
     tp = type(value)
     if tp in PLAIN_TYPES:
         return (tp, value)
+    if tp is float:  # (every float argument, every call: before the enum's look)
+        return (tp, float_bits(value))
     if isinstance(value, enum.Enum):  # (a float-valued one too: its attributes)
         return _member_key(value)
     if isinstance(value, float):

@@ -135,6 +135,7 @@ def install() -> None:
         set_attr, del_attr = cls.__setattr__, cls.__delattr__
 
         def __setattr__(self, name, value):  # noqa: N807 - the patched special method
+            global _hooks_epoch, epoch
             d = self.__dict__
             if type(d.get("_parameters")) is not _WatchedDict and KEPT_MARK not in d:
                 # (no graph reads it; a plain attribute of a module a recorder names is noted,
@@ -144,7 +145,11 @@ def install() -> None:
                         and not isinstance(value, (nn.Module, nn.Parameter)) \
                         and not any(name in d.get(k, ()) for k in REGISTRIES):
                     rec.wrote(self, name, value)
-                return set_attr(self, name, value)
+                set_attr(self, name, value)
+                if name == "__class__":  # (any module's: a guard may hold its class, see
+                    _hooks_epoch = next(_counter)  # _guards._ClassCheck)
+                    epoch = next(_counter)
+                return None
             rec = _recorders.get(threading.get_ident())
             if rec is not None:
                 rec.setting = self  # (its register_buffer/_parameter: noted here, see _noting)
@@ -157,9 +162,7 @@ def install() -> None:
             if name in REGISTRIES:  # (a new registry: ``ModuleList.__delitem__``'s)
                 rewatch(self, name)
             elif name in _TREE_ATTRS:  # (another class, hooks dict: another tree)
-                global _hooks_epoch
                 _hooks_epoch = next(_counter)
-            global epoch
             epoch = next(_counter)  # after the write: a check in between sees the old epoch
 
         def __delattr__(self, name):  # noqa: N807

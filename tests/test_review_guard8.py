@@ -2,7 +2,8 @@
 modules found in what it read; ``watch()`` on those modules; enum members' attributes that are
 members keyed by identity; strict_key's enum branch before the float one).
 
-Findings (strict xfails, each failing at review because of the finding; controls pass):
+Findings (strict xfails, each failing at review because of the finding; controls pass). All
+are fixed since (plain tests now):
 
 - G8-1 (stale, B7-1's fix incomplete): a module reached through a closure cell (a graphed
   function's own, or the closure of a function kept as a module attribute) or a weak reference
@@ -115,9 +116,6 @@ GAPS = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G8-1: a module in a closure cell or behind a weakref is held by "
-                          "identity: its class swapped replays stale")
 @pytest.mark.parametrize("where", list(GAPS))
 def test_g8_1_class_swapped_on_a_closure_or_weakref_module(sim, where):
     g, d = GAPS[where]()
@@ -219,9 +217,6 @@ def _writes_per_call(sim, monkeypatch, in_holder: bool):
     return counts
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G8-2: a module merely found in a read container is watch()ed: its "
-                          "writes move the epoch and the statics generation on every call")
 def test_g8_2_writes_to_a_module_the_forward_never_touches_cost_nothing(sim, monkeypatch):
     counts = _writes_per_call(sim, monkeypatch, in_holder=True)
     assert counts == {"changed": 0, "rescan": 0}, counts
@@ -269,9 +264,6 @@ class BySub(nn.Module):
         return self.s.apply_to(x)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G8-3: _changed walks every tree module's class on a plain "
-                          "attribute write (the tree epoch did not move)")
 def test_g8_3_a_plain_attribute_write_walks_no_tree(sim, monkeypatch):
     walks, out = _tree_walks(sim, monkeypatch, lambda m: setattr(m.s, "note", 1))
     assert out[0].item() == 2.0
@@ -312,9 +304,6 @@ def _linked_member_call(attr_owner: str):
             member.__dict__.pop("fallback", None)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G8-4: a member's attribute that is a member is keyed by identity: "
-                          "that member's own attribute set anew is not in the key")
 def test_g8_4_a_linked_members_attribute_set_anew_is_seen(sim):
     _linked_member_call("SLOW")
 
@@ -355,9 +344,6 @@ def _enum_checks(monkeypatch, value) -> int:
     return _CountingMeta.checks
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G8-5: strict_key of a float (every float argument, every call) asks "
-                          "isinstance(value, enum.Enum) first")
 def test_g8_5_a_float_key_asks_no_enum_check(monkeypatch):
     assert _enum_checks(monkeypatch, 1.5) == 0
 
