@@ -374,6 +374,8 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
         _watch_value(fn.func, out, tensors, seen, depth)
     elif isinstance(fn, types.MethodType):
         owner, func = fn.__self__, fn.__func__
+        if isinstance(owner, nn.Module):
+            out.append(_ClassCheck(owner))  # (its class: the method runs on it)
         if not isinstance(owner, (nn.Module, type, types.ModuleType)) \
                 and isinstance(func, types.FunctionType):
             # (the attributes its method reads, as a graphed callable object's: _self_reads)
@@ -382,6 +384,8 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
             _watch_object(owner, func, objects, bindings)
             for _, read, value, _ in bindings:
                 out.append(lambda read=read, value=value: same(read(), value))
+                if isinstance(value, nn.Module):
+                    out.append(_ClassCheck(value))
             for _, obj in objects:
                 _watch_value(obj, out, tensors, seen, depth)
         if isinstance(func, types.FunctionType) and id(func) not in seen:
@@ -429,6 +433,8 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
         for held in defaults or ():
             if isinstance(held, _WATCHED_IN_CLOSURES):
                 _watch_value(held, out, tensors, seen, depth)
+            elif isinstance(held, nn.Module):
+                out.append(_ClassCheck(held))
         if kwdefaults:  # (a dict: ``post.__kwdefaults__["temperature"] = 0.5``)
             _watch_value(kwdefaults, out, tensors, seen, depth)
         if fn.__dict__:  # (a function's attributes: ``scale.factor = 2``)
@@ -635,7 +641,6 @@ class StateGuard:
         # the classes of the modules of the callable's tree (held weakly: see above), whose
         # methods its forward may call without calling them (``self.layers[0].helper(x)``)
         self._tree = [(weakref.ref(m), type(m)) for m in tree]
-        self._tree_at = _watch.tree_epoch()  # (classes compared again when it moves)
         # the modules the run ran, each with its class, own forward and call override
         # (``module.compile()``): replacing any of them changes what runs
         self._ran = [(weakref.ref(m) if id(m) in owned else m, type(m), _forward_of(m),
@@ -764,13 +769,12 @@ class StateGuard:
             if type(m) is not cls or _forward_of(m) is not forward \
                     or call_override(m) is not call:
                 return f"{cls.__name__}'s class, forward or compiled call was replaced"
-        tree = _watch.tree_epoch()
-        if tree != self._tree_at:  # (a class write moves it; a plain attribute write not)
-            for ref, cls in self._tree:
-                m = ref()
-                if m is not None and type(m) is not cls:
-                    return f"the class of a {cls.__name__} in its tree was replaced"
-            self._tree_at = tree
+        # (on every epoch move, not only the tree epoch's: a class written past
+        # nn.Module.__setattr__, ``object.__setattr__(m, "__class__", X)``, moves neither)
+        for ref, cls in self._tree:
+            m = ref()
+            if m is not None and type(m) is not cls:
+                return f"the class of a {cls.__name__} in its tree was replaced"
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"
         return None

@@ -9,6 +9,7 @@ global flags) is guarded per graph by :mod:`._guards`. Pure: nothing here touche
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import decimal
@@ -16,6 +17,7 @@ import enum
 import fractions
 import pathlib
 import sys
+import threading
 import types
 import uuid
 import weakref
@@ -166,21 +168,38 @@ def is_constant(value: Any) -> bool:
 _MEMBER_ATTRS = frozenset({"_value_", "_name_", "__objclass__", "_sort_order_"})
 
 
-def _constant_member(member: enum.Enum, path: frozenset = frozenset()) -> bool:
+_visiting = threading.local()  # the enum members whose key or constancy is being found
+
+
+def _visited(member: enum.Enum) -> bool:
+    """Whether ``member`` is on the way already (members naming each other, through their
+    attributes or the containers in them): then taken by identity, no further walk."""
+    on = getattr(_visiting, "ids", None)
+    if on is None:
+        on = _visiting.ids = set()
+    return id(member) in on
+
+
+@contextlib.contextmanager
+def _visiting_member(member: enum.Enum):
+    _visiting.ids.add(id(member))
+    try:
+        yield
+    finally:
+        _visiting.ids.discard(id(member))
+
+
+def _constant_member(member: enum.Enum) -> bool:
     """Whether an enum member is a constant: its value one (not a dict, which may change in
     place), or code (a class, a function) or a bare ``object()`` sentinel, and its own
     attributes beyond the enum's (``HTTPStatus.OK.phrase``) constants, code or members that
     are (keyed with it: see :func:`strict_key`; a member met again on the way, by identity)."""
     d = object_dict(member)
-    if d:
-        path = path | {id(member)}
-        for k, v in d.items():
-            if k in _MEMBER_ATTRS or _code(v):
-                continue
-            if isinstance(v, enum.Enum):
-                if id(v) not in path and not _constant_member(v, path):
-                    return False
-            elif not is_constant(v):
+    if d and not d.keys() <= _MEMBER_ATTRS:
+        if _visited(member):
+            return True  # (decided where the walk met it first)
+        with _visiting_member(member):
+            if not all(k in _MEMBER_ATTRS or _code(v) or is_constant(v) for k, v in d.items()):
                 return False
     v = member._value_ if d else member.value
     return v is member or type(v) is object or _code(v) or is_constant(v)
@@ -191,18 +210,17 @@ def _code(v: Any) -> bool:
     return isinstance(v, (type, types.FunctionType, types.BuiltinFunctionType))
 
 
-def _member_key(member: enum.Enum, path: frozenset = frozenset()) -> tuple:
+def _member_key(member: enum.Enum) -> tuple:
     """An enum member's key: the member, with its own attributes beyond the enum's (one may
     be set anew), a member among them by its own key (one met again on the way: by
     identity)."""
     d = object_dict(member)
-    if not d or d.keys() <= _MEMBER_ATTRS:
+    if not d or d.keys() <= _MEMBER_ATTRS or _visited(member):
         return (type(member), member)
-    path = path | {id(member)}
-    return (type(member), member, tuple(sorted(
-        (k, (type(v), v) if _code(v) or (isinstance(v, enum.Enum) and id(v) in path)
-         else _member_key(v, path) if isinstance(v, enum.Enum) else strict_key(v))
-        for k, v in d.items() if k not in _MEMBER_ATTRS)))
+    with _visiting_member(member):
+        return (type(member), member, tuple(sorted(
+            (k, (type(v), v) if _code(v) else strict_key(v))
+            for k, v in d.items() if k not in _MEMBER_ATTRS)))
 
 
 def _frozen_fields(value: Any) -> list | None:
