@@ -308,8 +308,9 @@ class _HostReads(TorchFunctionMode):
     - weights: the parameters, and what an op computed from them alone.
 
     (And constants: what an op made from no tensor, ``torch.arange(4)``; weights with them
-    are weights alone.) A host read of state, or of weights alone (a flag kept in a parameter, frozen or not),
-    reads what may change in place (``fill_``, ``load_state_dict``) with no attribute written:
+    are weights alone.) A host read of state, or of weights alone (a flag kept in a
+    parameter, frozen or not), reads what may change in place (``fill_``,
+    ``load_state_dict``) with no attribute written:
     the check, which saw one value, cannot stand for later calls. A host read of data is the
     check's data (see the module docs). ``found``: the first such read's name ("": none)."""
 

@@ -279,8 +279,8 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
         return
     if isinstance(value, nn.Module):
         # its state is the module tree's (guarded as a module it ran, or by identity); its
-        # class, compared after a class write (a method of it may run: ``self.items[0].f``;
-        # any module's ``__class__`` write moves the tree epoch)
+        # class, compared after a module write (a method of it may run: ``self.items[0].f``;
+        # any module's ``__class__`` write moves the epoch)
         seen.add(id(value))
         out.append(_ClassCheck(value))
         return
@@ -759,7 +759,8 @@ class StateGuard:
             if not r.holds(now):
                 return (f"{type(r.module).__name__}.{r.name} changed ({short(r.value)} -> "
                         f"{short(now)})")
-            if type(r.module) is not cls or (value_cls is not None and type(now) is not value_cls):
+            if type(r.module) is not cls \
+                    or (value_cls is not None and type(now) is not value_cls):
                 return f"the class of {cls.__name__} or of its .{r.name} was replaced"
         for m, cls, forward, call in self._ran:
             if type(m) is weakref.ReferenceType:

@@ -145,7 +145,8 @@ def is_constant(value: Any) -> bool:
     if isinstance(value, _CONSTANT_TYPES):
         # (a subclass whose instances carry attributes, ``class Mode(str)`` with
         # ``mode.center``: what a forward reads of it may change in place, behind a key by
-        # value; an Enum member is a constant however its class is made)
+        # value; an Enum member is one however its class is made, where its value and its
+        # own attributes are: see _constant_member)
         if isinstance(value, enum.Enum):
             return _constant_member(value)
         return type(value) in _EXACT_CONSTANT_TYPES or not _carries_attributes(value)

@@ -53,9 +53,11 @@ _hooks_epoch = 0  # bumped by module hook registration and removal only (see tre
 
 def tree_epoch() -> tuple[int, int]:
     """What moves when a watched module's registries are written (a submodule set, replaced or
-    removed: :func:`._statics.generation`) or a module hook is registered or removed; a plain
-    attribute write moves ``epoch`` only. For a guard on module trees and their hooks, compared
-    once ``epoch`` moved: it walks the trees again only when this moved too."""
+    removed: :func:`._statics.generation`), a module hook is registered or removed, a watched
+    module's hooks dict is set anew, or any module's class is set through ``nn.Module``'s
+    ``__setattr__``; a plain attribute write moves ``epoch`` only. For a guard on module trees
+    and their hooks, compared once ``epoch`` moved: it walks the trees again only when this
+    moved too."""
     return generation(), _hooks_epoch
 
 
