@@ -337,12 +337,26 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
 
 
 class _ClassCheck:
-    """A module found in what a forward read (held weakly) and its class then."""
+    """A module found in what a forward read (held weakly; a weak proxy of one, as it is) and
+    its class then."""
 
     __slots__ = ("ref", "cls")
 
     def __init__(self, module: nn.Module):
-        self.ref, self.cls = weakref.ref(module), type(module)
+        self.ref = (lambda p=module: p) if isinstance(module, _PROXIES) \
+            else weakref.ref(module)
+        self.cls = module.__class__
+
+
+_PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
+
+
+def _class_of(m: Any) -> type | None:
+    """``m``'s class (a weak proxy's: its target's; None where that died)."""
+    try:
+        return m.__class__
+    except ReferenceError:
+        return None
 
 
 def _viewed(view: Any) -> Any:
@@ -407,7 +421,9 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
             module = isinstance(getattr(fn, "_parameters", None), dict)
         except ReferenceError:  # (a dead proxy: calling it raises, as eagerly)
             return
-        if isinstance(d, dict) and not module:
+        if module:  # (its class, through the proxy: a method of it may run)
+            out.append(_ClassCheck(fn))
+        elif isinstance(d, dict):
             out.append(_DictCheck(d))
             for item in list(d.values()):
                 if isinstance(item, torch.Tensor) or not is_constant(item):
@@ -774,7 +790,7 @@ class StateGuard:
         # nn.Module.__setattr__, ``object.__setattr__(m, "__class__", X)``, moves neither)
         for ref, cls in self._tree:
             m = ref()
-            if m is not None and type(m) is not cls:
+            if m is not None and _class_of(m) not in (cls, None):
                 return f"the class of a {cls.__name__} in its tree was replaced"
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"

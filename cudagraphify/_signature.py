@@ -196,7 +196,7 @@ def _constant_member(member: enum.Enum) -> bool:
     attributes beyond the enum's (``HTTPStatus.OK.phrase``) constants, code or members that
     are (keyed with it: see :func:`strict_key`; a member met again on the way, by identity)."""
     d = object_dict(member)
-    if d and not d.keys() <= _MEMBER_ATTRS:
+    if d and not d.keys() <= _MEMBER_ATTRS and not _flat(d):
         if _visited(member):
             return True  # (decided where the walk met it first)
         with _visiting_member(member):
@@ -204,6 +204,16 @@ def _constant_member(member: enum.Enum) -> bool:
                 return False
     v = member._value_ if d else member.value
     return v is member or type(v) is object or _code(v) or is_constant(v)
+
+
+def _flat(d: dict) -> bool:
+    """Whether a member's own attributes (its ``__dict__``, ``d``) are all plain values,
+    floats or code, each keyed alone: no walk, no member met again."""
+    for k, v in d.items():
+        if k not in _MEMBER_ATTRS and type(v) not in PLAIN_TYPES and type(v) is not float \
+                and not _code(v):
+            return False
+    return True
 
 
 def _code(v: Any) -> bool:
@@ -218,6 +228,10 @@ def _member_key(member: enum.Enum) -> tuple:
     d = object_dict(member)
     if not d or d.keys() <= _MEMBER_ATTRS or _visited(member):
         return (type(member), member)
+    if _flat(d):  # (nothing to walk, no member met again: HTTPStatus.OK.phrase)
+        return (type(member), member, tuple(sorted(
+            (k, (type(v), v) if _code(v) else strict_key(v))
+            for k, v in d.items() if k not in _MEMBER_ATTRS)))
     with _visiting_member(member):
         return (type(member), member, tuple(sorted(
             (k, (type(v), v) if _code(v) else strict_key(v))

@@ -3,7 +3,10 @@ among a kept object's attributes and a function's positional defaults; the tree'
 compared on every epoch move; a thread-local set of the enum members being walked in place of
 ``_constant_member``/``_member_key``'s ``path``).
 
-Findings (strict xfails, each failing at review because of the finding; controls pass):
+Findings (strict xfails, each failing at review because of the finding; controls pass). All
+are fixed since (plain tests now); G10-4's tests pass because their members' attributes are
+flat (keyed with no walk): a re-entrant walk of a member with a container attribute, from user
+code run during the walk, is still answered by identity (low, left):
 
 - G10-1 (crash, new): a ``weakref.proxy`` of a module kept by a plain object whose bound method
   a module keeps (``self.d = weakref.proxy(d)``), or a bound method whose ``self`` is such a
@@ -117,18 +120,12 @@ PROXIES = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G10-1: _ClassCheck(weakref.proxy(module)): weakref.ref of a proxy "
-                          "raises TypeError at the first call")
 @pytest.mark.parametrize("where", list(PROXIES))
 def test_g10_1_a_weak_proxy_of_a_module_runs(sim, where):
     d = Doubler()
     assert _outputs(PROXIES[where](d)) == [2.0] * 5
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G10-1/G10-2: a module behind a weak proxy as a kept object's "
-                          "attribute: TypeError today; its class swap must be seen")
 def test_g10_1_a_weak_proxy_of_a_module_class_swap_is_seen(sim):
     d = Doubler()
     assert _outputs(PROXIES["a kept object's attribute (new)"](d),
@@ -163,9 +160,6 @@ def _proxy_default(d):
     return post
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G10-2: a module behind a weak proxy in a closure cell or default: "
-                          "no _ClassCheck, its class swap replays the stale graph")
 @pytest.mark.parametrize("make", [_proxy_cell, _proxy_default], ids=["cell", "default"])
 def test_g10_2_a_proxied_modules_class_swap_is_seen(sim, make):
     d = Doubler()
@@ -211,9 +205,6 @@ def _visits_per_steady_call(monkeypatch):
     return count[0], outs
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G10-3: an enum member with its own (non-member) attributes enters "
-                          "the visiting context manager on every call")
 def test_g10_3_a_member_with_plain_attributes_walks_no_visiting_set(sim, monkeypatch):
     visits, outs = _visits_per_steady_call(monkeypatch)
     assert outs == [1.0] * 5
@@ -274,9 +265,6 @@ class Hook:
 _HOOK: dict = {}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G10-4: a re-entrant is_constant of a member on the walk's path "
-                          "(same thread) answers True for a member holding a list")
 def test_g10_4_reentrant_is_constant_of_a_member_being_walked(clean_dirs):
     Dir.UP.hook, Dir.UP.bad = Hook(), [1]  # (the hook first: the walk stops at the list)
     assert not _signature.is_constant(Dir.UP)  # (outside any walk)
@@ -285,9 +273,6 @@ def test_g10_4_reentrant_is_constant_of_a_member_being_walked(clean_dirs):
     assert _HOOK.pop("result") is False
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="G10-4: a re-entrant strict_key of a member on the walk's path keys "
-                          "it by identity: its attributes left out")
 def test_g10_4_reentrant_strict_key_of_a_member_being_walked(clean_dirs):
     Dir.UP.scale, Dir.UP.hook = 2.0, Hook()
     full = _signature.strict_key(Dir.UP)
