@@ -53,29 +53,9 @@ from torch import nn
 import cudagraphify as cg
 from cudagraphify import _guards, _signature
 
+from test_review_guard8 import Doubler, Tripler, WithPost
+
 pytestmark = pytest.mark.usefixtures("quiet")
-
-
-class Doubler(nn.Module):
-    def apply_to(self, h):
-        return h * 2
-
-    def run(self, h):
-        return self.apply_to(h)
-
-
-class Tripler(Doubler):
-    def apply_to(self, h):
-        return h * 3
-
-
-class WithPost(nn.Module):
-    def __init__(self, post):
-        super().__init__()
-        self.post = post
-
-    def forward(self, x):
-        return self.post(x)
 
 
 def _outputs(g, change=None, at=3, n=5):

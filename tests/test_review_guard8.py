@@ -52,6 +52,9 @@ class Doubler(nn.Module):
     def apply_to(self, h):
         return h * 2
 
+    def run(self, h):  # (a method that calls another through ``self``)
+        return self.apply_to(h)
+
 
 class Tripler(Doubler):
     def apply_to(self, h):

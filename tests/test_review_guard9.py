@@ -46,20 +46,9 @@ from torch.nn.utils import parametrize
 import cudagraphify as cg
 from cudagraphify import _signature, _watch
 
+from test_review_guard8 import Doubler, Tripler, WithPost
+
 pytestmark = pytest.mark.usefixtures("quiet")
-
-
-class Doubler(nn.Module):
-    def apply_to(self, h):
-        return h * 2
-
-    def run(self, h):  # (a method that calls another through ``self``)
-        return self.apply_to(h)
-
-
-class Tripler(Doubler):
-    def apply_to(self, h):
-        return h * 3
 
 
 class OwnSetattr(Doubler):
@@ -156,15 +145,6 @@ def test_g9_1_control_any_class_write_moves_both_epochs():
 
 
 # -- G9-2: modules still held by identity only ------------------------------------------------
-
-class WithPost(nn.Module):
-    def __init__(self, post):
-        super().__init__()
-        self.post = post
-
-    def forward(self, x):
-        return self.post(x)
-
 
 class Holder:  # (a plain object whose bound method a module keeps)
     def __init__(self, d):
