@@ -43,6 +43,7 @@ from ._nested import Nested
 from ._policy import host_read
 from ._probe import _Mode as _ProbeMode, own_file
 from ._signature import is_constant, leaf_kind, repeated, storage_of, strict_key
+from ._state import tensors_in
 from ._statics import REGISTRIES, _WatchedDict, watch
 
 __all__ = ["Bucketed", "bucketed"]
@@ -398,7 +399,8 @@ class _HostReads(TorchFunctionMode):
             ins = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             # (from what its results' values come: not a tensor that gives only a dtype,
             # device or shape, ``self.p.to(x)``, ``zeros_like(x)``)
-            kind = _combined({self._kind(t) for t in _sources(func, args, kwargs)})
+            sources = _sources(func, args, kwargs)
+            kind = _combined({self._kind(t) for t in sources})
             if not self.found and ins and host_read(func, args, kwargs):
                 name = getattr(func, "__qualname__", None) or repr(func)
                 if kind in (_STATE, _WEIGHTS):
@@ -409,7 +411,7 @@ class _HostReads(TorchFunctionMode):
             # (what an overwrite puts there is its sources' alone: ``h.copy_(self.p)`` or
             # ``h[0] = self.p`` leave weights in h; state or weights written into data, in
             # place, are what they are)
-            source = _combined({self._kind(t) for t in _sources(func, args, kwargs)
+            source = _combined({self._kind(t) for t in sources
                                 if all(t is not w for w in written)}) if written else kind
             mine = {}
             for t in ins:
@@ -480,33 +482,10 @@ _PROBE_HANDLER = _ProbeMode.__torch_function__.__code__
 def _tensors_of(m: torch.nn.Module) -> list:
     """The tensors a module keeps: its buffers, parameters and plain tensor attributes, and
     the tensors in the containers and plain objects it keeps (``self.cache = [k, v]``, a
-    ``SimpleNamespace``), a few levels deep."""
+    ``SimpleNamespace``), a few levels deep (:func:`._state.tensors_in`)."""
     d = m.__dict__
-    found = [*d.get("_buffers", {}).values(), *d.get("_parameters", {}).values()]
-    seen: set[int] = set()
-
-    def walk(v: Any, depth: int) -> None:
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif depth > 3 or id(v) in seen or isinstance(v, (torch.nn.Module, str, bytes)) \
-                or is_constant(v):
-            return
-        else:
-            seen.add(id(v))
-            if isinstance(v, dict):
-                items = list(v.values())
-            elif isinstance(v, (list, tuple, set, frozenset)):
-                items = list(v)
-            else:
-                inner = getattr(v, "__dict__", None)
-                items = list(inner.values()) if isinstance(inner, dict) else []
-            for item in items:
-                walk(item, depth + 1)
-
-    for k, v in d.items():
-        if k not in REGISTRIES:
-            walk(v, 0)
-    return found
+    return [*d.get("_buffers", {}).values(), *d.get("_parameters", {}).values(),
+            *(t for k, v in d.items() if k not in REGISTRIES for t in tensors_in(v))]
 
 
 def _written(func, args: tuple, kwargs: dict) -> list:
