@@ -484,8 +484,9 @@ def _tensors_of(m: torch.nn.Module) -> list:
     the tensors in the containers and plain objects it keeps (``self.cache = [k, v]``, a
     ``SimpleNamespace``), a few levels deep (:func:`._state.tensors_in`)."""
     d = m.__dict__
+    seen: dict[int, int] = {}  # (objects that hold each other: each walked once)
     return [*d.get("_buffers", {}).values(), *d.get("_parameters", {}).values(),
-            *(t for k, v in d.items() if k not in REGISTRIES for t in tensors_in(v))]
+            *(t for k, v in d.items() if k not in REGISTRIES for t in tensors_in(v, 0, seen))]
 
 
 def _written(func, args: tuple, kwargs: dict) -> list:
@@ -574,22 +575,30 @@ class _State:
         self.hooks = _watch.hook_fingerprint([weakref.ref(m) for m in self.modules])
         for m in self.modules:
             watch(m)  # (its registries' writes and its hooks' registrations move tree_epoch)
-        self.loose = any(type(m.__dict__.get("_modules")) is not _WatchedDict
-                         for m in self.modules)
+        self.loose = _kept_registries(self.modules)
         self.tree = _watch.tree_epoch()  # (after the watch, which moves it)
 
     def _same_tree(self, tree: tuple[int, int]) -> bool:
         """The same modules in the trees, with the same hooks (theirs and the global ones: a
         hook registered since may compute across rows); ``tree``: ``_watch.tree_epoch()``."""
-        if tree == self.tree and not self.loose and self._globals_same():
+        if tree == self.tree and self._kept_same() and self._globals_same():
             return True
         now = _tree(self.roots)
         if len(now) == len(self.modules) and all(a is b for a, b in zip(now, self.modules)) \
                 and all(type(a) is t for a, t in zip(now, self.types)) \
                 and _watch.hook_fingerprint([weakref.ref(m) for m in now]) == self.hooks:
             self.tree = tree
+            self.loose = _kept_registries(now)
             return True
         return False
+
+    def _kept_same(self) -> bool:
+        """Whether the submodule registries kept elsewhere too (not watched: a write to one
+        moves no epoch) are the ones they were, with the same versions (an ``append``)."""
+        for m, d, version in self.loose:
+            if m.__dict__.get("_modules") is not d or _dict_version(d) != version:
+                return False
+        return True
 
     def _globals_same(self) -> bool:
         """The global module hooks as they were (a few dicts: one registered through a name
@@ -601,7 +610,8 @@ class _State:
         """Whether the modules keep the training flags they had (module writes move the
         epochs: compared again only after one)."""
         now, tree = _watch.epoch, _watch.tree_epoch()
-        if now == self.epoch and tree == self.tree and self._globals_same():
+        if now == self.epoch and tree == self.tree and self._kept_same() \
+                and self._globals_same():
             return True
         if not self._same_tree(tree) or [m.training for m in self.modules] != self.flags:
             return False
@@ -611,7 +621,7 @@ class _State:
     def same(self) -> bool:
         now, tree = _watch.epoch, _watch.tree_epoch()
         if now == self.epoch and tree == self.tree and not self.guard.volatile \
-                and self._globals_same():
+                and self._kept_same() and self._globals_same():
             return True
         # (a submodule added to a container, ``layers.append``, moves the tree epoch only)
         if not self._same_tree(tree) or [m.training for m in self.modules] != self.flags \
@@ -619,6 +629,17 @@ class _State:
             return False
         self.epoch = now
         return True
+
+
+_dict_version = torch._C._dynamo.guards.dict_version
+
+
+def _kept_registries(modules: list[torch.nn.Module]) -> list[tuple]:
+    """(module, its submodule registry, the registry's version) for the modules whose registry
+    is not watched (kept elsewhere too: ``copy.copy`` of a ModuleList shares it)."""
+    return [(m, d, _dict_version(d)) for m in modules
+            for d in (m.__dict__.get("_modules"),)
+            if isinstance(d, dict) and type(d) is not _WatchedDict]
 
 
 def _tree(roots: list[torch.nn.Module]) -> list[torch.nn.Module]:

@@ -23,6 +23,7 @@ import array
 import collections
 import dataclasses
 import dis
+import enum
 import functools
 import gc
 import inspect
@@ -39,11 +40,11 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
 from . import _watch, _writes
-from ._signature import is_constant, storage_of
+from ._signature import MEMBER_ATTRS, is_constant, storage_of
 from ._state import host_bits, object_dict
 from ._statics import MAPPING_VIEWS, no_one_layout, ptrs_equal, watch
-from ._watch import (GONE, INTERNAL_ATTRS, MISSING, Read, call_override, global_hooks_present,
-                     nested_codes, same, short)
+from ._watch import (GONE, INTERNAL_ATTRS, METHOD_KINDS, MISSING, Read, call_override,
+                     global_hooks_present, nested_codes, same, short)
 
 __all__ = ["StateGuard", "FlagsGuard", "Unguardable", "function_bindings"]
 
@@ -267,7 +268,20 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
     if isinstance(value, torch.Tensor):
         tensors.append(value)
         return
-    if id(value) in seen or is_constant(value):
+    if id(value) in seen:
+        return
+    if is_constant(value):
+        if _own_member(value):
+            # an enum member with attributes of its own (``self.scale`` set in its
+            # ``__init__``): a constant where its key is taken (an argument), but held here by
+            # identity, and ``Mode.A.scale = 3.0`` changes what a forward reads: its attributes
+            # checked on every call (and those of members among them)
+            seen.add(id(value))
+            d = object_dict(value)
+            out.append(_DictCheck(d, value))
+            for item in list(d.values()):
+                if _own_member(item):
+                    _watch_value(item, out, tensors, seen, depth + 1)
         return
     if isinstance(value, _CALLABLE_TYPES):
         # (held by identity; what it reads when called is watched too: see _watch_callable)
@@ -297,13 +311,13 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
         if isinstance(extra, dict) and extra:  # (items kept as attributes too: ModelOutput)
             out.append(_DictCheck(extra, value))
             for item in list(extra.values()):
-                if isinstance(item, torch.Tensor) or not is_constant(item):
+                if _watched(item):
                     _watch_value(item, out, tensors, seen, depth + 1)
     elif isinstance(value, (list, set, frozenset, bytearray, collections.deque)):
         check = _ItemsCheck(value)
         out.append(check)
         for item in check.items:
-            if isinstance(item, torch.Tensor) or not is_constant(item):
+            if _watched(item):
                 _watch_value(item, out, tensors, seen, depth + 1)
         return
     elif isinstance(value, tuple):
@@ -332,30 +346,51 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
         owner = value
     out.append(_DictCheck(d, owner))
     for item in list(d.values()):
-        if isinstance(item, torch.Tensor) or not is_constant(item):
+        if _watched(item):
             _watch_value(item, out, tensors, seen, depth + 1)
 
 
+def _own_member(value: Any) -> bool:
+    """Whether ``value`` is an enum member with attributes of its own, beyond the enum's."""
+    if not isinstance(value, enum.Enum):
+        return False
+    d = object_dict(value)
+    return isinstance(d, dict) and not d.keys() <= MEMBER_ATTRS
+
+
+def _watched(item: Any) -> bool:
+    """Whether an item of a container or object a forward read is watched (see
+    :func:`_watch_value`): a tensor, or what is not a constant, or a member of its own."""
+    return isinstance(item, torch.Tensor) or not is_constant(item) or _own_member(item)
+
+
 class _ClassCheck:
-    """A module found in what a forward read (held weakly; a weak proxy of one, as it is) and
-    its class then."""
+    """A module found in what a forward read (held weakly) and its class then; ``proxied``:
+    found through a weak proxy (held weakly too, through its target; :func:`_proxy_target`),
+    whose target's death moves the epoch and is a change: eager then raises ReferenceError."""
 
-    __slots__ = ("ref", "cls")
+    __slots__ = ("ref", "cls", "proxied")
 
-    def __init__(self, module: nn.Module):
-        self.ref = (lambda p=module: p) if isinstance(module, _PROXIES) \
-            else weakref.ref(module)
-        self.cls = module.__class__
+    def __init__(self, module: Any, proxied: bool = False):
+        if type(module) in _PROXIES:  # (``isinstance(proxy, nn.Module)`` holds)
+            module, proxied = _proxy_target(module), True
+            if module is None:
+                raise Unguardable("holds a weak proxy of a module that cannot be told")
+        self.ref = weakref.ref(module, _watch.bump) if proxied else weakref.ref(module)
+        self.cls = type(module)
+        self.proxied = proxied
 
 
 _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 
-def _class_of(m: Any) -> type | None:
-    """``m``'s class (a weak proxy's: its target's; None where that died)."""
+def _proxy_target(proxy: Any) -> Any:
+    """The object a live weak proxy stands for (None where it died, or where it cannot be told:
+    its ``__init__`` bound to it, through the proxy, is how it is reached)."""
     try:
-        return m.__class__
-    except ReferenceError:
+        target = proxy.__init__.__self__
+        return target if type(target) is proxy.__class__ else None
+    except (ReferenceError, AttributeError):
         return None
 
 
@@ -421,12 +456,21 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
             module = isinstance(getattr(fn, "_parameters", None), dict)
         except ReferenceError:  # (a dead proxy: calling it raises, as eagerly)
             return
-        if module:  # (its class, through the proxy: a method of it may run)
-            out.append(_ClassCheck(fn))
-        elif isinstance(d, dict):
+        target = _proxy_target(fn)
+        if target is None:
+            raise Unguardable("holds a weak proxy whose target cannot be told (its death, "
+                              "after which a read through it raises, would not be seen)")
+        try:  # (its target's death: a change, seen at once; see StateGuard._changed)
+            out.append(_ClassCheck(target, proxied=True))
+        except TypeError:  # (a target that takes no weak reference of its own)
+            raise Unguardable("holds a weak proxy of an object that takes no weak reference "
+                              "(its death would not be seen)") from None
+        if module:  # (its class: a method of it may run; compared by the check above)
+            return
+        if isinstance(d, dict):
             out.append(_DictCheck(d))
             for item in list(d.values()):
-                if isinstance(item, torch.Tensor) or not is_constant(item):
+                if _watched(item):
                     _watch_value(item, out, tensors, seen, depth)
     elif isinstance(fn, types.FunctionType) and not _library_function(fn):
         for cell in fn.__closure__ or ():
@@ -458,7 +502,7 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
 
 
 _WATCHED_IN_CLOSURES = (dict, list, tuple, set, frozenset, collections.deque,
-                        torch.Tensor) + _CALLABLE_TYPES
+                        torch.Tensor, enum.Enum) + _CALLABLE_TYPES
 
 
 def _same_method(now: Any, then: types.MethodType) -> bool:
@@ -643,6 +687,8 @@ class StateGuard:
         # in a shared or a region's cache must not keep its owner alive (its owner's deletion
         # drops it). A module outside it (built by forward, or a global) is held as it was
         # read: it cannot lead back to the owner
+        # (a method's read holds its module weakly: one dead already is left out)
+        reads = [r for r in reads if r.module is not None]
         self._reads = [r.held_weakly(owned) if id(r.module) in owned else r for r in reads]
         # the class of each module it read from, and of each module it read (``self.s``, whose
         # method it called): ``m.__class__ = Other`` runs other code
@@ -656,7 +702,7 @@ class StateGuard:
             watch(r.module)
         # the classes of the modules of the callable's tree (held weakly: see above), whose
         # methods its forward may call without calling them (``self.layers[0].helper(x)``)
-        self._tree = [(weakref.ref(m), type(m)) for m in tree]
+        self._tree = [(weakref.ref(m), type(m), False) for m in tree]
         # the modules the run ran, each with its class, own forward and call override
         # (``module.compile()``): replacing any of them changes what runs
         self._ran = [(weakref.ref(m) if id(m) in owned else m, type(m), _forward_of(m),
@@ -682,8 +728,7 @@ class StateGuard:
                 checks.append(_DictCheck(r.value))  # (not its module: held weakly, see Read)
                 try:
                     for k, v in list(r.value.items()):
-                        if k not in INTERNAL_ATTRS and k != "training" and (
-                                isinstance(v, torch.Tensor) or not is_constant(v)):
+                        if k not in INTERNAL_ATTRS and k != "training" and _watched(v):
                             _watch_value(v, checks, tensors, seen, 0)
                 except Unguardable as e:
                     self.unguardable = (f"forward reads {type(r.module).__name__}.__dict__, "
@@ -691,7 +736,9 @@ class StateGuard:
                     break
             elif isinstance(r.value, torch.Tensor):
                 tensors.append(r.value)
-            elif not is_constant(r.value) and r.value is not MISSING:
+            elif r.on_class and type(r.value) in METHOD_KINDS:
+                pass  # (a method of its class, by identity: set on the instance, a change)
+            elif r.value is not MISSING and _watched(r.value):
                 try:
                     _watch_value(r.value, checks, tensors, seen, 0)
                 except Unguardable as e:
@@ -708,9 +755,14 @@ class StateGuard:
         for _, read, value, _ in self._bindings:
             checks.append(lambda read=read, value=value: read() is value)
             if isinstance(value, nn.Module):  # (a graphed function's closure cell: its class)
-                checks.append(_ClassCheck(value))
+                try:
+                    checks.append(_ClassCheck(value))
+                except Unguardable as e:
+                    self.unguardable = f"a closure cell of it {e}"
             if isinstance(value, torch.Tensor):
                 tensors.append(value)
+            elif _own_member(value):  # (its attributes: see _watch_value)
+                _watch_value(value, checks, tensors, seen, 0)
             # (anything else by identity only: what a closed-over container or object holds
             # is not watched; a list the function appends to on every call would otherwise
             # make an eager decision capture again on every call)
@@ -730,7 +782,7 @@ class StateGuard:
                                       and (not loose or storage_of(t) not in loose)]))
         # (the classes of modules found in what it read: compared after a module write, as
         # the tree's are, not on every call)
-        self._tree += [(c.ref, c.cls) for c in checks if type(c) is _ClassCheck]
+        self._tree += [(c.ref, c.cls, c.proxied) for c in checks if type(c) is _ClassCheck]
         checks = [c for c in checks if type(c) is not _ClassCheck]
         self._checks = checks
         self.volatile = bool(checks)
@@ -771,6 +823,8 @@ class StateGuard:
         for r, (cls, value_cls) in zip(self._reads, self._classes):
             now = r.now()
             if now is GONE:
+                if r.on_class and type(r.value) in METHOD_KINDS:
+                    continue  # (a method's read, held weakly: nothing left to set it on)
                 return f"a module whose .{r.name} it read was deleted"
             if not r.holds(now):
                 return (f"{type(r.module).__name__}.{r.name} changed ({short(r.value)} -> "
@@ -788,9 +842,12 @@ class StateGuard:
                 return f"{cls.__name__}'s class, forward or compiled call was replaced"
         # (on every epoch move, not only the tree epoch's: a class written past
         # nn.Module.__setattr__, ``object.__setattr__(m, "__class__", X)``, moves neither)
-        for ref, cls in self._tree:
+        for ref, cls, proxied in self._tree:
             m = ref()
-            if m is not None and _class_of(m) not in (cls, None):
+            if m is None:
+                if proxied:  # (a call through the proxy now raises)
+                    return f"a {cls.__name__} it reads through a weak proxy was deleted"
+            elif type(m) is not cls:  # (by identity: a metaclass's == may take another as it)
                 return f"the class of a {cls.__name__} in its tree was replaced"
         if self._hooks is not None and self._hooks() != self._hooks_then:
             return "hooks were added to or removed from a module it runs"
@@ -853,7 +910,7 @@ def _watch_object(obj: Any, method: types.FunctionType, objects: list, bindings:
                 d[attr] = v
         bindings.append((f"the attribute {where} of the callable object", read, value, put))
         if not isinstance(value, (torch.Tensor, nn.Module)) and value is not MISSING \
-                and not is_constant(value):
+                and _watched(value):
             objects.append((where, value))  # (what it holds: a list, a config object)
     # (its __dict__ replaced, or its class: what is read is not the dict above)
     bindings.append((f"the __dict__ of the callable {name} object",

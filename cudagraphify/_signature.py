@@ -166,7 +166,7 @@ def is_constant(value: Any) -> bool:
     return fields is not None and all(is_constant(v) for v in fields)
 
 
-_MEMBER_ATTRS = frozenset({"_value_", "_name_", "__objclass__", "_sort_order_"})
+MEMBER_ATTRS = frozenset({"_value_", "_name_", "__objclass__", "_sort_order_"})
 
 
 _visiting = threading.local()  # the enum members whose key or constancy is being found
@@ -196,11 +196,11 @@ def _constant_member(member: enum.Enum) -> bool:
     attributes beyond the enum's (``HTTPStatus.OK.phrase``) constants, code or members that
     are (keyed with it: see :func:`strict_key`; a member met again on the way, by identity)."""
     d = object_dict(member)
-    if d and not d.keys() <= _MEMBER_ATTRS and not _flat(d):
+    if d and not d.keys() <= MEMBER_ATTRS and not _flat(d):
         if _visited(member):
             return True  # (decided where the walk met it first)
         with _visiting_member(member):
-            if not all(k in _MEMBER_ATTRS or _code(v) or is_constant(v) for k, v in d.items()):
+            if not all(k in MEMBER_ATTRS or _code(v) or is_constant(v) for k, v in d.items()):
                 return False
     v = member._value_ if d else member.value
     return v is member or type(v) is object or _code(v) or is_constant(v)
@@ -210,7 +210,7 @@ def _flat(d: dict) -> bool:
     """Whether a member's own attributes (its ``__dict__``, ``d``) are all plain values,
     floats or code, each keyed alone: no walk, no member met again."""
     for k, v in d.items():
-        if k not in _MEMBER_ATTRS and type(v) not in PLAIN_TYPES and type(v) is not float \
+        if k not in MEMBER_ATTRS and type(v) not in PLAIN_TYPES and type(v) is not float \
                 and not _code(v):
             return False
     return True
@@ -226,16 +226,16 @@ def _member_key(member: enum.Enum) -> tuple:
     be set anew), a member among them by its own key (one met again on the way: by
     identity)."""
     d = object_dict(member)
-    if not d or d.keys() <= _MEMBER_ATTRS or _visited(member):
+    if not d or d.keys() <= MEMBER_ATTRS or _visited(member):
         return (type(member), member)
     if _flat(d):  # (nothing to walk, no member met again: HTTPStatus.OK.phrase)
         return (type(member), member, tuple(sorted(
             (k, (type(v), v) if _code(v) else strict_key(v))
-            for k, v in d.items() if k not in _MEMBER_ATTRS)))
+            for k, v in d.items() if k not in MEMBER_ATTRS)))
     with _visiting_member(member):
         return (type(member), member, tuple(sorted(
             (k, (type(v), v) if _code(v) else strict_key(v))
-            for k, v in d.items() if k not in _MEMBER_ATTRS)))
+            for k, v in d.items() if k not in MEMBER_ATTRS)))
 
 
 def _frozen_fields(value: Any) -> list | None:

@@ -195,12 +195,24 @@ def object_dict(obj: Any) -> Any:
             return None
 
 
-def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
-    """Tensors reachable from ``value`` (containers and object attributes, 4 levels)."""
+def tensors_in(value: Any, depth: int = 0, seen: dict[int, int] | None = None
+               ) -> list[torch.Tensor]:
+    """Tensors reachable from ``value`` (containers and object attributes, 4 levels), once per
+    path (a tensor held twice is there twice). ``seen`` (id -> the shallowest depth it was
+    walked at), where given: each object walked again only where met less deep, each tensor
+    once (objects that hold each other cost a walk each, not one per path)."""
     if isinstance(value, torch.Tensor):
+        if seen is not None:
+            if id(value) in seen:
+                return []
+            seen[id(value)] = -1
         return [value]
     if depth > 4:
         return []
+    if seen is not None:
+        if seen.get(id(value), 5) <= depth:
+            return []
+        seen[id(value)] = depth
     if isinstance(value, dict):
         items = list(value.values())
     elif isinstance(value, (list, tuple, set, frozenset)):
@@ -208,7 +220,7 @@ def tensors_in(value: Any, depth: int = 0) -> list[torch.Tensor]:
     else:
         d = object_dict(value)
         items = list(d.values()) if isinstance(d, dict) else []
-    return [t for item in items for t in tensors_in(item, depth + 1)]
+    return [t for item in items for t in tensors_in(item, depth + 1, seen)]
 
 
 class SetUp:

@@ -342,7 +342,22 @@ def _recording_getattribute(self, name):
         raw = _class_attribute(type(self), name)
         if raw is value and not callable(raw):  # plain data on the class, not a descriptor
             rec.read(self, name, value, on_class=True)
+        elif type(raw) in METHOD_KINDS:
+            # a method of its class: what runs is the class's function until one is set on
+            # the instance (``m.helper = f``, a module write: compared then, see Read.now).
+            # The module held weakly: a read of a method keeps no module alive (one reached
+            # through a weak proxy must die when its owner lets it: see _guards._ClassCheck).
+            # (not torch's own reads, ``self._call_impl`` in every module call, nor ours)
+            key = (id(self), name)
+            if key not in rec.reads \
+                    and not _getframe(1).f_code.co_filename.startswith(_OWN_DIRS):
+                read = rec.reads[key] = Read(self, name, raw, True)
+                read._module = weakref.ref(self)
     return value
+
+
+# what a class holds as its methods (a read of one is of the class's function, held by identity)
+METHOD_KINDS = (types.FunctionType, staticmethod, classmethod)
 
 
 def _class_attribute(cls: type, name: str) -> Any:
@@ -373,7 +388,8 @@ class Read:
         attribute), or a bound method of one (``self.act = self._gelu_python``, as HF's
         GELUActivation keeps)."""
         read = Read(self._module, self.name, self._value, self.on_class)
-        read._module = weakref.ref(self._module)
+        if type(self._module) is not weakref.ReferenceType:  # (a method's read: weak already)
+            read._module = weakref.ref(self._module)
         v = self._value
         if isinstance(v, nn.Module) and id(v) in owned:
             read._value = _WeakValue(v, None)

@@ -223,7 +223,7 @@ def clean_dirs():
     yield
     for member in Dir:
         for k in list(vars(member)):
-            if k not in _signature._MEMBER_ATTRS:
+            if k not in _signature.MEMBER_ATTRS:
                 del member.__dict__[k]
     visiting = getattr(_signature, "_visiting", None)  # (none before ebc1523)
     assert not getattr(visiting, "ids", set())

@@ -4,7 +4,8 @@ cells and defaults, flat enum members keyed with no walk), f71c3d8 (``bucketed``
 (``_watch.tree_epoch``: ``bucketed`` walks its trees again only when a tree epoch moved), and of
 the module-class guard, the patched ``nn.Module.__setattr__`` and enum/constant keys at large.
 
-Findings (strict xfails, each failing at review because of the finding; controls pass):
+Findings (strict xfails at review, each failing because of the finding; all fixed since, plain
+tests now; controls pass):
 
 - G11-1 (stale, older): an enum member with attributes of its own (set in ``__init__`` or
   afterwards) held as a module attribute or in a graphed function's closure cell: the member
@@ -120,8 +121,6 @@ MEMBER_HELD = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="G11-1: an enum member's own attribute changed is not "
-                   "seen where the member is held (compared by identity, not watched)")
 @pytest.mark.parametrize("where", list(MEMBER_HELD))
 def test_g11_1_a_held_members_attribute_set_anew_is_seen(sim, mode_reset, where):
     g = MEMBER_HELD[where]()
@@ -151,8 +150,6 @@ def _bucketed_rows(m, change):
     return b
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="G11-1: bucketed pads after an enum member's own "
-                   "attribute (read through a module attribute) turned on a row-mixing path")
 def test_g11_1_bucketed_a_held_members_attribute_set_anew_is_checked(sim, mode_reset):
     _bucketed_rows(CentersOnFlag(), lambda: setattr(Mode.A, "center", True))
 
@@ -203,8 +200,6 @@ class Stack(nn.Module):
         return x
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="G11-2: bucketed misses a layer appended to a ModuleList "
-                   "whose registry is kept elsewhere (no epoch moves; _State answers from them)")
 def test_g11_2_bucketed_append_to_a_kept_registry_is_checked(sim):
     m = Stack()
     twin = copy.copy(m.layers)  # (shares layers' _modules: kept elsewhere, left a plain dict)
@@ -263,8 +258,6 @@ DYING = {
 }
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="G11-3: a weak proxy's target dies after capture: the "
-                   "graph replays a result where eager raises ReferenceError")
 @pytest.mark.parametrize("where", list(DYING))
 def test_g11_3_a_dead_proxys_graph_raises_as_eager(sim, where):
     g, alive = DYING[where]()
@@ -332,8 +325,6 @@ class UsesHelper(nn.Module):
         return self.d.apply_to(x)  # (a method of a submodule: the module is not called)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="G11-4: StateGuard._changed compares the tree's classes "
-                   "by == (not in (cls, None)): a class equal by its metaclass is taken as the same")
 def test_g11_4_a_swap_to_an_equal_comparing_class_is_seen(sim):
     old, new = _helper_class(2), _helper_class(3)
     assert old == new and old is not new
@@ -384,8 +375,6 @@ REPLACED = {"the root's method": _root, "a submodule's method": _submodule,
             "a listed module's method": _listed}
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="G11-5: a method set on a module instance "
-                   "(nn.Module.__setattr__) is not seen: no read of a class method is recorded")
 @pytest.mark.parametrize("where", list(REPLACED))
 def test_g11_5_a_method_replaced_on_the_instance_is_seen(sim, where):
     g, replace = REPLACED[where]()
@@ -422,9 +411,9 @@ def _walks(monkeypatch, n):
     calls = [0]
     real = _state.tensors_in
 
-    def counting(value, depth=0):
+    def counting(value, depth=0, seen=None):
         calls[0] += 1
-        return real(value, depth)
+        return real(value, depth, seen)
     monkeypatch.setattr(_state, "tensors_in", counting)  # (its own recursion looks it up)
     monkeypatch.setattr(_bucket, "tensors_in", counting)
     m = nn.Module()
@@ -435,8 +424,6 @@ def _walks(monkeypatch, n):
     return calls[0], found
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="G11-6: _tensors_of (through tensors_in, no visited set) "
-                   "walks shared references once per path: N**3 at 4 levels")
 def test_g11_6_tensors_of_walks_shared_objects_once(monkeypatch):
     calls, found = _walks(monkeypatch, 40)
     assert calls <= 10 * 40, f"{calls} walks for 40 nodes"
