@@ -46,7 +46,8 @@ from ._rebase import Families
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
 from ._writes import inputs_alias
-from ._state import SetUp, StateUnkeyable, demote, demoted, is_static_state, state_key
+from ._state import (SetUp, StateUnkeyable, demote, demoted, is_static_state, pooled,
+                     state_key)
 from ._statics import StaticState
 from ._training import TrainingGraph
 
@@ -804,6 +805,8 @@ class GraphedState(PieceRuns):
             # captures go to a new pool, so that eviction gives memory back
             self._pools.clear()
         for obj in outcome.states if hasattr(entry, "on_release") else ():
+            if pooled(obj):
+                continue  # (the next state set up is given its memory: it replays this graph)
             # keyed by the addresses its tensors had: once it dies the graph is dead weight
             ref = weakref.ref(entry)
             died = self._state_died

@@ -13,12 +13,16 @@ tensors were replaced or moved gets graphs of its own.
 A cache allocates its tensors on its first update, inside forward; that call runs eagerly. What
 it allocated is read back as a :class:`SetUp` (HF's ``Cache.early_initialization`` arguments):
 the next cache passed in the state the first one was in is set up the same way before the call,
-so that its first call (a prefill) is graphed too. Nothing here touches CUDA but
-:meth:`SetUp.apply` (it allocates the cache's tensors, as its first update would).
+so that its first call (a prefill) is graphed too. On CUDA it allocates them in a memory pool
+of its own: when ``generate`` drops its cache, the next cache set up is given the same memory,
+so the same key, and replays the dropped one's graphs, which are kept for it (:func:`pooled`).
+Nothing here touches CUDA but :meth:`SetUp.apply` (it allocates the cache's tensors, as its
+first update would).
 """
 
 from __future__ import annotations
 
+import contextlib
 import struct
 import types
 import weakref
@@ -29,7 +33,7 @@ import torch
 from ._statics import ptrs_equal
 
 __all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "changed_again",
-           "state_key", "state_layout", "StateUnkeyable", "SetUp", "tensors_in"]
+           "state_key", "state_layout", "StateUnkeyable", "SetUp", "pooled", "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _MAX_ITEMS = 4096  # values walked per object: beyond that it is refused (too costly per call)
@@ -234,11 +238,12 @@ class SetUp:
     then exactly the one the call left (every tensor's shape, stride, dtype, device, storage
     size and offset, every other value), and otherwise puts the object back as it was."""
 
-    __slots__ = ("kwargs", "layout")
+    __slots__ = ("kwargs", "layout", "pool")
 
     def __init__(self, kwargs: dict, layout: Hashable):
         self.kwargs = kwargs
         self.layout = layout
+        self.pool = None  # (a CUDA memory pool of the objects it sets up: see apply)
 
     @classmethod
     def read(cls, value: Any) -> "SetUp | None":
@@ -276,8 +281,11 @@ class SetUp:
         put back as it was, and False)."""
         saved = [(obj, dict(obj.__dict__)) for obj in [value] + list(value.layers)]
         try:
-            value.early_initialization(**self.kwargs)
+            with self._allocating():
+                value.early_initialization(**self.kwargs)
             if state_layout([value])[0] == self.layout:
+                if self.pool is not None:
+                    _pooled.remember(value, True)
                 return True
         except Exception:  # noqa: BLE001 - not set up: the call sets it up itself, eagerly
             pass
@@ -285,6 +293,33 @@ class SetUp:
             obj.__dict__.clear()
             obj.__dict__.update(d)
         return False
+
+
+    def _allocating(self):
+        """Where a set-up's tensors are allocated: on CUDA, a memory pool of this set-up's
+        own, which only the objects it sets up use. Once the last one is dropped (``generate``
+        drops its cache when it returns), the next one is given the same memory, in the same
+        order: the same addresses, so the same key, and the graphs of the last one replay
+        with no capture and no rebase (:func:`pooled`)."""
+        device = torch.device(self.kwargs["device"])
+        if device.type != "cuda" or not hasattr(torch.cuda, "use_mem_pool") \
+                or torch.cuda.is_current_stream_capturing():  # (a caller's capture's pool)
+            return contextlib.nullcontext()
+        if self.pool is None:
+            with torch.cuda.device(device):
+                self.pool = torch.cuda.MemPool()
+        return torch.cuda.use_mem_pool(self.pool, device)
+
+
+# static-state objects set up in a set-up's own pool (see SetUp._allocating)
+_pooled = _Remembered()
+
+
+def pooled(value: Any) -> bool:
+    """Whether ``value`` was set up in a :class:`SetUp`'s own memory pool: a graph keyed by
+    its addresses is kept when it dies (the next object set up is given the same memory, and
+    replays that graph), not dropped as the graphs of other dead states are."""
+    return _pooled.payload(value) is True
 
 
 class StateKey:

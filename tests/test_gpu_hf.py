@@ -59,12 +59,38 @@ def test_generate_with_cache_implementation_static(hf):
     # is graphed too. Prefill and decode step each: captured for the first two caches that
     # reach them (the second capture, diffed with the first, proves they differ only in the
     # caches' addresses), rebased to the later ones (a prefill whose diff is refused keeps
-    # capturing: after two more, new caches are set up by their prefill again). A dead
-    # cache's graphs are released, not evicted.
+    # capturing: after two more, new caches are set up by their prefill again). The output
+    # holds its cache (return_dict_in_generate) until the next generate returns: each cache
+    # set up is given memory of the one before the last (the set-up's own pool), whose kept
+    # graphs it replays.
     assert all("sets up" in r for r in s.eager_calls), s.eager_calls
     assert s.set_ups >= 2 and s.eager + s.set_ups == 4, (s.eager_calls, s.set_ups)
     assert s.retargets >= 2 and s.captures <= 6, (s.captures, s.retargets, s.reasons)
     assert s.evictions == 0 and s.graphs <= 4
+
+
+def test_static_generates_that_drop_their_cache_replay_with_no_capture_and_no_rebase(hf):
+    """Each ``generate(cache_implementation="static")`` makes a cache and drops it when it
+    returns (its output holds no cache here). A cache set up before its prefill is allocated
+    in the set-up's own memory pool: the next one is given the dropped one's memory, so its
+    calls find the graphs of the dropped one (kept when it died) and replay them."""
+    transformers, config, model = hf
+    g = cg.graphify(copy.deepcopy(model))
+    prompt = torch.randint(0, config.vocab_size, (1, 8), device=DEV)
+    greedy = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, pad_token_id=0)
+    counts = []
+    for _ in range(5):
+        want = model.generate(prompt, cache_implementation="static", disable_compile=True,
+                              **greedy)
+        before = cg.stats(g)
+        got = g.generate(prompt, cache_implementation="static", **greedy)
+        after = cg.stats(g)
+        assert torch.equal(got, want)
+        counts.append((after.captures - before.captures, after.retargets - before.retargets,
+                       after.replays - before.replays, after.set_ups - before.set_ups))
+    for captures, retargets, replays, set_ups in counts[2:]:
+        assert (captures, retargets, set_ups) == (0, 0, 1), counts
+        assert replays >= NEW, counts  # (its prefill and every decode step)
 
 
 def test_generate_with_a_kept_static_cache_reuses_its_graph(hf):

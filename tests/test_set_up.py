@@ -383,3 +383,119 @@ def test_a_new_cache_at_a_dead_caches_addresses_replays_that_caches_graph(fam):
     # (the second call replays the first one's graph: the same addresses, the same graph)
     assert s.captures == before.captures and s.retargets - before.retargets >= 1, s.reasons
     assert s.replays - before.replays == 2 and not s.reasons
+
+
+# -- a set-up's own memory pool (CUDA: ``SetUp._allocating``), emulated ------------------------
+
+_in_pool = [False]  # (within SetUp._allocating's context, as patched by ``pooled_set_ups``)
+
+
+class _Recycled(StaticLayer):
+    """A StaticLayer whose tensors, when a set-up allocates them, come from a pool: the tensors
+    a dead cache's set-up got are the next set-up's first, as a set-up's own CUDA memory pool
+    gives the next cache the memory of the one dropped before it (what is allocated outside
+    the set-up, copies of the cache included, is not the pool's)."""
+
+    free: list
+    given: dict
+
+    def lazy_initialization(self, key_states, value_states):
+        super().lazy_initialization(key_states, value_states)
+        if _in_pool[0]:
+            if len(self.free) >= 2:
+                self.keys, self.values = self.free.pop(0).zero_(), self.free.pop(0).zero_()
+            self.given[id(self.keys)], self.given[id(self.values)] = self.keys, self.values
+
+
+def _recycling(free: list):
+    given: dict = {}
+
+    class Layer(_Recycled):
+        pass
+    Layer.free, Layer.given = free, given
+
+    class Recycling(StaticCache):
+        def __init__(self):
+            Cache.__init__(self, [Layer(MAX) for _ in range(2)])
+
+        def __del__(self):
+            for layer in self.layers:  # (the pool's tensors back to the pool)
+                for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                    if t is not None and given.pop(id(t), None) is t:
+                        free.append(t)
+    return Recycling
+
+
+@pytest.fixture
+def pooled_set_ups(monkeypatch):
+    """``SetUp._allocating`` as on CUDA (a pool of its own), with no CUDA: the layers above
+    allocate from their pool within it; the set-up's pool a placeholder."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def in_pool():
+        _in_pool[0] = True
+        try:
+            yield
+        finally:
+            _in_pool[0] = False
+
+    def allocating(self, marked=True):
+        if marked:
+            self.pool = "a pool"
+        return in_pool()
+    monkeypatch.setattr(SetUp, "_allocating", allocating)
+    return allocating
+
+
+@torch.no_grad()
+def _generate_on(ref, g, make_ref, make, prompt=4, steps=3):
+    ref_cache, cache = make_ref(), make()
+    x, pos = torch.randn(1, prompt, H * D), torch.arange(prompt)
+    for t in range(steps + 1):
+        assert torch.equal(g(x, cache, pos), ref(x, ref_cache, pos)), t
+        x, pos = torch.randn(1, 1, H * D), torch.tensor([prompt + t])
+    ptrs = [layer.keys.data_ptr() for layer in cache.layers]
+    del cache, ref_cache
+    return ptrs
+
+
+def test_a_cache_set_up_in_the_pool_replays_the_graphs_of_the_dead_one_before_it(
+        sim, pooled_set_ups):
+    import gc
+    ref, g = _pair()
+    free_ref, free = [], []
+    make_ref, make = _recycling(free_ref), _recycling(free)
+    _generate_on(ref, g, make_ref, make)  # the first: set up by its own prefill, eagerly
+    gc.collect()
+    second = _generate_on(ref, g, make_ref, make)  # set up before its prefill: captured
+    gc.collect()
+    s = cg.stats(g)
+    captures, graphs = s.captures, s.graphs
+    third = _generate_on(ref, g, make_ref, make)  # given the second's memory
+    gc.collect()
+    assert third == second
+    s = cg.stats(g)
+    # its graphs were kept when the second cache died, and replay: no capture, no rebase
+    assert (s.captures, s.retargets, s.set_ups) == (captures, 0, 2), s
+    assert s.graphs == graphs and s.replays >= 2 * 4
+
+
+def test_graphs_of_a_dead_cache_not_set_up_in_a_pool_are_released(sim, pooled_set_ups,
+                                                                   monkeypatch):
+    """The same memory handed on, but the set-up has no pool of its own (not CUDA): the dead
+    cache's graphs were dropped, the next cache's are captured again."""
+    import gc
+    monkeypatch.setattr(SetUp, "_allocating", lambda self: pooled_set_ups(self, marked=False))
+    ref, g = _pair()
+    free_ref, free = [], []
+    make_ref, make = _recycling(free_ref), _recycling(free)
+    for _ in range(2):
+        _generate_on(ref, g, make_ref, make)
+        gc.collect()
+    s = cg.stats(g)
+    second = free[0].data_ptr()
+    third = _generate_on(ref, g, make_ref, make)
+    gc.collect()
+    assert third[0] == second  # (the same memory)
+    assert cg.stats(g).captures > s.captures  # (but its graphs were dropped)
