@@ -191,14 +191,17 @@ class SetUpEntry(EagerEntry):
     (``set_ups``: (leaf index, :class:`~._state.SetUp`)), and that call is then decided as one
     with them set up. ``set_ups`` is emptied when a set-up does not give the layout expected,
     and when set-up calls keep capturing (``captured``: their states' graphs are not rebased,
-    so each new state would cost a capture instead of an eager call)."""
+    so each new state would cost a capture instead of an eager call). ``demoted``: why a
+    state one of its calls set up was demoted (see _state.first_of_kind): the next calls'
+    states are passed as they are at once."""
 
-    __slots__ = ("set_ups", "captured")
+    __slots__ = ("set_ups", "captured", "demoted")
 
     def __init__(self, reason: str, owner, state, flags, set_ups: list):
         super().__init__(reason, owner, state, flags)
         self.set_ups = set_ups
         self.captured = 0
+        self.demoted: str | None = None
 
 
 def _waiting(entry) -> bool:

@@ -46,8 +46,8 @@ from ._rebase import Families
 from ._replay import CapturedGraph
 from ._signature import Unkeyable, build_signature, opaque_argument, storage_of
 from ._writes import inputs_alias
-from ._state import (SetUp, StateUnkeyable, demote, demoted, is_static_state, pooled,
-                     state_key)
+from ._state import (SetUp, StateUnkeyable, demote, demoted, first_of_kind, is_static_state,
+                     pooled, state_key)
 from ._statics import StaticState
 from ._training import TrainingGraph
 
@@ -369,6 +369,18 @@ class GraphedState(PieceRuns):
             if kind is CapturedGraph or kind is TrainingGraph:
                 entry.uses += 1  # (the key came back while its graph was kept)
                 return self._replay(backend, region, entry, leaves, fn, args, kwargs)
+            if kind is SetUpEntry and not set_up:
+                states = [leaves[i] for i in sig.static_states]
+                if entry.demoted is not None and states:
+                    # (a state an earlier call of it set up was demoted, its Python state
+                    # changed by every call: this one, of its kind, is passed as it is at once,
+                    # not probed on two calls first; the call is decided anew, around it)
+                    for v in states:
+                        demote(v, entry.demoted)
+                    if all(demoted(v) is not None for v in states):
+                        return self._call(backend, region, fn, args, kwargs, set_up=True)
+                for v in states:
+                    first_of_kind(v, entry)
             if kind is SetUpEntry and not set_up and self._set_up(entry, leaves):
                 # the call's states are now as its first update leaves them: decided anew
                 # (once: a key that finds this entry again runs eagerly, see ``set_up``)

@@ -33,7 +33,7 @@ import torch
 from ._statics import ptrs_equal
 
 __all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "changed_again",
-           "state_key", "state_layout", "StateUnkeyable", "SetUp", "pooled", "tensors_in"]
+           "state_key", "state_layout", "StateUnkeyable", "SetUp", "pooled", "first_of_kind", "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _MAX_ITEMS = 4096  # values walked per object: beyond that it is refused (too costly per call)
@@ -103,8 +103,12 @@ def demote(value: Any, why: str = CHANGES) -> None:
     describe it (``why`` says which). From now on it is not static state but an opaque object,
     for every callable it is passed to, for as long as it lives: those calls run eagerly
     around it, as with a ``DynamicCache``. (Without a weak reference, nothing: the calls go on
-    being decided one by one.)"""
+    being decided one by one.) An object set up by a call of a kind (:func:`first_of_kind`)
+    marks that kind: the next ones of it are passed as they are at once."""
     _changing.remember(value, why)
+    kind = _first_of.payload(value)
+    if kind is not None:
+        kind.demoted = why
 
 
 def demoted(value: Any) -> str | None:
@@ -320,6 +324,19 @@ def pooled(value: Any) -> bool:
     its addresses is kept when it dies (the next object set up is given the same memory, and
     replays that graph), not dropped as the graphs of other dead states are."""
     return _pooled.payload(value) is True
+
+
+# static-state objects set up by a call of a signature, with what stands for it (an object
+# with a ``demoted`` attribute; see first_of_kind, demote)
+_first_of = _Remembered()
+
+
+def first_of_kind(value: Any, kind: Any) -> None:
+    """``value`` was set up by (or before) a call of ``kind``, a signature whose calls each
+    set a new object of its kind up (``generate`` makes a cache per call): if ``value`` is
+    demoted, ``kind.demoted`` says why, and the next ones can be passed as they are at once
+    instead of being probed on two calls each."""
+    _first_of.remember(value, kind)
 
 
 class StateKey:

@@ -499,3 +499,34 @@ def test_graphs_of_a_dead_cache_not_set_up_in_a_pool_are_released(sim, pooled_se
     gc.collect()
     assert third[0] == second  # (the same memory)
     assert cg.stats(g).captures > s.captures  # (but its graphs were dropped)
+
+
+class _SeenCountingLayer(StaticLayer):
+    """A StaticLayer that also counts the tokens it has seen in a Python int, bumped by every
+    update (as HF's sliding-window layers do): its cache changes its Python state on every
+    call, and is demoted after two."""
+
+    def update(self, key_states, value_states, pos):
+        self.seen = getattr(self, "seen", 0) + key_states.shape[2]
+        return super().update(key_states, value_states, pos)
+
+
+class CountingCache(StaticCache):
+    def __init__(self):
+        Cache.__init__(self, [_SeenCountingLayer(MAX) for _ in range(2)])
+
+
+def test_caches_of_a_set_up_whose_cache_was_demoted_are_passed_as_they_are_at_once(sim):
+    """generate() makes such a cache per call: each would be probed on two calls before it is
+    demoted. Once a cache the set-up set up was demoted, the next ones are demoted at once."""
+    from cudagraphify._state import demoted
+    ref, g = _pair()
+    probed = []
+    for _ in range(4):
+        cache = _generate(ref, g, make=CountingCache)
+        assert demoted(cache) is not None
+        probed.append(sum(n for r, n in cg.stats(g).eager_calls.items()
+                          if "forward changes argument" in r))
+    # the first cache (set up by its own prefill) and the second (set up before it) are
+    # probed until demoted; the third and fourth are demoted before their first call
+    assert probed[2] == probed[3] == probed[1] > probed[0] > 0, probed
