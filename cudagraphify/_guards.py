@@ -386,11 +386,15 @@ _PROXIES = (weakref.ProxyType, weakref.CallableProxyType)
 
 def _proxy_target(proxy: Any) -> Any:
     """The object a live weak proxy stands for (None where it died, or where it cannot be told:
-    its ``__init__`` bound to it, through the proxy, is how it is reached)."""
+    its ``__init__`` bound to it, through the proxy, is how it is reached; a class's, its
+    ``__mro__``'s first)."""
     try:
+        if isinstance(proxy, type):  # (``isinstance`` asks the target's class)
+            return proxy.__mro__[0]
         target = proxy.__init__.__self__
-        return target if type(target) is proxy.__class__ else None
-    except (ReferenceError, AttributeError):
+        # (both through ``__class__``, which a class may answer as it likes: a mock's)
+        return target if target.__class__ is proxy.__class__ else None
+    except (ReferenceError, AttributeError, IndexError):
         return None
 
 

@@ -285,10 +285,11 @@ class SetUp:
         put back as it was, and False)."""
         saved = [(obj, dict(obj.__dict__)) for obj in [value] + list(value.layers)]
         try:
-            with self._allocating():
+            allocating, in_pool = self._allocating()
+            with allocating:
                 value.early_initialization(**self.kwargs)
             if state_layout([value])[0] == self.layout:
-                if self.pool is not None:
+                if in_pool:
                     _pooled.remember(value, True)
                 return True
         except Exception:  # noqa: BLE001 - not set up: the call sets it up itself, eagerly
@@ -304,15 +305,16 @@ class SetUp:
         own, which only the objects it sets up use. Once the last one is dropped (``generate``
         drops its cache when it returns), the next one is given the same memory, in the same
         order: the same addresses, so the same key, and the graphs of the last one replay
-        with no capture and no rebase (:func:`pooled`)."""
+        with no capture and no rebase (:func:`pooled`). Returns (the context to allocate in,
+        whether that is the pool)."""
         device = torch.device(self.kwargs["device"])
         if device.type != "cuda" or not hasattr(torch.cuda, "use_mem_pool") \
                 or torch.cuda.is_current_stream_capturing():  # (a caller's capture's pool)
-            return contextlib.nullcontext()
+            return contextlib.nullcontext(), False
         if self.pool is None:
             with torch.cuda.device(device):
                 self.pool = torch.cuda.MemPool()
-        return torch.cuda.use_mem_pool(self.pool, device)
+        return torch.cuda.use_mem_pool(self.pool, device), True
 
 
 # static-state objects set up in a set-up's own pool (see SetUp._allocating)

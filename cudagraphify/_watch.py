@@ -283,6 +283,7 @@ _module_getattr = nn.Module.__getattr__
 _getframe = sys._getframe
 # code that reads a module's __dict__ for its own lookups, not a forward's: torch's, ours
 _OWN_DIRS = tuple(os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules[__package__]))
+_OWN_DIR = _OWN_DIRS[1]  # (cudagraphify's)
 
 
 def nested_codes(code: types.CodeType) -> list[types.CodeType]:
@@ -347,10 +348,13 @@ def _recording_getattribute(self, name):
             # the instance (``m.helper = f``, a module write: compared then, see Read.now).
             # The module held weakly: a read of a method keeps no module alive (one reached
             # through a weak proxy must die when its owner lets it: see _guards._ClassCheck).
-            # (not torch's own reads, ``self._call_impl`` in every module call, nor ours)
+            # (not nn.Module's own, ``self._call_impl`` in every call, ``named_modules``,
+            # nor ours; torch's other reads are: ``self._conv_forward`` in Conv1d.forward)
             key = (id(self), name)
-            if key not in rec.reads \
-                    and not _getframe(1).f_code.co_filename.startswith(_OWN_DIRS):
+            if key not in rec.reads:
+                where = _getframe(1).f_code.co_filename
+                if where == _MODULE_FILE or where.startswith(_OWN_DIR):
+                    return value
                 read = rec.reads[key] = Read(self, name, raw, True)
                 read._module = weakref.ref(self)
     return value
@@ -358,6 +362,7 @@ def _recording_getattribute(self, name):
 
 # what a class holds as its methods (a read of one is of the class's function, held by identity)
 METHOD_KINDS = (types.FunctionType, staticmethod, classmethod)
+_MODULE_FILE = nn.modules.module.__file__  # (nn.Module's own methods' reads: not recorded)
 
 
 def _class_attribute(cls: type, name: str) -> Any:

@@ -441,9 +441,8 @@ def pooled_set_ups(monkeypatch):
             _in_pool[0] = False
 
     def allocating(self, marked=True):
-        if marked:
-            self.pool = "a pool"
-        return in_pool()
+        self.pool = "a pool"
+        return in_pool(), marked
     monkeypatch.setattr(SetUp, "_allocating", allocating)
     return allocating
 

@@ -7,7 +7,7 @@ A  static generates that drop their cache: results bitwise eager's; steady state
    no capture and no rebase (the commit's claim).
 B  memory: caches of K distinct lengths (one set-up, one pool each), all dead: the free memory
    the set-ups' pools keep, before and after torch.cuda.empty_cache(); reserved memory against
-   the same run with the pool off (``SetUp._allocating`` -> nullcontext).
+   the same run with the pool off (``SetUp._allocating`` -> (nullcontext, False)).
 C  a generate on another stream, and one on another thread: bitwise eager's.
 
 ``DEV=sim`` runs A alone on the CPU double (a smoke run: no pool there, so its steady-state
@@ -97,7 +97,7 @@ gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
 def run_lengths(pooled):
     saved = _state.SetUp._allocating
     if not pooled:
-        _state.SetUp._allocating = lambda self: contextlib.nullcontext()
+        _state.SetUp._allocating = lambda self: (contextlib.nullcontext(), False)
     try:
         g = cg.graphify(copy.deepcopy(base))
         gc.collect(); torch.cuda.synchronize(); torch.cuda.empty_cache()
