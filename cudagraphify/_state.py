@@ -33,7 +33,8 @@ import torch
 from ._statics import ptrs_equal
 
 __all__ = ["is_static_state", "may_be_static_state", "demote", "demoted", "changed_again",
-           "state_key", "state_layout", "StateUnkeyable", "SetUp", "pooled", "first_of_kind", "tensors_in"]
+           "state_key", "state_layout", "StateUnkeyable", "SetUp", "pooled", "first_of_kind",
+           "tensors_in"]
 
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _MAX_ITEMS = 4096  # values walked per object: beyond that it is refused (too costly per call)
@@ -298,7 +299,6 @@ class SetUp:
             obj.__dict__.clear()
             obj.__dict__.update(d)
         return False
-
 
     def _allocating(self):
         """Where a set-up's tensors are allocated: on CUDA, a memory pool of this set-up's
