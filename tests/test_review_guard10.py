@@ -112,13 +112,17 @@ def test_g10_1_a_weak_proxy_of_a_module_class_swap_is_seen(sim):
                     lambda: setattr(d, "__class__", Tripler)) == SWAPPED
 
 
-def test_g10_1_control_a_weak_ref_of_a_module_as_an_attribute_runs(sim):
-    class RefHolder:
-        def __init__(self, d):
-            self.d = weakref.ref(d)
+class RefHolder:
+    """Holds a module by a weak reference and runs a method of it."""
 
-        def run(self, x):
-            return self.d().apply_to(x)
+    def __init__(self, d):
+        self.d = weakref.ref(d)
+
+    def run(self, x):
+        return self.d().apply_to(x)
+
+
+def test_g10_1_control_a_weak_ref_of_a_module_as_an_attribute_runs(sim):
     d = Doubler()
     g = cg.graphify(WithPost(RefHolder(d).run))
     assert _outputs(g, lambda: setattr(d, "__class__", Tripler)) == SWAPPED

@@ -58,7 +58,7 @@ import cudagraphify as cg
 from cudagraphify import _bucket, _state
 
 from test_review_guard8 import Doubler, Tripler, WithPost
-from test_review_guard10 import ProxyHolder
+from test_review_guard10 import ProxyHolder, RefHolder
 
 pytestmark = pytest.mark.usefixtures("quiet")
 
@@ -279,12 +279,6 @@ def test_g11_3_control_a_live_proxys_graph_replays(sim):
 
 
 def test_g11_3_control_a_weakref_target_is_held_alive_and_consistent(sim):
-    class RefHolder:
-        def __init__(self, d):
-            self.d = weakref.ref(d)
-
-        def run(self, x):
-            return self.d().apply_to(x)
     d = Doubler()
     g = cg.graphify(WithPost(RefHolder(d).run))
     w = weakref.ref(d)
