@@ -119,6 +119,34 @@ def test_decode_row_in_words():
         "llama-decode: not run: transformers is not importable (x)")
 
 
+def test_generates_call_the_forms_in_turn_with_their_own_chaining():
+    """The decode row's generate forms are called in turn, round by round (a host whose speed
+    drifts during the row moves them alike), each with its own keywords and chaining."""
+    from cudagraphify import _pieces
+
+    calls = []
+
+    class Model:
+        def __init__(self, name):
+            self.name = name
+
+        def generate(self, prompt, **kwargs):
+            calls.append((self.name, kwargs["n"], _pieces.CHAIN_PIECES))
+            return prompt + len(calls)
+
+    runs = [("eager", Model("eager"), lambda: {"n": 1}, True),
+            ("graphify", Model("graphify"), lambda: {"n": 2}, True),
+            ("unchained", Model("unchained"), lambda: {"n": 3}, False)]
+    synced = []
+    results = bench_decode._generates(runs, torch.zeros(1), 2, lambda: synced.append(1))
+    assert calls == [("eager", 1, True), ("graphify", 2, True), ("unchained", 3, False)] * 3
+    assert _pieces.CHAIN_PIECES  # (put back after each call)
+    assert list(results) == ["eager", "graphify", "unchained"]
+    outs, seconds = results["graphify"]
+    assert [int(o) for o in outs] == [2, 5, 8] and len(seconds) == 3
+    assert all(s >= 0 for s in seconds) and len(synced) == 2 * 9
+
+
 def _no_transformers(monkeypatch):
     import builtins
 

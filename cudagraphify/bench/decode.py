@@ -197,10 +197,10 @@ def _sliding_rows(row, transformers, sizes, prompt, new_tokens, repeats, sync, d
     for key, extra in (("static", {"cache_implementation": "static"}), ("dynamic", {})):
         progress(f"mistral-generate, sliding window {window} ({key}): eager, then graphify")
         before = cg.stats(graphed)
-        results = {name: _generates(m, prompt, lambda own=own: dict(greedy, **extra, **own),
-                                    repeats, sync)
-                   for name, m, own in (("eager", model, {"disable_compile": True}),
-                                        ("graphify", graphed, {}))}
+        results = _generates([(name, m, lambda own=own: dict(greedy, **extra, **own), True)
+                              for name, m, own in (("eager", model, {"disable_compile": True}),
+                                                   ("graphify", graphed, {}))],
+                             prompt, repeats, sync)
         e_outs, g_outs = _rates(row, f"sliding_{key}", results, new_tokens * prompt.shape[0])
         after = cg.stats(graphed)
         row[f"sliding_{key}_captures"] = after.captures - before.captures
@@ -214,18 +214,23 @@ def _sliding_rows(row, transformers, sizes, prompt, new_tokens, repeats, sync, d
     cg.ungraphify(graphed)
 
 
-def _generates(model, prompt, kwargs_of, repeats: int, sync) -> tuple[list, list]:
-    """``repeats + 1`` calls of ``model.generate(prompt, **kwargs_of())``: their outputs and
-    seconds (from one device synchronisation to the next)."""
-    outs, seconds = [], []
+def _generates(runs: list, prompt, repeats: int, sync) -> dict:
+    """``repeats + 1`` calls of ``model.generate(prompt, **kwargs_of())`` for each ``(name,
+    model, kwargs_of, chained)`` of ``runs``, in turn (one call of each, then the next round),
+    so that a host that speeds up or slows down during the row moves every form alike: each
+    name's outputs and seconds (from one device synchronisation to the next)."""
+    results: dict = {name: ([], []) for name, *_ in runs}
     for _ in range(repeats + 1):
-        kwargs = kwargs_of()
-        sync()
-        t0 = time.perf_counter()
-        outs.append(model.generate(prompt, **kwargs))
-        sync()
-        seconds.append(time.perf_counter() - t0)
-    return outs, seconds
+        for name, model, kwargs_of, chained in runs:
+            outs, seconds = results[name]
+            kwargs = kwargs_of()
+            with chaining(chained):
+                sync()
+                t0 = time.perf_counter()
+                outs.append(model.generate(prompt, **kwargs))
+                sync()
+            seconds.append(time.perf_counter() - t0)
+    return results
 
 
 def _rates(row: dict, prefix: str, results: dict, tokens: int) -> tuple[list, list]:
@@ -253,8 +258,9 @@ GENERATE_FORMS = (
 def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats, sync) -> None:
     """``model.generate()`` as a user calls it, greedy: eager (generate's own torch.compile
     off, the model as written) vs ``graphify(model)`` with no option, for each form of
-    :data:`GENERATE_FORMS`: tokens/s (the median of ``repeats`` calls after the first), the
-    first graphified call's seconds, tokens identical."""
+    :data:`GENERATE_FORMS`: tokens/s (the median of ``repeats`` calls after the first; eager
+    and each graphified copy called in turn, see :func:`_generates`), the first graphified
+    call's seconds, tokens identical."""
     import cudagraphify as cg
 
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
@@ -269,12 +275,12 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
     segmented = cg.graphify(copy.deepcopy(model), segments=True)
     for key, _, form, _ in GENERATE_FORMS:
         progress(f"llama-generate ({key}): eager, then graphify(model)")
-        results = {}
         before = cg.stats(graphed)
         runs = [("eager", model, {"disable_compile": True}), ("graphify", graphed, {})]
         if form == "dynamic":
             runs.append(("unchained", unchained, {}))
             runs.append(("segments", segmented, {}))
+        timed = []
         for name, m, extra in runs:
             cache = static_cache(transformers, config, prompt.shape[0], max_len, prompt.device,
                                  next(model.parameters()).dtype) if form == "kept" else None
@@ -288,8 +294,8 @@ def _generate_rows(row, transformers, config, model, prompt, new_tokens, repeats
                     kwargs["cache_implementation"] = "static"
                 return kwargs
 
-            with chaining(name != "unchained"):
-                results[name] = _generates(m, prompt, kwargs_of, repeats, sync)
+            timed.append((name, m, kwargs_of, name != "unchained"))
+        results = _generates(timed, prompt, repeats, sync)
         e_outs, g_outs = _rates(row, f"generate_{key}", results, new_tokens * prompt.shape[0])
         after = cg.stats(graphed)
         row[f"generate_{key}_captures"] = after.captures - before.captures
