@@ -34,7 +34,7 @@ from ._capture import MULTI_STREAM, drain
 from ._cache import (THRASH_EVICTIONS, THRASH_USES, CachePolicy, EagerEntry, GraphCache,
                      SetUpEntry)
 from ._errors import CudagraphifyUsageError, warn_once
-from ._fast import MISS, EagerFast, Fast
+from ._fast import MISS, EagerFast, Fast, converting
 from ._first_call import DEFERRED, EAGER, GRAPHED, PIECEWISE, FirstCall, Outcome
 from ._nested import in_graphed_call, plain_reason, segment_mode, sizes_log
 from ._fsdp import RESHARDS, ParentReshard, reshards_after_forward
@@ -188,6 +188,9 @@ class GraphedState(PieceRuns):
         self._stream_token: int | None = None
         # the previous call's decision, checked cheaply: a Fast (a replay) or an EagerFast
         self._fast: Fast | EagerFast | None = None
+        # the replay path of the signature replayed before it, tried when ``_fast`` misses
+        # (see ``other_fast``): a prefill's and a decode step's, in turn
+        self._alt: Fast | None = None
         # (a root's Bypass that marked this piece, the eager decision it marked: see _fast)
         self._bypass: tuple | None = None
         # (thread, host clock) when the slow path took the last call (see _timed_replay)
@@ -228,12 +231,47 @@ class GraphedState(PieceRuns):
 
     def __call__(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """Call ``fn(*args, **kwargs)`` through the graphs of this state."""
-        fast = self._fast
-        if fast is not None and not _watch.global_hooks_present():
-            out = fast.call(fn, args, kwargs)
-            if out is not MISS:
-                return out
+        if not _watch.global_hooks_present():
+            fast = self._fast
+            if fast is not None:
+                out = fast.call(fn, args, kwargs)
+                if out is not MISS:
+                    return out
+            if self._alt is not None and converting() is None:
+                out = self.other_fast(fn, args, kwargs)
+                if out is not MISS:
+                    return out
         return self.slow(fn, args, kwargs)
+
+    def other_fast(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """The replay path of the signature replayed before the last one (``_alt``), tried
+        where the last one's missed: it becomes the current one, and the current one is kept
+        aside in its place; a miss puts them back (MISS). Its own checks decide, as they do
+        for the current one (the caller has checked that no global module hook is
+        registered, and that torch.compile converts no frame now: ``_fast.converting``). Not
+        across a rescan of the statics: the slow path finds their objects again first
+        (``Counters.resolve``)."""
+        alt = self._alt
+        with self.lock:
+            if alt is None or self._alt is not alt:
+                return MISS
+            if alt.scans != self.statics.scans:
+                self._alt = None
+                return MISS
+            fast = self._fast
+            kept = fast if type(fast) is Fast else None
+            if kept is not None:
+                kept.entry.uses += kept.pending_uses()
+            self._fast, self._alt = alt, kept
+            alt.base = self.replays  # (its replays count from here: see Fast.pending_uses)
+        out = alt.call(fn, args, kwargs)
+        if out is MISS:
+            with self.lock:
+                if self._fast is alt and self._alt is kept:
+                    self._fast, self._alt = fast, alt
+                    if kept is not None:
+                        kept.base = self.replays
+        return out
 
     def slow(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """A call the fast path did not take: decided afresh."""
@@ -284,6 +322,7 @@ class GraphedState(PieceRuns):
         fast = self._fast
         if type(fast) is Fast:
             fast.entry.uses += fast.pending_uses()
+            self._alt = fast  # (kept aside for its signature's next call: see other_fast)
         self._fast = None  # remade by a replay that qualifies
         if _guards.dual_level() >= 0:
             return self._eager(FORWARD_AD, fn, args, kwargs)
@@ -880,7 +919,7 @@ class GraphedState(PieceRuns):
         """Release every graph of this callable's own cache (but those ``keep`` names, and
         then its eager decisions stay too), once the work queued on the stream that replayed
         last is done (its memory may be handed to another stream at once)."""
-        self._fast = None
+        self._fast = self._alt = None
         self.rehearsed = None
         graphs = self.cache.graphs(self)
         gone = graphs if keep is None else [g for g in graphs if not keep(g)]

@@ -33,6 +33,15 @@ __all__ = ["Bypass", "Fast", "EagerFast", "MISS"]
 MISS = object()  # a fast path's answer: not for this call, take the full path
 _MISS = MISS
 _stack_get = _region.stack_var().get
+# torch.compile's frame callback, set while it converts the Python frames called (None while
+# it does not): the replay path kept aside (GraphedState.other_fast) is taken only while it is
+# None (converting that path's frames failed at a graph break inside a try block: torch 2.13,
+# Python 3.11, tests/test_review_data_alias.py's module.compile() case)
+try:
+    from torch._C._dynamo.eval_frame import get_eval_frame_callback as converting
+except ImportError:  # pragma: no cover - a torch without it
+    def converting() -> None:
+        return None
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
 _Slot, _use_count = _region.Slot, torch._C._storage_Use_Count
@@ -405,7 +414,7 @@ class Fast:
                  "read_flags", "flags_epoch", "device", "get_device", "guard", "statics",
                  "in_capture", "stream", "holder", "inplace", "outer", "lock", "mixed",
                  "state_copied", "outside", "ranges", "slot", "grads", "base", "pairs",
-                 "spread", "where", "dicts")
+                 "spread", "where", "dicts", "scans")
 
     @staticmethod
     def make(state, entry, region, backend, args: tuple, kwargs: dict,
@@ -470,6 +479,7 @@ class Fast:
             _guards.device_reader()
         self.guard = entry.state
         self.statics = state.statics
+        self.scans = state.statics.scans  # (kept aside, not across a rescan: other_fast)
         self.in_capture = getattr(backend, "in_capture_now", backend.in_capture)
         getter = getattr(backend, "stream_getter", None)
         self.stream = getter(entry.device) if getter is not None else functools.partial(

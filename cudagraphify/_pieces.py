@@ -140,7 +140,7 @@ class PieceRuns:
                 cache.put(key, EagerEntry(why.replace("piece given back", "signature run "
                                                       "eagerly", 1), self, entry.state,
                                           entry.flags))
-                self._fast = None
+                self._fast = self._alt = None
             else:
                 self.give_back(why)
         return out
@@ -156,7 +156,7 @@ class PieceRuns:
         self.eager_calls[why] += 0
         self.given_back = why
         _trial.pieces_epoch[0] += 1
-        self._fast = None
+        self._fast = self._alt = None
         self._release_given_back()
         for region in _region.all_open():
             if region.implicit:  # its graphs chained in a callable's region (see chained)

@@ -21,7 +21,7 @@ import wrapt
 
 from . import _guards, _watch
 from ._engine import STATE, GraphedState
-from ._fast import MISS
+from ._fast import MISS, converting
 from ._nested import bypassing as _bypassing, in_graphed_call, plain_reason
 from ._nested import nesting as _nesting, segment_mode as _segment_mode
 from ._errors import CudagraphifyUsageError, name_of
@@ -99,11 +99,17 @@ class Dispatch:
                 # (a state of another graphify's: the class was ungraphified and graphified
                 # again, perhaps with another forward)
                 state = self._new_state(instance, wrapped)
-            fast = state._fast  # the previous call's decision, re-checked (see _engine)
-            if fast is not None and not _watch.global_hooks_present():
-                out = fast.call(wrapped, args, kwargs)
-                if out is not MISS:
-                    return out
+            if not _watch.global_hooks_present():
+                fast = state._fast  # the previous call's decision, re-checked (see _engine)
+                if fast is not None:
+                    out = fast.call(wrapped, args, kwargs)
+                    if out is not MISS:
+                        return out
+                # (the signature replayed before it)
+                if state._alt is not None and converting() is None:
+                    out = state.other_fast(wrapped, args, kwargs)
+                    if out is not MISS:
+                        return out
             return state.slow(wrapped, args, kwargs)
         if instance is not None:
             raise CudagraphifyUsageError(
@@ -271,6 +277,11 @@ class DirectCall(_watch.CallImpl):
         fast = state._fast
         if fast is not None:  # (no global module hooks: checked above)
             out = fast.call(self.fn, args, kwargs)
+            if out is not MISS:
+                return out
+        # (the signature replayed before it: a prefill's)
+        if state._alt is not None and converting() is None:
+            out = state.other_fast(self.fn, args, kwargs)
             if out is not MISS:
                 return out
         return state.slow(self.fn, args, kwargs)
