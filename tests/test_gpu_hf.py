@@ -165,6 +165,36 @@ def test_generate_with_its_dynamic_cache_graphs_the_pieces_around_it(hf):
             assert s.captures >= 1 and s.replays >= 2 * NEW, (piece, s)
 
 
+def test_dynamic_cache_generates_switch_prefill_and_decode_without_the_slow_path(
+        hf, monkeypatch):
+    """Each piece has a prefill's graph and a decode step's; every generate calls them in turn.
+    The graph replayed before the last one is kept aside and re-checked (GraphedState._alt):
+    once settled, a generate's pieces take no slow path at all (two per piece before)."""
+    from cudagraphify import _engine
+
+    transformers, config, model = hf
+    g = cg.graphify(copy.deepcopy(model))
+    prompt = torch.randint(0, config.vocab_size, (1, 8), device=DEV)
+    want = model.generate(prompt, **_greedy())
+    for _ in range(4):  # (captures, the pieces' trials and the plan's)
+        _same(g.generate(prompt, **_greedy()), want)
+    pieces = [m for m in g.modules() if m is not g
+              and getattr(m.__dict__.get("_cudagraphify_state"), "replays", 0)]
+    slow = []
+    real = _engine.GraphedState.slow
+    monkeypatch.setattr(_engine.GraphedState, "slow",
+                        lambda self, fn, a, k: slow.append(self) or real(self, fn, a, k))
+    before = {id(m): cg.stats(m).replays for m in pieces}
+    _same(g.generate(prompt, **_greedy()), want)
+    assert len(pieces) >= 10
+    assert not [s for s in slow if s.statics.root in pieces], len(slow)
+    # every piece still graphed replayed each decode step's graph (and its prefill's, where that
+    # signature was not given back)
+    grew = [cg.stats(m).replays - before[id(m)] for m in pieces
+            if m._cudagraphify_state.given_back is None]
+    assert grew and all(n in (NEW - 1, NEW) for n in grew), grew
+
+
 def test_generate_with_a_sliding_window_static_cache_graphs_around_it():
     # Qwen2 with a sliding-window layer: HF's StaticSlidingWindowLayer counts the tokens it has
     # seen in a Python int, bumped by every update, so no graph of the model can replay with
