@@ -228,8 +228,14 @@ def _generates(static: bool):
             ids = torch.randint(1, 128, (1, 5 if n % 3 else 9), device=dev)
             want = ref.generate(ids, disable_compile=True, **kw, **GEN)
             got = g.generate(ids, **kw, **GEN)
+            # (a static cache's replayed prefill runs HF's captured path, attention over the
+            # whole cache with an explicit mask, where eager runs SDPA's causal kernel: its
+            # logits, and the steps after it, may differ by rounding (README; on the H100 in
+            # float32: up to 9e-8, the same before 67e0e31). Tokens must be equal.)
+            close = (lambda a, b: torch.allclose(a, b, rtol=0, atol=1e-6)) if static \
+                else torch.equal
             if not (torch.equal(got.sequences, want.sequences)
-                    and all(torch.equal(a, b) for a, b in zip(got.logits, want.logits))):
+                    and all(close(a, b) for a, b in zip(got.logits, want.logits))):
                 return f"generate {n} differs"
     return None
 
