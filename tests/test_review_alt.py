@@ -12,6 +12,8 @@ are plain tests (controls); the GPU-only risks are in ``.ci/review/alt/gpu_alt.p
 
 from __future__ import annotations
 
+import contextlib
+
 import copy
 import threading
 import warnings
@@ -24,25 +26,14 @@ import cudagraphify as cg
 from cudagraphify import _engine
 from cudagraphify._fast import MISS
 
+from test_other_fast import slow_calls  # noqa: F401 (a fixture)
+
 
 @pytest.fixture(autouse=True)
 def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-@pytest.fixture
-def slow_calls(monkeypatch):
-    seen = [0]
-    real = _engine.GraphedState.slow
-
-    def slow(self, fn, args, kwargs):
-        seen[0] += 1
-        return real(self, fn, args, kwargs)
-
-    monkeypatch.setattr(_engine.GraphedState, "slow", slow)
-    return seen
 
 
 class _M(nn.Module):
@@ -71,7 +62,7 @@ def _alt_replays(g) -> bool:
 
 # -- regions: slots handed out as aliases, capture order -----------------------------------------
 
-def test_control_region_outputs_held_across_the_other_signature(sim, slow_calls):
+def test_control_region_outputs_held_across_the_other_signature(sim, slow_calls):  # noqa: F811
     """Outputs (aliases of region slots) kept across calls of the other signature: each
     replay protects the slots captured at or after it (the kept path walks them as the slow
     path does)."""
@@ -261,50 +252,40 @@ def test_control_kept_aside_path_off_matches_on(sim, monkeypatch):
 
 # -- threads, nesting -----------------------------------------------------------------------------
 
+def _two_threads(g, ref, calls: int, region: bool) -> list:
+    """Two threads, one signature each, every output compared with eager's: the mismatches."""
+    errs = []
+
+    def run(s):
+        try:
+            with torch.no_grad(), (cg.graph_region() if region else contextlib.nullcontext()):
+                for i in range(calls):
+                    x = torch.randn(*_SH[s])
+                    if not torch.equal(g(x), ref(x)):
+                        errs.append((s, i))
+        except Exception as e:  # noqa: BLE001
+            errs.append(repr(e))
+
+    ts = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return errs
+
+
 def test_control_two_threads_two_signatures(sim):
     ref, g = _pair()
     with torch.no_grad():
         for i in range(4):
             g(torch.randn(*_SH[i % 2]))
-    errs = []
-
-    def run(s):
-        try:
-            with torch.no_grad():
-                for i in range(300):
-                    x = torch.randn(*_SH[s])
-                    if not torch.equal(g(x), ref(x)):
-                        errs.append((s, i))
-        except Exception as e:  # noqa: BLE001
-            errs.append(repr(e))
-
-    ts = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    errs = _two_threads(g, ref, 300, region=False)
     assert not errs, errs[:5]
 
 
 def test_control_two_threads_two_signatures_in_a_region(sim):
     ref, g = _pair()
-    errs = []
-
-    def run(s):
-        try:
-            with torch.no_grad(), cg.graph_region():
-                for i in range(100):
-                    x = torch.randn(*_SH[s])
-                    if not torch.equal(g(x), ref(x)):
-                        errs.append((s, i))
-        except Exception as e:  # noqa: BLE001
-            errs.append(repr(e))
-
-    ts = [threading.Thread(target=run, args=(s,)) for s in (0, 1)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
+    errs = _two_threads(g, ref, 100, region=True)
     assert not errs, errs[:5]
 
 
@@ -328,29 +309,3 @@ def test_control_nested_graphified_modules_two_signatures(sim):
             assert torch.equal(g(x), ref(x))
             y = torch.randn(*_SH[(i + 1) % 2])
             assert torch.equal(g.inner(y), ref.inner(y))
-
-
-# -- HF static caches: a prefill's and a decode step's graphs, generate after generate --------
-
-transformers = pytest.importorskip("transformers")
-from test_review_hfcache import _GEN, _pair as _hf_pair, _same_generate  # noqa: E402
-from test_review_hfcache import device_counter  # noqa: E402,F401 (a fixture)
-
-
-@pytest.mark.parametrize("static", [True, False])
-def test_control_hf_generates_prefill_and_decode_in_turn(sim, device_counter, slow_calls,
-                                                         static):
-    """generate() after generate(): a StaticCache's graphs (whole model), or a DynamicCache's
-    pieces (a plan around the opaque cache); prompts of one length and of another."""
-    ref, g, _ = _hf_pair()
-    kw = dict(cache_implementation="static") if static else {}
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for n in range(6):
-            ids = torch.randint(1, 64, (1, 4 if n % 3 else 6))
-            want = ref.generate(ids, disable_compile=True, **kw, **_GEN)
-            got = g.generate(ids, **kw, **_GEN)
-            assert _same_generate(got, want), n
-    s = cg.stats(g)
-    assert s.replays > 0 or any(cg.stats(p).replays for p in g.modules()
-                                if getattr(p, "_cudagraphify_state", None) is not None)
