@@ -156,6 +156,8 @@ def is_constant(value: Any) -> bool:
         return all(is_constant(v) for v in value) and (
             type(value) in (tuple, frozenset) or not _carries_attributes(value))
     tp = type(value)
+    if tp is slice:  # (immutable, and not subclassable: its start, stop and step decide)
+        return is_constant(value.start) and is_constant(value.stop) and is_constant(value.step)
     if _immutable_type(tp):
         return True
     # A frozen dataclass whose attributes hold constants. Not a class that only defines
@@ -290,7 +292,7 @@ def strict_key(value: Any) -> Any:
     """A constant as a key that tells apart what ``==`` does not and an op may: ``0.0`` and
     ``-0.0`` (by their bits, a float subclass's and numpy's too; the same NaN equals itself),
     ``2``, ``2.0`` and ``True`` inside a tuple, a frozenset or a frozen dataclass (by their
-    types), ranges by their start, stop and step."""
+    types), ranges by their start, stop and step, slices by those items' keys."""
     tp = type(value)
     if tp in PLAIN_TYPES:
         return (tp, value)
@@ -309,6 +311,8 @@ def strict_key(value: Any) -> Any:
         return (tp, frozenset(keys) if isinstance(value, frozenset) else tuple(keys))
     if tp is range:
         return (tp, value.start, value.stop, value.step)
+    if tp is slice:  # (``slice(0, 2)`` and ``slice(0.0, 2)`` index alike, or one raises)
+        return (tp, strict_key(value.start), strict_key(value.stop), strict_key(value.step))
     np = sys.modules.get("numpy")
     if np is not None and isinstance(value, np.generic) and _immutable_type(tp):
         return (tp, value.dtype.str, value.tobytes())  # (the dtype: a datetime's unit)
@@ -426,7 +430,7 @@ def is_opaque(tp: type) -> bool:
     hit = _opaque_types.get(tp)
     if hit is None:
         hit = not (issubclass(tp, torch.Tensor) or tp in pytree.SUPPORTED_NODES
-                   or issubclass(tp, _CONSTANT_TYPES) or tp in (list, dict)
+                   or issubclass(tp, _CONSTANT_TYPES) or tp in (list, dict, slice)
                    or issubclass(tp, (tuple, frozenset)))  # (a NamedTuple: pytree's)
         if hit:  # a frozen dataclass or a numpy scalar may be a constant (see is_constant)
             hit = not (_frozen_dataclass(tp) or _immutable_type(tp))

@@ -467,10 +467,9 @@ class Sliced(nn.Module):
         return torch.tanh(x[:, cols])
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="B2-11: a slice (immutable, hashable) is refused as opaque: "
-                   "the call runs unpadded; _signature.py:is_constant/strict_key (key a slice by "
-                   "start, stop, step of constants)")
 def test_b2_11_slice_argument_is_padded(sim):
+    # (fixed 2026-12-07: a slice of constants is a constant, keyed by its start, stop and step;
+    # see tests/test_slice_argument.py)
     b = cg.bucketed(Sliced(), [4, 8])
     with torch.no_grad():
         for _ in range(3):
