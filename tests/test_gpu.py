@@ -220,6 +220,28 @@ def test_pytree_arguments_and_outputs():
     assert (s.captures, s.replays) == (2, 3)
 
 
+class _Cols(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x, cols):
+        return self.lin(x)[:, cols] * 2
+
+
+def test_slice_arguments_are_keyed_by_value():
+    # (a slice of constants is a constant: each slice its own graph, replayed; 2026-12-07)
+    torch.manual_seed(0)
+    m = _Cols().to(DEV)
+    graphed = cg.graphify(copy.deepcopy(m))
+    with torch.no_grad():
+        for i in range(8):
+            x, cols = torch.randn(4, 16, device=DEV), (slice(0, 8), slice(4, 16, 2))[i % 2]
+            torch.testing.assert_close(graphed(x, cols), m(x, cols), rtol=0, atol=0)
+    s = cg.stats(graphed)
+    assert (s.captures, s.replays) == (2, 6) and not s.eager_calls, s
+
+
 def test_hf_model_output_structure():
     transformers = pytest.importorskip("transformers")
     from transformers.modeling_outputs import BaseModelOutput
