@@ -282,6 +282,11 @@ def _watch_value(value: Any, out: list[Callable[[], bool]], tensors: list[torch.
             for item in list(d.values()):
                 if _own_member(item):
                     _watch_value(item, out, tensors, seen, depth + 1)
+        else:
+            # (such members inside a constant tuple, frozenset, slice or frozen dataclass:
+            # ``self.modes = (Mode.A,)``, watched alike)
+            for member in _members_within(value):
+                _watch_value(member, out, tensors, seen, depth + 1)
         return
     if isinstance(value, _CALLABLE_TYPES):
         # (held by identity; what it reads when called is watched too: see _watch_callable)
@@ -360,8 +365,32 @@ def _own_member(value: Any) -> bool:
 
 def _watched(item: Any) -> bool:
     """Whether an item of a container or object a forward read is watched (see
-    :func:`_watch_value`): a tensor, or what is not a constant, or a member of its own."""
-    return isinstance(item, torch.Tensor) or not is_constant(item) or _own_member(item)
+    :func:`_watch_value`): a tensor, or what is not a constant, or a member of its own, or a
+    constant that holds one."""
+    return isinstance(item, torch.Tensor) or not is_constant(item) or _own_member(item) \
+        or next(_members_within(item), None) is not None
+
+
+def _members_within(value: Any, depth: int = 0):
+    """The enum members with attributes of their own inside a constant's items (a tuple's, a
+    frozenset's, a slice's start, stop and step, a frozen dataclass's fields), at any depth up
+    to 4 (a constant holds no cycle but through a member, whose attributes are watched as its
+    own)."""
+    if depth > 4:
+        return
+    if isinstance(value, (tuple, frozenset)):
+        items = value
+    elif type(value) is slice:
+        items = (value.start, value.stop, value.step)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
+    else:
+        return
+    for item in items:
+        if _own_member(item):
+            yield item
+        else:
+            yield from _members_within(item, depth + 1)
 
 
 class _ClassCheck:

@@ -352,10 +352,12 @@ class ShareGroup:
 
     def _relative(self, k: int, sets: list) -> tuple:
         """The sets (``Recorder.sets``) made on layer ``k``'s modules, as (path inside the
-        layer, name, value)."""
+        layer, name, value): one per attribute, the value it was set to last, as the run left
+        it (keyed by where, not by the value: a constant need not be hashable, a slice before
+        Python 3.12)."""
         paths = {id(m): p for p, m in self.layers[k].named_modules()}
-        return tuple(dict.fromkeys((paths[id(m)], n, v) for m, n, v in sets
-                                   if id(m) in paths))
+        return tuple({(paths[id(m)], n): (paths[id(m)], n, v) for m, n, v in sets
+                      if id(m) in paths}.values())
 
     def layer_sets(self, k: int, key) -> list:
         """What layer ``k``'s graph for ``key`` sets again after a replay: the attributes its
