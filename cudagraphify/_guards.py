@@ -40,7 +40,7 @@ import torch.autograd.forward_ad as _forward_ad
 from torch import nn
 
 from . import _watch, _writes
-from ._signature import MEMBER_ATTRS, is_constant, storage_of
+from ._signature import MEMBER_ATTRS, _frozen_fields, is_constant, storage_of
 from ._state import host_bits, object_dict
 from ._statics import MAPPING_VIEWS, no_one_layout, ptrs_equal, watch
 from ._watch import (GONE, INTERNAL_ATTRS, METHOD_KINDS, MISSING, Read, call_override,
@@ -382,10 +382,10 @@ def _members_within(value: Any, depth: int = 0):
         items = value
     elif type(value) is slice:
         items = (value.start, value.stop, value.step)
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        items = [getattr(value, f.name, None) for f in dataclasses.fields(value)]
     else:
-        return
+        items = _frozen_fields(value)  # (a constant's: its class a frozen dataclass)
+        if items is None:
+            return
     for item in items:
         if _own_member(item):
             yield item

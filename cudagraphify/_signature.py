@@ -230,11 +230,8 @@ def _member_key(member: enum.Enum) -> tuple:
     d = object_dict(member)
     if not d or d.keys() <= MEMBER_ATTRS or _visited(member):
         return (type(member), member)
-    if _flat(d):  # (nothing to walk, no member met again: HTTPStatus.OK.phrase)
-        return (type(member), member, tuple(sorted(
-            (k, (type(v), v) if _code(v) else strict_key(v))
-            for k, v in d.items() if k not in MEMBER_ATTRS)))
-    with _visiting_member(member):
+    # (a flat one has nothing to walk and no member to meet again: HTTPStatus.OK.phrase)
+    with contextlib.nullcontext() if _flat(d) else _visiting_member(member):
         return (type(member), member, tuple(sorted(
             (k, (type(v), v) if _code(v) else strict_key(v))
             for k, v in d.items() if k not in MEMBER_ATTRS)))
