@@ -485,8 +485,9 @@ class Recorder:
         self.called: dict[int, nn.Module] = {}
         self.writes: list[tuple[nn.Module, str, Any, Any]] = []
         self.setting: nn.Module | None = None  # the module whose __setattr__ runs (_noting)
-        # (the attributes set to the constant they held: ``self.used = True`` on a call after
-        # the first, a per-signature ``self.last_n = x.shape[0]``; see ``set_again``)
+        # (the attributes set to the constant or the object they held: ``self.used = True`` on
+        # a call after the first, a per-signature ``self.last_n = x.shape[0]``,
+        # ``self.keep = self.value``; see ``set_again``)
         self.sets: list[tuple[nn.Module, str, Any]] = []
         self._thread = threading.get_ident()
 
@@ -526,7 +527,7 @@ class Recorder:
         old = d.get(name, MISSING)
         if not same(old, value):
             self.writes.append((module, name, old, value))
-        elif is_constant(value):
+        else:  # (a constant it held, or the very object: ``self.keep = self.value``)
             self.sets.append((module, name, value))
         return None
 
@@ -562,8 +563,9 @@ def setting(replay: Callable[[], None], sets: tuple) -> Callable[[], None]:
 
 
 def set_again(sets: tuple) -> None:
-    """Set again the module attributes a graph's forward sets to a constant (``(weakref of the
-    module, name, value)``, see ``Recorder.sets``), as the forward would have: a user may have
+    """Set again the module attributes a graph's forward sets to a constant, or to the object
+    they held (``(weakref of the module, name, value)``, see ``Recorder.sets``; the real call
+    set that very object: see ``_first_call._sets``), as the forward would have: a user may have
     changed one since (a flag reset), or another signature's call set its own value. A change
     bumps the epoch, as a forward's set does (a guard that read the old value checks again)."""
     changed = False
@@ -655,7 +657,6 @@ def recording(rec: Recorder, ran: bool = True) -> Iterator[Recorder]:
                 del nn.Module.__getattribute__
 
 
-
 def same(a: Any, b: Any) -> bool:
     """Whether two attribute values would drive a forward the same way."""
     if a is b:
@@ -666,7 +667,6 @@ def same(a: Any, b: Any) -> bool:
         return strict_key(a) == strict_key(b)
     except Exception:  # noqa: BLE001 - an __eq__ that raises: not the same
         return False
-
 
 
 def short(value: Any) -> str:

@@ -1,8 +1,8 @@
-"""GPU: a module attribute the forward sets to a constant is set again by every replay (a flag
-the user resets, a per-signature value), on the fast path, the engine's, a training graph's and
-a share_graph layer's; a counter is refused sharing and counts as eager. Outputs bitwise equal
-to an eager deep-copied twin, the attributes equal, replay counters asserted (tests/test_sets_again.py
-is the CPU version)."""
+"""GPU: a module attribute the forward sets to a constant (or to the object it held, by
+identity) is set again by every replay (a flag the user resets, a per-signature value), on the
+fast path, the engine's, a training graph's and a share_graph layer's; a counter is refused
+sharing and counts as eager. Outputs bitwise equal to an eager deep-copied twin, the attributes
+equal, replay counters asserted (tests/test_sets_again.py is the CPU version)."""
 
 from __future__ import annotations
 
@@ -58,6 +58,34 @@ def test_inference_replays_set_the_flag_and_the_per_signature_value():
             assert torch.equal(g(xs[n]), m(xs[n]))
             assert g.used is True and g.last == m.last == n
     assert cg.stats(g).replays == replays + 5 and cg.stats(g).captures == 2
+
+
+class _Keeps(_Flag):
+    def __init__(self):
+        super().__init__()
+        self.value = [1]
+        self.keep = None
+
+    def forward(self, x):
+        self.keep = self.value  # (the object it holds: set again by identity)
+        return super().forward(x)
+
+
+def test_inference_replays_set_the_object_again_by_identity():
+    m, g = _twins(_Keeps)
+    g.value = m.value
+    x = torch.randn(8, 64, device="cuda")
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(g(x), m(x))
+        replays = cg.stats(g).replays
+        for step in range(4):
+            g.keep = None
+            if step == 2:  # (another object: the next call sets that one)
+                g.value = m.value = [2]
+            assert torch.equal(g(x), m(x))
+            assert g.keep is g.value is m.keep
+    assert cg.stats(g).replays >= replays + 3
 
 
 def test_training_replays_set_the_flag():

@@ -164,18 +164,13 @@ def test_sl_p1_control_argument_of_own_member_enum(sim, wrap):
     assert cg.stats(g).captures == 2
 
 
-# -- SL-P2 (pre-existing, not about slices): a forward that sets an attribute to an existing
-#    mutable object -------------------------------------------------------------------------------
+# -- SL-P2 (pre-existing, not about slices; fixed: the replay sets the very object again): a
+#    forward that sets an attribute to an existing mutable object --------------------------------
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "finding SL-P2 (pre-existing: fails on 7bdca81 too): `self.keep = self.value` with a list "
-    "or plain object (not made anew) is a write the graph's replay does not repeat: after the "
-    "user resets `keep`, a replay leaves it None where eager sets it (an open gap, in the "
-    "README since 9ede14c); _watch.Recorder.wrote / _first_call (refuse or set again by "
-    "identity)"))
 @pytest.mark.parametrize("value", [[1], object()], ids=["list", "object"])
 def test_sl_p2_forward_sets_an_existing_mutable_object(sim, value):
-    _reset_between_calls(value, lambda a, b: a is b)
+    g = _reset_between_calls(value, lambda a, b: a is b)
+    assert cg.stats(g).replays >= 3
 
 
 # -- controls -----------------------------------------------------------------------------------

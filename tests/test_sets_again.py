@@ -1,5 +1,6 @@
 """A forward that sets a module attribute to a constant (``self.used = True``, a per-signature
-``self.last_n = x.shape[0]``): a replay runs no Python, so it sets those attributes again itself
+``self.last_n = x.shape[0]``) or to the object it held (``self.keep = self.value``, set again by
+identity; review finding SL-P2): a replay runs no Python, so it sets those attributes again itself
 (``_watch.set_again``), on every replay path: the engine's, the fast path, a training graph's, a
 static-state family's rebased graph and a share_graph layer's graph made from its template. And
 share_graph's own runs (the template's capture, its partner layer's runs) are no calls: what they
@@ -116,6 +117,65 @@ def test_a_reset_flag_is_set_again_by_every_replay(sim, fast, monkeypatch):
     assert s.replays == replays + 4 and s.captures == 1, s
 
 
+class _Keeps(nn.Module):
+    """Sets ``keep`` to the object ``value`` holds (a list, a plain object, a tensor)."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.value = value
+        self.keep = None
+
+    def forward(self, x):
+        self.keep = self.value
+        return self.lin(x)
+
+
+_VALUES = {"list": lambda: [1], "object": object, "tensor": lambda: torch.ones(2)}
+
+
+@pytest.mark.parametrize("fast", [True, False], ids=["fast", "engine"])
+@pytest.mark.parametrize("kind", list(_VALUES))
+def test_an_object_reset_is_set_again_by_identity(sim, fast, kind, monkeypatch):
+    if not fast:
+        from cudagraphify import _fast
+        monkeypatch.setattr(_fast.Fast, "make", staticmethod(lambda *a, **k: None))
+    m, g = _twins(_Keeps, _VALUES[kind]())
+    g.value = m.value  # (the same object in both: compared by identity)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            _same(g, m, x)
+        replays = cg.stats(g).replays
+        for _ in range(4):
+            g.keep = m.keep = None
+            _same(g, m, x)
+            assert g.keep is g.value
+        # the user puts another object there: the next call sets that one
+        g.value = m.value = _VALUES[kind]()
+        g.keep = m.keep = None
+        _same(g, m, x)
+        assert g.keep is g.value
+        for _ in range(2):
+            g.keep = None
+            _same(g, m, x)
+            assert g.keep is g.value
+    s = cg.stats(g)
+    assert s.replays >= replays + 6, s
+
+
+def test_replays_that_find_the_object_in_place_move_no_epoch(sim):
+    m, g = _twins(_Keeps, [1])
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for _ in range(3):
+            _same(g, m, x)
+        before, replays = _watch.epoch, cg.stats(g).replays
+        for _ in range(3):
+            _same(g, m, x)
+    assert _watch.epoch == before and cg.stats(g).replays == replays + 3
+
+
 def test_nested_and_root_constants_are_set_again(sim):
     m, g = _twins(_Nested)
     x = torch.randn(2, 8)
@@ -171,18 +231,22 @@ def test_a_replay_that_changes_a_flag_moves_the_epoch_for_other_guards(sim):
     assert cg.stats(a).replays >= 3
 
 
-def test_a_value_that_is_no_constant_is_not_set_again():
-    """A list set as it is (one object every call) is no constant: not kept as a set."""
+def test_the_object_an_attribute_held_is_noted_and_a_new_equal_one_is_a_write():
+    """``self.items = self.items`` (the very object) is noted as a set, to be made again by
+    identity; an equal list made anew is a write (a replay could not hand out a new one)."""
     m = _Flag()
-    rec = _watch.Recorder()
+    rec = _watch.Recorder(everything=frozenset({id(m)}))
     items = [1]
     m.items, m.used = items, True
     _watch.install()
     with _watch.recording(rec, ran=False):
         m.items = items
         m.used = True
-    assert [(n, v) for _, n, v in rec.sets] == [("used", True)] or not rec.sets
-    assert all(n != "items" for _, n, _ in rec.sets)
+        m.other = [1]
+        m.other = [1]
+    assert [(n, v) for _, n, v in rec.sets] == [("items", items), ("used", True)]
+    assert rec.sets[0][2] is items
+    assert [n for _, n, _, _ in rec.writes] == ["other", "other"]
 
 
 def test_set_again_skips_a_dead_module_and_bumps_only_on_a_change():
@@ -218,6 +282,26 @@ def test_a_training_replay_sets_the_flag_again(sim):
         a, b = g(x), m(x)
         a.sum().backward(), b.sum().backward()
         assert torch.equal(a, b) and g.used is True
+    for p, q in zip(g.parameters(), m.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert cg.stats(g).replays == replays + 2
+
+
+def test_a_training_replay_sets_the_object_again(sim):
+    torch.manual_seed(0)
+    m = _Keeps([1]).train()
+    g = cg.graphify(copy.deepcopy(m))
+    g.value = m.value
+    x = torch.randn(3, 8)
+    for _ in range(3):
+        a, b = g(x), m(x)
+        a.sum().backward(), b.sum().backward()
+    replays = cg.stats(g).replays
+    for _ in range(2):
+        g.keep = m.keep = None
+        a, b = g(x), m(x)
+        a.sum().backward(), b.sum().backward()
+        assert torch.equal(a, b) and g.keep is g.value
     for p, q in zip(g.parameters(), m.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert cg.stats(g).replays == replays + 2
@@ -285,7 +369,8 @@ def test_share_graph_layers_set_their_own_flag_again(reading):  # noqa: F811
     assert s.per_layer == 0 and s.retargets >= 3 and not s.reasons, s
 
 
-def test_share_graph_refuses_a_counter_and_leaves_every_layers_count_as_eager(reading):  # noqa: F811
+def test_share_graph_refuses_a_counter_and_leaves_every_layers_count_as_eager(
+        reading):  # noqa: F811
     layers, ref, group = _layers(_Counts)
     x = torch.randn(2, 8)
     with torch.no_grad():
@@ -296,3 +381,29 @@ def test_share_graph_refuses_a_counter_and_leaves_every_layers_count_as_eager(re
                 assert [a.n for a in layers] == [b.n for b in ref]
     s = group.stats()
     assert s.retargets == 0 and any("sets _Counts.n on every call" in r for r in s.reasons), s
+
+
+@pytest.mark.parametrize("one", [True, False], ids=["one_object", "own_objects"])
+def test_share_graph_layers_set_their_own_object_again(reading, one):  # noqa: F811
+    """One list held by every layer: shared, each replay sets it again; a list of each
+    layer's own: the layers read different objects, so none replays its template's graph (each
+    has its own graph, which sets its own list)."""
+    torch.manual_seed(0)
+    items = [1]
+    layers = nn.ModuleList(_Keeps(items if one else [1]) for _ in range(4))
+    ref = copy.deepcopy(layers)
+    _register(layers)
+    group = cg.share_graph(layers)
+    x = torch.randn(2, 8)
+    with torch.no_grad():
+        for step in range(5):
+            for m, r in zip(layers, ref):
+                m.keep = r.keep = None
+                _same(m, r, x)
+                assert m.keep is m.value, step
+    s = group.stats()
+    assert sum(cg.stats(m).replays for m in layers) >= 12, s
+    if one:
+        assert s.per_layer == 0 and s.retargets >= 3 and not s.reasons, s
+    else:
+        assert s.per_layer == 3 and all("read values its template" in r for r in s.reasons), s
