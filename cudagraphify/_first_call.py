@@ -37,13 +37,14 @@ from ._probe import Finding, Probe
 from ._rehearsal import borrow, confirms, lend, rehearse, snapshot_states
 from ._state import changed_again, demote
 from ._state import tensors_in as _tensors_in
-from ._signature import Signature, storage_of
+from ._signature import Signature, is_constant, storage_of
 from ._versions import Counters, moving
 from ._warmups import extra_runs
 from ._watch import Recorder, recording
 from ._writes import inputs_alias
 
 __all__ = ["FirstCall", "Outcome", "GRAPHED", "EAGER", "PIECEWISE", "DEFERRED"]
+
 
 class FirstCall(Capturing):
     """The pipeline for one signature's first call (see the module docs). ``run()`` returns
@@ -547,7 +548,7 @@ class FirstCall(Capturing):
             entry.release()
             return Outcome(EAGER, self.result, reason=guard.unguardable)
         entry.pinned = tuple(self.pinned)
-        sets = self._sets(self.shared_sets if shared else rec.sets)
+        sets = self._sets(self.shared_sets if shared else rec.sets, rec.reads)
         if sets:  # (a replay sets them again, as a call would)
             entry.sets = sets
             if not self.training:
@@ -606,22 +607,38 @@ class FirstCall(Capturing):
         return Outcome(GRAPHED, self.result, entry=entry, guard=guard, replay=replay,
                        shared=shared, states=[obj for _, obj in self.states])
 
-    def _sets(self, made: list) -> tuple:
-        """Of the module attributes the capture's run set to the constant they held (``made``,
-        as ``Recorder.sets``; a share_graph layer's: its template layer's, on its own modules),
-        those the real call set to that constant too, as ``(weakref, name, value)``: a replay
-        runs no Python, and the user may change one between calls (a flag reset), or another
-        signature's call set its own value (``self.last_n = x.shape[0]``). A set only the
-        capture's path makes is none of them."""
+    def _sets(self, made: list, reads: dict) -> tuple:
+        """Of the module attributes the capture's run set to the constant or object they held
+        (``made``, as ``Recorder.sets``; a share_graph layer's: its template layer's constants,
+        on its own modules), those the real call set to that too, as ``(weakref, name,
+        value)``: a replay runs no Python, and the user may change one between calls (a flag
+        reset), or another signature's call set its own value (``self.last_n = x.shape[0]``).
+        A set only the capture's path makes is none of them.
+
+        An object (no constant) is set again only where the run read it, that very object, as
+        an attribute of its own of a module of the callable's tree (``reads``: the capture's;
+        ``self.keep = self.value``), as a :class:`~._watch.From` of that attribute: the guard
+        checks that read on every replay, and the object is not held. One from anywhere else
+        (an argument, a cache, a global, a container's item) is not: eager may set another
+        object there on a later call; nor under a shared cache policy (another module's call
+        replays the graph)."""
         if not made:
             return ()
         real = {(id(m), n): v for m, n, _, v in self.recorder.writes}
         real.update(((id(m), n), v) for m, n, v in self.recorder.sets)
+        tree = None
         sets = {}
         for module, name, value in made:
             key = (id(module), name)
-            if key in real and _watch.same(real[key], value):
-                sets[key] = (weakref.ref(module), name, value)
+            if key not in real or not _watch.same(real[key], value):
+                continue
+            if not is_constant(value):
+                if tree is None:
+                    tree = frozenset(map(id, self.statics.modules))
+                value = None if self.state.policy.shared else _watch.From.find(value, reads, tree)
+                if value is None:
+                    continue
+            sets[key] = (weakref.ref(module), name, value)
         return tuple(sets.values())
 
     def _outside_outputs(self, entry, second: Probe | None) -> list[Finding]:
@@ -699,6 +716,7 @@ def _leaf_label(sig: Signature, index: int) -> str:
         start += spec.num_leaves
     return f"argument leaf {index}"
 
+
 def _container_marks(values, depth: int = 0) -> list:
     """(container, its items as they are) for every list and dict in ``values``, nested
     ones too (through tuples, lists and dicts); the items are held, not their ids, so that
@@ -745,5 +763,3 @@ def _rng_offset(device: torch.device) -> int | None:
     if device is None or device.type != "cuda":
         return None
     return torch.cuda.default_generators[device.index or 0].get_offset()
-
-

@@ -36,7 +36,7 @@ from ._errors import CaptureFailed, CudagraphifyError, CudagraphifyUsageError
 from ._graphdiff import (RebasePlan, Refused, RetargetedRaw, Storages,  # noqa: F401
                          host_ranges, memory_ranges, plan_rebase, readable_ranges)
 from ._options import Stats
-from ._signature import storage_of
+from ._signature import is_constant, storage_of
 from ._state import tensors_in as _tensors_in
 from ._wrap import SHARE, share_of, state_of_module, uninstall_instance
 from . import _watch, _writes
@@ -356,8 +356,10 @@ class ShareGroup:
         it (keyed by where, not by the value: a constant need not be hashable, a slice before
         Python 3.12)."""
         paths = {id(m): p for p, m in self.layers[k].named_modules()}
+        # (constants only: a template whose forward sets an object is refused, see
+        # _new_template)
         return tuple({(paths[id(m)], n): (paths[id(m)], n, v) for m, n, v in sets
-                      if id(m) in paths}.values())
+                      if id(m) in paths and is_constant(v)}.values())
 
     def layer_sets(self, k: int, key) -> list:
         """What layer ``k``'s graph for ``key`` sets again after a replay: the attributes its
@@ -414,6 +416,16 @@ class ShareGroup:
                 module, name, _, _ = wrote[0]
                 raise Refused(f"forward sets {type(module).__name__}.{name} on every call (a "
                               "Python side effect a replay cannot repeat)")
+            own = frozenset(id(m) for m in layer.modules())
+            objects = [(m, n) for m, n, v in rec.sets if id(m) in own and not is_constant(v)
+                       and _watch.From.find(v, rec.reads, own) is not None]
+            if objects:
+                # (an object the layer read from an attribute of its own, ``self.keep =
+                # self.value``: a layer's own graph sets it again, see _first_call._sets; the
+                # template's replay could not set another layer's)
+                module, name = objects[0]
+                raise Refused(f"forward sets {type(module).__name__}.{name} to an object of "
+                              "its own on every call (each layer's graph sets its own)")
             if len(self.layers) < 2:
                 raise Refused("one layer: nothing to share")
             if not driver_available():

@@ -36,7 +36,7 @@ from ._statics import KEPT_MARK, REGISTRIES, _WatchedDict, generation, rewatch, 
 
 __all__ = ["epoch", "bump", "tree_epoch", "install", "Read", "Recorder", "recording", "hooked",
            "hook_fingerprint", "global_hooks", "global_hooks_present", "own_global_hook",
-           "INTERNAL_ATTRS", "MISSING", "same", "short", "setting", "set_again"]
+           "From", "INTERNAL_ATTRS", "MISSING", "same", "short", "setting", "set_again"]
 
 _counter = itertools.count(1)
 epoch = 0  # read as ``_watch.epoch``: bumped by every module write the per-call path cannot see
@@ -562,16 +562,49 @@ def setting(replay: Callable[[], None], sets: tuple) -> Callable[[], None]:
     return run
 
 
+class From:
+    """In a set made again (see ``set_again``): the object module ``ref()``'s own attribute
+    ``name`` holds at the replay, which the forward read and set as it was (``self.keep =
+    self.value``; see ``_first_call._sets``). The guard checks that read on every replay, and
+    the object is not kept alive here."""
+
+    __slots__ = ("ref", "name")
+
+    def __init__(self, module: nn.Module, name: str):
+        self.ref, self.name = weakref.ref(module), name
+
+    def get(self) -> Any:
+        m = self.ref()
+        return MISSING if m is None else m.__dict__.get(self.name, MISSING)
+
+    @staticmethod
+    def find(value: Any, reads: dict, tree: frozenset[int]) -> "From | None":
+        """The attribute of its own of a module of ``tree`` (ids) that a run read ``value``
+        from, by identity (``reads``: a :class:`Recorder`'s), and that holds it still; None
+        where there is none."""
+        for read in reads.values():
+            module = read.module
+            if not read.on_class and read.value is value and module is not None \
+                    and id(module) in tree and module.__dict__.get(read.name, MISSING) is value:
+                return From(module, read.name)
+        return None
+
+
 def set_again(sets: tuple) -> None:
     """Set again the module attributes a graph's forward sets to a constant, or to the object
-    they held (``(weakref of the module, name, value)``, see ``Recorder.sets``; the real call
-    set that very object: see ``_first_call._sets``), as the forward would have: a user may have
+    another attribute it read holds (``(weakref of the module, name, value)``, the value a
+    :class:`From` then; see ``Recorder.sets`` and ``_first_call._sets``), as the forward would
+    have: a user may have
     changed one since (a flag reset), or another signature's call set its own value. A change
     bumps the epoch, as a forward's set does (a guard that read the old value checks again)."""
     changed = False
     for ref, name, value in sets:
         module = ref()
         if module is not None:
+            if type(value) is From:
+                value = value.get()
+                if value is MISSING:  # (its module gone, or its attribute: no set)
+                    continue
             d = module.__dict__
             if d.get(name, MISSING) is not value:
                 d[name] = value
