@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import wrapt
 
-from . import _guards, _watch
+from . import _funcpieces, _guards, _watch
 from ._engine import STATE, GraphedState
 from ._fast import MISS, converting
 from ._nested import bypassing as _bypassing, in_graphed_call, plain_reason
@@ -432,10 +432,13 @@ def install_pieces(root: torch.nn.Module, paths: list[str], options: Options) ->
     Pieces take the root's run options (warm-up, probe, op policy, enabled, bound) but not its
     keying options (argument names and cache policies describe the root's forward), and always
     copy their outputs: a submodule called twice in one forward must not get its first result
-    overwritten by its second call.
+    overwritten by its second call. The functions of the root's library graphed as pieces are
+    put in place too (:func:`~._funcpieces.install_for`).
     """
     options = dataclasses.replace(options, static_argnames=(), cache_policy=None,
                                   copy_outputs=True, piece=True)
+    if paths:  # (the functions its library's modules graph as pieces: see _funcpieces)
+        _funcpieces.install_for(root)
     installed = []
     share = share_of(root)  # a share_graph layer: pieces share too
     for path in paths:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
+from . import _funcpieces
 from ._cache import CachePolicy
 from ._engine import GraphedState
 from ._options import Options, Stats
@@ -196,6 +197,9 @@ def _state_of(target: Any) -> GraphedState | None:
         return state
     if isinstance(target, GraphedForward):
         return target._self_dispatch.state
+    graphed = _funcpieces.graphed_of(target)
+    if graphed is not None:  # (a function graphed as a piece: its wrapper, see _funcpieces)
+        return graphed._self_dispatch.state
     raise CudagraphifyUsageError(
         f"expected a graphified module, function or graph_region, got {type(target).__name__}")
 

@@ -152,17 +152,29 @@ def test_generate_with_its_dynamic_cache_graphs_the_pieces_around_it(hf):
     # no cache option: generate() passes its DynamicCache (which grows every step) from the
     # first call on; the model runs eagerly with its norms, MLPs and projections graphed as
     # pieces, chained in the model's implicit region
+    # (and the attention's rotary embedding, a function of the modeling module, as a function
+    # piece: see cudagraphify/_funcpieces.py)
+    from transformers.models.llama import modeling_llama
+
     transformers, config, model = hf
     g = cg.graphify(copy.deepcopy(model))
+    rotary = None
     for length in (8, 5, 8):  # two prompts' lengths: prefill signatures of their own
         prompt = torch.randint(0, config.vocab_size, (1, length), device=DEV)
         want = model.generate(prompt, **_greedy())
+        if rotary is None:  # (installed by the plan of the first call: counted from there)
+            _same(g.generate(prompt, **_greedy()), want)
+            rotary = modeling_llama.apply_rotary_pos_emb
+            before = cg.stats(rotary).replays
+            continue
         _same(g.generate(prompt, **_greedy()), want)
     assert g._cudagraphify_state._chain is not None
     for layer in g.model.layers:
         for piece in (layer.mlp, layer.input_layernorm, layer.self_attn.q_proj):
             s = cg.stats(piece)
             assert s.captures >= 1 and s.replays >= 2 * NEW, (piece, s)
+    # two generates of NEW tokens, two layers: each decode step's rotary calls replayed
+    assert cg.stats(rotary).replays - before >= 2 * 2 * (NEW - 2), cg.stats(rotary)
 
 
 def test_dynamic_cache_generates_switch_prefill_and_decode_without_the_slow_path(

@@ -1,0 +1,218 @@
+"""Function pieces (cudagraphify/_funcpieces.py): a plain function of a model library's modeling
+module (HF's ``apply_rotary_pos_emb``) is graphed as a piece of the roots whose piecewise run
+calls it, only inside such a root's implicit region; anywhere else it runs as itself.
+
+CPU, simulated backend (``sim``). The modeling module is made here under a name that
+``FUNCTIONS`` matches (``transformers.models.``), so these tests need no transformers: a model
+whose forward takes an object no signature holds (as an HF ``DynamicCache``) runs eagerly with
+its submodules graphed as pieces around it, and calls the module's function. Every output is
+compared with an eager twin bitwise, and the function's counters prove which path ran."""
+
+from __future__ import annotations
+
+import copy
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import cudagraphify as cg
+from cudagraphify import _funcpieces
+
+NAME = "transformers.models.cg_fake.modeling_cg_fake"
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+class Cache:
+    """An object no signature holds (as an HF DynamicCache): the module it is passed to runs
+    eagerly, its other submodules are pieces."""
+
+    def __init__(self):
+        self.seen = 0
+
+
+def _rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _rotary(q, k, cos, sin):
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _unsafe(q, k, cos, sin):
+    scale = 2.0 if q.sum().item() > 1e9 else 1.0  # (a host sync: its graph is refused)
+    return q * cos * scale, k * sin
+
+
+def _modeling(fn=_rotary, name=NAME):
+    """A fresh modeling module ``name`` holding ``apply_rotary_pos_emb`` (``fn``) and a model
+    class whose attention calls it through the module's globals."""
+    mod = types.ModuleType(name)
+    mod.torch, mod.nn = torch, nn
+    mod.apply_rotary_pos_emb = fn
+    src = '''
+class Attn(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+        self.k = nn.Linear(d, d)
+        self.o = nn.Linear(d, d)
+
+    def forward(self, x, cos, sin, cache):
+        q, k = apply_rotary_pos_emb(self.q(x), self.k(x), cos, sin)
+        cache.seen += 1
+        return self.o(q + k)
+
+
+class Model(nn.Module):
+    def __init__(self, n=2, d=8):
+        super().__init__()
+        self.layers = nn.ModuleList(Attn(d) for _ in range(n))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x, cos, sin, cache):
+        for layer in self.layers:
+            x = x + layer(self.norm(x), cos, sin, cache)
+        return x
+'''
+    exec(compile(src, f"<{name}>", "exec"), mod.__dict__)
+    mod.Attn.__module__ = mod.Model.__module__ = name
+    sys.modules[name] = mod
+    return mod
+
+
+@pytest.fixture
+def modeling():
+    mod = _modeling()
+    yield mod
+    sys.modules.pop(NAME, None)
+
+
+def _inputs(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g), \
+        torch.randn(3, 8, generator=g)
+
+
+def _twins(mod):
+    torch.manual_seed(0)
+    ref = mod.Model().eval()
+    return ref, cg.graphify(copy.deepcopy(ref))
+
+
+def _run(model, n, ctx=torch.no_grad, seed=0):
+    outs = []
+    with ctx():
+        for i in range(n):
+            x, cos, sin = _inputs(seed + i)
+            outs.append(model(x, cos, sin, Cache()))
+    return outs
+
+
+def _same(a, b):
+    assert len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_the_function_is_graphed_in_the_roots_piecewise_run(sim, modeling):
+    original = modeling.apply_rotary_pos_emb
+    ref, g = _twins(modeling)
+    _same(_run(g, 8), _run(ref, 8))
+    piece = modeling.apply_rotary_pos_emb
+    assert piece is not original and _funcpieces.graphed_of(piece) is not None
+    assert piece.__wrapped__ is original  # (functools.wraps: the function it stands for)
+    s = cg.stats(piece)
+    assert s.captures == 1 and s.replays >= 2 * 5, s  # (two layers a call, after its capture)
+    # the eager twin's calls of the same function (through the wrapper) are its own
+    before = cg.stats(piece).replays
+    _same(_run(ref, 3, seed=20), _run(copy.deepcopy(ref), 3, seed=20))
+    assert cg.stats(piece).replays == before
+
+
+def test_the_function_runs_as_itself_in_grad_mode_and_in_a_users_region(sim, modeling):
+    ref, g = _twins(modeling)
+    _same(_run(g, 6), _run(ref, 6))
+    piece = modeling.apply_rotary_pos_emb
+    before = cg.stats(piece)
+    _same(_run(g, 3, ctx=torch.enable_grad, seed=10), _run(ref, 3, ctx=torch.enable_grad, seed=10))
+    with torch.no_grad(), cg.graph_region():
+        x, cos, sin = _inputs(30)
+        got = g(x, cos, sin, Cache()).clone()
+    with torch.no_grad():
+        assert torch.equal(got, ref(x, cos, sin, Cache()))
+    after = cg.stats(piece)
+    assert (after.captures, after.replays) == (before.captures, before.replays)
+    assert sum(after.eager_calls.values()) == sum(before.eager_calls.values())
+
+
+def test_an_unsafe_function_runs_eagerly_with_its_reason(sim):
+    mod = _modeling(_unsafe)
+    try:
+        ref, g = _twins(mod)
+        _same(_run(g, 6), _run(ref, 6))
+        s = cg.stats(mod.apply_rotary_pos_emb)
+        assert s.captures == 0 and s.replays == 0, s
+        assert any("item" in reason for reason in s.eager_calls), s
+    finally:
+        sys.modules.pop(NAME, None)
+
+
+def test_installed_once_shared_by_models_and_left_in_place_by_ungraphify(sim, modeling):
+    original = modeling.apply_rotary_pos_emb
+    ref, g = _twins(modeling)
+    g2 = cg.graphify(copy.deepcopy(ref))
+    _run(g, 3), _run(g2, 3)
+    piece = modeling.apply_rotary_pos_emb
+    assert _funcpieces.install_for(g) == [] and _funcpieces.install_for(g2) == []
+    assert modeling.apply_rotary_pos_emb is piece
+    cg.ungraphify(g)
+    cg.ungraphify(g2)
+    before = cg.stats(piece)
+    _same(_run(g, 3, seed=40), _run(ref, 3, seed=40))
+    assert cg.stats(piece).replays == before.replays and piece.__wrapped__ is original
+    # (another module binding the same function object gets the same wrapper)
+    other = _modeling(original, NAME + "_other")
+    try:
+        _funcpieces.install_for(cg.graphify(other.Model()))
+        assert other.apply_rotary_pos_emb is piece
+    finally:
+        sys.modules.pop(NAME + "_other", None)
+
+
+def test_only_modules_of_the_named_libraries_are_touched(sim):
+    name = "mylib.modeling"
+    mod = _modeling(_rotary, name)
+    try:
+        ref, g = _twins(mod)
+        _same(_run(g, 6), _run(ref, 6))
+        assert mod.apply_rotary_pos_emb is _rotary
+        with pytest.raises(cg.CudagraphifyUsageError):
+            cg.stats(_rotary)
+    finally:
+        sys.modules.pop(name, None)
+
+
+def test_a_whole_graph_root_installs_nothing(sim, modeling):
+    """A root that is one graph (no pieces) makes no region of pieces: nothing is replaced."""
+    class Whole(modeling.Model):
+        def forward(self, x, cos, sin):
+            return super().forward(x, cos, sin, Cache())
+    Whole.__module__ = NAME
+    original = modeling.apply_rotary_pos_emb
+    torch.manual_seed(0)
+    ref = Whole().eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for i in range(4):
+            x, cos, sin = _inputs(i)
+            assert torch.equal(g(x, cos, sin), ref(x, cos, sin))
+    assert cg.stats(g).replays >= 2 and modeling.apply_rotary_pos_emb is original
