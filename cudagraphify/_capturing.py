@@ -13,7 +13,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from . import _cugraph, _writes
+from . import _cugraph, _watch, _writes
 from ._capture import _first_line
 from ._errors import CaptureFailed
 from ._nested import Nested
@@ -24,7 +24,7 @@ from ._rehearsal import mark, rehearsing
 from ._replay import (CapturedGraph, OutputPlanError, StaticInputs, clone_output, plan_outputs,
                       static_output)
 from ._graphdiff import Storages
-from ._signature import storage_of, unflatten_call
+from ._signature import is_constant, storage_of, unflatten_call
 from ._state import tensors_in as _tensors_in
 from ._training import capture_training
 from ._warmups import _name_of, extra_warmups, version_of
@@ -381,6 +381,10 @@ class Capturing:
         if group.swaps or self.later_hooks.swaps_seen():
             group.refuse(_SWAPS)
             return None
+        unset = self._sets_not_the_templates(group, k)
+        if unset is not None:
+            group.refuse(unset)
+            return None
         made = group.make(k, self.key, fn, a, kw, inputs, self.leaves, self.backend,
                           self.device, self.result, self.warm_guard, part)
         if self.later_hooks.swaps_seen():
@@ -392,6 +396,32 @@ class Capturing:
         if made is not None:  # (what its replay sets again: its template layer's, see verify)
             self.shared_sets = group.layer_sets(k, self.key)
         return made
+
+    def _sets_not_the_templates(self, group, k: int) -> str | None:
+        """Why layer ``k`` may not replay its group's template for this key: its real call set
+        a module attribute the template layer's capture did not set again to the same constant
+        (a flag only some layers set, an object: a replay of the template's graph sets only the
+        template's, see ``ShareGroup.layer_sets``); None where it set none such, or where there
+        is no template yet (this layer's capture would be it)."""
+        template = group._templates.get(self.key)
+        if template is None:
+            return None
+        paths = {id(m): p for p, m in group.layers[k].named_modules()}
+        tree = frozenset(paths)
+        rec = self.recorder
+        own = {(paths.get(id(m)), n): v for m, n, v in rec.sets}
+        own.update(((paths.get(id(m)), n), v) for m, n, _, v in rec.writes)
+        theirs = {(p, n): v for p, n, v in template.sets}
+        for (path, name), value in own.items():
+            if path is None:
+                continue  # (a module outside the layer: not the group's to set)
+            if not is_constant(value) and _watch.From.find(value, rec.reads, tree) is None:
+                continue  # (an object no graph sets again, its own either: see _first_call)
+            if (path, name) not in theirs or not _watch.same(theirs[path, name], value):
+                return (f"the layer's forward sets {name!r} (at {path or 'the layer'}) where its "
+                        "template layer's does not set it the same: a replay of the template's "
+                        "graph would not set it")
+        return None
 
     def _cache_part(self):
         """This layer's part of the static states it is passed (see :class:`_share.Slice`):

@@ -404,4 +404,7 @@ def test_share_graph_layers_set_their_own_object_again(reading, one):  # noqa: F
     s = group.stats()
     assert sum(cg.stats(m).replays for m in layers) >= 12, s
     assert s.per_layer == 4 and s.retargets == 0, s
-    assert all("sets _Keeps.keep to an object of its own" in r for r in s.reasons), s
+    # (the template layer's capture refuses it, or a later layer's call: it sets what the
+    # template's replay would not)
+    assert s.reasons and all("sets _Keeps.keep to an object of its own" in r
+                             or "sets 'keep'" in r for r in s.reasons), s
