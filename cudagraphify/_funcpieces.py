@@ -19,9 +19,10 @@ so its graphs chain with the pieces' (one pool, outputs handed on without a copy
 still held protected before a replay overwrites it). Anywhere else (a model nobody
 graphified, training and grad mode, a user's ``graph_region``, a capture, torch.compile's
 trace) the wrapper calls the function itself. The graphed function is the engine's, with its
-guards and decisions (an unsafe op runs it eagerly, with the reason); its graphs belong to the
-region of the root that made them and go with it. ``stats(fn)`` of the wrapper gives its
-counters; ``ungraphify`` leaves the wrapper in place (it then calls the function itself)."""
+guards and decisions (an unsafe op runs it eagerly, with the reason), one per root's region (its
+own trial and verdict); its graphs belong to that region and go with it. ``stats(fn)`` of the
+wrapper gives its counters, summed over the regions alive; ``ungraphify`` leaves the wrapper in
+place (it then calls the function itself)."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ import functools
 import sys
 import threading
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -37,13 +39,13 @@ import torch
 from . import _region
 from ._options import Options
 
-__all__ = ["FUNCTIONS", "install_for", "graphed_of"]
+__all__ = ["FUNCTIONS", "install_for", "states_of"]
 
 # (module name prefix, function name): the functions graphed as pieces where a root's tree has
 # a module whose class's module binds one of them as a plain function
 FUNCTIONS: tuple[tuple[str, str], ...] = (("transformers.models.", "apply_rotary_pos_emb"),)
 
-_ATTR = "__cudagraphify_piece__"  # on a wrapper: the graphified function it calls
+_ATTR = "__cudagraphify_piece__"  # on a wrapper: region -> the graphified function it calls
 _lock = threading.Lock()
 _made: dict[int, tuple[Callable, Callable]] = {}  # id(function) -> (function, its wrapper)
 _stack_get = _region.stack_var().get
@@ -73,30 +75,45 @@ def install_for(root: torch.nn.Module) -> list[tuple[str, str]]:
 
 
 def _piece_of(fn: Callable) -> Callable:
-    """The wrapper of ``fn`` (one per function object: modules binding the same one share it)."""
+    """The wrapper of ``fn`` (one per function object: modules binding the same one share it).
+    Each implicit region it is called in has a graphified ``fn`` of its own (its own signatures,
+    trial and verdict: one root's timing does not give the function back for another)."""
     made = _made.get(id(fn))
     if made is not None and made[0] is fn:
         return made[1]
     from ._wrap import wrap  # (a late import: _wrap imports the engine, which imports this)
 
     options = dataclasses.replace(Options.build("graphify"), copy_outputs=True, piece=True)
-    graphed = wrap(fn, options, "function", None, True)
-    dispatch = graphed._self_dispatch
+    per_region: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @functools.wraps(fn)
     def piece(*args: Any, **kwargs: Any) -> Any:
         stack = _stack_get()
-        if stack and stack[-1].implicit and not _is_compiling():
-            state = dispatch.state
-            if state is None or state.given_back is None:
-                return graphed(*args, **kwargs)
+        if stack:
+            region = stack[-1]
+            if region.implicit and not _is_compiling():
+                graphed = per_region.get(region)
+                if graphed is None:
+                    with _lock:
+                        graphed = per_region.get(region)
+                        if graphed is None:
+                            graphed = per_region[region] = wrap(fn, options, "function", None,
+                                                                True)
+                state = graphed._self_dispatch.state
+                if state is None or state.given_back is None:
+                    return graphed(*args, **kwargs)
         return fn(*args, **kwargs)
 
-    setattr(piece, _ATTR, graphed)
+    setattr(piece, _ATTR, per_region)
     _made[id(fn)] = (fn, piece)
     return piece
 
 
-def graphed_of(target: Any) -> Any:
-    """The graphified function a function piece's wrapper calls (None for anything else)."""
-    return getattr(target, _ATTR, None) if type(target) is types.FunctionType else None
+def states_of(target: Any) -> list:
+    """The engine states of a function piece's wrapper, one per implicit region it was called
+    in that is still alive (None for anything else)."""
+    per_region = getattr(target, _ATTR, None) if type(target) is types.FunctionType else None
+    if per_region is None:
+        return None
+    return [s for s in (g._self_dispatch.state for g in list(per_region.values()))
+            if s is not None]

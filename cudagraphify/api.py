@@ -197,9 +197,6 @@ def _state_of(target: Any) -> GraphedState | None:
         return state
     if isinstance(target, GraphedForward):
         return target._self_dispatch.state
-    graphed = _funcpieces.graphed_of(target)
-    if graphed is not None:  # (a function graphed as a piece: its wrapper, see _funcpieces)
-        return graphed._self_dispatch.state
     raise CudagraphifyUsageError(
         f"expected a graphified module, function or graph_region, got {type(target).__name__}")
 
@@ -214,6 +211,9 @@ def stats(target: Any) -> Stats:
     """
     if isinstance(target, (GraphRegion, ShareGroup)):
         return target.stats()
+    states = _funcpieces.states_of(target)
+    if states is not None:  # (a function graphed as a piece: its wrapper, see _funcpieces)
+        return sum((s.stats() for s in states), Stats())
     state = _state_of(target)
     return _with_pieces(state) if state is not None else Stats()
 

@@ -128,9 +128,9 @@ def test_the_function_is_graphed_in_the_roots_piecewise_run(sim, modeling):
     ref, g = _twins(modeling)
     _same(_run(g, 8), _run(ref, 8))
     piece = modeling.apply_rotary_pos_emb
-    assert piece is not original and _funcpieces.graphed_of(piece) is not None
+    assert piece is not original and len(_region_states(g)) == 1
     assert piece.__wrapped__ is original  # (functools.wraps: the function it stands for)
-    s = cg.stats(piece)
+    (s,) = [st.stats() for st in _region_states(g)]
     assert s.captures == 1 and s.replays >= 2 * 5, s  # (two layers a call, after its capture)
     # the eager twin's calls of the same function (through the wrapper) are its own
     before = cg.stats(piece).replays
@@ -195,6 +195,7 @@ def test_only_modules_of_the_named_libraries_are_touched(sim):
         ref, g = _twins(mod)
         _same(_run(g, 6), _run(ref, 6))
         assert mod.apply_rotary_pos_emb is _rotary
+        assert _funcpieces.states_of(_rotary) is None
         with pytest.raises(cg.CudagraphifyUsageError):
             cg.stats(_rotary)
     finally:
@@ -216,3 +217,31 @@ def test_a_whole_graph_root_installs_nothing(sim, modeling):
             x, cos, sin = _inputs(i)
             assert torch.equal(g(x, cos, sin), ref(x, cos, sin))
     assert cg.stats(g).replays >= 2 and modeling.apply_rotary_pos_emb is original
+
+
+def test_each_roots_region_has_its_own_graphed_function(sim, modeling):
+    """Two graphified models: the function has a state in each one's region, counted apart; one
+    given back (as its trial would, timed in that root's run) leaves the other's graphed."""
+    ref, g = _twins(modeling)
+    g2 = cg.graphify(copy.deepcopy(ref))
+    _same(_run(g, 6), _run(ref, 6))
+    _same(_run(g2, 6), _run(ref, 6))
+    piece = modeling.apply_rotary_pos_emb
+    (mine,), (theirs,) = _region_states(g), _region_states(g2)
+    assert mine is not theirs and mine.replays >= 2 and theirs.replays >= 2
+    states = _funcpieces.states_of(piece)  # (and those of regions of earlier tests still alive)
+    assert mine in states and theirs in states
+    assert cg.stats(piece).replays == sum(s.replays for s in states)
+    mine.give_back("given back here")
+    before = (mine.replays, theirs.replays)
+    _same(_run(g, 3, seed=50), _run(ref, 3, seed=50))
+    _same(_run(g2, 3, seed=50), _run(ref, 3, seed=50))
+    assert mine.replays == before[0] and theirs.replays >= before[1] + 2 * 3
+
+
+def _region_states(model):
+    """The function states whose graphs sit in ``model``'s implicit region."""
+    chain = model._cudagraphify_state._chain
+    per_region = getattr(sys.modules[NAME].apply_rotary_pos_emb, _funcpieces._ATTR)
+    graphed = per_region.get(chain)
+    return [graphed._self_dispatch.state] if graphed is not None else []

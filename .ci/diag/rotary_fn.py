@@ -1,15 +1,17 @@
-"""GPU diagnosis (#16, DynamicCache generate >= 1.5x): how much would graphing the attention's
-rotary embedding function (``apply_rotary_pos_emb``, ~10 kernels a layer, eager under the
-pieces plan) give? HF Llama (8 layers, hidden 512, bf16) ``generate()`` with its default
-DynamicCache, 64 tokens, one process, rounds in turn: eager; ``graphify(model)``; the same
-with ``modeling_llama.apply_rotary_pos_emb`` replaced, for its generates only, by
-``cudagraphify.graphify`` of the function (a user-graphified callable inside the pieces'
-implicit region). Prints µs a token (median of 5 rounds), the decode step alone, and tokens
-against eager's.
+"""GPU diagnosis (#16, DynamicCache generate >= 1.5x): what graphing the attention's rotary
+embedding function (``apply_rotary_pos_emb``, ~10 kernels a layer, eager under the pieces
+plan) gives. HF Llama (8 layers, hidden 512, bf16) ``generate()`` with its default
+DynamicCache, 64 tokens, one process, rounds in turn: eager; ``graphify(model)`` with the
+function pieces it installs (cudagraphify/_funcpieces.py); another ``graphify(model)`` with the
+original function bound during its calls (the pieces' plan alone, as before function pieces);
+and (``--by-hand``) ``graphify`` of the function by the user, bound during its calls (how it was
+first measured, before function pieces). Prints µs a token (median of 5 rounds), the decode
+step alone, and tokens against eager's.
 
     source .device/install.sh && python3 .ci/diag/rotary_fn.py"""
 import copy
 import statistics
+import sys
 import time
 import warnings
 
@@ -30,10 +32,16 @@ prompt = torch.randint(0, cfg.vocab_size, (1, 32), device="cuda")
 greedy = dict(max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0,
               disable_compile=True)
 original = modeling_llama.apply_rotary_pos_emb
-rotary = cg.graphify(original)
-forms = {"eager": (model, original),
-         "graphify": (cg.graphify(copy.deepcopy(model)), original),
-         "graphify+rotary": (cg.graphify(copy.deepcopy(model)), rotary)}
+auto, plain = cg.graphify(copy.deepcopy(model)), cg.graphify(copy.deepcopy(model))
+with torch.no_grad():  # (its plan installs the function pieces' wrapper)
+    auto.generate(prompt, **greedy)
+installed = modeling_llama.apply_rotary_pos_emb
+print("function piece installed:", installed is not original)
+forms = {"eager": (model, installed),
+         "graphify": (auto, installed),
+         "graphify, rotary eager": (plain, original)}
+if "--by-hand" in sys.argv:
+    forms["graphify+by hand"] = (cg.graphify(copy.deepcopy(model)), cg.graphify(original))
 
 
 def gen(m, fn):
@@ -45,7 +53,7 @@ def gen(m, fn):
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / N * 1e6, out
     finally:
-        modeling_llama.apply_rotary_pos_emb = original
+        modeling_llama.apply_rotary_pos_emb = installed
 
 
 def steps(m, fn, n=32):
@@ -63,7 +71,7 @@ def steps(m, fn, n=32):
         torch.cuda.synchronize()
         return (time.perf_counter() - t0) / n * 1e6
     finally:
-        modeling_llama.apply_rotary_pos_emb = original
+        modeling_llama.apply_rotary_pos_emb = installed
 
 
 with torch.no_grad():
@@ -85,6 +93,6 @@ with torch.no_grad():
         print(f"{name:16s} generate {gm:6.0f} µs/token ({e / gm:.2f}x eager), decode step "
               f"{sm:6.0f} µs ({es / sm:.2f}x); tokens equal eager "
               f"{torch.equal(outs[name], outs['eager'])}")
-    s = cg.stats(rotary)
-    print(f"rotary function: captures {s.captures}, replays {s.replays}, eager "
+    s = cg.stats(installed)
+    print(f"function pieces (all regions): captures {s.captures}, replays {s.replays}, eager "
           f"{dict(list(s.eager_calls.items())[:3])}")
