@@ -594,9 +594,9 @@ def set_again(sets: tuple) -> None:
     """Set again the module attributes a graph's forward sets to a constant, or to the object
     another attribute it read holds (``(weakref of the module, name, value)``, the value a
     :class:`From` then; see ``Recorder.sets`` and ``_first_call._sets``), as the forward would
-    have: a user may have
-    changed one since (a flag reset), or another signature's call set its own value. A change
-    bumps the epoch, as a forward's set does (a guard that read the old value checks again)."""
+    have: a user may have changed one since (a flag reset), or another signature's call set its
+    own value. A change bumps the epoch, as a forward's set does (a guard that read the old
+    value checks again)."""
     changed = False
     for ref, name, value in sets:
         module = ref()
