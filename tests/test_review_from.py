@@ -5,8 +5,8 @@ object of its own: ``_share._new_template``).
 
 Findings are strict xfails (``FR-N``), each failing on the assertion that states what eager
 does (FR-2 is fixed, its test plain: ``Capturing._sets_not_the_templates``; FR-1, FR-3, FR-4
-left, FR-1 named in the README); controls (cases that came out right) are plain tests. CPU only: the simulated backend
-(``sim``), share_graph's graph-reading double (``ideal_pool``) and the families' double
+left, FR-1 named in the README); controls (cases that came out right) are plain tests. CPU
+only: the simulated backend (``sim``), share_graph's graph-reading double (``ideal_pool``) and the families' double
 (``fam``). Outputs are compared with an eager twin (``torch.equal``); replay counters prove the
 graph path was taken before an attribute is compared. GPU version: ``.ci/review/from/gpu_from.py``.
 """
@@ -23,6 +23,7 @@ from torch import nn
 import cudagraphify as cg
 from cudagraphify import _watch
 from test_rebase import _register as _fam_register, fam  # noqa: F401 (fixture)
+from test_review_setobj import _Keeps, _twins
 from test_review_share_cache import Attn, Model, kv_cache, ready, _same_cache
 from test_review_static_state import Net, static_cache, _early_init
 from test_share_engine import _register, ideal_pool, reading  # noqa: F401 (fixtures)
@@ -33,26 +34,6 @@ def _quiet():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-def _twins(cls, *a, **kw):
-    torch.manual_seed(0)
-    m = cls(*a).eval()
-    return m, cg.graphify(copy.deepcopy(m), **kw)
-
-
-class _Keeps(nn.Module):
-    """``self.keep = self.value`` on every call."""
-
-    def __init__(self, value=None):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.value = [1] if value is None else value
-        self.keep = None
-
-    def forward(self, x):
-        self.keep = self.value
-        return self.lin(x)
 
 
 def _reset_and_call(m, g, x, reset):

@@ -268,40 +268,27 @@ def test_set_again_skips_a_dead_module_and_bumps_only_on_a_change():
 # -- training --------------------------------------------------------------------------------
 
 
-def test_a_training_replay_sets_the_flag_again(sim):
+@pytest.mark.parametrize("what", ["flag", "object"])
+def test_a_training_replay_sets_the_attribute_again(sim, what):
+    """``self.used = True`` (a constant) or ``self.keep = self.value`` (an object, set from
+    that attribute), reset between training calls: each replay sets it again."""
     torch.manual_seed(0)
-    m = _Flag().train()
+    m = _Flag().train() if what == "flag" else _Keeps([1]).train()
     g = cg.graphify(copy.deepcopy(m))
+    name, value = ("used", True) if what == "flag" else ("keep", m.value)
+    if what == "object":
+        g.value = m.value
     x = torch.randn(3, 8)
     for _ in range(3):
         a, b = g(x), m(x)
         a.sum().backward(), b.sum().backward()
     replays = cg.stats(g).replays
     for _ in range(2):
-        g.used = m.used = False
+        setattr(g, name, None)
+        setattr(m, name, None)
         a, b = g(x), m(x)
         a.sum().backward(), b.sum().backward()
-        assert torch.equal(a, b) and g.used is True
-    for p, q in zip(g.parameters(), m.parameters()):
-        assert torch.equal(p.grad, q.grad)
-    assert cg.stats(g).replays == replays + 2
-
-
-def test_a_training_replay_sets_the_object_again(sim):
-    torch.manual_seed(0)
-    m = _Keeps([1]).train()
-    g = cg.graphify(copy.deepcopy(m))
-    g.value = m.value
-    x = torch.randn(3, 8)
-    for _ in range(3):
-        a, b = g(x), m(x)
-        a.sum().backward(), b.sum().backward()
-    replays = cg.stats(g).replays
-    for _ in range(2):
-        g.keep = m.keep = None
-        a, b = g(x), m(x)
-        a.sum().backward(), b.sum().backward()
-        assert torch.equal(a, b) and g.keep is g.value
+        assert torch.equal(a, b) and getattr(g, name) is value
     for p, q in zip(g.parameters(), m.parameters()):
         assert torch.equal(p.grad, q.grad)
     assert cg.stats(g).replays == replays + 2
