@@ -6,9 +6,10 @@ object of its own: ``_share._new_template``).
 Findings are strict xfails (``FR-N``), each failing on the assertion that states what eager
 does (FR-2 is fixed, its test plain: ``Capturing._sets_not_the_templates``; FR-1, FR-3, FR-4
 left, FR-1 named in the README); controls (cases that came out right) are plain tests. CPU
-only: the simulated backend (``sim``), share_graph's graph-reading double (``ideal_pool``) and the families' double
-(``fam``). Outputs are compared with an eager twin (``torch.equal``); replay counters prove the
-graph path was taken before an attribute is compared. GPU version: ``.ci/review/from/gpu_from.py``.
+only: the simulated backend (``sim``), share_graph's graph-reading double (``ideal_pool``) and
+the families' double (``fam``). Outputs are compared with an eager twin (``torch.equal``);
+replay counters prove the graph path was taken before an attribute is compared. GPU version:
+``.ci/review/from/gpu_from.py``.
 """
 
 from __future__ import annotations
