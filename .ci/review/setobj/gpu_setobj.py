@@ -382,7 +382,8 @@ def so7_share_graph_layers_with_own_objects_and_a_cache():
     s = group.stats()
     # (since the review's fixes: sharing is refused for such layers, each layer's own graph
     # sets its own object; before, the layers shared and were left None)
-    if s.per_layer < 4 or not all("to an object of its own" in r for r in s.reasons):
+    if s.per_layer < 4 or not s.reasons or not all(
+            "to an object of its own" in r or "sets 'keep'" in r for r in s.reasons):
         return f"shared: retargets={s.retargets}, per_layer={s.per_layer}, reasons={s.reasons}"
     if sum(cg.stats(m).replays for m in model.layers) < 12:
         return "not exercised: fewer than 12 replays"
