@@ -1,4 +1,5 @@
-"""HF transformers ``model.generate()`` with a static cache, graphified with no option.
+"""HF transformers ``model.generate()`` with a static cache or its default one, graphified with no
+option.
 
     python examples/hf_generate.py          (needs: pip install transformers)
 
@@ -10,7 +11,10 @@ that generate() makes anew for every call: the first two calls capture (the seco
 diffed with the first, proves they differ only in the caches' addresses), later calls replay
 the first graph rebased to their cache's memory; a ``StaticCache`` you keep and pass again
 keeps its graphs. The prefill runs eagerly (a new cache's first update allocates it) or
-piecewise (transformers' mask building syncs on its eager path). Greedy tokens equal eager's.
+piecewise (transformers' mask building syncs on its eager path). With no cache option generate()
+makes a ``DynamicCache``, which grows every step: the attention over it runs eagerly, the norms,
+projections, MLPs and the rotary embedding around it are graphed as pieces. Greedy tokens equal
+eager's.
 
 generate() wraps the forward of a model with a static cache in torch.compile by default;
 graphify turns that off for the model it graphs (``generation_config.disable_compile``), and
@@ -82,19 +86,22 @@ def main() -> None:
                                      disable_compile=True, **greedy),
             "kept": timed_generate(model, prompt, runs, past_key_values=kept_eager,
                                    disable_compile=True, **greedy),
+            "dynamic": timed_generate(model, prompt, runs, disable_compile=True, **greedy),
         }
         cg.graphify(model)  # <- the one line
         graphed = {
             "static": timed_generate(model, prompt, runs, cache_implementation="static",
                                      **greedy),
             "kept": timed_generate(model, prompt, runs, past_key_values=kept_graph, **greedy),
+            "dynamic": timed_generate(model, prompt, runs, **greedy),
         }
     s = cg.stats(model)
     print(f"Llama, {sizes['num_hidden_layers']} layers, hidden {sizes['hidden_size']}, "
           f"{str(dtype).removeprefix('torch.')}, transformers {transformers.__version__}, "
           f"on {device}; {new_tokens} new tokens, greedy")
     for name, label in (("static", 'cache_implementation="static"'),
-                        ("kept", "a StaticCache passed in, kept across calls")):
+                        ("kept", "a StaticCache passed in, kept across calls"),
+                        ("dynamic", "no cache option (its DynamicCache)")):
         (e_tokens, _, e_s), (g_tokens, g_first, g_s) = eager[name], graphed[name]
         assert torch.equal(g_tokens, e_tokens), f"{label}: graphify generated other tokens"
         line = f"{label}: tokens equal eager's"
