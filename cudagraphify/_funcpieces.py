@@ -88,10 +88,12 @@ def _piece_of(fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def piece(*args: Any, **kwargs: Any) -> Any:
-        stack = _stack_get()
-        if stack:
-            region = stack[-1]
-            if region.implicit and not _is_compiling():
+        # (torch.compile's trace first: it folds is_compiling() to True and traces the function
+        # itself, with no graph break at the context variable)
+        if not _is_compiling():
+            stack = _stack_get()
+            if stack and stack[-1].implicit:
+                region = stack[-1]
                 graphed = per_region.get(region)
                 if graphed is None:
                     with _lock:

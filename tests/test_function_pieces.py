@@ -245,3 +245,20 @@ def _region_states(model):
     per_region = getattr(sys.modules[NAME].apply_rotary_pos_emb, _funcpieces._ATTR)
     graphed = per_region.get(chain)
     return [graphed._self_dispatch.state] if graphed is not None else []
+
+
+def test_torch_compile_traces_the_function_itself_with_no_graph_break(modeling):
+    """A compiled model of the library in the same process (not graphified) meets the wrapper:
+    its trace folds ``is_compiling()`` and traces the function, with no break."""
+    torch._dynamo.reset()
+    piece = _funcpieces._piece_of(_rotary)
+
+    def f(q, k, cos, sin):
+        a, b = piece(q, k, cos, sin)
+        return a + b
+
+    args = [torch.randn(3, 8) for _ in range(4)]
+    explained = torch._dynamo.explain(f)(*args)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1
+    a, b = _rotary(*args)
+    assert torch.equal(torch.compile(f, backend="eager")(*args), a + b)
