@@ -7,6 +7,7 @@ its family's) or a training graph (forward and backward)."""
 from __future__ import annotations
 
 import contextlib
+import threading
 import traceback
 from typing import Any, Callable
 
@@ -280,6 +281,13 @@ class Capturing:
         mutated = self.mutated
         borrow = region.borrowable(leaves) if chain else {}
         borrow = {i: s for i, s in borrow.items() if not self.static_flags[i] and i not in mutated}
+        if borrow and any(t != threading.get_ident() for t in tuple(region.streams)):
+            # Another thread runs the callable whose region this is: its code may make views of
+            # those slots' memory (``q.view(...)`` of an alias it holds) while this capture
+            # runs, which the use counts taken around it (``own_more`` below) would count as
+            # this graph's own references, and the slot's alias would then go unprotected
+            # (review finding FP-1). Its inputs are copied in instead.
+            borrow = {}
         inputs = StaticInputs(leaves, self.static_flags, {i: s.tensor for i, s in borrow.items()})
         mark(self, inputs)  # (where it may confirm a lent rehearsal: what it writes)
         held_before = [slot.users() for slot in borrow.values()]

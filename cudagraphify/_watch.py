@@ -226,7 +226,10 @@ _OWN_HOOKS: set[int] = set()  # handle ids of the global hooks cudagraphify's pr
 
 
 def _global_hook_ids() -> tuple:
-    return tuple(tuple(k for k in getattr(_module_mod, n, ()) if k not in _OWN_HOOKS)
+    # (each dict's keys taken at once, in C: another thread's probe registers and removes its
+    # own global hook meanwhile, and a generator over the dict itself raised "OrderedDict
+    # mutated during iteration" out of a call)
+    return tuple(tuple(k for k in tuple(getattr(_module_mod, n, ())) if k not in _OWN_HOOKS)
                  for n in _GLOBAL_HOOK_DICTS)
 
 

@@ -262,3 +262,32 @@ def test_torch_compile_traces_the_function_itself_with_no_graph_break(modeling):
     assert explained.graph_break_count == 0 and explained.graph_count == 1
     a, b = _rotary(*args)
     assert torch.equal(torch.compile(f, backend="eager")(*args), a + b)
+
+
+def _chained_graphs(model):
+    chain = model._cudagraphify_state._chain
+    return [e for _, cache in list(chain._caches.values()) for e in cache.graphs()]
+
+
+@pytest.mark.parametrize("other_thread", [False, True], ids=["alone", "another_thread"])
+def test_a_capture_while_another_thread_runs_the_root_copies_its_inputs(
+        sim, modeling, other_thread, monkeypatch):
+    """A graph captured in a root's region reads an earlier piece's output in place (the
+    function piece reads the projections'), unless another thread runs the root meanwhile: its
+    code may make views of that memory during the capture, which the use counts taken around
+    the capture would count as the graph's own (review finding FP-1): it copies them in."""
+    from cudagraphify import _region
+
+    if other_thread:  # (each run finds a thread in the middle of a run of the root)
+        enter = _region.GraphRegion.enter_run
+
+        def entered(self, token):
+            enter(self, token)
+            self.streams[-1] = token
+        monkeypatch.setattr(_region.GraphRegion, "enter_run", entered)
+    ref, g = _twins(modeling)
+    _same(_run(g, 5), _run(ref, 5))
+    graphs = _chained_graphs(g)
+    assert graphs and cg.stats(g).replays >= 4
+    borrowing = [e for e in graphs if getattr(e, "borrowed", None)]
+    assert (not borrowing) if other_thread else borrowing

@@ -9,6 +9,7 @@ Findings are strict xfails (``FP-N``); the other tests are controls that came ou
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import threading
 import warnings
@@ -251,6 +252,18 @@ def _threads_once(mod, cls, nthreads=4, rounds=3, n=20):
     return len(bad)
 
 
+# FP-1, reduced and left open: two causes found and fixed (a capture borrowing a slot while
+# another thread running the root made views of it inflated the slot's baseline, _capturing;
+# the global hooks' ids read while another thread's probe changed them, _watch), from about one
+# fresh model in two going wrong to one to three in a hundred (.ci/diag runs of 100 attempts
+# each, the CPU double); what is left is probabilistic at that rate, so these reproductions run
+# on demand (CUDAGRAPHIFY_RACES=1), where a run of 40 attempts shows it about one time in two.
+_ON_DEMAND = pytest.mark.skipif(not os.environ.get("CUDAGRAPHIFY_RACES"), reason=(
+    "FP-1's race, left open (README): a probabilistic reproduction, run with "
+    "CUDAGRAPHIFY_RACES=1"))
+
+
+@_ON_DEMAND
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "FP-1 (open, in the README): one piecewise root called from several threads from its "
     "first calls: with the "
@@ -276,6 +289,7 @@ def _attempts(fn, n=40):
         sys.setswitchinterval(old)
 
 
+@_ON_DEMAND
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
     "FP-1b: FP-1's race without any function piece: the same function called through a "
     "module piece (a plain library module name, nothing installed) from several threads"))
