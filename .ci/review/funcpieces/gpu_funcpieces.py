@@ -119,7 +119,10 @@ def threads_from_the_first_call():
     def work(k):
         with torch.no_grad():
             for r in range(3):
-                why = same(g.generate(prompts[k], **GEN), wants[k])
+                try:
+                    why = same(g.generate(prompts[k], **GEN), wants[k])
+                except Exception as e:  # noqa: BLE001 - a thread's error is a FAIL too
+                    why = f"raised {type(e).__name__}: {e}"
                 if why:
                     bad.append(f"thread {k} round {r}: {why}")
     threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
