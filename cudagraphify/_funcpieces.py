@@ -111,7 +111,7 @@ def _piece_of(fn: Callable) -> Callable:
     return piece
 
 
-def states_of(target: Any) -> list:
+def states_of(target: Any) -> list | None:
     """The engine states of a function piece's wrapper, one per implicit region it was called
     in that is still alive (None for anything else)."""
     per_region = getattr(target, _ATTR, None) if type(target) is types.FunctionType else None
