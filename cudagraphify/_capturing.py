@@ -290,6 +290,7 @@ class Capturing:
             borrow = {}
         inputs = StaticInputs(leaves, self.static_flags, {i: s.tensor for i, s in borrow.items()})
         mark(self, inputs)  # (where it may confirm a lent rehearsal: what it writes)
+        entered = region.entered if borrow else 0
         held_before = [slot.users() for slot in borrow.values()]
         a, kw = unflatten_call(inputs.leaves, self.sig)
         made = self._shared(fn, a, kw, inputs)
@@ -352,10 +353,17 @@ class Capturing:
         if forget is not None:
             entry.on_release.append(forget)
             entry.after_release.append(refit)
+        # (a run of the callable that began on another thread during this capture may have made
+        # views of a borrowed slot meanwhile: its references are not told from this graph's, so
+        # none is counted as this graph's own: the slot is then protected more often than
+        # needed, never less)
+        counted = not borrow or (region.entered == entered and not any(
+            t != threading.get_ident() for t in tuple(region.streams)))
         for slot, held in zip(borrow.values(), held_before):
             # outputs that are views of a borrowed input are cudagraphify's own references
-            slot.own_more(slot.users() - held)
-            entry.on_release.append(lambda slot=slot, n=slot.users() - held: slot.own_more(-n))
+            n = slot.users() - held if counted else 0
+            slot.own_more(n)
+            entry.on_release.append(lambda slot=slot, n=n: slot.own_more(-n))
         return entry
 
     def _shared(self, fn, a, kw, inputs):

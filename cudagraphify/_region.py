@@ -217,6 +217,7 @@ class GraphRegion:
         # ops, on memory of this region's graphs, may still be queued)
         self.streams: dict[int, int] = {}
         self.pending_streams: set[int] = set()
+        self.entered = 0  # runs entered so far (a capture sees whether one began meanwhile)
 
     def enter_run(self, token: int) -> None:
         """A thread starts a run of the callable whose region this is, on stream ``token``.
@@ -226,6 +227,7 @@ class GraphRegion:
         its thread has dropped."""
         streams = self.streams
         streams[threading.get_ident()] = token
+        self.entered += 1
         if any(t != token for t in tuple(streams.values())):
             self._stream_token = MULTI_STREAM  # (whichever stream replayed last)
 
