@@ -281,7 +281,7 @@ class Capturing:
         mutated = self.mutated
         borrow = region.borrowable(leaves) if chain else {}
         borrow = {i: s for i, s in borrow.items() if not self.static_flags[i] and i not in mutated}
-        if borrow and any(t != threading.get_ident() for t in tuple(region.streams)):
+        if borrow and _another_runs(region):
             # Another thread runs the callable whose region this is: its code may make views of
             # those slots' memory (``q.view(...)`` of an alias it holds) while this capture
             # runs, which the use counts taken around it (``own_more`` below) would count as
@@ -357,8 +357,7 @@ class Capturing:
         # views of a borrowed slot meanwhile: its references are not told from this graph's, so
         # none is counted as this graph's own: the slot is then protected more often than
         # needed, never less)
-        counted = not borrow or (region.entered == entered and not any(
-            t != threading.get_ident() for t in tuple(region.streams)))
+        counted = not borrow or (region.entered == entered and not _another_runs(region))
         for slot, held in zip(borrow.values(), held_before):
             # outputs that are views of a borrowed input are cudagraphify's own references
             n = slot.users() - held if counted else 0
@@ -612,3 +611,10 @@ def _forget_frames(error: BaseException) -> None:
     while error is not None:
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
+
+
+def _another_runs(region) -> bool:
+    """Whether a thread other than this one runs the callable whose region this is (see
+    ``GraphRegion.enter_run``)."""
+    me = threading.get_ident()
+    return any(t != me for t in tuple(region.streams))
