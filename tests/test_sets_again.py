@@ -25,6 +25,7 @@ from torch import nn
 import cudagraphify as cg
 from cudagraphify import _watch
 from test_rebase import _cache, _register as _register_cache, fam  # noqa: F401 (a fixture)
+from test_review_setobj import _Keeps  # (sets ``keep`` to the object ``value`` holds)
 from test_review_static_state import _step
 from test_share_engine import _register, reading  # noqa: F401 (a fixture)
 
@@ -115,20 +116,6 @@ def test_a_reset_flag_is_set_again_by_every_replay(sim, fast, monkeypatch):
             assert g.used is True
     s = cg.stats(g)
     assert s.replays == replays + 4 and s.captures == 1, s
-
-
-class _Keeps(nn.Module):
-    """Sets ``keep`` to the object ``value`` holds (a list, a plain object, a tensor)."""
-
-    def __init__(self, value):
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-        self.value = value
-        self.keep = None
-
-    def forward(self, x):
-        self.keep = self.value
-        return self.lin(x)
 
 
 _VALUES = {"list": lambda: [1], "object": object, "tensor": lambda: torch.ones(2)}
