@@ -47,6 +47,12 @@ class Capturing:
         # buffers keep their layouts and versions too, those it did not write included (a
         # later path's write, ``self.log.set_(...)``), their values being put back by the
         # extra warm-ups, which put back these tensors too)
+        try:
+            return self._capture_kept()
+        finally:
+            self._count_borrowed()
+
+    def _capture_kept(self) -> Outcome:
         with contextlib.ExitStack() as kept:
             try:
                 # (where the capture's run is real only for the host: the CPU tensors' bytes;
@@ -72,6 +78,29 @@ class Capturing:
             self.run_saved = dict.fromkeys(self.kept_storages())
             kept.callback(_writes.put_storages_back, self.run_saved)
             return self._capture()
+
+    def _count_borrowed(self) -> None:
+        """After a capture that read slots of its region in place (``borrow_counts``, see
+        ``_capture_inference``): the references to each slot's memory that the new graph holds
+        (outputs that are views of it) count as cudagraphify's own, not as an alias held.
+        Counted once what the capture's run noted is let go: its probe keeps the tensors whose
+        layouts it saw taken (``run_layouts``: views the forward made of the slot, as a rotary
+        embedding's halves), and counted as the graph's they would leave the slot's alias
+        unprotected once they are gone."""
+        for noted in (self.run_layouts, self.run_versions, self.run_saved):
+            noted.clear()  # (put back by now; cleared in place: the probe holds them too)
+        pending, self.borrow_counts = self.borrow_counts, []
+        for cells, region, entered in pending:
+            # (a run of the callable that began on another thread during this capture may
+            # have made views of a borrowed slot meanwhile: its references are not told from
+            # this graph's, so none is counted as this graph's own: the slot is then protected
+            # more often than needed, never less)
+            counted = region.entered == entered and not _another_runs(region)
+            for cell in cells:
+                slot, held, _ = cell
+                n = slot.users() - held if counted else 0
+                slot.own_more(n)
+                cell[2] = n
 
     def _capture(self) -> Outcome:
         failed: CaptureFailed | None = None
@@ -291,7 +320,9 @@ class Capturing:
         inputs = StaticInputs(leaves, self.static_flags, {i: s.tensor for i, s in borrow.items()})
         mark(self, inputs)  # (where it may confirm a lent rehearsal: what it writes)
         entered = region.entered if borrow else 0
-        held_before = [slot.users() for slot in borrow.values()]
+        # (slot, its use count now, the references counted as this graph's: see
+        # _count_borrowed)
+        cells = [[slot, slot.users(), 0] for slot in borrow.values()]
         a, kw = unflatten_call(inputs.leaves, self.sig)
         made = self._shared(fn, a, kw, inputs)
         shared = made is not None
@@ -353,16 +384,12 @@ class Capturing:
         if forget is not None:
             entry.on_release.append(forget)
             entry.after_release.append(refit)
-        # (a run of the callable that began on another thread during this capture may have made
-        # views of a borrowed slot meanwhile: its references are not told from this graph's, so
-        # none is counted as this graph's own: the slot is then protected more often than
-        # needed, never less)
-        counted = not borrow or (region.entered == entered and not _another_runs(region))
-        for slot, held in zip(borrow.values(), held_before):
-            # outputs that are views of a borrowed input are cudagraphify's own references
-            n = slot.users() - held if counted else 0
-            slot.own_more(n)
-            entry.on_release.append(lambda slot=slot, n=n: slot.own_more(-n))
+        if cells:
+            # outputs that are views of a borrowed input are cudagraphify's own references:
+            # counted once the capture's bookkeeping is let go (_count_borrowed), and no
+            # longer once the graph is released (before that count: none is made)
+            self.borrow_counts.append((cells, region, entered))
+            entry.on_release.append(lambda: _disown(cells))
         return entry
 
     def _shared(self, fn, a, kw, inputs):
@@ -611,6 +638,15 @@ def _forget_frames(error: BaseException) -> None:
     while error is not None:
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
+
+
+def _disown(cells: list) -> None:
+    """A graph that read slots in place is released: the references counted as its own
+    (``_count_borrowed``) are no longer; a count still to come finds none to make."""
+    for cell in cells:
+        cell[0].own_more(-cell[2])
+        cell[2] = 0
+    cells.clear()
 
 
 def _another_runs(region) -> bool:

@@ -97,6 +97,8 @@ class FirstCall(Capturing):
         self.shared_sets: list = []  # a share_graph layer's: what its replay sets (_sets)
         self.run_versions: dict = {}  # what the capture's probe saw written (Probe.versions)
         self.run_layouts: dict = {}  # and the layouts of what its ops took (Probe.layouts)
+        # the slots a capture read in place, counted once it is done (see _count_borrowed)
+        self.borrow_counts: list = []
         # the storages from before the call that the capture's backward wrote (its Python:
         # a tensor hook, see Capturing._watch_backward): its graph is refused
         self.backward_wrote: set[int] = set()

@@ -177,6 +177,46 @@ def test_a_view_of_a_pieces_output_kept_by_the_forward_makes_the_overwriting_cal
     assert any("referenced through a view" in r for r in norm.eager_calls), norm
 
 
+class _Halves(nn.Module):
+    """A rotary embedding's ``rotate_half``: views of its input, taken apart and joined."""
+
+    def forward(self, x):
+        h = x.shape[-1] // 2
+        return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class _CalledTwice(nn.Module):
+    """The first output of ``q`` is still held (``a``) when ``q`` replays again."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.halves = _Halves()
+
+    def forward(self, x):
+        a = self.q(x)
+        if a.sum().item() > 1e9:  # a host sync: the root runs piecewise
+            a = a * 0
+        r = self.halves(a)
+        b = self.q(x * 2)
+        return r + a + b
+
+
+def test_views_a_capture_makes_of_a_borrowed_output_are_not_the_graphs_own(sim):
+    """The capture of ``halves`` reads q's output in place; its probe noted the views that
+    the forward took of it (their layouts, kept until the capture is done), which counted as
+    the new graph's own references left q's output unprotected: ``a`` was overwritten by the
+    second call of ``q`` on every call from the second on."""
+    ref, g = _pair(_CalledTwice)
+    with torch.no_grad():
+        for i in range(8):
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), ref(x)), i
+    q, halves = cg.stats(g.q), cg.stats(g.halves)
+    assert q.replays >= 10 and halves.replays >= 5, (q, halves)
+    assert halves.input_copies == 0, halves  # (it reads q's output where it lies)
+
+
 def test_opaque_plans_chain_across_nested_callables(sim):
     torch.manual_seed(0)
     ref = T._Model()
