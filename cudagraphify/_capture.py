@@ -40,13 +40,17 @@ class Pool(tuple):
 class RawGraph:
     """One captured CUDA graph and its private memory pool."""
 
-    __slots__ = ("_graph", "pool", "pool_bytes", "capture_seconds")
+    __slots__ = ("_graph", "pool", "pool_bytes", "capture_seconds", "frees")
 
-    def __init__(self, graph: torch.cuda.CUDAGraph, pool, pool_bytes: int, capture_seconds: float):
+    def __init__(self, graph: torch.cuda.CUDAGraph, pool, pool_bytes: int, capture_seconds: float,
+                 frees: int | None = None):
         self._graph = graph
         self.pool = pool
         self.pool_bytes = pool_bytes
         self.capture_seconds = capture_seconds
+        # blocks the device's allocator freed while it was captured (any pool, stream or
+        # thread; None: not counted): 0 where its forward freed none in its pool
+        self.frees = frees
 
     @property
     def replay(self) -> Callable[[], None]:
@@ -60,6 +64,15 @@ class RawGraph:
         graph, self._graph = self._graph, None
         if graph is not None:
             graph.reset()
+
+
+def _freed() -> int | None:
+    """How many blocks the current device's caching allocator has freed so far (every pool,
+    stream and thread), or None where it keeps no such count (another allocator backend)."""
+    try:
+        return torch.cuda.memory_stats().get("allocation.all.freed")
+    except (RuntimeError, AssertionError):
+        return None
 
 
 _gc_lock = threading.Lock()
@@ -208,6 +221,7 @@ class CudaBackend:
             torch.clear_autocast_cache()
             torch.set_autocast_cache_enabled(False)
             side.wait_stream(cur)
+            freed = _freed()
             t0 = time.perf_counter()
             failure: BaseException | None = None
             began = ended = False
@@ -264,8 +278,10 @@ class CudaBackend:
                 transient = "legacy stream depend on a capturing" in str(failure)
                 raise CaptureFailed(_first_line(failure), transient) from failure
             seconds = time.perf_counter() - t0
+            after = _freed()
+            frees = after - freed if after is not None and freed is not None else None
             pool_bytes = max(0, torch.cuda.memory_reserved() - reserved)
-            return RawGraph(graph, pool, pool_bytes, seconds), out
+            return RawGraph(graph, pool, pool_bytes, seconds, frees), out
 
     def _abandon(self, pool, device: torch.device, failure: BaseException) -> None:
         """Undo what a ``capture_begin`` that raised leaves behind. It puts the CUDA generator

@@ -136,6 +136,7 @@ class Capturing:
                         self.statics.stand_ins, self.saved, self._watch_backward(second))
                 else:
                     entry = self._capture_inference(run)
+                    entry.scratch = _scratch(entry, second)
         except (CaptureFailed, torch.OutOfMemoryError) as e:
             _forget_frames(e)
             self._put_back(rec)  # (the capture's run is not a call, as in ``verify``)
@@ -347,6 +348,8 @@ class Capturing:
                 pool = None
             raw, out = self.backend.capture(lambda: fn(*a, **kw), self.device, pool=pool)
         seq, forget = None, None
+        # (a graph of its own, captured here: what its capture freed; a template's: unknown)
+        frees = getattr(raw, "frees", None) if made is None else None
         copy_outputs = state.options.copy_outputs
         if chain:
             seq, pool_output, forget, refit = region.adopt()
@@ -373,6 +376,7 @@ class Capturing:
             self.family.made = (actions, spec, keep)
         entry.shared = shared
         entry.seq = seq
+        entry.frees = frees
         entry.borrowed = list(borrow.items())
         # (a slot it reads in place whose memory the caller grows moves away from where this
         # graph reads: checked as its own outputs handed out are, see ``handed_moved``)
@@ -638,6 +642,18 @@ def _forget_frames(error: BaseException) -> None:
     while error is not None:
         traceback.clear_frames(error.__traceback__)
         error = error.__cause__ or error.__context__
+
+
+def _scratch(entry, probe) -> bool:
+    """Whether ``entry``'s replays may write memory of its pool other than its outputs (see
+    ``CapturedGraph.scratch``): unless its capture freed no block on the device (no temporary
+    of its forward or scratch of its kernels was given back to the pool while it ran) and every
+    tensor its forward made (as its probe saw) is one of its outputs, or a view of one (none
+    freed after the capture either, to be handed to a later one)."""
+    if entry.frees != 0 or probe is None or probe.produced is None:
+        return True
+    outputs = {storage_of(t) for t in entry.output_tensors()}
+    return not probe.produced <= outputs
 
 
 def _disown(cells: list) -> None:

@@ -374,8 +374,13 @@ class GraphRegion:
             # (else every live slot was captured before this graph, as the earlier pieces'
             # outputs of a chain are when the next one replays: no walk over them)
             top = -1
+            # (nor, where this graph writes nothing of the pool but its outputs, one captured
+            # after it: such a slot may lie on an earlier graph's temporaries, of which this
+            # one has none)
+            after = 1 << 62 if getattr(entry, "scratch", True) else seq
             for slot in tuple(live):
-                if slot.seq < seq:  # captured before: this replay cannot reach its memory
+                if slot.seq < seq or slot.seq > after:
+                    # captured before: this replay cannot reach its memory
                     if slot.seq > top:
                         top = slot.seq
                     continue

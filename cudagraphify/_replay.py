@@ -364,6 +364,11 @@ class CapturedGraph(Owned):
     """
 
     hazard: frozenset | set = frozenset()
+    # whether a replay may write memory of its pool beyond its outputs (its forward's
+    # temporaries, its kernels' scratch): where it may, a graph captured after it into the
+    # pool may lie there (see _region.GraphRegion.protect_before, _capturing._scratch)
+    scratch = True
+    frees: int | None = None  # blocks freed on the device while it was captured (_capture)
     sets: tuple = ()  # module attributes its forward sets to a constant (_watch.set_again)
     trial = None  # a piece's graph being timed against its eager run (see _trial)
     # (calls its replay was blocked by a later graph's held output, its uses at the last of

@@ -6,6 +6,7 @@ bitwise; what the caller holds must not change."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import warnings
 
@@ -215,6 +216,75 @@ def test_views_a_capture_makes_of_a_borrowed_output_are_not_the_graphs_own(sim):
     q, halves = cg.stats(g.q), cg.stats(g.halves)
     assert q.replays >= 10 and halves.replays >= 5, (q, halves)
     assert halves.input_copies == 0, halves  # (it reads q's output where it lies)
+
+
+def _graphs_of(g, module):
+    """The region graphs of ``module`` (a piece of ``g``), in its root's implicit region."""
+    region = g._cudagraphify_state._chain
+    return region.cache_for(module._cudagraphify_state).graphs()
+
+
+@pytest.mark.parametrize("frees", [None, 0])
+def test_a_graph_with_no_temporaries_does_not_protect_outputs_captured_after_it(sim, frees,
+                                                                                monkeypatch):
+    """``q`` (one Linear: its output is all it writes) was captured before ``halves``, whose
+    output ``r`` is held when ``q`` replays again: ``r`` may lie on the temporaries of a graph
+    captured before it, but ``q`` has none where its capture freed no block (``frees == 0``,
+    as the CUDA backend counts; the CPU double counts nothing: None) and its forward made no
+    tensor but its output. ``halves`` (``-x2``, then ``cat``) has temporaries either way."""
+    if frees is not None:
+        capture = type(sim).capture
+
+        def counted(self, *a, **k):
+            raw, out = capture(self, *a, **k)
+            raw.frees = frees
+            return raw, out
+        monkeypatch.setattr(type(sim), "capture", counted)
+    moved = collections.Counter()  # (capture order of the slot -> its aliases moved)
+    move = _region.Slot.move
+
+    def counting(slot, extra):
+        moved[slot.seq] += 1
+        return move(slot, extra)
+    monkeypatch.setattr(_region.Slot, "move", counting)
+    ref, g = _pair(_CalledTwice)
+    with torch.no_grad():
+        for i in range(8):
+            x = torch.randn(4, 8)
+            assert torch.equal(g(x), ref(x)), i
+    (q,), (halves,) = _graphs_of(g, g.q), _graphs_of(g, g.halves)
+    assert q.seq < halves.seq and halves.scratch
+    assert q.scratch is (frees is None)
+    # ``a`` (q's own output) moved to a copy before each second replay of q, whatever q
+    # writes; ``r`` too, from the third call on, where q may write more than its output
+    assert moved[q.seq] >= 6, moved
+    assert (moved[halves.seq] >= 5) if frees is None else (moved[halves.seq] == 0), moved
+    assert cg.stats(g.q).replays >= 10 and cg.stats(g.halves).replays >= 5
+
+
+def test_what_makes_a_graph_write_more_than_its_outputs():
+    from cudagraphify._capturing import _scratch
+
+    class Entry:
+        def __init__(self, frees, outs):
+            self.frees, self.outs = frees, outs
+
+        def output_tensors(self):
+            return self.outs
+
+    class Probe:
+        def __init__(self, produced):
+            self.produced = produced
+
+    out = torch.zeros(4)
+    own = {out.untyped_storage().data_ptr()}
+    tmp = torch.zeros(4).untyped_storage().data_ptr()
+    assert not _scratch(Entry(0, [out, out[1:]]), Probe(set(own)))
+    assert _scratch(Entry(None, [out]), Probe(set(own)))  # (not counted)
+    assert _scratch(Entry(2, [out]), Probe(set(own)))  # (a block freed while captured)
+    assert _scratch(Entry(0, [out]), None)  # (no probe: what it made is not known)
+    assert _scratch(Entry(0, [out]), Probe(None))
+    assert _scratch(Entry(0, [out]), Probe(own | {tmp}))  # (a temporary freed after it)
 
 
 def test_opaque_plans_chain_across_nested_callables(sim):

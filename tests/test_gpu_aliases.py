@@ -154,3 +154,46 @@ def test_a_pieces_output_grown_in_place_by_the_root_runs_that_piece_eagerly():
     assert cg.stats(g.b).replays >= 3
     assert sum(n for r, n in cg.stats(f).eager_calls.items() if "resized in place" in r) == 3
     assert cg.stats(f).replays >= 1
+
+
+class _Mlp(nn.Module):
+    """Temporaries of its own: the hidden activation and GELU's output, freed in its capture
+    (a graph captured after it into the pool may be given their memory)."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 4096), nn.Linear(4096, 16)
+
+    def forward(self, x):
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+def _entry(region, g):
+    (entry,) = region.cache_for(g._cudagraphify_state).graphs()
+    return entry
+
+
+def test_an_output_captured_after_a_graph_with_temporaries_is_kept_from_its_replay():
+    """``up`` (an output the size of ``mlp``'s temporaries) is captured after ``mlp`` into one
+    region's pool, so its output may lie on memory ``mlp``'s replay writes. Its output held
+    across ``mlp``'s replays keeps its value (it is moved to a copy first); a graph that
+    writes only its outputs (one ``Linear``: its capture freed no block) is known as such."""
+    torch.manual_seed(0)
+    mlp, up = _Mlp().to(DEV).eval(), nn.Linear(16, 4096).to(DEV).eval()
+    gm, gu = cg.graphify(copy.deepcopy(mlp)), cg.graphify(copy.deepcopy(up))
+    with torch.no_grad(), cg.graph_region() as region:
+        gm(torch.randn(4, 16, device=DEV))
+        gu(torch.randn(4, 16, device=DEV))
+        m, u = _entry(region, gm), _entry(region, gu)
+        assert m.seq < u.seq and m.scratch and m.frees, (m.frees, m.scratch)
+        moved = region.moved_outputs
+        for _ in range(4):
+            x1, x2 = torch.randn(4, 16, device=DEV), torch.randn(4, 16, device=DEV)
+            y = gu(x1)  # (held across mlp's replay)
+            z = gm(x2)
+            assert torch.equal(z, mlp(x2))
+            assert torch.equal(y, up(x1))
+        assert region.moved_outputs - moved == 4
+        # (up's own graph: nothing but its output)
+        assert u.frees == 0 and not u.scratch, (u.frees, u.scratch)
+    assert cg.stats(gm).replays == 4 and cg.stats(gu).replays == 4
