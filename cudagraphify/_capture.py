@@ -92,6 +92,16 @@ def _gc_hold(delta: int) -> None:
             gc.enable()
 
 
+def collect_young() -> None:
+    """Collect the young generations' garbage: a reference cycle a forward just made (a view
+    kept in a closure that refers to itself, a caught exception kept in a local) holds its
+    tensors until a collection, and a use count read before it counts them (see _region.Slot).
+    Not while a capture runs on any thread (see _gc_hold): the collection waits for none."""
+    with _gc_lock:
+        if not _gc_holds:
+            gc.collect(1)
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"

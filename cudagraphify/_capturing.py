@@ -15,7 +15,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _cugraph, _watch, _writes
-from ._capture import _first_line
+from ._capture import _first_line, collect_young
 from ._errors import CaptureFailed
 from ._nested import Nested
 from ._outcome import DEFERRED, PIECEWISE, Outcome
@@ -90,6 +90,11 @@ class Capturing:
         for noted in (self.run_layouts, self.run_versions, self.run_saved):
             noted.clear()  # (put back by now; cleared in place: the probe holds them too)
         pending, self.borrow_counts = self.borrow_counts, []
+        if pending:
+            # (a reference cycle the capture's run made, a view of the slot in a closure or a
+            # caught exception's frames, is garbage the collector frees later: a capture on
+            # CUDA runs with the collector off)
+            collect_young()
         for cells, region, entered in pending:
             # (a run of the callable that began on another thread during this capture may
             # have made views of a borrowed slot meanwhile: its references are not told from
@@ -321,6 +326,8 @@ class Capturing:
         inputs = StaticInputs(leaves, self.static_flags, {i: s.tensor for i, s in borrow.items()})
         mark(self, inputs)  # (where it may confirm a lent rehearsal: what it writes)
         entered = region.entered if borrow else 0
+        if borrow:
+            collect_young()  # (the garbage of the runs before: not alive at the count either)
         # (slot, its use count now, the references counted as this graph's: see
         # _count_borrowed)
         cells = [[slot, slot.users(), 0] for slot in borrow.values()]

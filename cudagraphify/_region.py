@@ -29,7 +29,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from ._cache import GraphCache
-from ._capture import MULTI_STREAM, drain
+from ._capture import MULTI_STREAM, collect_young, drain
 from ._copies import copies_of, copy_of
 from ._signature import leaf_kind
 from ._errors import CudagraphifyError, CudagraphifyUsageError
@@ -87,10 +87,15 @@ class Slot:
     """A static output of a region graph, handed out as an alias instead of a copy."""
 
     __slots__ = ("region", "live", "tensor", "ptr", "storage", "cdata", "seq", "baseline",
-                 "alias", "lone", "thread")
+                 "alias", "lone", "thread", "firsts")
 
-    def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int, lone: bool = True):
+    def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int, lone: bool = True,
+                 firsts: dict | None = None):
         self.region = region
+        # its graph's first baselines, by memory (``_cdata``): the outputs of one graph on one
+        # memory take the count made before the first of their aliases was handed out (ints
+        # only: no slot holds another)
+        self.firsts = firsts if firsts is not None else {}
         self.lone = lone  # no other output of its graph on its memory (see hand_out)
         self.live = region._live  # the region's slots whose last alias may still be held
         self.tensor = tensor
@@ -121,7 +126,7 @@ class Slot:
 
     def hand_out(self, leaves, outs) -> torch.Tensor:
         if self.baseline is None:
-            self.baseline = _use_count(self.storage._cdata)
+            self._first_baseline()
         # (``.data``: a version counter of its own, as eager's output has: an in-place write to
         # an earlier call's output must not move a later one's version; outputs of one call on
         # one memory: ``detach()``, sharing their counter as eager's views of one another do)
@@ -133,6 +138,17 @@ class Slot:
         if self.seq > region._live_top:
             region._live_top = self.seq
         return alias
+
+    def _first_baseline(self) -> None:
+        """cudagraphify's own references to this memory, before the first alias of it is handed
+        out: counted once the young garbage is collected (a cycle of the capture's run holding
+        a view of it), once for every output of its graph on this memory (the first output's
+        alias, handed out just before, is not the second's own)."""
+        n = self.firsts.get(self.cdata)
+        if n is None:
+            collect_young()
+            n = self.firsts[self.cdata] = _use_count(self.cdata)
+        self.baseline = n
 
     def protect(self) -> bool:
         """Before this memory is overwritten: move a held alias to a copy. False if impossible."""
@@ -328,9 +344,10 @@ class GraphRegion:
         seq = self._seq
         self._seq += 1
         slots: list[Slot] = []
+        firsts: dict[int, int] = {}  # (see Slot.firsts)
 
         def pool_output(t: torch.Tensor, lone: bool = True):
-            slot = Slot(self, t, seq, lone)
+            slot = Slot(self, t, seq, lone, firsts)
             slots.append(slot)
             self._slots[slot.ptr] = slot
             return slot.hand_out

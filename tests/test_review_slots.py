@@ -3,7 +3,9 @@ probe's notes are let go) and of the slot use counts around it: a slot's ``basel
 exactly the references cudagraphify holds on its memory; one too high lets a replay overwrite
 an alias the caller still holds. On the CPU double, against an eager twin, bitwise.
 
-Findings are strict xfails (SLOT-N); the other tests are controls that came out right.
+Findings (SLOT-N, each fixed since: sibling slots take their first baseline together, the
+young garbage is collected before a baseline or a borrowing capture's count is read) and
+controls that came out right.
 
 The garbage-cycle tests keep the collector off while the root runs, as ``CudaBackend.capture``
 does for the capture itself (``_capture._gc_hold``), and collect after each call: on a GPU the
@@ -131,10 +133,9 @@ class _ChunkView(_Siblings):
         return v, b1, b2
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "SLOT-1: the second output on one memory takes its lazy baseline (Slot.hand_out) while the "
-    "first output's fresh alias is in outs: one too high; h's copy-in protects only the slot "
-    "it reads (extra 1: a2, moved), and overwrites a1, which the walk skips (captured before)"))
+# SLOT-1 (fixed since): the second output on one memory takes its lazy baseline (Slot.hand_out)
+# while the first output's fresh alias is in outs: one too high; h's copy-in protects only the
+# slot it reads (extra 1: a2, moved), and overwrites a1, which the walk skips (captured before)
 def test_a_copy_into_a_borrowed_slot_leaves_a_sibling_outputs_alias_alone(sim):
     ref, g = _pair(_Siblings)
     bad = _calls(ref, g, 6)
@@ -143,9 +144,8 @@ def test_a_copy_into_a_borrowed_slot_leaves_a_sibling_outputs_alias_alone(sim):
     assert bad == [], f"calls {bad}: a1 overwritten by h's copy-in"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "SLOT-1: the same one-too-high baseline with chunks apart: h's copy-in sees one extra "
-    "reference (a2 and its view v are two), moves a2, and overwrites v"))
+# SLOT-1 (fixed since): the same one-too-high baseline with chunks apart: h's copy-in sees one
+# extra reference (a2 and its view v are two), moves a2, and overwrites v
 def test_a_copy_into_a_borrowed_chunk_leaves_a_view_of_it_alone(sim):
     ref, g = _pair(_ChunkView)
     bad = _calls(ref, g, 6)
@@ -244,10 +244,9 @@ class _CalledTwiceView(_CalledTwice):
     halves_cls = _ViewHalves
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "SLOT-2: _count_borrowed counts, as the new graph's own, a view of the borrowed slot that "
-    "a garbage cycle of the capture's run still holds; once collected, q's slot baseline is "
-    "one too high and q's second replay overwrites a"))
+# SLOT-2 (fixed since): _count_borrowed counts, as the new graph's own, a view of the borrowed
+# slot that a garbage cycle of the capture's run still holds; once collected, q's slot baseline is
+# one too high and q's second replay overwrites a
 def test_a_cycle_made_by_a_borrowing_capture_is_not_the_graphs_own(sim):
     ref, g = _pair(_CalledTwice)
     bad = _calls(ref, g, 8, collect=True)
@@ -304,10 +303,9 @@ class _QTwice(nn.Module):
         return a + b
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "SLOT-3: Slot.hand_out's lazy first baseline (the replay right after the capture) counts a "
-    "view of the output that a garbage cycle of the capture's run still holds; once collected, "
-    "the baseline is one too high and q's second replay overwrites a"))
+# SLOT-3 (fixed since): Slot.hand_out's lazy first baseline (the replay right after the capture)
+# counts a view of the output that a garbage cycle of the capture's run still holds; once
+# collected, the baseline is one too high and q's second replay overwrites a
 def test_a_cycle_made_by_a_capture_is_not_in_its_outputs_baseline(sim):
     ref, g = _pair(_QTwice)
     bad = _calls(ref, g, 6, collect=True)
