@@ -117,7 +117,7 @@ class _Mut(_Lin):
 
 def _captured(modules, frees, sim, monkeypatch, x=None):
     """Graph each module in one region (one call each) and return (region, graphed, entries);
-    the region stays open: the caller closes it."""
+    the region stays entered: the caller leaves it (``__exit__``)."""
     _sim_graphs_record_fresh(sim, monkeypatch, frees)
     graphed = [cg.graphify(copy.deepcopy(m)) for m in modules]
     region = cg.graph_region()
@@ -156,7 +156,7 @@ def test_scr1_an_allocator_keeping_no_counts_makes_every_capture_free_nothing(
         # allocator backend"; the graph then protects no slot captured after it)
         assert norm.scratch, (norm.frees, _capture._freed())
     finally:
-        region.close()
+        region.__exit__(None, None, None)
 
 
 def test_control_the_native_count_is_what_sees_an_ops_own_temporaries(sim, monkeypatch):
@@ -169,7 +169,7 @@ def test_control_the_native_count_is_what_sees_an_ops_own_temporaries(sim, monke
             assert _beyond_outputs(norm) == 32
             assert norm.scratch is scratch, (frees, norm.scratch)
         finally:
-            region.close()
+            region.__exit__(None, None, None)
         monkeypatch.undo()
 
 
@@ -184,7 +184,7 @@ def test_control_a_graph_that_makes_only_its_outputs(sim, monkeypatch):
         (out,) = off.output_tensors()
         assert out.storage_offset() > 0
     finally:
-        region.close()
+        region.__exit__(None, None, None)
 
 
 @pytest.mark.parametrize("module", [_Tmp, _Kept])
@@ -198,7 +198,7 @@ def test_control_a_tensor_made_besides_the_outputs_keeps_the_protection(
         assert _beyond_outputs(e) > 0
         assert e.scratch
     finally:
-        region.close()
+        region.__exit__(None, None, None)
         _KEPT.clear()
 
 
@@ -234,7 +234,7 @@ def test_control_a_slot_captured_later_is_left_alone_and_still_protected_by_its_
                 del again
         assert cg.stats(ga).replays >= 12 and cg.stats(gc).replays >= 8
     finally:
-        region.close()
+        region.__exit__(None, None, None)
 
 
 def test_control_a_graph_writing_its_argument_copies_back_into_a_later_slot(sim, monkeypatch):
@@ -254,7 +254,7 @@ def test_control_a_graph_writing_its_argument_copies_back_into_a_later_slot(sim,
                 assert torch.equal(got, rm(want_in)) and torch.equal(y, want_in)
         assert cg.stats(gm).replays >= 3
     finally:
-        region.close()
+        region.__exit__(None, None, None)
 
 
 def test_control_templates_and_unprobed_graphs_keep_the_old_rule(sim, monkeypatch):
@@ -263,7 +263,7 @@ def test_control_templates_and_unprobed_graphs_keep_the_old_rule(sim, monkeypatc
     try:
         assert lin.frees is None and lin.scratch
     finally:
-        region.close()
+        region.__exit__(None, None, None)
     monkeypatch.undo()
     _sim_graphs_record_fresh(sim, monkeypatch, 0)
     g = cg.graphify(_Lin(), probe=False)
