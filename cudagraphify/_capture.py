@@ -40,17 +40,17 @@ class Pool(tuple):
 class RawGraph:
     """One captured CUDA graph and its private memory pool."""
 
-    __slots__ = ("_graph", "pool", "pool_bytes", "capture_seconds", "frees")
+    __slots__ = ("_graph", "pool", "pool_bytes", "capture_seconds", "allocs", "frees")
 
     def __init__(self, graph: torch.cuda.CUDAGraph, pool, pool_bytes: int, capture_seconds: float,
-                 frees: int | None = None):
+                 counts: tuple[int, int] | None = None):
         self._graph = graph
         self.pool = pool
         self.pool_bytes = pool_bytes
         self.capture_seconds = capture_seconds
-        # blocks the device's allocator freed while it was captured (any pool, stream or
-        # thread; None: not counted): 0 where its forward freed none in its pool
-        self.frees = frees
+        # blocks the device's allocator handed out and freed while it was captured (any pool,
+        # stream or thread; None: not counted)
+        self.allocs, self.frees = counts if counts is not None else (None, None)
 
     @property
     def replay(self) -> Callable[[], None]:
@@ -66,13 +66,18 @@ class RawGraph:
             graph.reset()
 
 
-def _freed() -> int | None:
-    """How many blocks the current device's caching allocator has freed so far (every pool,
-    stream and thread), or None where it keeps no such count (another allocator backend)."""
+def _alloc_counts() -> tuple[int, int] | None:
+    """How many blocks the current device's caching allocator has handed out and freed so far
+    (every pool, stream and thread), or None where it keeps no such counts (cudaMallocAsync
+    lists them at 0)."""
     try:
-        return torch.cuda.memory_stats().get("allocation.all.freed")
+        if torch.cuda.memory.get_allocator_backend() != "native":
+            return None
+        stats = torch.cuda.memory_stats()
     except (RuntimeError, AssertionError):
         return None
+    made, freed = stats.get("allocation.all.allocated"), stats.get("allocation.all.freed")
+    return None if made is None or freed is None else (made, freed)
 
 
 _gc_lock = threading.Lock()
@@ -231,7 +236,7 @@ class CudaBackend:
             torch.clear_autocast_cache()
             torch.set_autocast_cache_enabled(False)
             side.wait_stream(cur)
-            freed = _freed()
+            counted = _alloc_counts()
             t0 = time.perf_counter()
             failure: BaseException | None = None
             began = ended = False
@@ -288,10 +293,11 @@ class CudaBackend:
                 transient = "legacy stream depend on a capturing" in str(failure)
                 raise CaptureFailed(_first_line(failure), transient) from failure
             seconds = time.perf_counter() - t0
-            after = _freed()
-            frees = after - freed if after is not None and freed is not None else None
+            after = _alloc_counts()
+            counts = None if after is None or counted is None else \
+                (after[0] - counted[0], after[1] - counted[1])
             pool_bytes = max(0, torch.cuda.memory_reserved() - reserved)
-            return RawGraph(graph, pool, pool_bytes, seconds, frees), out
+            return RawGraph(graph, pool, pool_bytes, seconds, counts), out
 
     def _abandon(self, pool, device: torch.device, failure: BaseException) -> None:
         """Undo what a ``capture_begin`` that raised leaves behind. It puts the CUDA generator

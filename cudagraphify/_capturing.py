@@ -355,8 +355,10 @@ class Capturing:
                 pool = None
             raw, out = self.backend.capture(lambda: fn(*a, **kw), self.device, pool=pool)
         seq, forget = None, None
-        # (a graph of its own, captured here: what its capture freed; a template's: unknown)
-        frees = getattr(raw, "frees", None) if made is None else None
+        # (a graph of its own, captured here: what its capture allocated and freed; a
+        # template's: unknown)
+        counts = (getattr(raw, "allocs", None), getattr(raw, "frees", None)) if made is None \
+            else (None, None)
         copy_outputs = state.options.copy_outputs
         if chain:
             seq, pool_output, forget, refit = region.adopt()
@@ -383,7 +385,7 @@ class Capturing:
             self.family.made = (actions, spec, keep)
         entry.shared = shared
         entry.seq = seq
-        entry.frees = frees
+        entry.allocs, entry.frees = counts
         entry.borrowed = list(borrow.items())
         # (a slot it reads in place whose memory the caller grows moves away from where this
         # graph reads: checked as its own outputs handed out are, see ``handed_moved``)
@@ -654,10 +656,12 @@ def _forget_frames(error: BaseException) -> None:
 def _scratch(entry, probe) -> bool:
     """Whether ``entry``'s replays may write memory of its pool other than its outputs (see
     ``CapturedGraph.scratch``): unless its capture freed no block on the device (no temporary
-    of its forward or scratch of its kernels was given back to the pool while it ran) and every
-    tensor its forward made (as its probe saw) is one of its outputs, or a view of one (none
-    freed after the capture either, to be handed to a later one)."""
-    if entry.frees != 0 or probe is None or probe.produced is None:
+    of its forward or scratch of its kernels was given back to the pool while it ran), handed
+    out as many as the storages its forward's ops made (as its probe saw: none made where no
+    probe looks, inside an op, by a stream's first workspace), and each of those is one of its
+    outputs (none freed after the capture either, to be handed to a later one)."""
+    if entry.frees != 0 or probe is None or probe.produced is None \
+            or entry.allocs != len(probe.produced):
         return True
     outputs = {storage_of(t) for t in entry.output_tensors()}
     return not probe.produced <= outputs

@@ -368,7 +368,9 @@ class CapturedGraph(Owned):
     # temporaries, its kernels' scratch): where it may, a graph captured after it into the
     # pool may lie there (see _region.GraphRegion.protect_before, _capturing._scratch)
     scratch = True
-    frees: int | None = None  # blocks freed on the device while it was captured (_capture)
+    # blocks handed out and freed on the device while it was captured (see _capture.RawGraph)
+    allocs: int | None = None
+    frees: int | None = None
     sets: tuple = ()  # module attributes its forward sets to a constant (_watch.set_again)
     trial = None  # a piece's graph being timed against its eager run (see _trial)
     # (calls its replay was blocked by a later graph's held output, its uses at the last of

@@ -185,6 +185,8 @@ class SimGraph:
         # find it there
         self._memory = [(s, s.data_ptr(), s.nbytes()) for s in rec.storages.values()]
         self.pool_bytes = sum(rec.storages[k].nbytes() for k in rec.fresh_storages)
+        # (the storages its ops made: what a CUDA capture's allocator hands out, _capture.RawGraph)
+        self.fresh = [rec.storages[k] for k in rec.fresh_storages]
         self._specs = rec.specs
         with torch.no_grad(), torch.inference_mode(False):
             self._aliases = [_alias(spec) for spec in rec.specs]

@@ -229,15 +229,15 @@ def test_a_graph_with_no_temporaries_does_not_protect_outputs_captured_after_it(
                                                                                 monkeypatch):
     """``q`` (one Linear: its output is all it writes) was captured before ``halves``, whose
     output ``r`` is held when ``q`` replays again: ``r`` may lie on the temporaries of a graph
-    captured before it, but ``q`` has none where its capture freed no block (``frees == 0``,
-    as the CUDA backend counts; the CPU double counts nothing: None) and its forward made no
-    tensor but its output. ``halves`` (``-x2``, then ``cat``) has temporaries either way."""
+    captured before it, but ``q`` has none where its capture freed no block (``frees == 0``)
+    and made one, its output (as the CUDA backend counts; the CPU double counts nothing: None).
+    ``halves`` (``-x2``, then ``cat``) has temporaries either way."""
     if frees is not None:
         capture = type(sim).capture
 
-        def counted(self, *a, **k):
+        def counted(self, *a, **k):  # (as the CUDA backend counts: see _capture.RawGraph)
             raw, out = capture(self, *a, **k)
-            raw.frees = frees
+            raw.allocs, raw.frees = len(raw.fresh), frees
             return raw, out
         monkeypatch.setattr(type(sim), "capture", counted)
     moved = collections.Counter()  # (capture order of the slot -> its aliases moved)
@@ -266,8 +266,8 @@ def test_what_makes_a_graph_write_more_than_its_outputs():
     from cudagraphify._capturing import _scratch
 
     class Entry:
-        def __init__(self, frees, outs):
-            self.frees, self.outs = frees, outs
+        def __init__(self, frees, outs, allocs=1):
+            self.frees, self.outs, self.allocs = frees, outs, allocs
 
         def output_tensors(self):
             return self.outs
@@ -285,6 +285,9 @@ def test_what_makes_a_graph_write_more_than_its_outputs():
     assert _scratch(Entry(0, [out]), None)  # (no probe: what it made is not known)
     assert _scratch(Entry(0, [out]), Probe(None))
     assert _scratch(Entry(0, [out]), Probe(own | {tmp}))  # (a temporary freed after it)
+    # (a block handed out that the probe saw no op make: inside an op, a stream's workspace)
+    assert _scratch(Entry(0, [out], allocs=2), Probe(set(own)))
+    assert _scratch(Entry(0, [out], allocs=None), Probe(set(own)))
 
 
 def test_opaque_plans_chain_across_nested_callables(sim):

@@ -204,5 +204,5 @@ def test_an_output_captured_after_a_graph_with_temporaries_is_kept_from_its_repl
             assert torch.equal(y, up(x1))
         assert moves[u.seq] == 4 and moves[m.seq] == 3, moves
         # (up's own graph: nothing but its output)
-        assert u.frees == 0 and not u.scratch, (u.frees, u.scratch)
+        assert u.frees == 0 and u.allocs == 1 and not u.scratch, (u.frees, u.allocs, u.scratch)
     assert cg.stats(gm).replays == 4 and cg.stats(gu).replays == 4

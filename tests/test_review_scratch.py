@@ -3,14 +3,15 @@ outputs, ``scratch == False``, leaves slots captured after it unprotected).
 
 On the CPU double (``sim``) a capture frees nothing that a later capture could be given, so no
 value goes wrong here: the findings assert the classification (``entry.scratch``) against what
-the graph's capture wrote (the storages the double saw made by its ops: ``_Fresh``). The
-double's graphs report no ``frees``; each test sets the count a CUDA capture would report.
+the graph's capture wrote (the storages the double saw made by its ops: ``fresh``). The
+double's graphs report no counts; each test sets those a CUDA capture would report.
 
-SCR-1 (xfail): where the CUDA allocator keeps no counts (``backend:cudaMallocAsync``, whose
-``memory_stats()`` lists every core stat as 0), ``_capture._freed()`` gives 0, not None, so
-every capture reads ``frees == 0`` and only the probe decides. The probe sees the tensors an
-op returns, not those it makes inside (``F.layer_norm``'s mean and rstd, autocast's casts,
-copies inside a composite op): such a graph is classified as writing only its outputs.
+SCR-1 (fixed since): where the CUDA allocator keeps no counts (``backend:cudaMallocAsync``,
+whose ``memory_stats()`` lists every core stat as 0), its frees read 0, not None, so only the
+probe decided; the probe sees the tensors an op returns, not those it makes inside
+(``F.layer_norm``'s mean and rstd, autocast's casts, copies inside a composite op). The counts
+are now read from the native allocator only, and the blocks handed out while captured must be
+as many as the storages the probe saw made.
 
 Controls: what the classification gets right on the paths the brief lists.
 """
@@ -29,22 +30,15 @@ from cudagraphify._signature import storage_of
 
 
 def _sim_graphs_record_fresh(sim, monkeypatch, frees):
-    """The double's graphs keep the storages their capture's ops made (``fresh``), and report
-    ``frees`` (a number, or a callable giving it around the capture)."""
-    base = type(sim).graph_class
-
-    class _Fresh(base):
-        def __init__(self, rec, *a, **k):
-            super().__init__(rec, *a, **k)
-            self.fresh = [rec.storages[c] for c in rec.fresh_storages]
-
-    monkeypatch.setattr(type(sim), "graph_class", _Fresh)
+    """The double's graphs report ``frees`` and, as the CUDA backend counts them, the blocks
+    their capture's ops made (``allocs``: the storages the double saw made, ``fresh``); None:
+    no count, as the double's own graphs."""
     capture = type(sim).capture
 
     def counted(self, *a, **k):
-        before = frees() if callable(frees) else None
         raw, out = capture(self, *a, **k)
-        raw.frees = frees() - before if callable(frees) else frees
+        if frees is not None:
+            raw.allocs, raw.frees = len(raw.fresh), frees
         return raw, out
     monkeypatch.setattr(type(sim), "capture", counted)
 
@@ -141,33 +135,28 @@ def _async_backend_stats(monkeypatch):
     monkeypatch.setattr(torch.cuda.memory, "get_allocator_backend", lambda: "cudaMallocAsync")
 
 
-@pytest.mark.xfail(strict=True, reason="SCR-1: _freed() reads the zeroed stats of an allocator "
-                   "that keeps no counts (cudaMallocAsync) as 0 frees, not None: a graph whose "
-                   "temporaries are made inside one op is classified scratch == False")
-def test_scr1_an_allocator_keeping_no_counts_makes_every_capture_free_nothing(
-        sim, monkeypatch):
+def test_scr1_an_allocator_keeping_no_counts_counts_nothing(sim, monkeypatch):
+    """SCR-1 (fixed since): cudaMallocAsync lists the core stats at 0; its counts were read as
+    "no block freed". They are not read there now (``_capture._alloc_counts`` is None), and a
+    graph with no count keeps protecting the slots captured after it."""
     _async_backend_stats(monkeypatch)
-    region, _, (norm,) = _captured([_Norm()], _capture._freed, sim, monkeypatch)
+    assert _capture._alloc_counts() is None
+    region, _, (norm,) = _captured([_Norm()], None, sim, monkeypatch)
     try:
-        # the capture wrote mean and rstd (2 x 4 floats each, for a (4, 8) input) besides its
-        # output: on CUDA, blocks of the region's pool freed while it was captured
-        assert _beyond_outputs(norm) == 32
-        # (its capture's count: 0, where ``_freed``'s docstring promises None for "another
-        # allocator backend"; the graph then protects no slot captured after it)
-        assert norm.scratch, (norm.frees, _capture._freed())
+        assert _beyond_outputs(norm) == 32 and norm.scratch, (norm.frees, norm.allocs)
     finally:
         region.__exit__(None, None, None)
 
 
 def test_control_the_native_count_is_what_sees_an_ops_own_temporaries(sim, monkeypatch):
-    """The probe sees F.layer_norm's output only: with the native allocator's count (mean and
-    rstd freed while captured) the graph keeps protecting the slots captured after it; with a
-    count of 0 it would not. (What SCR-1 rests on.)"""
-    for frees, scratch in ((2, True), (0, False)):
+    """The probe sees F.layer_norm's output only: the native allocator's counts see mean and
+    rstd, made (3 blocks for the 1 storage the probe saw) and freed while captured, and the
+    graph keeps protecting the slots captured after it; with neither count it would not."""
+    for frees in (2, 0):
         region, _, (norm,) = _captured([_Norm()], frees, sim, monkeypatch)
         try:
             assert _beyond_outputs(norm) == 32
-            assert norm.scratch is scratch, (frees, norm.scratch)
+            assert norm.allocs == 3 and norm.scratch, (frees, norm.allocs, norm.scratch)
         finally:
             region.__exit__(None, None, None)
         monkeypatch.undo()

@@ -49,7 +49,7 @@ with torch.no_grad():
     entries = [e for c in caches for e in c.graphs()]
     print("region graphs:", len(entries),
           "scratch-free:", sum(1 for e in entries if not e.scratch),
-          "frees:", collections.Counter(e.frees for e in entries))
+          "(allocs, frees):", collections.Counter((e.allocs, e.frees) for e in entries))
 
 # the hazard the scratch flag guards: an output captured after a graph with temporaries, held
 # across its replay, with that graph's protection switched off
@@ -63,8 +63,8 @@ gm, gu = cg.graphify(copy.deepcopy(mlp)), cg.graphify(copy.deepcopy(up))
 with torch.no_grad(), cg.graph_region() as region:
     gm(torch.randn(4, 16, device="cuda")); gu(torch.randn(4, 16, device="cuda"))
     m, u = _entry(region, gm), _entry(region, gu)
-    print("mlp frees", m.frees, "scratch", m.scratch,
-          "| linear frees", u.frees, "scratch", u.scratch)
+    print("mlp allocs", m.allocs, "frees", m.frees, "scratch", m.scratch,
+          "| linear allocs", u.allocs, "frees", u.frees, "scratch", u.scratch)
     m.scratch = False  # (protection off: the hazard shows, or the allocator kept them apart)
     bad = 0
     for _ in range(4):
