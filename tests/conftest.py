@@ -321,6 +321,22 @@ def assert_chain_matches(layers, ref, x) -> None:
 
 
 @pytest.fixture
+def slot_moves(monkeypatch):
+    """A Counter of the region slots' aliases moved to copies (``_region.Slot.move``), by the
+    capture order of the slot's graph."""
+    import collections
+    from cudagraphify import _region
+    moves = collections.Counter()
+    move = _region.Slot.move
+
+    def counting(slot, extra):
+        moves[slot.seq] += 1
+        return move(slot, extra)
+    monkeypatch.setattr(_region.Slot, "move", counting)
+    return moves
+
+
+@pytest.fixture
 def sim():
     backend = SimBackend()
     old = _capture.set_backend(backend)

@@ -6,7 +6,6 @@ bitwise; what the caller holds must not change."""
 
 from __future__ import annotations
 
-import collections
 import copy
 import warnings
 
@@ -225,8 +224,8 @@ def _graphs_of(g, module):
 
 
 @pytest.mark.parametrize("frees", [None, 0])
-def test_a_graph_with_no_temporaries_does_not_protect_outputs_captured_after_it(sim, frees,
-                                                                                monkeypatch):
+def test_a_graph_with_no_temporaries_does_not_protect_outputs_captured_after_it(
+        sim, frees, monkeypatch, slot_moves):
     """``q`` (one Linear: its output is all it writes) was captured before ``halves``, whose
     output ``r`` is held when ``q`` replays again: ``r`` may lie on the temporaries of a graph
     captured before it, but ``q`` has none where its capture freed no block (``frees == 0``)
@@ -240,13 +239,7 @@ def test_a_graph_with_no_temporaries_does_not_protect_outputs_captured_after_it(
             raw.allocs, raw.frees = len(raw.fresh), frees
             return raw, out
         monkeypatch.setattr(type(sim), "capture", counted)
-    moved = collections.Counter()  # (capture order of the slot -> its aliases moved)
-    move = _region.Slot.move
-
-    def counting(slot, extra):
-        moved[slot.seq] += 1
-        return move(slot, extra)
-    monkeypatch.setattr(_region.Slot, "move", counting)
+    moved = slot_moves
     ref, g = _pair(_CalledTwice)
     with torch.no_grad():
         for i in range(8):

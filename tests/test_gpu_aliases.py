@@ -11,7 +11,6 @@ Every output is compared with eager bitwise; counters prove the graphs replayed.
 
 from __future__ import annotations
 
-import collections
 import copy
 
 import pytest
@@ -19,7 +18,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _region, _trial, _wrap
+from cudagraphify import _trial, _wrap
 from cudagraphify.bench.models import GPT, GPTConfig
 
 pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("quiet_gpu")]
@@ -175,19 +174,13 @@ def _entry(region, g):
 
 
 def test_an_output_captured_after_a_graph_with_temporaries_is_kept_from_its_replay(
-        monkeypatch):
+        slot_moves):
     """``up`` (an output the size of ``mlp``'s temporaries) is captured after ``mlp`` into one
     region's pool, so its output may lie on memory ``mlp``'s replay writes (on an H100 it did:
     with ``mlp``'s protection switched off, 4 of 4 held outputs were overwritten). Its output
     held across ``mlp``'s replays keeps its value (it is moved to a copy first); a graph that
     writes only its outputs (one ``Linear``: its capture freed no block) is known as such."""
-    moves = collections.Counter()  # (capture order of the slot -> its aliases moved)
-    move = _region.Slot.move
-
-    def counting(slot, extra):
-        moves[slot.seq] += 1
-        return move(slot, extra)
-    monkeypatch.setattr(_region.Slot, "move", counting)
+    moves = slot_moves
     torch.manual_seed(0)
     mlp, up = _Mlp().to(DEV).eval(), nn.Linear(16, 4096).to(DEV).eval()
     gm, gu = cg.graphify(copy.deepcopy(mlp)), cg.graphify(copy.deepcopy(up))

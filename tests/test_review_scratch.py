@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import cudagraphify as cg
-from cudagraphify import _capture, _region
+from cudagraphify import _capture
 from cudagraphify._signature import storage_of
 
 
@@ -192,16 +192,10 @@ def test_control_a_tensor_made_besides_the_outputs_keeps_the_protection(
 
 
 def test_control_a_slot_captured_later_is_left_alone_and_still_protected_by_its_own_graph(
-        sim, monkeypatch):
+        sim, monkeypatch, slot_moves):
     """``a`` (one Linear, scratch False) replays while ``c``'s output (captured after it) is
     held: it is not moved, ``_live_top`` keeps it live, and ``c``'s own next replay moves it."""
-    moved = []
-    move = _region.Slot.move
-
-    def counting(slot, extra):
-        moved.append(slot.seq)
-        return move(slot, extra)
-    monkeypatch.setattr(_region.Slot, "move", counting)
+    moved = slot_moves
     torch.manual_seed(0)
     ra, rc = _Lin(), _Tmp()
     region, (ga, gc), (a, c) = _captured([ra, rc], 0, sim, monkeypatch)
@@ -213,12 +207,12 @@ def test_control_a_slot_captured_later_is_left_alone_and_still_protected_by_its_
                 held = gc(xc)
                 for _ in range(3):  # (the fast path's replays too)
                     assert torch.equal(ga(x), ra(x))
-                assert c.seq not in moved and region._live_top >= c.seq
+                assert not moved[c.seq] and region._live_top >= c.seq
                 assert torch.equal(held, rc(xc))
                 before = held.clone()
                 again = gc(torch.randn(4, 8))  # c's own replay: ``held`` moved first
                 assert torch.equal(held, before) and not torch.equal(again, before)
-                assert moved.count(c.seq) >= 1
+                assert moved[c.seq] >= 1
                 moved.clear()
                 del again
         assert cg.stats(ga).replays >= 12 and cg.stats(gc).replays >= 8
