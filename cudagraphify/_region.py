@@ -397,7 +397,7 @@ class GraphRegion:
             after = 1 << 62 if getattr(entry, "scratch", True) else seq
             for slot in tuple(live):
                 if slot.seq < seq or slot.seq > after:
-                    # captured before: this replay cannot reach its memory
+                    # captured before (or after it, above): this replay cannot reach its memory
                     if slot.seq > top:
                         top = slot.seq
                     continue
