@@ -901,7 +901,11 @@ def callable_state(fn: Callable) -> tuple[Callable, list[tuple[str, Any]], list[
     objects: list[tuple[str, Any]] = []
     bindings: list[tuple] = []
     for _ in range(8):
-        if isinstance(fn, functools.partial):
+        calls = getattr(fn, "__cudagraphify_calls__", None) \
+            if type(fn) is types.FunctionType else None
+        if calls is not None:  # (graphify's call of a torch function: see _wrap.user_call)
+            fn = calls
+        elif isinstance(fn, functools.partial):
             objects += [("the functools.partial's bound arguments", fn.args),
                         ("the functools.partial's bound keywords", fn.keywords)]
             fn = fn.func

@@ -78,6 +78,7 @@ class Dispatch:
         # the instances this (class) graphify made states for: ungraphify(cls) releases them
         self.instances: weakref.WeakSet = weakref.WeakSet()
         self._bindings: dict[bool, tuple[frozenset[int], frozenset[str]]] = {}
+        self.user_call: Callable | None = None  # (a function's: see user_call)
 
     def binding(self, fn: Callable, skip_self: bool) -> tuple[frozenset[int], frozenset[str]]:
         b = self._bindings.get(skip_self)
@@ -121,7 +122,7 @@ class Dispatch:
             positions, names = self.binding(wrapped, skip_self=False)
             name = name_of(wrapped)
             state = self.state = GraphedState(None, self.options, name, positions, names)
-        return state(wrapped, args, kwargs)
+        return state(self.user_call or wrapped, args, kwargs)
 
     def _new_state(self, module: torch.nn.Module, wrapped: Callable) -> GraphedState:
         if self.kind == "instance":
@@ -482,7 +483,36 @@ def wrap(fn: Callable, options: Options, kind: str, owner: Any, had_own: bool) -
     dispatch = Dispatch(options, kind, owner, had_own)
     # Check static_argnames against the signature now, not at the first call.
     dispatch.binding(fn, skip_self=(kind == "class"))
+    if kind == "function":
+        dispatch.user_call = user_call(fn)
     return GraphedForward(fn, dispatch)
+
+
+# callables whose call runs no Python frame before the torch call it is (``torch.sin``,
+# ``F.gelu``, ``torch.Tensor.add``), and partials of them
+_C_CALLABLES = (types.BuiltinFunctionType, types.MethodDescriptorType,
+                types.WrapperDescriptorType, types.MethodWrapperType,
+                types.ClassMethodDescriptorType)
+
+
+def user_call(fn: Callable) -> Callable | None:
+    """For a graphified torch function (``graphify(torch.sin)``): a one-line function of the
+    user's that calls it, or None for any other callable. The probe and the segment modes
+    leave out the torch calls made from cudagraphify's own frames (its reads of real values);
+    a torch function called straight from the one that runs the user's callable would be left
+    out too, and its output seen as made outside the call. Its guard still reads the callable
+    it calls (see ``_guards.callable_state``: a partial's bound arguments)."""
+    inner = fn
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    if not isinstance(inner, _C_CALLABLES):
+        return None
+    env = {"fn": fn}
+    exec(compile("def call(*args, **kwargs):\n    return fn(*args, **kwargs)\n",
+                 f"<graphified {name_of(fn)}>", "exec"), env)
+    call = env["call"]
+    call.__cudagraphify_calls__ = fn
+    return call
 
 
 def install(obj: Any, fn: Callable, options: Options, kind: str, had_own: bool) -> None:

@@ -5,6 +5,8 @@ unread one costs nothing. CPU, on the simulated backend (``sim``)."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from torch import nn
@@ -204,3 +206,46 @@ def test_a_library_is_told_from_the_users_code_by_the_metadata_beside_it(tmp_pat
                                          else torch.nn.functional.relu)
     finally:
         sys.modules.pop("libpkg_x", None), sys.modules.pop("userpkg_x", None)
+
+
+@pytest.mark.parametrize("fn", [torch.sin, torch.nn.functional.gelu, torch.Tensor.exp],
+                         ids=["torch.sin", "F.gelu", "Tensor.exp"])
+def test_a_torch_function_graphified_itself_is_captured(sim, fn):
+    # (its call was made from cudagraphify's own frame, whose torch calls the probe leaves
+    # out: the output looked made outside the call, and every call ran eagerly)
+    g = cg.graphify(fn)
+    x = torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(g(x), fn(x))
+    s = cg.stats(g)
+    assert (s.captures, s.replays, dict(s.eager_calls)) == (1, 2, {}), s
+    assert cg.ungraphify(g) is fn
+
+
+def test_a_partial_of_a_torch_function_sees_its_keywords_change(sim):
+    add = functools.partial(torch.add, alpha=2.0)
+    g = cg.graphify(add)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    with torch.no_grad():
+        for _ in range(3):
+            assert torch.equal(g(x, y), torch.add(x, y, alpha=2.0))
+        assert (cg.stats(g).captures, cg.stats(g).replays) == (1, 2)
+        add.keywords["alpha"] = 3.0  # (the graph's kernels have 2.0 in them)
+        assert torch.equal(g(x, y), torch.add(x, y, alpha=3.0))
+    assert cg.ungraphify(g) is add
+
+
+def test_only_a_torch_function_gets_a_call_of_the_users():
+    from cudagraphify._wrap import user_call
+
+    def plain(x):
+        return x
+
+    assert user_call(plain) is None and user_call(functools.partial(plain, 1)) is None
+    call = user_call(torch.sin)
+    assert call.__cudagraphify_calls__ is torch.sin and callable_state(call)[0] is torch.sin
+    p = functools.partial(torch.add, alpha=2)
+    fn, objects, _ = callable_state(user_call(p))
+    assert fn is torch.add and [w for w, _ in objects] == [
+        "the functools.partial's bound arguments", "the functools.partial's bound keywords"]

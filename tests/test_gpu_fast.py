@@ -76,3 +76,16 @@ def test_two_graphs_in_a_region_protect_each_other():
         yb = b(a(x1))  # held while a and b replay again
         ya = a(x2)
         assert torch.equal(yb, b_ref(a_ref(x1))) and torch.equal(ya, a_ref(x2))
+
+
+@pytest.mark.parametrize("fn", [torch.sin, torch.nn.functional.gelu, torch.Tensor.exp],
+                         ids=["torch.sin", "F.gelu", "Tensor.exp"])
+def test_a_torch_function_graphified_itself_replays_eagers_kernels(fn):
+    # (before: "returns a tensor that is not an argument", every call eager)
+    g = cg.graphify(fn)
+    with torch.no_grad():
+        for _ in range(4):
+            x = torch.randn(8, 64, device="cuda")
+            assert torch.equal(g(x), fn(x))
+    s = cg.stats(g)
+    assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
