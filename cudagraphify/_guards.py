@@ -454,6 +454,13 @@ def _watch_callable(fn: Any, out: list, tensors: list, seen: set[int], depth: in
         _watch_value(fn.args, out, tensors, seen, depth)
         _watch_value(fn.keywords, out, tensors, seen, depth)
         _watch_value(fn.func, out, tensors, seen, depth)
+        d = object_dict(fn)
+        if type(fn) is not functools.partial and isinstance(d, dict):
+            # (a subclass's attributes: its own ``__call__`` may read them, ``self.scale``)
+            out.append(_DictCheck(d, fn))
+            for item in list(d.values()):
+                if _watched(item):
+                    _watch_value(item, out, tensors, seen, depth + 1)
     elif isinstance(fn, types.MethodType):
         owner, func = fn.__self__, fn.__func__
         if isinstance(owner, nn.Module):
@@ -908,6 +915,13 @@ def callable_state(fn: Callable) -> tuple[Callable, list[tuple[str, Any]], list[
         elif isinstance(fn, functools.partial):
             objects += [("the functools.partial's bound arguments", fn.args),
                         ("the functools.partial's bound keywords", fn.keywords)]
+            # (and which objects they are: ``__setstate__`` replaces all three)
+            bindings += [(f"the functools.partial's .{a}", lambda p=fn, a=a: getattr(p, a),
+                          getattr(fn, a), None) for a in ("func", "args", "keywords")]
+            call = inspect.getattr_static(type(fn), "__call__", None)
+            if isinstance(call, types.FunctionType):  # (a subclass's own, which runs)
+                _watch_object(fn, call, objects, bindings)
+                return types.MethodType(call, fn), objects, bindings
             fn = fn.func
         elif isinstance(fn, types.MethodType):
             owner = fn.__self__

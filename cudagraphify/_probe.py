@@ -85,7 +85,7 @@ def _user_frame() -> tuple[str, int] | None:
     while frame is not None:
         f = frame.f_code.co_filename
         internal = own_file(f) or f.startswith(_TORCH) \
-            or os.sep + "wrapt" + os.sep in f
+            or os.sep + "wrapt" + os.sep in f or f.startswith("<graphified ")  # (user_call)
         if not internal:
             return _relative(f), frame.f_lineno
         frame = frame.f_back

@@ -212,13 +212,18 @@ def refuse_lost_kind(t: torch.Tensor) -> None:
             "out a plain tensor, without its class or attributes")
 
 
+def _is_size(x: Any) -> bool:
+    return type(x) is torch.Size
+
+
 def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], Any]:
     """Each flat output leaf of a capture as ``("tensor", t)``, ``("arg", leaf index)`` (a
     non-tensor argument object returned as it is) or ``("const", value)``; and the spec.
 
     The one rule for what a graph may return (inference and training plans build on it):
     anything else raises :class:`OutputPlanError`."""
-    flat, spec = pytree.tree_flatten(out)
+    # (a torch.Size whole, a constant: pytree would rebuild it as a plain tuple)
+    flat, spec = pytree.tree_flatten(out, is_leaf=_is_size)
     by_id = {id(leaf): i for i, leaf in enumerate(call_leaves) if not isinstance(leaf, torch.Tensor)}
     kinds: list[tuple[str, Any]] = []
     for leaf in flat:

@@ -78,7 +78,8 @@ class Dispatch:
         # the instances this (class) graphify made states for: ungraphify(cls) releases them
         self.instances: weakref.WeakSet = weakref.WeakSet()
         self._bindings: dict[bool, tuple[frozenset[int], frozenset[str]]] = {}
-        self.user_call: Callable | None = None  # (a function's: see user_call)
+        # (a function's: the callable it was last called with, and its user_call)
+        self._user_call: tuple[Any, Callable | None] = (None, None)
 
     def binding(self, fn: Callable, skip_self: bool) -> tuple[frozenset[int], frozenset[str]]:
         b = self._bindings.get(skip_self)
@@ -122,7 +123,10 @@ class Dispatch:
             positions, names = self.binding(wrapped, skip_self=False)
             name = name_of(wrapped)
             state = self.state = GraphedState(None, self.options, name, positions, names)
-        return state(self.user_call or wrapped, args, kwargs)
+        call = self._user_call
+        if call[0] is not wrapped:  # (a deep copy's own callable, ``__wrapped__`` set anew)
+            call = self._user_call = (wrapped, user_call(wrapped))
+        return state(call[1] or wrapped, args, kwargs)
 
     def _new_state(self, module: torch.nn.Module, wrapped: Callable) -> GraphedState:
         if self.kind == "instance":
@@ -483,8 +487,6 @@ def wrap(fn: Callable, options: Options, kind: str, owner: Any, had_own: bool) -
     dispatch = Dispatch(options, kind, owner, had_own)
     # Check static_argnames against the signature now, not at the first call.
     dispatch.binding(fn, skip_self=(kind == "class"))
-    if kind == "function":
-        dispatch.user_call = user_call(fn)
     return GraphedForward(fn, dispatch)
 
 
