@@ -85,6 +85,13 @@ class StaticInputs:
                 else:
                     buf = torch.empty(leaf.size(), dtype=leaf.dtype, device=leaf.device)
                     self.same_layout[i] = False
+                # (a conj or neg view, as the argument is: an op that reads the bit,
+                # ``resolve_conj`` returning its input unless it is set, does on the copy what
+                # it does on the argument; ``copy_`` writes the values the view shows)
+                if leaf.is_conj():
+                    buf = buf.conj()
+                if leaf.is_neg():
+                    buf = buf._neg_view()
                 buf.copy_(leaf)
                 if marked and leaf.requires_grad and (buf.is_floating_point() or buf.is_complex()):
                     buf.requires_grad_(True)

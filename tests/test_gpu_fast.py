@@ -89,3 +89,22 @@ def test_a_torch_function_graphified_itself_replays_eagers_kernels(fn):
             assert torch.equal(g(x), fn(x))
     s = cg.stats(g)
     assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
+
+
+@pytest.mark.parametrize("fn", [torch.resolve_conj, lambda z: z.conj() * 2,
+                                lambda z: torch.view_as_real(z.resolve_conj()) * 2],
+                         ids=["resolve_conj", "conj", "view_as_real"])
+def test_a_conjugate_view_argument_is_copied_as_one(fn):
+    # (its static copy was a plain tensor: resolve_conj of it returned it, so a replay handed
+    # out the caller's own conj view where eager makes new memory)
+    g = cg.graphify(fn)
+    with torch.no_grad():
+        for _ in range(4):
+            z = torch.randn(8, 64, dtype=torch.complex64, device="cuda").conj()
+            before = z.clone()
+            got, want = g(z), fn(z)
+            assert torch.equal(got, want) and got.is_conj() == want.is_conj()
+            got.add_(1)
+            assert torch.equal(z, before)
+    s = cg.stats(g)
+    assert (s.captures, s.replays, s.eager) == (1, 3, 0), s

@@ -5,8 +5,7 @@ the callable it calls through ``__cudagraphify_calls__``). CPU, on the simulated
 
 Plain tests pin down what the change gets right (in-place, ``out=``, views and returned
 arguments, tuples, scalars, partials' bound state, host syncs, RNG, threads, ordinary
-functions and modules untouched). The findings (U1-U6 fixed since, their tests plain; U7 a
-strict xfail):
+functions and modules untouched). The findings, all fixed since (their tests plain):
 
 - U1 (caused) ``copy.deepcopy`` of a graphified builtin (alone, or kept on a module) made a
   Dispatch without ``user_call``: the copy ran every call eagerly, the bug the commit fixes.
@@ -22,7 +21,8 @@ strict xfail):
 - U6 (pre-existing, now reachable) ``graphify(torch.Tensor.size)`` replays returned a tuple,
   not a ``torch.Size`` (pytree's unflatten): ``.numel()`` raised.
 - U7 (pre-existing, now reachable) ``graphify(torch.resolve_conj)`` of a conjugate view:
-  replays return a tensor whose conj bit is set (eager's is resolved): ``view_as_real`` raises.
+  replays returned the argument itself, its conj bit set (eager's is resolved, new memory):
+  the static copy of a conj or neg view did not keep the bit.
 """
 
 from __future__ import annotations
@@ -411,8 +411,6 @@ def test_u6_tensor_size_graphified_returns_a_torch_size(sim):
             assert type(s) is torch.Size and s.numel() == 6
 
 
-@pytest.mark.xfail(strict=True, reason="U7 (pre-existing, reachable now): a replay of "
-                   "resolve_conj returns a tensor with its conj bit set; eager's is resolved")
 def test_u7_resolve_conj_replays_a_resolved_tensor(sim):
     g = cg.graphify(torch.resolve_conj)
     with torch.no_grad():
@@ -421,3 +419,7 @@ def test_u7_resolve_conj_replays_a_resolved_tensor(sim):
             r = g(z)
             assert torch.equal(r, torch.resolve_conj(z)) and not r.is_conj()
             torch.view_as_real(r)
+            # (eager's result is new memory: the replay's is not the argument)
+            before = z.clone()
+            r.add_(1)
+            assert torch.equal(z, before)
