@@ -321,19 +321,23 @@ class GraphRegion:
         return pool
 
     def borrowable(self, leaves: list) -> dict[int, Slot]:
-        """Leaves that are exactly a slot's tensor (an alias handed out): read them in place
-        (not one of another class, or that carries Python attributes, ``nn.Parameter(h)``: the
-        slot is a plain tensor; such a leaf is copied, as the class is kept there, see
-        ``_replay.StaticInputs``)."""
+        """Leaves that are exactly a slot's tensor (an alias handed out, not a conj or neg view
+        of it): read them in place (not one of another class, or that carries Python
+        attributes, ``nn.Parameter(h)``: the slot is a plain tensor; such a leaf is copied, as
+        the class is kept there, see ``_replay.StaticInputs``)."""
         out: dict[int, Slot] = {}
         for i, x in enumerate(leaves):
             if isinstance(x, torch.Tensor) and leaf_kind(x) is None:
                 slot = self._slots.get(x.data_ptr())
                 if slot in out.values():
                     continue  # the same alias twice: one leaf borrows it, the others copy
+                # (a conj or neg view of the slot, ``h.conj()``, is no alias of it: its values
+                # differ; copied, its copy keeps the bit)
                 if slot is not None and x.untyped_storage().data_ptr() == \
                         slot.tensor.untyped_storage().data_ptr() and x.shape == slot.tensor.shape \
-                        and x.stride() == slot.tensor.stride() and x.dtype == slot.tensor.dtype:
+                        and x.stride() == slot.tensor.stride() and x.dtype == slot.tensor.dtype \
+                        and x.is_conj() == slot.tensor.is_conj() \
+                        and x.is_neg() == slot.tensor.is_neg():
                     out[i] = slot
         return out
 

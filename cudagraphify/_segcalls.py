@@ -220,8 +220,10 @@ class _Matcher:
         layout = f"({x}.shape, {x}.stride(), {x}.dtype, {x}.device) != {meta}"
         plain = f"(type({x}) is not _Tensor and type({x}) is not _Parameter)"
         if ref[0] == S:
+            # (another object on the static's memory: read in place only as a plain view of it,
+            # not a conj or neg one, whose values differ)
             self.fail_if(f"{x} is not {self.const(ref[1])} and ({plain} or {x}.data_ptr() != "
-                         f"{ref[2]} or {layout})")
+                         f"{ref[2]} or {layout} or {x}.is_conj() or {x}.is_neg())")
         else:
             if self.bufs is None:
                 self.fail_if(f"{plain} or {layout}")

@@ -9,7 +9,7 @@ conj or neg view, ``out=`` a conj view, expanded and strided conj views, calls a
 conj and plain arguments, the same memory passed twice, ``copy_outputs=False``, autograd,
 ``capture_sizes``, ``bucketed``, a conj ``nn.Parameter`` argument).
 
-Finding (strict xfail):
+Finding (fixed since; its test plain):
 
 - C1 (pre-existing, left by the change) ``graph_region`` chaining: ``GraphRegion.borrowable``
   matches a leaf with a slot by address, shape, stride and dtype only, so ``g2(h.conj())`` (or
@@ -237,11 +237,8 @@ def test_bucketed_refuses_a_forward_that_reads_the_conj_bit(sim):
     assert b.refused
 
 
-# -- finding C1 (strict xfail) ---------------------------------------------------------------
+# -- finding C1 (fixed) ------------------------------------------------------------------
 
-@pytest.mark.xfail(strict=True, reason="C1 (pre-existing): graph_region borrows a conj or neg "
-                   "view of a handed-out slot as the plain slot: the next graph computes on the "
-                   "unconjugated/unnegated values")
 @pytest.mark.parametrize("view", ["conj", "neg"])
 def test_c1_region_chain_with_a_conj_or_neg_view_of_an_output(sim, view):
     real = view == "neg"
