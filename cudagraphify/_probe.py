@@ -79,13 +79,18 @@ def own_file(filename: str) -> bool:
     return filename.startswith(_HERE_DIR) and filename != _OWN_MODELS
 
 
+# the file name of graphify's call of a torch function the user graphified (see
+# _wrap.user_call): the user's call, made from no file of theirs
+USER_CALL_FILE = "<graphified "
+
+
 def _user_frame() -> tuple[str, int] | None:
     """(file, line) of the innermost caller outside cudagraphify, torch and wrapt."""
     frame = sys._getframe(2)
     while frame is not None:
         f = frame.f_code.co_filename
         internal = own_file(f) or f.startswith(_TORCH) \
-            or os.sep + "wrapt" + os.sep in f or f.startswith("<graphified ")  # (user_call)
+            or os.sep + "wrapt" + os.sep in f or f.startswith(USER_CALL_FILE)
         if not internal:
             return _relative(f), frame.f_lineno
         frame = frame.f_back

@@ -26,6 +26,7 @@ from ._nested import bypassing as _bypassing, in_graphed_call, plain_reason
 from ._nested import nesting as _nesting, segment_mode as _segment_mode
 from ._errors import CudagraphifyUsageError, name_of
 from ._options import Options
+from ._probe import USER_CALL_FILE
 
 __all__ = ["STATE", "SHARE", "Share", "GraphedForward", "graphed_forward", "graphed_forward_of",
            "install", "wrap", "install_pieces", "uninstall_instance", "uninstall_class",
@@ -511,7 +512,7 @@ def user_call(fn: Callable) -> Callable | None:
         return None
     env = {"fn": fn}
     exec(compile("def call(*args, **kwargs):\n    return fn(*args, **kwargs)\n",
-                 f"<graphified {name_of(fn)}>", "exec"), env)
+                 f"{USER_CALL_FILE}{name_of(fn)}>", "exec"), env)
     call = env["call"]
     call.__cudagraphify_calls__ = fn
     return call
