@@ -78,10 +78,15 @@ _IN_FLIGHT = 2
 _MAX_FRUITLESS = 8
 _STORM_CALLS = 64
 # region graphs released to be captured again after the graph whose held output blocked
-# their replay (see _replay): per callable, for its life (a plan nested in a plan delays its
-# pieces' captures by a call per level; a blocker captured anew every call, a growing shape,
-# would block each recapture again)
+# their replay (see _replay): per callable, this many in a row (a plan nested in a plan delays
+# its pieces' captures by a call per level; a blocker captured anew every call, a growing
+# shape, or two graphs that block each other, would block each recapture again), where a
+# recapture followed by _RECAPTURE_WORKED replays of the callable's graphs ends a row: a
+# piecewise plan's function piece (HF's apply_rotary_pos_emb) is blocked anew whenever the
+# pieces that make its inputs are captured again after it (a new signature, parameters
+# reassigned), and the recapture puts it after them for good
 _MAX_RECAPTURES = 4
+_RECAPTURE_WORKED = 32
 # a piecewise plan's piece captures a signature the second time it is seen: the first call of
 # a new one runs eagerly (a prompt length seen once, or a shape that grows every step, such as
 # T5's position bias over a growing cache, is not worth a capture); the signatures seen once,
@@ -181,7 +186,8 @@ class GraphedState(PieceRuns):
         self._fruitless = 0
         self._storm_keys: set = set()  # the signatures run eagerly by the storm
         self._storm_mark = 0
-        self._recaptures = 0  # (see _MAX_RECAPTURES)
+        self._recaptures = 0  # in a row, and the replays at the last (see _MAX_RECAPTURES)
+        self._recaptured_at = 0
         self._seen_once: collections.OrderedDict = collections.OrderedDict()  # (_SEEN_ONCE)
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
@@ -679,6 +685,8 @@ class GraphedState(PieceRuns):
             count, last, thread = entry.blocked
             count = count + 1 if thread == me and entry.uses - last <= _BLOCKED_GAP else 1
             entry.blocked = (count, entry.uses, me)
+            if self.replays - self._recaptured_at >= _RECAPTURE_WORKED:
+                self._recaptures = 0  # (the last recapture worked: a row starts again)
             if region.blocked_by > entry.seq and count >= _BLOCKED_CALLS \
                     and self._recaptures < _MAX_RECAPTURES:
                 # What blocks it, call after call with a few replays of it at most between (not
@@ -688,6 +696,7 @@ class GraphedState(PieceRuns):
                 # memory may lie in this one's freed temporaries. Captured again by the next
                 # call, it comes after.
                 self._recaptures += 1
+                self._recaptured_at = self.replays
                 drain(device, token)  # (its buffers go back to the allocator)
                 region.cache_for(self).discard(entry)
             return self._eager("an output of an earlier call in this graph_region is still "

@@ -108,3 +108,31 @@ def test_a_conjugate_view_argument_is_copied_as_one(fn):
             assert torch.equal(z, before)
     s = cg.stats(g)
     assert (s.captures, s.replays, s.eager) == (1, 3, 0), s
+
+
+def test_a_graph_blocked_anew_after_each_reassignment_is_captured_again_each_time():
+    # F, then G reads F's output in place; a view of G's output is held across F's next call.
+    # G's weight is reassigned six times: G is captured anew after F, which blocks F, which is
+    # captured again after G. Before, F ran eagerly for good from the fifth time on.
+    torch.manual_seed(0)
+    rf, rg = nn.Linear(64, 64).cuda(), nn.Linear(64, 64).cuda()
+    gf, gg = cg.graphify(copy.deepcopy(rf)), cg.graphify(copy.deepcopy(rg))
+    with torch.no_grad(), cg.graph_region():
+        v = rv = None
+        for t in range(240):
+            if t % 40 == 20:
+                w = torch.randn(64, 64, device="cuda")
+                rg.weight, gg.weight = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+            if t == 230:
+                before = cg.stats(gf)
+            x = torch.randn(4, 64, device="cuda")
+            a, ra = gf(x), rf(x)
+            b, rb = gg(a), rg(ra)
+            assert torch.equal(a, ra) and torch.equal(b, rb), t
+            if v is not None:
+                assert torch.equal(v, rv), t
+            v, rv = b[:2], rb[:2]
+            del a, b
+    after = cg.stats(gf)
+    assert after.captures == 8, after
+    assert after.replays - before.replays == 10 and after.eager == before.eager, after

@@ -567,6 +567,40 @@ def test_control_region_graph_blocked_by_a_later_graphs_view_is_captured_again(s
     assert gf._cudagraphify_state._recaptures == 1
 
 
+def test_a_recapture_that_worked_does_not_use_up_the_budget(sim):
+    """F, then G (reads F's output in place), a view of G's output held across the next F call;
+    G's weight is reassigned six times, 40 steps apart: each time G is captured anew after F,
+    which blocks F again. Each recapture of F was followed by many replays (it worked), so F is
+    captured again each time, and replays in the end; before, the fifth blocked F ran eagerly
+    for the callable's life (HF Llama's apply_rotary_pos_emb in the differential, a piecewise
+    function piece, after the fourth signature or parameter change: 1.05x eager)."""
+    torch.manual_seed(0)
+    rf, gf = _twin(nn.Linear(8, 8))
+    rg, gg = _twin(nn.Linear(8, 8))
+    with cg.graph_region():
+        v = rv = None
+        for t in range(240):
+            if t % 40 == 20:
+                w = torch.randn(8, 8)
+                rg.weight = nn.Parameter(w.clone())
+                gg.weight = nn.Parameter(w.clone())
+            if t == 230:  # (after the last reassignment and its recapture)
+                before = cg.stats(gf)
+            x = torch.randn(4, 8)
+            a, ra = gf(x), rf(x)
+            b, rb = gg(a), rg(ra)
+            assert torch.equal(a, ra) and torch.equal(b, rb), t
+            if v is not None:
+                assert torch.equal(v, rv), t
+            v, rv = b[:2], rb[:2]  # the view held across the next F call
+            del a, b
+    after = cg.stats(gf)
+    assert gf._cudagraphify_state._recaptures == 1, after
+    assert after.captures == 8, after  # (the first, its recapture, one after each reassignment)
+    assert after.replays - before.replays == 10, (before, after)  # (the last 10 steps)
+    assert sum(after.eager_calls.values()) == sum(before.eager_calls.values()), after
+
+
 def test_control_recaptures_are_bounded_when_two_graphs_block_each_other(sim):
     """Ping-pong: a view of G's output is held across F's call and a view of F's across G's:
     each recapture puts one after the other, and the other is then blocked. At most
