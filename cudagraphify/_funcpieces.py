@@ -19,8 +19,9 @@ so its graphs chain with the pieces' (one pool, outputs handed on without a copy
 still held protected before a replay overwrites it). Anywhere else (a model nobody
 graphified, training and grad mode, a user's ``graph_region``, a capture, torch.compile's
 trace) the wrapper calls the function itself. The graphed function is the engine's, with its
-guards and decisions (an unsafe op runs it eagerly, with the reason), one per root's region (its
-own trial and verdict); its graphs belong to that region and go with it. ``stats(fn)`` of the
+guards and decisions (an unsafe op runs it eagerly, with the reason), one per root's region and
+call of it in the root's run, the nth layer's call the nth (its own trial and verdict; see
+:class:`_Calls`); its graphs belong to that region and go with it. ``stats(fn)`` of the
 wrapper gives its counters, summed over the regions alive; ``ungraphify`` leaves the wrapper in
 place (it then calls the function itself)."""
 
@@ -74,10 +75,47 @@ def install_for(root: torch.nn.Module) -> list[tuple[str, str]]:
     return replaced
 
 
+# calls of one function in one run of a root given graphs of their own (one per layer of an
+# HF model); the calls beyond share the last one's
+_MAX_CALLS = 64
+
+
+class _Calls:
+    """A function's graphified copies in one implicit region: one for each call of it in a
+    run of the root, by its order in the run (the nth call of a run, the nth layer's, is the
+    nth copy's). One copy for all the layers would capture a signature at its second sight, the
+    second layer's call, in the run before the layers' pieces capture theirs: its graph would
+    come before theirs in the region's pool, and a replay of it, while their outputs are held
+    as its arguments, would be blocked (then captured again, after every piece, and the
+    outputs it hands on moved to copies before each later piece's replay: a copy a layer, a
+    decode step)."""
+
+    __slots__ = ("run", "count", "graphed")
+
+    def __init__(self):
+        self.run, self.count, self.graphed = -1, 0, []
+
+    def next(self, region, make: Callable) -> Any:
+        """The copy for this call of the function in ``region``'s current run (under the
+        region's lock: a run of the root holds it)."""
+        if self.run != region.entered:
+            self.run, self.count = region.entered, 0
+        n = self.count
+        self.count = n + 1
+        graphed = self.graphed
+        if n < len(graphed):
+            return graphed[n]
+        if len(graphed) >= _MAX_CALLS:
+            return graphed[-1]
+        graphed.append(make())
+        return graphed[-1]
+
+
 def _piece_of(fn: Callable) -> Callable:
     """The wrapper of ``fn`` (one per function object: modules binding the same one share it).
-    Each implicit region it is called in has a graphified ``fn`` of its own (its own signatures,
-    trial and verdict: one root's timing does not give the function back for another)."""
+    Each implicit region it is called in has graphified copies of ``fn`` of its own, one for
+    each call of it in a run (:class:`_Calls`; their own signatures, trial and verdict: one
+    root's timing does not give the function back for another, nor one layer's for the next)."""
     made = _made.get(id(fn))
     if made is not None and made[0] is fn:
         return made[1]
@@ -85,6 +123,9 @@ def _piece_of(fn: Callable) -> Callable:
 
     options = dataclasses.replace(Options.build("graphify"), copy_outputs=True, piece=True)
     per_region: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def make() -> Any:
+        return wrap(fn, options, "function", None, True)
 
     @functools.wraps(fn)
     def piece(*args: Any, **kwargs: Any) -> Any:
@@ -94,13 +135,11 @@ def _piece_of(fn: Callable) -> Callable:
             stack = _stack_get()
             if stack and stack[-1].implicit:
                 region = stack[-1]
-                graphed = per_region.get(region)
-                if graphed is None:
-                    with _lock:
-                        graphed = per_region.get(region)
-                        if graphed is None:
-                            graphed = per_region[region] = wrap(fn, options, "function", None,
-                                                                True)
+                with _lock:
+                    calls = per_region.get(region)
+                    if calls is None:
+                        calls = per_region[region] = _Calls()
+                    graphed = calls.next(region, make)
                 state = graphed._self_dispatch.state
                 if state is None or state.given_back is None:
                     return graphed(*args, **kwargs)
@@ -117,5 +156,5 @@ def states_of(target: Any) -> list | None:
     per_region = getattr(target, _ATTR, None) if type(target) is types.FunctionType else None
     if per_region is None:
         return None
-    return [s for s in (g._self_dispatch.state for g in list(per_region.values()))
-            if s is not None]
+    return [s for s in (g._self_dispatch.state for calls in list(per_region.values())
+                        for g in list(calls.graphed)) if s is not None]
