@@ -177,6 +177,34 @@ def test_generate_with_its_dynamic_cache_graphs_the_pieces_around_it(hf):
     assert cg.stats(rotary).replays - before >= 2 * 2 * (NEW - 2), cg.stats(rotary)
 
 
+def test_dynamic_cache_generate_moves_no_output_and_has_a_rotary_copy_per_layer(hf):
+    """The rotary function piece has one graphified copy per layer's call, captured in the run
+    that captures the layer's pieces, in call order: once settled, a generate moves no held
+    output to a copy and blocks no replay (one copy for both layers, captured at the second
+    layer's call a run early, was blocked, captured again, then had its outputs moved to copies
+    before each o_proj replay: a copy a layer a decode step)."""
+    from cudagraphify import _funcpieces
+    from transformers.models.llama import modeling_llama
+
+    transformers, config, model = hf
+    g = cg.graphify(copy.deepcopy(model))
+    prompt = torch.randint(0, config.vocab_size, (1, 8), device=DEV)
+    want = model.generate(prompt, **_greedy())
+    for _ in range(4):  # (captures, the pieces' trials and the plan's)
+        _same(g.generate(prompt, **_greedy()), want)
+    chain = g._cudagraphify_state._chain
+    calls = getattr(modeling_llama.apply_rotary_pos_emb, _funcpieces._ATTR)[chain]
+    states = [c._self_dispatch.state for c in calls.graphed]
+    assert len(states) == config.num_hidden_layers
+    moved, replays = chain.moved_outputs, [s.replays for s in states]
+    _same(g.generate(prompt, **_greedy()), want)
+    assert chain.moved_outputs == moved
+    # (a copy whose trial gave it back runs the function itself: not one a layer here)
+    grew = [s.replays - r for s, r in zip(states, replays) if s.given_back is None]
+    assert grew and all(n >= NEW - 1 for n in grew), [s.stats() for s in states]
+    assert all(s._recaptures == 0 for s in states)
+
+
 def test_dynamic_cache_generates_switch_prefill_and_decode_without_the_slow_path(
         hf, monkeypatch):
     """Each piece has a prefill's graph and a decode step's; every generate calls them in turn.
