@@ -78,13 +78,13 @@ _IN_FLIGHT = 2
 _MAX_FRUITLESS = 8
 _STORM_CALLS = 64
 # region graphs released to be captured again after the graph whose held output blocked
-# their replay (see _replay): per callable, this many in a row (a plan nested in a plan delays
-# its pieces' captures by a call per level; a blocker captured anew every call, a growing
-# shape, or two graphs that block each other, would block each recapture again), where a
-# recapture followed by _RECAPTURE_WORKED replays of the callable's graphs ends a row: a
-# piecewise plan's function piece (HF's apply_rotary_pos_emb) is blocked anew whenever the
-# pieces that make its inputs are captured again after it (a new signature, parameters
-# reassigned), and the recapture puts it after them for good
+# their replay (see _replay): per signature of a callable, this many in a row (a plan nested in
+# a plan delays its pieces' captures by a call per level; a blocker captured anew every call, a
+# growing shape, or two graphs that block each other, would block each recapture again), where
+# a blocked graph that had replayed _RECAPTURE_WORKED times itself starts its signature's row
+# again: a graph blocked anew whenever a graph that makes its inputs is captured again after
+# it (parameters reassigned, a new signature of that one alone) is put after it for good by
+# each recapture
 _MAX_RECAPTURES = 4
 _RECAPTURE_WORKED = 32
 # a piecewise plan's piece captures a signature the second time it is seen: the first call of
@@ -186,8 +186,8 @@ class GraphedState(PieceRuns):
         self._fruitless = 0
         self._storm_keys: set = set()  # the signatures run eagerly by the storm
         self._storm_mark = 0
-        self._recaptures = 0  # in a row, and the replays at the last (see _MAX_RECAPTURES)
-        self._recaptured_at = 0
+        self._recaptures = 0  # all of them (see _MAX_RECAPTURES)
+        self._recapture_rows: dict[int, int] = {}  # hash of a signature's key -> in a row
         self._seen_once: collections.OrderedDict = collections.OrderedDict()  # (_SEEN_ONCE)
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
@@ -679,16 +679,24 @@ class GraphedState(PieceRuns):
             # thread's blocked call or more uses between start the count again; an alias that
             # another thread holds blocks it for a while, not call after call: see Slot.protect)
             me = threading.get_ident()
+            entry.blocks += 1
             if region.held_elsewhere:
                 entry.blocked = (0, entry.uses, me)
                 return self._eager(HELD_BY_ANOTHER_THREAD, fn, args, kwargs)
             count, last, thread = entry.blocked
             count = count + 1 if thread == me and entry.uses - last <= _BLOCKED_GAP else 1
             entry.blocked = (count, entry.uses, me)
-            if self.replays - self._recaptured_at >= _RECAPTURE_WORKED:
-                self._recaptures = 0  # (the last recapture worked: a row starts again)
+            cache = region.cache_for(self)
+            try:  # (its signature's: by the hash, not the key, which may hold an object
+                # passed as it is)
+                row = hash(cache.key_of(entry))
+            except KeyError:  # (not in this cache: released meanwhile)
+                row = id(entry)
+            rows = self._recapture_rows
+            if entry.uses - entry.blocks >= _RECAPTURE_WORKED:
+                rows.pop(row, None)  # (this graph served: its signature's row starts again)
             if region.blocked_by > entry.seq and count >= _BLOCKED_CALLS \
-                    and self._recaptures < _MAX_RECAPTURES:
+                    and rows.get(row, 0) < _MAX_RECAPTURES:
                 # What blocks it, call after call with a few replays of it at most between (not
                 # another thread's output held for a while), is the output of a graph captured
                 # after it, held through a view (as a piece of an opaque piece's own plan is
@@ -696,9 +704,11 @@ class GraphedState(PieceRuns):
                 # memory may lie in this one's freed temporaries. Captured again by the next
                 # call, it comes after.
                 self._recaptures += 1
-                self._recaptured_at = self.replays
+                if len(rows) >= 256 and row not in rows:
+                    rows.clear()
+                rows[row] = rows.get(row, 0) + 1
                 drain(device, token)  # (its buffers go back to the allocator)
-                region.cache_for(self).discard(entry)
+                cache.discard(entry)
             return self._eager("an output of an earlier call in this graph_region is still "
                                "referenced through a view; running eagerly so it is not "
                                "overwritten (clone outputs you keep)", fn, args, kwargs)

@@ -50,6 +50,7 @@ _ATTR = "__cudagraphify_piece__"  # on a wrapper: region -> the graphified funct
 _lock = threading.Lock()
 _made: dict[int, tuple[Callable, Callable]] = {}  # id(function) -> (function, its wrapper)
 _stack_get = _region.stack_var().get
+_get_ident = threading.get_ident
 _is_compiling = torch.compiler.is_compiling
 
 
@@ -83,25 +84,32 @@ _MAX_CALLS = 64
 class _Calls:
     """A function's graphified copies in one implicit region: one for each call of it in a
     run of the root, by its order in the run (the nth call of a run, the nth layer's, is the
-    nth copy's). One copy for all the layers would capture a signature at its second sight, the
-    second layer's call, in the run before the layers' pieces capture theirs: its graph would
-    come before theirs in the region's pool, and a replay of it, while their outputs are held
-    as its arguments, would be blocked (then captured again, after every piece, and the
-    outputs it hands on moved to copies before each later piece's replay: a copy a layer, a
-    decode step)."""
+    nth copy's; runs on several threads at once are counted apart). One copy for all the
+    layers would capture a signature at its second sight, the second layer's call, in the run
+    before the layers' pieces capture theirs: its graph would come before theirs in the
+    region's pool, and a replay of it, while their outputs are held as its arguments, would be
+    blocked (then captured again, after every piece, and the outputs it hands on moved to
+    copies before each later piece's replay: a copy a layer, a decode step)."""
 
-    __slots__ = ("run", "count", "graphed")
+    __slots__ = ("counts", "graphed")
 
     def __init__(self):
-        self.run, self.count, self.graphed = -1, 0, []
+        self.counts: dict[int, list] = {}  # thread -> [its run's number, calls in it so far]
+        self.graphed: list = []
 
     def next(self, region, make: Callable) -> Any:
-        """The copy for this call of the function in ``region``'s current run (under the
-        region's lock: a run of the root holds it)."""
-        if self.run != region.entered:
-            self.run, self.count = region.entered, 0
-        n = self.count
-        self.count = n + 1
+        """The copy for this call of the function in the calling thread's current run of
+        ``region``'s root (under the module's lock)."""
+        me = _get_ident()
+        run = region.run_of.get(me, -1)
+        counts = self.counts
+        mine = counts.get(me)
+        if mine is None or mine[0] != run:
+            if mine is None and len(counts) >= 256:
+                counts.clear()  # (threads gone: their counts start again)
+            mine = counts[me] = [run, 0]
+        n = mine[1]
+        mine[1] = n + 1
         graphed = self.graphed
         if n < len(graphed):
             return graphed[n]

@@ -234,6 +234,8 @@ class GraphRegion:
         self.streams: dict[int, int] = {}
         self.pending_streams: set[int] = set()
         self.entered = 0  # runs entered so far (a capture sees whether one began meanwhile)
+        # the run each thread is in (or was in last): its number among ``entered``
+        self.run_of: dict[int, int] = {}
 
     def enter_run(self, token: int) -> None:
         """A thread starts a run of the callable whose region this is, on stream ``token``.
@@ -242,8 +244,13 @@ class GraphRegion:
         first (``order_before_replay``), since an op queued there may still read an output
         its thread has dropped."""
         streams = self.streams
-        streams[threading.get_ident()] = token
+        me = threading.get_ident()
+        streams[me] = token
         self.entered += 1
+        run_of = self.run_of
+        if len(run_of) >= 256 and me not in run_of:
+            run_of.clear()  # (threads gone: a thread's next run is numbered anew)
+        run_of[me] = self.entered
         if any(t != token for t in tuple(streams.values())):
             self._stream_token = MULTI_STREAM  # (whichever stream replayed last)
 
