@@ -127,6 +127,9 @@ class Owned:
     # written argument sharing one must not be written into a copy
     read_statics: frozenset = frozenset()
     uses = 0  # (a graph's) calls that found it after its capture (see GraphCache.thrashing)
+    # (a graph's) replays: its slow path's, and its fast path's once that is dropped (not the
+    # calls that found it and ran eagerly, blocked or aliased: see _engine._replay)
+    replayed = 0
     state_storages: frozenset = frozenset()  # storages of the static states' tensors
     held_storages: frozenset = frozenset()  # storages of tensors read from outside (attributes)
     # (a graph's) the version counters its replay moves and its backward checks: a

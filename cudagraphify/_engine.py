@@ -81,8 +81,8 @@ _STORM_CALLS = 64
 # their replay (see _replay): per signature of a callable, this many in a row (a plan nested in
 # a plan delays its pieces' captures by a call per level; a blocker captured anew every call, a
 # growing shape, or two graphs that block each other, would block each recapture again), where
-# a blocked graph that had replayed _RECAPTURE_WORKED times itself starts its signature's row
-# again: a graph blocked anew whenever a graph that makes its inputs is captured again after
+# a blocked graph that had replayed _RECAPTURE_WORKED times itself (its eager calls not
+# counted) starts its signature's row again: a graph blocked anew whenever a graph that makes its inputs is captured again after
 # it (parameters reassigned, a new signature of that one alone) is put after it for good by
 # each recapture
 _MAX_RECAPTURES = 4
@@ -187,7 +187,9 @@ class GraphedState(PieceRuns):
         self._storm_keys: set = set()  # the signatures run eagerly by the storm
         self._storm_mark = 0
         self._recaptures = 0  # all of them (see _MAX_RECAPTURES)
-        self._recapture_rows: dict[int, int] = {}  # hash of a signature's key -> in a row
+        # the key of a graph released to be captured again -> its row (recaptures in a row),
+        # until the key's next graph takes it on (see _replay, _record_graph)
+        self._recapture_rows: dict = {}
         self._seen_once: collections.OrderedDict = collections.OrderedDict()  # (_SEEN_ONCE)
         self._train_eager: str | None = None  # why grad-mode calls run eagerly from now on
         self._parent_reshards = ParentReshard()
@@ -267,7 +269,9 @@ class GraphedState(PieceRuns):
             fast = self._fast
             kept = fast if type(fast) is Fast else None
             if kept is not None:
-                kept.entry.uses += kept.pending_uses()
+                n = kept.pending_uses()
+                kept.entry.uses += n
+                kept.entry.replayed += n
             self._fast, self._alt = alt, kept
             alt.base = self.replays  # (its replays count from here: see Fast.pending_uses)
         out = alt.call(fn, args, kwargs)
@@ -327,7 +331,9 @@ class GraphedState(PieceRuns):
             return self._given_back(fn, args, kwargs)
         fast = self._fast
         if type(fast) is Fast:
-            fast.entry.uses += fast.pending_uses()
+            n = fast.pending_uses()
+            fast.entry.uses += n
+            fast.entry.replayed += n
             self._alt = fast  # (kept aside for its signature's next call: see other_fast)
         self._fast = None  # remade by a replay that qualifies
         if _guards.dual_level() >= 0:
@@ -679,24 +685,16 @@ class GraphedState(PieceRuns):
             # thread's blocked call or more uses between start the count again; an alias that
             # another thread holds blocks it for a while, not call after call: see Slot.protect)
             me = threading.get_ident()
-            entry.blocks += 1
             if region.held_elsewhere:
                 entry.blocked = (0, entry.uses, me)
                 return self._eager(HELD_BY_ANOTHER_THREAD, fn, args, kwargs)
             count, last, thread = entry.blocked
             count = count + 1 if thread == me and entry.uses - last <= _BLOCKED_GAP else 1
             entry.blocked = (count, entry.uses, me)
-            cache = region.cache_for(self)
-            try:  # (its signature's: by the hash, not the key, which may hold an object
-                # passed as it is)
-                row = hash(cache.key_of(entry))
-            except KeyError:  # (not in this cache: released meanwhile)
-                row = id(entry)
-            rows = self._recapture_rows
-            if entry.uses - entry.blocks >= _RECAPTURE_WORKED:
-                rows.pop(row, None)  # (this graph served: its signature's row starts again)
+            if entry.replayed >= _RECAPTURE_WORKED:
+                entry.row = 0  # (this graph served: its signature's row starts again)
             if region.blocked_by > entry.seq and count >= _BLOCKED_CALLS \
-                    and rows.get(row, 0) < _MAX_RECAPTURES:
+                    and entry.row < _MAX_RECAPTURES:
                 # What blocks it, call after call with a few replays of it at most between (not
                 # another thread's output held for a while), is the output of a graph captured
                 # after it, held through a view (as a piece of an opaque piece's own plan is
@@ -704,9 +702,16 @@ class GraphedState(PieceRuns):
                 # memory may lie in this one's freed temporaries. Captured again by the next
                 # call, it comes after.
                 self._recaptures += 1
-                if len(rows) >= 256 and row not in rows:
-                    rows.clear()
-                rows[row] = rows.get(row, 0) + 1
+                cache = region.cache_for(self)
+                rows = self._recapture_rows
+                try:
+                    key = cache.key_of(entry)
+                except KeyError:  # (not in this cache: released meanwhile)
+                    key = None
+                if key is not None:
+                    if len(rows) >= 64 and key not in rows:
+                        rows.clear()  # (signatures not seen again since)
+                    rows[key] = entry.row + 1  # (the next graph of the key takes it on)
                 drain(device, token)  # (its buffers go back to the allocator)
                 cache.discard(entry)
             return self._eager("an output of an earlier call in this graph_region is still "
@@ -722,6 +727,7 @@ class GraphedState(PieceRuns):
                                          kwargs, token)
             return self._judge(entry, out, region)
         self.replays += 1
+        entry.replayed += 1
         if region is not None:
             region.replays += 1
         self._note(True)
@@ -852,6 +858,9 @@ class GraphedState(PieceRuns):
         entry.owner = self
         entry.state = outcome.guard
         entry.flags = outcome.flags
+        rows = self._recapture_rows
+        if rows and key in rows:
+            entry.row = rows.pop(key)
         if outcome.shared:
             self.retargets += 1
         else:

@@ -101,12 +101,18 @@ class _Calls:
         """The copy for this call of the function in the calling thread's current run of
         ``region``'s root (under the module's lock)."""
         me = _get_ident()
-        run = region.run_of.get(me, -1)
+        run_of = region.run_of
+        # (a thread that runs no run of the root itself, one its forward hands work to with
+        # the run's context, ``asyncio.to_thread``: counted by the runs of any thread)
+        run = run_of.get(me)
+        if run is None:
+            run = -1 - region.entered
         counts = self.counts
         mine = counts.get(me)
         if mine is None or mine[0] != run:
             if mine is None and len(counts) >= 256:
-                counts.clear()  # (threads gone: their counts start again)
+                for t in [t for t in counts if t not in run_of]:
+                    del counts[t]  # (threads gone: their counts start again)
             mine = counts[me] = [run, 0]
         n = mine[1]
         mine[1] = n + 1

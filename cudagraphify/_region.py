@@ -249,7 +249,8 @@ class GraphRegion:
         self.entered += 1
         run_of = self.run_of
         if len(run_of) >= 256 and me not in run_of:
-            run_of.clear()  # (threads gone: a thread's next run is numbered anew)
+            for t in [t for t in run_of if t not in streams]:
+                del run_of[t]  # (threads not in a run now: their next run is numbered anew)
         run_of[me] = self.entered
         if any(t != token for t in tuple(streams.values())):
             self._stream_token = MULTI_STREAM  # (whichever stream replayed last)

@@ -388,7 +388,9 @@ class CapturedGraph(Owned):
     # (calls its replay was blocked by a later graph's held output, its uses at the last of
     # them, and their thread: see _engine._replay)
     blocked = (0, -1, 0)
-    blocks = 0  # (all its blocked calls: counted in ``uses`` too, they replayed nothing)
+    # the recaptures in a row of the signature it was captured for, when released after a later
+    # graph blocked it (see _engine._replay)
+    row = 0
 
     def __init__(self, raw, inputs: StaticInputs, mutated: list[int], actions: list, spec,
                  keep: list, device: torch.device):

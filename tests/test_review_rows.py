@@ -6,7 +6,11 @@ piece's copies are counted per thread's run of the root (``region.run_of``, ``_C
 CPU, simulated backend (fixture ``sim``); every output, kept outputs and views compared with an
 eager twin bitwise. No silent wrong value was found.
 
-``test_finding_*`` (``xfail(strict=True)``: they pass while the problem is there):
+``test_finding_*``: the findings, each fixed in the commit after 8c45cd0 (their strict xfails
+removed): a graph's row is carried from the graph released to the key's next graph
+(``entry.row``, through ``_recapture_rows[key]``) and restarted by its own replays
+(``entry.replayed``, eager calls not counted); a thread with no run of its own is counted by the
+region's runs; ``run_of`` and ``_Calls.counts`` drop only threads not in a run. As found:
 
 - R2 (unbounded recaptures). ``entry.uses - entry.blocks`` is not the graph's replays: ``uses``
   also counts the calls that found the graph and ran eagerly in ``_replay``'s earlier branches
@@ -173,10 +177,6 @@ def test_control_ping_pong_of_graphs_reading_an_attribute_is_bounded(sim):
         assert s.captures <= 1 + _engine._MAX_RECAPTURES, s
 
 
-@pytest.mark.xfail(strict=True, reason="R2: entry.uses - entry.blocks counts eager calls of "
-                   "_replay's earlier branches (HELD_ALIAS...) as replays: two graphs blocking "
-                   "each other get their rows restarted without replaying (44/43 captures in "
-                   "300 steps; 12f275c^: 5/5)")
 def test_finding_eager_alias_calls_restart_the_row_of_a_ping_pong(sim):
     """As the control above, plus 5 calls of F and of G a step with the attribute itself as
     the argument (same signature; each runs eagerly on HELD_ALIAS before the block check):
@@ -240,9 +240,6 @@ def test_control_a_served_signature_does_not_restart_anothers_row(sim):
         assert s.captures <= _BOUND, s
 
 
-@pytest.mark.xfail(strict=True, reason="R3: rows keyed by hash(key); hash(-1) == hash(-2), so "
-                   "a served graph of F(x, -2) restarts the row of F(x, -1)'s ping-pong: 35 "
-                   "captures in 20 periods (6 without the collision)")
 def test_finding_hash_collision_restarts_another_signatures_row(sim):
     for s in _colliding(-1, -2):
         assert s.captures <= _BOUND, s
@@ -358,10 +355,6 @@ def _on_pool_thread():
     return pool, run
 
 
-@pytest.mark.xfail(strict=True, reason="C2: a function piece called on a thread that carries "
-                   "the run's context but never entered a run has no run_of entry: its count "
-                   "never restarts (64 copies after 40 runs of 3 calls, 53 replays; "
-                   "12f275c^: 3 copies, 114 replays)")
 def test_finding_function_called_on_a_pool_thread_takes_new_copies_every_run(sim, modeling):
     ref, g = _twins(modeling, 3)
     pool, run = _on_pool_thread()
@@ -423,9 +416,6 @@ def _spied(log):
     return real, spy
 
 
-@pytest.mark.xfail(strict=True, reason="C3 (minor): run_of's 256-clear (a new thread's "
-                   "enter_run) while thread A is mid-run restarts A's count: A's calls for "
-                   "layers 1, 2 get copies 0, 1")
 def test_finding_run_of_cleared_mid_run_remaps_the_rest_of_the_run(sim, modeling):
     ref, g = _twins(modeling, 3)
     for t in range(4):
