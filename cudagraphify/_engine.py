@@ -82,9 +82,9 @@ _STORM_CALLS = 64
 # a plan delays its pieces' captures by a call per level; a blocker captured anew every call, a
 # growing shape, or two graphs that block each other, would block each recapture again), where
 # a blocked graph that had replayed _RECAPTURE_WORKED times itself (its eager calls not
-# counted) starts its signature's row again: a graph blocked anew whenever a graph that makes its inputs is captured again after
-# it (parameters reassigned, a new signature of that one alone) is put after it for good by
-# each recapture
+# counted) starts its signature's row again: a graph blocked anew whenever a graph that makes
+# its inputs is captured again after it (parameters reassigned, a new signature of that one
+# alone) is put after it for good by each recapture
 _MAX_RECAPTURES = 4
 _RECAPTURE_WORKED = 32
 # a piecewise plan's piece captures a signature the second time it is seen: the first call of
