@@ -125,6 +125,13 @@ def _on_device(t: Any, accel: frozenset) -> bool:
 _device_types: dict[torch.device, str] = {}
 
 
+def _no_data(data: Any) -> bool:
+    """An empty list or tuple (``torch.tensor([], device="cuda")``, an HF ``DynamicLayer``'s
+    first keys): a tensor of no elements, whose copy to the device copies nothing (``copy_``
+    returns before any transfer), so nothing of the host's is kept in a graph."""
+    return type(data) in (list, tuple) and len(data) == 0
+
+
 def _device_of_factory(kwargs: dict) -> torch.device:
     dev = kwargs.get("device")
     return torch.device(dev) if dev is not None else torch.get_default_device()
@@ -279,7 +286,8 @@ def builtin_tags(func: Any, args: tuple, kwargs: dict, accel: frozenset = ACCEL)
     elif func in (T.cpu, T.cuda, T.to, T.copy_):
         tags |= _to_tags(func, args, kwargs, accel)
     elif func in _FACTORY_FROM_DATA:
-        if _device_of_factory(kwargs).type in accel and not isinstance(first, torch.Tensor):
+        if _device_of_factory(kwargs).type in accel and not isinstance(first, torch.Tensor) \
+                and not _no_data(first):
             tags.add("CROSS_DEVICE")  # host data copied to the device: stale on replay
     if func is T.pin_memory or kwargs.get("pin_memory") is True:
         tags.add("HOST_ALLOC")

@@ -65,6 +65,13 @@ CASES = [
     (torch.Tensor.to, (x, "meta"), {}, {"CROSS_DEVICE", "HOST_SYNC"}),
     (torch.Tensor.to, (x, torch.float16), {}, set()),
     (torch.tensor, ([1.0, 2.0],), {"device": "cuda"}, {"CROSS_DEVICE"}),
+    # no data: nothing copied to the device, nothing of the host's kept in a graph (an HF
+    # DynamicLayer's first keys); data in a nested list, or a scalar, is copied
+    (torch.tensor, ([],), {"device": "cuda", "dtype": torch.float16}, set()),
+    (torch.tensor, ((),), {"device": "cuda"}, set()),
+    (torch.as_tensor, ([],), {"device": "cuda"}, set()),
+    (torch.tensor, ([[]],), {"device": "cuda"}, {"CROSS_DEVICE"}),
+    (torch.tensor, (3.0,), {"device": "cuda"}, {"CROSS_DEVICE"}),
     # safe ordinary ops
     (torch.add, (x, x), {}, set()),
     (F.linear, (x, x), {}, set()),
