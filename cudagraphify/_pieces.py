@@ -15,18 +15,21 @@ an argument no signature can hold), part of every :class:`~._engine.GraphedState
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
-from typing import Any, Callable
+import threading
+from typing import Any, Callable, Iterator
 
 import torch
 
-from . import _capture, _guards, _region, _segrun, _trial
+from . import _capture, _guards, _region, _segrun, _trial, _watch
 from ._capture import drain
 from ._cache import EagerEntry
 from ._errors import warn_once
 from ._nested import Nested, Plain, in_graphed_call, nesting, plain_reason
 from ._piecewise import PiecewiseEntry, new_probe, plan, probed
 from ._probe import Finding
+from ._signature import opaque_objects
 from ._trial import PlanTrial
 from ._training import TrainingGraph
 
@@ -61,6 +64,27 @@ def _run_stream(device) -> int | None:
     return backend.stream_token(device)
 
 
+@contextlib.contextmanager
+def _receivers(probe, objects: list) -> Iterator[set[str]]:
+    """While the block runs: the paths (``probe``'s names) of the submodules called with one
+    of ``objects`` as an argument, on the probing thread (an HF decoder layer and its attention,
+    passed the ``DynamicCache``): what they do with it, the probe need not see (its lazy
+    set-up, its growth by ``torch.cat``)."""
+    passed: set[str] = set()
+    thread = threading.get_ident()
+
+    def hook(module, args, kwargs, output):
+        if threading.get_ident() == thread and any(
+                x is o for o in objects for x in (*args, *kwargs.values())):
+            name = probe.names.get(id(module))
+            if name is not None:
+                passed.add(name)
+
+    with _watch.own_global_hook(torch.nn.modules.module.register_module_forward_hook, hook,
+                                with_kwargs=True, always_call=True):
+        yield passed
+
+
 class PieceRuns:
     """The pieces part of :class:`~._engine.GraphedState` (its attributes are set there:
     ``pieces``, ``given_back``, ``retire``, ``_chain``, ``_plan_trial``...)."""
@@ -85,11 +109,14 @@ class PieceRuns:
             self._device = params[0].device
             self.accel = frozenset({self._device.type})
         probe = new_probe(self)
-        with Nested():
+        with Nested(), _receivers(probe, opaque_objects(
+                args, kwargs, self.static_positions, self.static_names)) as passed:
             out = probed(probe, lambda: fn(*args, **kwargs))()
         findings: dict[str, list] = {"": [Finding("", opaque, ("OPAQUE",), "every call")]}
         for f in probe.findings:
             findings.setdefault(f.path, []).append(f)
+        for path in sorted(passed - {""}):  # (their calls are opaque too: never a piece)
+            findings.setdefault(path, []).append(Finding(path, opaque, ("OPAQUE",), "every call"))
         _, pieces = plan(root, findings, probe.ran())
         if pieces:
             self._add_pieces(self.install_pieces(pieces))

@@ -450,6 +450,15 @@ def opaque_argument(args: tuple, kwargs: dict, static_positions: frozenset[int],
     return None
 
 
+def opaque_objects(args: tuple, kwargs: dict, static_positions: frozenset[int],
+                   static_names: frozenset[str]) -> list:
+    """The top-level arguments :func:`opaque_argument` judges opaque (the objects)."""
+    return [a for i, a in enumerate(args) if is_opaque(type(a)) and i not in static_positions
+            and not is_static_state(a)] + \
+        [a for name, a in kwargs.items() if is_opaque(type(a)) and name not in static_names
+         and not is_static_state(a)]
+
+
 def _opaque_reason(where: str, value: Any) -> str:
     why = demoted(value)
     if why is not None:
