@@ -31,6 +31,7 @@ from ._capturing import Capturing
 from ._hooks import HookWatch, backward_reads
 from ._guards import FlagsGuard, StateGuard, callable_state, function_bindings
 from ._nested import Nested
+from ._outobjects import restore, seeing_through
 from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
@@ -60,7 +61,9 @@ class FirstCall(Capturing):
         self.sig = sig
         self.leaves = leaves
         self.static_flags = list(static_flags)
-        self.fn = fn
+        # (its runs see an HF DynamicCache it returns as a node of its tensors: see _outobjects)
+        self.fn = seeing_through(fn)
+        self.user_fn = fn
         self.args = args
         self.kwargs = kwargs
         self.device = device
@@ -129,6 +132,7 @@ class FirstCall(Capturing):
                         outcome.ran = self.probe.ran()
         if outcome.flags is None:
             outcome.flags = self.flags
+        outcome.result = restore(outcome.result)  # (the objects the eager run made)
         return outcome
 
     def warm_up(self) -> None:
@@ -698,7 +702,7 @@ class FirstCall(Capturing):
         ran = [m for m in rec.called.values() if m is not root]
         # (a partial's bound arguments, a plain object's method or a callable object: what
         # it carries is read as a forward's mutable objects are)
-        fn, carried, attrs = callable_state(self.fn)
+        fn, carried, attrs = callable_state(self.user_fn)
         return StateGuard([r for key, r in rec.reads.items() if key not in leave_out],
                           hooks=lambda: _watch.hook_fingerprint(modules),
                           bindings=function_bindings(fn) + attrs, ran=ran,
