@@ -290,11 +290,12 @@ def test_opaque_plans_chain_across_nested_callables(sim):
     with torch.no_grad():
         T._decode(ref, g, steps=8)
     root = g._cudagraphify_state
-    # one region, the outermost callable's: the layers and attentions plan inside it
+    # one region, the outermost callable's: the layers plan inside it (their attentions get
+    # the layer's opaque object: no pieces, their projections are the layers' pieces)
     assert root._chain is not None
     for layer in g.layers:
         assert layer._cudagraphify_state._chain is None
-        assert layer.attn._cudagraphify_state.pieces
+        assert layer._cudagraphify_state.pieces
         q = cg.stats(layer.attn.q)
         assert q.graphs == 1 and q.input_copies == 0, q  # reads the norm's output in place
     assert root._chain.replays > 0
