@@ -21,6 +21,8 @@ an object no graph returns, as before.
 
 from __future__ import annotations
 
+import gc
+import sys
 from typing import Any, Callable
 
 import torch
@@ -50,10 +52,39 @@ def _qualifies(obj: Any) -> bool:
     return tp.__module__ == _HF and tp.__name__ in _CLASSES and tp.__qualname__ == tp.__name__
 
 
+def _refs_from(holders: list, obj: Any) -> int:
+    """How many references to ``obj`` the objects ``holders`` hold (directly, or through their
+    ``__dict__``: an HF ``ModelOutput`` holds each field as an item and as an attribute)."""
+    n = 0
+    for h in holders:
+        for r in gc.get_referents(h):
+            if r is obj:
+                n += 1
+            elif type(r) is dict and r is getattr(h, "__dict__", None):
+                n += sum(1 for v in r.values() if v is obj)
+    return n
+
+
+def _others(obj: Any, holders: list) -> int:
+    """References to ``obj`` beyond those of ``holders`` (with the caller's one local name and
+    this call's own: :data:`_ALONE` where nothing else holds it)."""
+    return sys.getrefcount(obj) - _refs_from(holders, obj)
+
+
+def _calibrated() -> int:
+    """What :func:`_others` gives for an object held by a list alone, asked from a loop over
+    that list (as :func:`see_through` and :func:`_describe` ask)."""
+    holder = [SeenThrough(None, [], ())]
+    for x in holder:
+        return _others(x, [holder])
+    raise AssertionError
+
+
 def _describe(obj: Any, tensors: list) -> tuple | None:
     """How to make ``obj`` again: (class, ((name, kind, what), ...)); its tensors appended to
     ``tensors`` in that order. None where an attribute is neither a plain tensor, an immutable
-    value, a class nor (the class's list attribute) a list of qualifying objects."""
+    value, a class nor (the class's list attribute) a list of qualifying objects that nothing
+    else holds (each in it once)."""
     tp = type(obj)
     d = getattr(obj, "__dict__", None)
     if type(d) is not dict or getattr(tp, "__slots__", ()):
@@ -67,12 +98,16 @@ def _describe(obj: Any, tensors: list) -> tuple | None:
         elif name == listed and type(value) is list:
             inner = []
             for item in value:
-                if not _qualifies(item):
+                # (a layer the caller can reach otherwise, or one listed twice: a replay would
+                # make two objects, or one the caller's does not know)
+                if _others(item, [value]) != _ALONE or not _qualifies(item):
                     return None
                 made = _describe(item, tensors)
                 if made is None:
                     return None
                 inner.append(made)
+            if len({id(item) for item in value}) != len(value):
+                return None
             parts.append((name, "list", tuple(inner)))
         elif is_constant(value) or isinstance(value, type):
             # (a class, ``layer_class_to_replicate``: every eager cache refers to it too)
@@ -112,21 +147,56 @@ def _is_node(x: Any) -> bool:
     return type(x) is SeenThrough
 
 
+def _is_size(x: Any) -> bool:  # (a torch.Size whole: pytree would rebuild it as a tuple)
+    return type(x) is torch.Size
+
+
+def _containers(out: Any) -> list:
+    """The containers of ``out``'s tree (its pytree nodes)."""
+    found, todo = [], [out]
+    while todo:
+        x = todo.pop()
+        if _is_size(x) or pytree._is_leaf(x):
+            continue
+        found.append(x)
+        todo.extend(pytree.tree_flatten(x, is_leaf=lambda y: y is not x)[0])
+    return found
+
+
 def see_through(out: Any) -> Any:
     """``out`` with each qualifying object in it as a :class:`SeenThrough` node (``out`` itself
-    where it holds none)."""
-    leaves = pytree.tree_leaves(out)
-    if not any(_qualifies(x) for x in leaves):
+    where it holds none). Only an object the forward made for its output: one that nothing
+    but the output's containers holds (an argument, a module's attribute, a global or a
+    partial's would be another object on replay, not the caller's), that is in the output
+    once and whose layers are in it only through it (a replay makes one object where the
+    output holds it)."""
+    leaves = pytree.tree_leaves(out, is_leaf=_is_size)
+    found = [x for x in leaves if _qualifies(x)]
+    if not found:
+        return out
+    del leaves
+    holders = _containers(out) + [found]
+    sole = set()
+    for x in found:
+        if _others(x, holders) == _ALONE:
+            sole.add(id(x))
+    del x
+    counts: dict[int, int] = {}
+    for y in found:
+        counts[id(y)] = counts.get(id(y), 0) + 1
+    sole = {i for i in sole if counts[i] == 1}
+    del found, holders
+    if not sole:
         return out
 
     def node(x: Any) -> Any:
-        if not _qualifies(x):
+        if id(x) not in sole or not _qualifies(x):
             return x
         tensors: list = []
         context = _describe(x, tensors)
         return x if context is None else SeenThrough(x, tensors, context)
 
-    return pytree.tree_map(node, out)
+    return pytree.tree_map(node, out, is_leaf=_is_size)
 
 
 def seeing_through(fn: Callable) -> Callable:
@@ -139,6 +209,13 @@ def seeing_through(fn: Callable) -> Callable:
 def restore(out: Any) -> Any:
     """``out`` with each node back to the object the forward made (what an eager run
     returns)."""
-    if not any(_is_node(x) for x in pytree.tree_leaves(out, is_leaf=_is_node)):
+    if not any(_is_node(x) for x in pytree.tree_leaves(out, is_leaf=_node_or_size)):
         return out
-    return pytree.tree_map(lambda x: x.obj if _is_node(x) else x, out, is_leaf=_is_node)
+    return pytree.tree_map(lambda x: x.obj if _is_node(x) else x, out, is_leaf=_node_or_size)
+
+
+def _node_or_size(x: Any) -> bool:
+    return type(x) is SeenThrough or type(x) is torch.Size
+
+
+_ALONE = _calibrated()

@@ -160,18 +160,41 @@ def test_a_plain_dynamic_cache_made_in_forward_replays():
     assert cg.stats(g).replays == 2
 
 
-def test_see_through_and_restore_round_trip():
+def _made(k: torch.Tensor) -> dict:
+    """An output whose cache nothing else holds (as one forward made)."""
     cache = DynamicCache()
-    k = torch.randn(1, 1, 2, 4)
     cache.update(k, k + 1, 0)
-    out = {"logits": torch.zeros(2), "cache": cache}
+    return {"logits": torch.zeros(2), "cache": cache, "size": torch.Size([2, 3])}
+
+
+def test_see_through_and_restore_round_trip():
+    k = torch.randn(1, 1, 2, 4)
+    out = _made(k)
     seen = _outobjects.see_through(out)
     assert isinstance(seen["cache"], _outobjects.SeenThrough)
+    assert type(seen["size"]) is torch.Size
     leaves, spec = torch.utils._pytree.tree_flatten(seen)
-    assert len(leaves) == 3  # the logits, the keys, the values
-    again = torch.utils._pytree.tree_unflatten([t.clone() for t in leaves], spec)
-    assert type(again["cache"]) is DynamicCache and again["cache"] is not cache
+    assert len(leaves) == 5  # the logits, the keys, the values, the size's two ints
+    again = torch.utils._pytree.tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t
+                                                for t in leaves], spec)
+    assert type(again["cache"]) is DynamicCache and again["cache"] is not out["cache"]
     assert torch.equal(again["cache"].layers[0].values, k + 1)
-    assert _outobjects.restore(seen)["cache"] is cache
+    back = _outobjects.restore(seen)
+    assert back["cache"] is out["cache"] and type(back["size"]) is torch.Size
     plain = {"a": torch.zeros(1)}
     assert _outobjects.see_through(plain) is plain and _outobjects.restore(plain) is plain
+
+
+def test_a_cache_something_else_holds_is_not_seen_through():
+    out = _made(torch.randn(1, 1, 2, 4))
+    held = out["cache"]  # (the caller's, a module's, a global's: a replay could not return it)
+    assert _outobjects.see_through(out) is out
+    del held
+    assert isinstance(_outobjects.see_through(out)["cache"], _outobjects.SeenThrough)
+    twice = _made(torch.randn(1, 1, 2, 4))
+    twice["again"] = twice["cache"]  # (one object twice: a replay would make two)
+    assert _outobjects.see_through(twice) is twice
+    layer = _made(torch.randn(1, 1, 2, 4))
+    layer["layer"] = layer["cache"].layers[0]  # (a layer also returned on its own)
+    seen = _outobjects.see_through(layer)
+    assert not any(isinstance(v, _outobjects.SeenThrough) for v in seen.values())
