@@ -263,3 +263,30 @@ def test_generate_with_a_sliding_window_static_cache_graphs_around_it():
     assert any("changes on every call" in r for r in s.eager_calls), s.eager_calls
     mlp = cg.stats(g.model.layers[0].mlp)
     assert mlp.replays >= NEW, mlp
+
+
+def test_a_causal_lm_called_with_ids_is_one_graph_and_returns_its_cache(hf):
+    """``model(ids)`` (use_cache on, no cache passed): forward makes a DynamicCache and returns
+    it; the model is one graph, each replay returns a new cache whose keys and values are
+    eager's, bitwise, and a decode step on that cache is eager's."""
+    transformers, config, model = hf
+    g = cg.graphify(copy.deepcopy(model))
+    ids = torch.randint(0, config.vocab_size, (2, 9), device=DEV)
+    caches = []
+    with torch.no_grad():
+        for _ in range(4):
+            got, want = g(ids), model(ids)
+            assert torch.equal(got.logits, want.logits)
+            gc_, wc = got.past_key_values, want.past_key_values
+            assert type(gc_) is type(wc) and len(gc_.layers) == len(wc.layers)
+            for a, b in zip(gc_.layers, wc.layers):
+                assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+            caches.append(gc_)
+        s = cg.stats(g)
+        assert (s.captures, s.replays, dict(s.eager_calls)) == (1, 3, {}), s
+        assert len({id(c) for c in caches}) == 4
+        assert len({c.layers[0].keys.data_ptr() for c in caches}) == 4
+        nxt = want.logits[:, -1:].argmax(-1)
+        got, want = g(nxt, past_key_values=caches[-1]), model(nxt, past_key_values=wc)
+        assert torch.equal(got.logits, want.logits)
+        assert caches[-1].get_seq_length() == wc.get_seq_length() == 10
