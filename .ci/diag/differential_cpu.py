@@ -27,6 +27,8 @@ SimGraph.replay = lambda self: None
 backend = SimBackend()
 backend.clock = lambda device: time.perf_counter
 _capture.set_backend(backend)
+# (HF's mask code asks whether it is captured: answered as the double captures, as on a GPU)
+torch.cuda.is_current_stream_capturing = lambda: backend.capturing
 warnings.simplefilter("ignore")
 
 
