@@ -14,9 +14,10 @@ the output plan's ``tree_unflatten`` makes a new object of the class on every re
 user gets from an eager run is the object the forward made (:func:`restore`).
 
 Only exact classes of ``transformers.cache_utils`` listed here qualify (not a subclass, whose
-methods may read what the copy lacks), and only where every attribute is a plain tensor, an
-immutable value, a class, or (the cache's ``layers``) a list of qualifying objects; anything else stays
-an object no graph returns, as before.
+methods may read what the copy lacks), only where every attribute is a plain tensor, an
+immutable value, a class, or (the cache's ``layers``) a list of qualifying objects, and only an
+object the forward made for its output (nothing but the output holds it, once: see
+:func:`see_through`); anything else stays an object no graph returns, as before.
 """
 
 from __future__ import annotations
