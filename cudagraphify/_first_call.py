@@ -35,6 +35,7 @@ from ._outobjects import restore, seeing_through
 from ._outcome import DEFERRED, EAGER, GRAPHED, PIECEWISE, Outcome
 from ._piecewise import new_probe, probed, sequence_findings
 from ._probe import Finding, Probe
+from ._replay import opaque_output
 from ._rehearsal import borrow, confirms, lend, rehearse, snapshot_states
 from ._state import changed_again, demote
 from ._state import tensors_in as _tensors_in
@@ -410,6 +411,11 @@ class FirstCall(Capturing):
         # the inputs are known to it)
         for f in self._outside_tensors(warm, probe):
             findings.setdefault(f.path, []).append(f)
+        opaque = opaque_output(self.result, self.leaves) if probe is not None else None
+        if opaque is not None:
+            # an object no replay can return (an HF EncoderDecoderCache it makes): the module
+            # runs eagerly, its submodules graphed as pieces (each decides its own calls)
+            findings.setdefault("", []).append(Finding("", "output", ("OPAQUE",), opaque))
         mine = {id(t) for t in self.statics.tensors}
         if torch.is_grad_enabled() and any(t.requires_grad and id(t) not in mine
                                            for t in self.warm_guard.tensors):

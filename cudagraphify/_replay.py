@@ -21,6 +21,7 @@ from ._errors import CudagraphifyError
 from ._signature import is_constant
 
 __all__ = ["StaticInputs", "CapturedGraph", "plan_outputs", "output_leaves", "OutputPlanError",
+           "OpaqueOutput", "opaque_output",
            "clone_output", "static_output"]
 
 _data = torch.Tensor.data.__get__  # ``t.data`` as a function of ``t``
@@ -29,6 +30,12 @@ _Parameter = torch.nn.Parameter
 
 class OutputPlanError(CudagraphifyError):
     """An output cannot be returned safely from a graph (the signature then runs eagerly)."""
+
+
+class OpaqueOutput(OutputPlanError):
+    """An output object a graph cannot tell the contents of (an HF ``EncoderDecoderCache``
+    made by forward): the module runs eagerly, and where the probe ran, its submodules are
+    graphed as pieces (see ``FirstCall._screen``)."""
 
 
 class StaticInputs:
@@ -248,12 +255,24 @@ def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], A
         elif is_constant(leaf):
             kinds.append(("const", leaf))
         else:
-            raise OutputPlanError(
+            raise OpaqueOutput(
                 f"forward returns an object of type {type(leaf).__name__} that is not a tensor, "
                 "an immutable value or an argument; a graph cannot tell what it holds (register "
                 "its type with torch.utils._pytree to make it transparent)"
             )
     return kinds, spec
+
+
+def opaque_output(out: Any, call_leaves: list) -> str | None:
+    """Why ``out`` holds an object no graph can return (:class:`OpaqueOutput`), else None (what
+    else a graph cannot return is found when its capture plans the outputs)."""
+    try:
+        output_leaves(out, call_leaves)
+    except OpaqueOutput as e:
+        return str(e)
+    except OutputPlanError:
+        return None
+    return None
 
 
 def plan_outputs(

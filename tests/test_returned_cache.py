@@ -138,14 +138,21 @@ class _Returns(torch.nn.Module):
 
 @pytest.mark.parametrize("kind", ["subclass", "layer subclass", "object attribute"])
 def test_a_cache_that_does_not_qualify_runs_eagerly_with_the_reason(kind):
-    g = cg.graphify(_Returns(kind))
+    # (the module runs eagerly, the reason its output; its Linear is graphed as a piece)
+    ref = _Returns(kind)
+    g = cg.graphify(copy.deepcopy(ref))
     x = torch.randn(3, 4)
-    for _ in range(3):
-        out, cache = g(x)
-        assert not isinstance(cache, _outobjects.SeenThrough)
-    s = cg.stats(g)
-    assert s.captures == 0 and s.replays == 0
-    assert any("returns an object of type" in r for r in s.eager_calls), s.eager_calls
+    for _ in range(4):
+        (out, cache), (want, wcache) = g(x), ref(x)
+        assert not isinstance(cache, _outobjects.SeenThrough) and type(cache) is type(wcache)
+        assert torch.equal(out, want)
+        assert torch.equal(cache.layers[0].keys, wcache.layers[0].keys)
+    root = g._cudagraphify_state
+    assert sum(root.eager_calls.values()) == 4
+    assert all("output [OPAQUE]" in r and "returns an object of type" in r
+               for r in root.eager_calls), root.eager_calls
+    lin = cg.stats(g.lin)
+    assert lin.captures == 1 and lin.replays >= 2, lin
 
 
 def test_a_plain_dynamic_cache_made_in_forward_replays():
@@ -198,3 +205,27 @@ def test_a_cache_something_else_holds_is_not_seen_through():
     layer["layer"] = layer["cache"].layers[0]  # (a layer also returned on its own)
     seen = _outobjects.see_through(layer)
     assert not any(isinstance(v, _outobjects.SeenThrough) for v in seen.values())
+
+
+def test_a_cache_no_replay_can_return_leaves_the_model_pieces():
+    # T5 called as model(input_ids, decoder_input_ids) returns an EncoderDecoderCache (not made
+    # again by a replay): the model and its decoder run eagerly with that reason, the encoder
+    # is one graph and the decoder's safe submodules are pieces (before 57a36e6 its
+    # attention's empty torch.tensor made it piecewise; without this rule it ran wholly eagerly)
+    torch.manual_seed(0)
+    cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                num_decoder_layers=2, num_heads=4, decoder_start_token_id=0)
+    ref = transformers.T5ForConditionalGeneration(cfg).eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    ids, dec = torch.randint(0, 64, (2, 7)), torch.randint(0, 64, (2, 3))
+    for _ in range(4):
+        got, want = g(input_ids=ids, decoder_input_ids=dec), \
+            ref(input_ids=ids, decoder_input_ids=dec)
+        assert torch.equal(got.logits, want.logits)
+        assert type(got.past_key_values) is type(want.past_key_values)
+    root = g._cudagraphify_state
+    assert root.replays == 0 and all("output [OPAQUE]" in r and "EncoderDecoderCache" in r
+                                     for r in root.eager_calls), root.eager_calls
+    enc = cg.stats(g.encoder)
+    assert enc.captures == 1 and enc.replays >= 2, enc
+    assert cg.stats(g.decoder.final_layer_norm).replays >= 2
