@@ -133,7 +133,7 @@ class FirstCall(Capturing):
                         outcome.ran = self.probe.ran()
         if outcome.flags is None:
             outcome.flags = self.flags
-        outcome.result = restore(outcome.result)  # (the objects the eager run made)
+        outcome.result = restore(outcome.result, self.fn)  # (what the eager run made)
         return outcome
 
     def warm_up(self) -> None:

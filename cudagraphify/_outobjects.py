@@ -22,13 +22,13 @@ object the forward made for its output (nothing but the output holds it, once: s
 
 from __future__ import annotations
 
-import gc
 import sys
 from typing import Any, Callable
 
 import torch
 import torch.utils._pytree as pytree
 
+from ._replay import OutputPlanError, _attributes_kept
 from ._signature import is_constant
 
 __all__ = ["SeenThrough", "see_through", "seeing_through", "restore"]
@@ -54,15 +54,26 @@ def _qualifies(obj: Any) -> bool:
 
 
 def _refs_from(holders: list, obj: Any) -> int:
-    """How many references to ``obj`` the objects ``holders`` hold (directly, or through their
-    ``__dict__``: an HF ``ModelOutput`` holds each field as an item and as an attribute)."""
+    """How many references to ``obj`` the objects ``holders`` hold where a replay's output
+    holds them again: a list's or tuple's items, a pytree node's children (not a dict's keys,
+    which pytree keeps in its spec, the capture's object) and, for a dict-like node, its
+    attributes that mirror an item (an HF ``ModelOutput`` holds each field as an item and as an
+    attribute; another attribute pytree drops); any other object's attributes."""
     n = 0
     for h in holders:
-        for r in gc.get_referents(h):
-            if r is obj:
-                n += 1
-            elif type(r) is dict and r is getattr(h, "__dict__", None):
-                n += sum(1 for v in r.values() if v is obj)
+        tp = type(h)
+        if tp is list or tp is tuple:
+            n += sum(1 for v in h if v is obj)
+            continue
+        node = pytree.SUPPORTED_NODES.get(pytree._get_node_type(h))
+        if node is None:
+            d = getattr(h, "__dict__", None)
+            n += sum(1 for v in d.values() if v is obj) if type(d) is dict else 0
+            continue
+        n += sum(1 for v in node.flatten_fn(h)[0] if v is obj)
+        d = getattr(h, "__dict__", None) if isinstance(h, dict) else None
+        if type(d) is dict:
+            n += sum(1 for k, v in d.items() if v is obj and k in h and h[k] is obj)
     return n
 
 
@@ -81,6 +92,19 @@ def _calibrated() -> int:
     raise AssertionError
 
 
+class _Owner:
+    """Stands for a cache in :func:`_calibrated_attribute`."""
+
+
+def _calibrated_attribute() -> int:
+    """What :func:`_others` gives for a list held by one object's attribute alone, read with
+    ``dict.get`` into one local name (as :func:`_describe` reads a cache's layers)."""
+    owner = _Owner()
+    owner.layers = []
+    layers = vars(owner).get("layers")
+    return _others(layers, [owner])
+
+
 def _describe(obj: Any, tensors: list) -> tuple | None:
     """How to make ``obj`` again: (class, ((name, kind, what), ...)); its tensors appended to
     ``tensors`` in that order. None where an attribute is neither a plain tensor, an immutable
@@ -91,6 +115,12 @@ def _describe(obj: Any, tensors: list) -> tuple | None:
     if type(d) is not dict or getattr(tp, "__slots__", ()):
         return None
     listed = _CLASSES[tp.__name__]
+    layers = d.get(listed) if listed is not None else None
+    # (the list itself held by anything but this object, another cache or a global: a replay
+    # makes a list of its own)
+    if layers is not None and _others(layers, [obj]) != _ALONE_ATTRIBUTE:
+        return None
+    del layers
     parts = []
     for name, value in d.items():
         if type(value) is _Tensor:
@@ -153,14 +183,15 @@ def _is_size(x: Any) -> bool:  # (a torch.Size whole: pytree would rebuild it as
 
 
 def _containers(out: Any) -> list:
-    """The containers of ``out``'s tree (its pytree nodes)."""
+    """The containers of ``out``'s tree (its pytree nodes). (Their children taken by each
+    node's own flatten: no closure or cycle keeps a leaf referenced after this returns.)"""
     found, todo = [], [out]
     while todo:
         x = todo.pop()
         if _is_size(x) or pytree._is_leaf(x):
             continue
         found.append(x)
-        todo.extend(pytree.tree_flatten(x, is_leaf=lambda y: y is not x)[0])
+        todo.extend(pytree.SUPPORTED_NODES[pytree._get_node_type(x)].flatten_fn(x)[0])
     return found
 
 
@@ -170,13 +201,23 @@ def see_through(out: Any) -> Any:
     but the output's containers holds (an argument, a module's attribute, a global or a
     partial's would be another object on replay, not the caller's), that is in the output
     once and whose layers are in it only through it (a replay makes one object where the
-    output holds it)."""
-    leaves = pytree.tree_leaves(out, is_leaf=_is_size)
+    output holds it). (``out`` itself a cache is held by this call too: see
+    :func:`seeing_through`, which asks with the output held by a list alone.)"""
+    return _see([out])
+
+
+def _see(box: list) -> Any:
+    """:func:`see_through` of ``box[0]``, which nothing but ``box`` and the caller holds."""
+    leaves = pytree.tree_leaves(box[0], is_leaf=_is_size)
     found = [x for x in leaves if _qualifies(x)]
     if not found:
-        return out
+        return box[0]
     del leaves
-    holders = _containers(out) + [found]
+    try:  # (pytree would rebuild a container that carries more than its items without it)
+        _attributes_kept(box[0])
+    except OutputPlanError:
+        return box[0]
+    holders = _containers(box) + [found]
     sole = set()
     for x in found:
         if _others(x, holders) == _ALONE:
@@ -188,7 +229,7 @@ def see_through(out: Any) -> Any:
     sole = {i for i in sole if counts[i] == 1}
     del found, holders
     if not sole:
-        return out
+        return box[0]
 
     def node(x: Any) -> Any:
         if id(x) not in sole or not _qualifies(x):
@@ -197,19 +238,31 @@ def see_through(out: Any) -> Any:
         context = _describe(x, tensors)
         return x if context is None else SeenThrough(x, tensors, context)
 
-    return pytree.tree_map(node, out, is_leaf=_is_size)
+    return pytree.tree_map(node, box, is_leaf=_is_size)[0]
 
 
 def seeing_through(fn: Callable) -> Callable:
-    """``fn``, its result seen through (the runs of a first call: see the module docstring)."""
+    """``fn``, its result seen through (the runs of a first call: see the module docstring);
+    ``run.made`` the (seen, what the forward returned) of its runs, for :func:`restore`."""
+    made: list = []
+
     def run(*args: Any, **kwargs: Any) -> Any:
-        return see_through(fn(*args, **kwargs))
+        box = [fn(*args, **kwargs)]  # (held by this list alone while it is looked at)
+        seen = _see(box)
+        if seen is not box[0]:
+            made.append((seen, box[0]))
+        return seen
+    run.made = made
     return run
 
 
-def restore(out: Any) -> Any:
-    """``out`` with each node back to the object the forward made (what an eager run
-    returns)."""
+def restore(out: Any, run: Callable) -> Any:
+    """What the forward returned where ``run`` (a :func:`seeing_through`) saw ``out`` through:
+    its own containers and objects, as an eager run returns them; ``run`` forgets its runs."""
+    made, run.made[:] = list(run.made), []
+    for seen, original in made:
+        if seen is out:
+            return original
     if not any(_is_node(x) for x in pytree.tree_leaves(out, is_leaf=_node_or_size)):
         return out
     return pytree.tree_map(lambda x: x.obj if _is_node(x) else x, out, is_leaf=_node_or_size)
@@ -220,3 +273,4 @@ def _node_or_size(x: Any) -> bool:
 
 
 _ALONE = _calibrated()
+_ALONE_ATTRIBUTE = _calibrated_attribute()

@@ -9,6 +9,7 @@ memory (zero copy, overwritten by the next call), as a new tensor object each ca
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import Any, Callable
 
@@ -236,6 +237,7 @@ def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], A
 
     The one rule for what a graph may return (inference and training plans build on it):
     anything else raises :class:`OutputPlanError`."""
+    _attributes_kept(out)
     # (a torch.Size whole, a constant: pytree would rebuild it as a plain tuple)
     flat, spec = pytree.tree_flatten(out, is_leaf=_is_size)
     by_id = {id(leaf): i for i, leaf in enumerate(call_leaves) if not isinstance(leaf, torch.Tensor)}
@@ -261,6 +263,28 @@ def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], A
                 "its type with torch.utils._pytree to make it transparent)"
             )
     return kinds, spec
+
+
+def _attributes_kept(out: Any) -> None:
+    """Raise :class:`OutputPlanError` where a dict-like output (an HF ``ModelOutput``) carries
+    an attribute that is none of its items (``out.extra = t`` in forward): pytree rebuilds it
+    from its items, so a replay's would lack it. (A ``ModelOutput``'s fields left None are
+    attributes, not items: the rebuilt one has them too.)"""
+    todo = [out]
+    while todo:
+        x = todo.pop()
+        if type(x) is torch.Size or pytree._is_leaf(x):
+            continue
+        if isinstance(x, dict) and type(x) not in (dict, collections.OrderedDict):
+            d = getattr(x, "__dict__", None)
+            extra = [k for k, v in d.items() if v is not None and not (k in x and x[k] is v)] \
+                if type(d) is dict else []
+            if extra:
+                raise OutputPlanError(
+                    f"forward returns a {type(x).__name__} carrying the attribute "
+                    f"{extra[0]!r}, which is none of its items: a graph rebuilds it from its "
+                    "items, so a replay's would lack it (make it a field, or return it apart)")
+        todo.extend(pytree.SUPPORTED_NODES[pytree._get_node_type(x)].flatten_fn(x)[0])
 
 
 def opaque_output(out: Any, call_leaves: list) -> str | None:

@@ -186,10 +186,16 @@ def test_see_through_and_restore_round_trip():
                                                 for t in leaves], spec)
     assert type(again["cache"]) is DynamicCache and again["cache"] is not out["cache"]
     assert torch.equal(again["cache"].layers[0].values, k + 1)
-    back = _outobjects.restore(seen)
+    back = _outobjects.restore(seen, _outobjects.seeing_through(dict))  # (nodes taken back)
     assert back["cache"] is out["cache"] and type(back["size"]) is torch.Size
+    run = _outobjects.seeing_through(lambda: _made(torch.randn(1, 1, 2, 4)))
+    seen = run()
+    assert isinstance(seen["cache"], _outobjects.SeenThrough)
+    original = run.made[0][1]
+    assert _outobjects.restore(seen, run) is original and not run.made  # (its own dict)
     plain = {"a": torch.zeros(1)}
-    assert _outobjects.see_through(plain) is plain and _outobjects.restore(plain) is plain
+    assert _outobjects.see_through(plain) is plain
+    assert _outobjects.restore(plain, run) is plain
 
 
 def test_a_cache_something_else_holds_is_not_seen_through():
