@@ -34,9 +34,11 @@ class OutputPlanError(CudagraphifyError):
 
 
 class OpaqueOutput(OutputPlanError):
-    """An output object a graph cannot tell the contents of (an HF ``EncoderDecoderCache``
-    made by forward): the module runs eagerly, and where the probe ran, its submodules are
-    graphed as pieces (see ``FirstCall._screen``)."""
+    """An output object a graph cannot tell the contents of (``kind``: its type)."""
+
+    def __init__(self, message: str, kind: type):
+        super().__init__(message)
+        self.kind = kind
 
 
 class StaticInputs:
@@ -260,8 +262,7 @@ def output_leaves(out: Any, call_leaves: list) -> tuple[list[tuple[str, Any]], A
             raise OpaqueOutput(
                 f"forward returns an object of type {type(leaf).__name__} that is not a tensor, "
                 "an immutable value or an argument; a graph cannot tell what it holds (register "
-                "its type with torch.utils._pytree to make it transparent)"
-            )
+                "its type with torch.utils._pytree to make it transparent)", type(leaf))
     return kinds, spec
 
 
@@ -288,12 +289,18 @@ def _attributes_kept(out: Any) -> None:
 
 
 def opaque_output(out: Any, call_leaves: list) -> str | None:
-    """Why ``out`` holds an object no graph can return (:class:`OpaqueOutput`), else None (what
-    else a graph cannot return is found when its capture plans the outputs)."""
+    """Why ``out`` holds an HF cache object no replay can make (an ``EncoderDecoderCache``: see
+    _outobjects for those it can), else None. Such a module runs eagerly with its submodules
+    graphed as pieces (see ``FirstCall._screen``), as before ``torch.tensor([])`` was found
+    safe (its attentions were unsafe then). An object of another kind keeps its module wholly
+    eager (its capture's output plan refuses it): a tensor returned both in the output and
+    inside such an object would come back as two (review 163, finding 1: the copy of a
+    piecewise root's outputs sees only the tensors pytree flattens). (What else a graph cannot
+    return is found when its capture plans the outputs.)"""
     try:
         output_leaves(out, call_leaves)
     except OpaqueOutput as e:
-        return str(e)
+        return str(e) if e.kind.__module__ == "transformers.cache_utils" else None
     except OutputPlanError:
         return None
     return None

@@ -2,7 +2,9 @@
 submodules graphed as pieces) and f691982 (ModelOutput attributes refuse the output plan; the
 first call returns the forward's own containers).
 
-``test_finding*`` are strict xfails: what eager does, which the graphed call does not do now.
+``test_finding*`` were strict xfails on the code reviewed (f691982): finding 1 is fixed by
+keeping a module whose output holds an object of a kind other than an HF cache wholly eager
+(``_replay.opaque_output``), as before e3c376d; finding 2 (older) stays open.
 ``test_control_*`` are scenarios checked and found correct. Every output is compared with an
 eager twin (``copy.deepcopy`` before graphify), bitwise, and the counters say which path ran.
 
@@ -29,7 +31,7 @@ transformers = pytest.importorskip("transformers")
 from transformers import DynamicCache  # noqa: E402
 from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
-_OPAQUE = "output [OPAQUE]"
+_OPAQUE = "returns an object of type"  # (the reason, wholly eager or with pieces)
 
 
 @pytest.fixture(autouse=True)
@@ -103,6 +105,11 @@ def _values(o) -> list:
     return list(o)  # (an iterator, a generator)
 
 
+def _no_pieces(g) -> bool:
+    """The module ran wholly eagerly: none of its submodules was made a piece."""
+    return not any("_cudagraphify_state" in m.__dict__ for m in g.modules() if m is not g)
+
+
 def _root_opaque(g) -> bool:
     s = _state_of(g)
     return s.replays == 0 and bool(s.eager_calls) and any(_OPAQUE in r for r in s.eager_calls)
@@ -121,11 +128,6 @@ class _Both(nn.Module):
         return h, Box(h if self.how == "same" else h[0])
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: _pieces._chain_run copies the pytree-visible "
-                   "leaves off the pieces' memory (owned_outputs) BEFORE release_aliases moves "
-                   "the alias the opaque object still holds: the caller gets two tensors where "
-                   "eager returns one (h and box.t[0]); an in-place write to one is not seen "
-                   "through the other")
 @pytest.mark.parametrize("how", ["same", "view"])
 def test_finding1_tensor_returned_and_held_by_opaque_object_is_split(how):
     torch.manual_seed(0)
@@ -140,8 +142,9 @@ def test_finding1_tensor_returned_and_held_by_opaque_object_is_split(how):
             hg.add_(1)
             hw.add_(1)  # (eager: the box's tensor is h, or a view of it: it sees the write)
             ok.append(torch.equal(bg.t[0], bw.t[0]))
-    assert _root_opaque(g)
-    assert cg.stats(g.lin).replays >= 2  # (the piece replayed: the chained path ran)
+    # (fixed: an object of a kind other than an HF cache keeps its module wholly eager, see
+    # _replay.opaque_output; the chained path and its copies do not run)
+    assert _root_opaque(g) and _no_pieces(g)
     assert all(ok), ok
 
 
@@ -203,9 +206,8 @@ def test_control_opaque_object_holding_piece_output_kept_over_calls(how, mode):
         for gv, wv in kept:
             assert len(gv) == len(wv) and all(torch.equal(a, b) for a, b in zip(gv, wv))
     if how != "mutated":
-        assert _root_opaque(g)
-        s = cg.stats(g.lin)
-        assert s.captures >= 1 and s.replays >= 1, s
+        # (since 3bc7189's finding 1: a user's object keeps the module wholly eager)
+        assert _root_opaque(g) and _no_pieces(g)
     else:  # (its later calls set the attribute again: another reason; the root never replays)
         assert _state_of(g).replays == 0 and sum(_state_of(g).eager_calls.values()) == 5
 
@@ -223,9 +225,7 @@ def test_control_grad_mode_backward_through_opaque_output():
         (bw.t[0] * w).sum().backward()
         assert torch.equal(g.lin.weight.grad, ref.lin.weight.grad), i
         assert torch.equal(g.lin.bias.grad, ref.lin.bias.grad), i
-    assert _root_opaque(g)
-    s = cg.stats(g.lin)
-    assert s.captures == 1 and s.replays == 3, s
+    assert _root_opaque(g) and _no_pieces(g)
 
 
 def test_control_share_graph_layers_returning_opaque_objects():
@@ -257,8 +257,7 @@ def test_control_capture_sizes_of_a_module_returning_an_opaque_object():
             x = torch.randn(n, 4)
             kept.append((g(x), ref(x)))
         assert all(torch.equal(a.t[0], b.t[0]) for a, b in kept)
-    s = cg.stats(g.lin)
-    assert s.captures == 3 and s.replays >= 6, s
+    assert _no_pieces(g)
 
 
 def _t5():
