@@ -28,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.utils._pytree as pytree
 
-from ._replay import OutputPlanError, _attributes_kept
+from ._replay import OutputPlanError, _attributes_kept, _is_size, containers_of
 from ._signature import is_constant
 
 __all__ = ["SeenThrough", "see_through", "seeing_through", "restore"]
@@ -178,23 +178,6 @@ def _is_node(x: Any) -> bool:
     return type(x) is SeenThrough
 
 
-def _is_size(x: Any) -> bool:  # (a torch.Size whole: pytree would rebuild it as a tuple)
-    return type(x) is torch.Size
-
-
-def _containers(out: Any) -> list:
-    """The containers of ``out``'s tree (its pytree nodes). (Their children taken by each
-    node's own flatten: no closure or cycle keeps a leaf referenced after this returns.)"""
-    found, todo = [], [out]
-    while todo:
-        x = todo.pop()
-        if _is_size(x) or pytree._is_leaf(x):
-            continue
-        found.append(x)
-        todo.extend(pytree.SUPPORTED_NODES[pytree._get_node_type(x)].flatten_fn(x)[0])
-    return found
-
-
 def see_through(out: Any) -> Any:
     """``out`` with each qualifying object in it as a :class:`SeenThrough` node (``out`` itself
     where it holds none). Only an object the forward made for its output: one that nothing
@@ -217,7 +200,7 @@ def _see(box: list) -> Any:
         _attributes_kept(box[0])
     except OutputPlanError:
         return box[0]
-    holders = _containers(box) + [found]
+    holders = containers_of(box) + [found]
     sole = set()
     for x in found:
         if _others(x, holders) == _ALONE:

@@ -271,11 +271,7 @@ def _attributes_kept(out: Any) -> None:
     an attribute that is none of its items (``out.extra = t`` in forward): pytree rebuilds it
     from its items, so a replay's would lack it. (A ``ModelOutput``'s fields left None are
     attributes, not items: the rebuilt one has them too.)"""
-    todo = [out]
-    while todo:
-        x = todo.pop()
-        if type(x) is torch.Size or pytree._is_leaf(x):
-            continue
+    for x in containers_of(out):
         if isinstance(x, dict) and type(x) not in (dict, collections.OrderedDict):
             d = getattr(x, "__dict__", None)
             extra = [k for k, v in d.items() if v is not None and not (k in x and x[k] is v)] \
@@ -285,7 +281,20 @@ def _attributes_kept(out: Any) -> None:
                     f"forward returns a {type(x).__name__} carrying the attribute "
                     f"{extra[0]!r}, which is none of its items: a graph rebuilds it from its "
                     "items, so a replay's would lack it (make it a field, or return it apart)")
+
+
+def containers_of(out: Any) -> list:
+    """The containers of ``out``'s tree (its pytree nodes; a ``torch.Size`` is a leaf). (Each
+    node's children taken by its own flatten: no closure or cycle keeps a leaf referenced
+    after this returns, see _outobjects.)"""
+    found, todo = [], [out]
+    while todo:
+        x = todo.pop()
+        if _is_size(x) or pytree._is_leaf(x):
+            continue
+        found.append(x)
         todo.extend(pytree.SUPPORTED_NODES[pytree._get_node_type(x)].flatten_fn(x)[0])
+    return found
 
 
 def opaque_output(out: Any, call_leaves: list) -> str | None:
