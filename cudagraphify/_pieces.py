@@ -310,7 +310,8 @@ class PieceRuns:
             # alias handed out in this run outlives it (see GraphRegion.release_aliases)
             mine = chain.owned_outputs(out)
             del out
-            chain.release_aliases()
+            # (an alias returned and also kept elsewhere: the caller's is that alias, moved)
+            mine = chain.release_aliases(mine)
             if stream is not None:
                 chain.exit_run(stream, _capture.default_backend(), self._device)
         return mine

@@ -74,6 +74,38 @@ def _storage_ptr(t: torch.Tensor) -> int | None:
         return None
 
 
+def _handed_as(t: torch.Tensor, ptr: int) -> tuple:
+    """What :func:`_shared_again` needs of ``t``, an output on a slot's memory (at ``ptr``)
+    that :meth:`GraphRegion.owned_outputs` copies: the tensor itself weakly (a strong
+    reference would count as a holder of that memory) and where it lies."""
+    plain = t.layout is torch.strided and not (t.is_conj() or t.is_neg())
+    return ptr, weakref.ref(t), plain, t.dtype, t.size(), t.stride(), t.storage_offset()
+
+
+def _shared_again(handed: tuple, ptr: int, alias: torch.Tensor, mine: Any) -> Any:
+    """``mine`` (what :meth:`GraphRegion.owned_outputs` made, see ``handed``) with the
+    copies of ``alias`` (moved off ``ptr`` since: held outside the output too) replaced by
+    ``alias`` itself, and the copies of its views by views of it again: eager's caller has
+    the tensor that its other holder has, not a copy of it."""
+    spec, leaves, records = handed
+    new = None
+    for k, (p, ref, plain, dtype, size, stride, offset) in records.items():
+        if p != ptr:
+            continue
+        if ref() is alias:
+            t = alias
+        elif plain and dtype == alias.dtype and alias.layout is torch.strided:
+            t = alias.as_strided(size, stride, offset)
+        else:
+            continue  # (another dtype on that memory: its copy stays)
+        if new is None:
+            new = list(leaves)
+        new[k] = t
+    if new is None:
+        return mine
+    return new[0] if spec is None else pytree.tree_unflatten(new, spec)
+
+
 def captured_among(backend, device, tokens) -> bool:
     """Whether one of the streams ``tokens`` is under a capture of another thread's own (a
     user's ``torch.cuda.graph``): a stream that waited on it would join that capture (its
@@ -227,6 +259,9 @@ class GraphRegion:
         # the capture order of the slot that made protect_before's last failure (-1: none, or
         # a borrowed input's)
         self.blocked_by = -1
+        # what owned_outputs copied last, for release_aliases: (the output's pytree spec, or
+        # None for a tensor; its leaves as returned; {leaf index: _handed_as of the original})
+        self._handed: tuple | None = None
         self.held_elsewhere = False  # protect_before's last failure: another thread's alias
         # a callable's own region (see _pieces): the stream of each thread running the callable
         # now, and the streams of runs that ended after another stream replayed (their last
@@ -300,16 +335,22 @@ class GraphRegion:
         if not any(t != token for t in tuple(self.streams.values())):
             self._stream_token = token
 
-    def release_aliases(self) -> None:
+    def release_aliases(self, mine: Any = None) -> Any:
         """At the end of a run of the callable whose implicit region this is (see
         ``_pieces``), on its thread: move to copies the aliases handed to this thread that
         are still held (by a cache argument that kept a piece's output, by an object the
         copy of the outputs does not flatten), so that no alias outlives its run: the next
         replay must not move or overwrite it while its holder, then on another thread or
-        sharing it through DLPack, reads it."""
+        sharing it through DLPack, reads it.
+
+        ``mine``: what :meth:`owned_outputs` just gave (its argument since dropped). Where an
+        alias it copied is still held elsewhere (``self.last = h; return h``), eager's caller
+        would share that tensor: ``mine`` again with the moved alias itself (or a view of
+        it, for a view of it copied) in place of its copy; else ``mine``."""
+        handed, self._handed = self._handed, None
         live = self._live
         if not live:
-            return
+            return mine
         me = threading.get_ident()
         for slot in tuple(live):
             if slot.thread == me:
@@ -317,7 +358,11 @@ class GraphRegion:
                 if extra == 0:
                     del live[slot]
                 else:
-                    slot.move(extra)
+                    ptr = slot.storage.data_ptr()
+                    alias = slot.alias() if slot.alias is not None else None
+                    if slot.move(extra) and handed is not None and alias is not None:
+                        mine = _shared_again(handed, ptr, alias, mine)
+        return mine
 
     # -- chaining ------------------------------------------------------------------------
 
@@ -447,7 +492,9 @@ class GraphRegion:
     def owned_outputs(self, out: Any) -> Any:
         """``out`` with every tensor on a slot's memory (an alias handed out, or a view of one)
         replaced by a copy: what a callable running its pieces in this region returns to its
-        caller, who may share it where use counts do not see (DLPack, CuPy) or resize it."""
+        caller, who may share it where use counts do not see (DLPack, CuPy) or resize it.
+        What was copied is kept for :meth:`release_aliases`, the next call under this lock."""
+        self._handed = None
         live = self._live
         if not live:
             return out
@@ -460,12 +507,18 @@ class GraphRegion:
             ptr = out.untyped_storage().data_ptr()
             if not any(s.storage.data_ptr() == ptr for s in live):
                 return out
-            return copy_of(out, ptr)
+            mine = copy_of(out, ptr)
+            self._handed = (None, [mine], {0: _handed_as(out, ptr)})
+            return mine
         ptrs = {slot.storage.data_ptr() for slot in live}
         leaves, spec = pytree.tree_flatten(out)
-        if not any(isinstance(t, torch.Tensor) and _storage_ptr(t) in ptrs for t in leaves):
+        on = {k: _storage_ptr(t) for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
+        on = {k: p for k, p in on.items() if p in ptrs}
+        if not on:
             return out
-        return pytree.tree_unflatten(copies_of(leaves, ptrs), spec)
+        copies = copies_of(leaves, ptrs)
+        self._handed = (spec, copies, {k: _handed_as(leaves[k], p) for k, p in on.items()})
+        return pytree.tree_unflatten(copies, spec)
 
     def in_use(self) -> bool:
         """Whether a callable still alive has a cache here (releases queued left out)."""

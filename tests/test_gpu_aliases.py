@@ -201,3 +201,40 @@ def test_an_output_captured_after_a_graph_with_temporaries_is_kept_from_its_repl
         assert u.frees == 0 and u.allocs == 1 and not u.scratch, (u.frees, u.allocs, u.scratch)
     # (each of the four calls a replay; the first calls' own replay is not counted here)
     assert (cg.stats(gm).replays - before[0], cg.stats(gu).replays - before[1]) == (4, 4)
+
+
+class _KeepsLast(nn.Module):
+    """A piecewise root (a Python side effect) that returns a piece's output and keeps it:
+    eager's caller and ``self.last`` share one tensor (see tests/test_kept_output.py)."""
+
+    def __init__(self, view: bool):
+        super().__init__()
+        self.lin, self.view = nn.Linear(16, 16), view
+
+    def forward(self, x):
+        h = self.lin(x)
+        self.last = h
+        return h[1:] if self.view else h
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_a_pieces_output_returned_and_kept_is_one_tensor(monkeypatch, view):
+    monkeypatch.setattr(_trial, "PLAN_TRIAL", False)  # (a one-Linear plan: never given back)
+    torch.manual_seed(0)
+    ref = _KeepsLast(view).to(DEV).eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    got = []
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.randn(4, 16, device=DEV)
+            hg, hw = g(x), ref(x)
+            assert torch.equal(hg, hw)
+            assert (hg._base is g.last) if view else (hg is g.last)
+            hg.add_(i + 1)
+            hw.add_(i + 1)
+            assert torch.equal(g.last, ref.last)
+            got.append((hg, hw))
+    for hg, hw in got:  # (after the later replays)
+        assert torch.equal(hg, hw)
+    assert cg.stats(g.lin).replays >= 3
+    assert g._cudagraphify_state._chain.moved_outputs == cg.stats(g.lin).replays

@@ -4,7 +4,9 @@ first call returns the forward's own containers).
 
 ``test_finding*`` were strict xfails on the code reviewed (f691982): finding 1 is fixed by
 keeping a module whose output holds an object of a kind other than an HF cache wholly eager
-(``_replay.opaque_output``), as before e3c376d; finding 2 (older) stays open.
+(``_replay.opaque_output``), as before e3c376d; finding 2 (older) by handing the caller the
+moved alias itself where it is also kept elsewhere (``GraphRegion.release_aliases``; more
+cases in tests/test_kept_output.py).
 ``test_control_*`` are scenarios checked and found correct. Every output is compared with an
 eager twin (``copy.deepcopy`` before graphify), bitwise, and the counters say which path ran.
 
@@ -148,7 +150,7 @@ def test_finding1_tensor_returned_and_held_by_opaque_object_is_split(how):
     assert all(ok), ok
 
 
-# -- finding 2 (pre-existing, same cause, not introduced here) ---------------------------------
+# -- finding 2 (pre-existing, same cause, not introduced here; fixed) -----------------------------
 
 class _Keeps(nn.Module):
     def __init__(self):
@@ -161,10 +163,6 @@ class _Keeps(nn.Module):
         return h
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2 (pre-existing, not e3c376d): a piecewise root "
-                   "that returns a piece's output and also keeps it on an attribute: the returned "
-                   "one is a copy (owned_outputs), the attribute's the moved alias: two tensors "
-                   "where eager has one")
 def test_finding2_returned_tensor_also_kept_on_attribute_is_split():
     torch.manual_seed(0)
     ref = _Keeps()
