@@ -31,6 +31,7 @@ import torch.utils._pytree as pytree
 from ._cache import GraphCache
 from ._capture import MULTI_STREAM, collect_young, drain
 from ._copies import copies_of, copy_of
+from ._replay import _is_size, of_this_call
 from ._signature import leaf_kind
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._options import Stats
@@ -78,26 +79,37 @@ def _handed_as(t: torch.Tensor, ptr: int) -> tuple:
     """What :func:`_shared_again` needs of ``t``, an output on a slot's memory (at ``ptr``)
     that :meth:`GraphRegion.owned_outputs` copies: the tensor itself weakly (a strong
     reference would count as a holder of that memory) and where it lies."""
-    plain = t.layout is torch.strided and not (t.is_conj() or t.is_neg())
-    return ptr, weakref.ref(t), plain, t.dtype, t.size(), t.stride(), t.storage_offset()
+    plain = type(t) is torch.Tensor and t.layout is torch.strided
+    return (ptr, weakref.ref(t), plain, t.dtype, t.size(), t.stride(), t.storage_offset(),
+            t.is_conj(), t.is_neg())
 
 
 def _shared_again(handed: tuple, ptr: int, alias: torch.Tensor, mine: Any) -> Any:
     """``mine`` (what :meth:`GraphRegion.owned_outputs` made, see ``handed``) with the
     copies of ``alias`` (moved off ``ptr`` since: held outside the output too) replaced by
-    ``alias`` itself, and the copies of its views by views of it again: eager's caller has
-    the tensor that its other holder has, not a copy of it."""
+    ``alias`` itself, and the copies of the other tensors on that memory by views of it
+    again (its dtype, or another, conj/neg bits kept): eager's caller has the tensor its
+    other holder has, not a copy of it. A subclass's copy stays (a view would lose its
+    class), and so does one that no view of ``alias`` can make."""
     spec, leaves, records = handed
     new = None
-    for k, (p, ref, plain, dtype, size, stride, offset) in records.items():
+    for k, (p, ref, plain, dtype, size, stride, offset, conj, neg) in records.items():
         if p != ptr:
             continue
         if ref() is alias:
             t = alias
-        elif plain and dtype == alias.dtype and alias.layout is torch.strided:
-            t = alias.as_strided(size, stride, offset)
+        elif not plain or alias.is_conj() or alias.is_neg():
+            continue
         else:
-            continue  # (another dtype on that memory: its copy stays)
+            try:
+                t = (alias if dtype == alias.dtype else alias.view(dtype)).as_strided(
+                    size, stride, offset)
+            except RuntimeError:  # (another element size, alias's last dimension strided)
+                continue
+            if conj:
+                t = t.conj()
+            if neg:
+                t = torch._neg_view(t)
         if new is None:
             new = list(leaves)
         new[k] = t
@@ -161,8 +173,9 @@ class Slot:
             self._first_baseline()
         # (``.data``: a version counter of its own, as eager's output has: an in-place write to
         # an earlier call's output must not move a later one's version; outputs of one call on
-        # one memory: ``detach()``, sharing their counter as eager's views of one another do)
-        alias = self.tensor.data if self.lone else self.tensor.detach()
+        # one memory: views of the first, sharing its counter as eager's views of one another
+        # do, see ``_replay.of_this_call``)
+        alias = self.tensor.data if self.lone else of_this_call(self.tensor, outs)
         self.alias = weakref.ref(alias)
         self.thread = threading.get_ident()
         self.live[self] = None
@@ -511,7 +524,8 @@ class GraphRegion:
             self._handed = (None, [mine], {0: _handed_as(out, ptr)})
             return mine
         ptrs = {slot.storage.data_ptr() for slot in live}
-        leaves, spec = pytree.tree_flatten(out)
+        # (a torch.Size whole: pytree would rebuild it as a plain tuple)
+        leaves, spec = pytree.tree_flatten(out, is_leaf=_is_size)
         on = {k: _storage_ptr(t) for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
         on = {k: p for k, p in on.items() if p in ptrs}
         if not on:

@@ -197,16 +197,48 @@ def static_output(t: torch.Tensor, lone: bool = True) -> Callable:
     # the caller does to the one it got, ``t_()``, ``requires_grad_()``, an attribute, must not
     # reach the next call's output)
     # ``lone`` (no other output on its memory): ``.data``, an alias with a version counter of
-    # its own, as eager's new tensor has (cheaper to make than ``detach()``); else ``detach()``,
-    # sharing the counter of the static outputs it views, as eager's views of one another do
+    # its own, as eager's new tensor has (cheaper to make than ``detach()``); else a view of
+    # this call's output on that memory, sharing its counter as eager's views of one another
+    # do (``of_this_call``)
     if lone:
         f = lambda leaves, outs: t.data  # noqa: E731
         f.fresh = functools.partial(_data, t)  # (as ``clone_output``'s)
     else:
-        f = lambda leaves, outs: t.detach()  # noqa: E731
+        f = lambda leaves, outs: of_this_call(t, outs)  # noqa: E731
         f.fresh = t.detach
     f.static = t  # (its memory is the caller's too: see ``CapturedGraph.handed``)
     return f
+
+
+def of_this_call(t: torch.Tensor, outs: list | None) -> torch.Tensor:
+    """A static output ``t`` that shares its memory with another output of its graph, handed
+    out with the version counter of this call's output already made on that memory (``outs``,
+    the call's outputs so far), as eager's outputs on one memory share theirs, and with no
+    other call's: a view of it where ``t`` is a view in eager (the capture's run), else a
+    tensor of its own on that memory. The first (or one made of another dtype, or with a
+    conj/neg bit): ``.data``, a counter of its own. Never the static's counter
+    (``detach()``), which every call's would share: an in-place write to a later call's
+    output would move an earlier one's version."""
+    if outs:
+        ptr = t.untyped_storage().data_ptr()
+        for o in outs:
+            if type(o) is torch.Tensor and o.untyped_storage().data_ptr() == ptr:
+                if o.dtype != t.dtype or o.is_conj() or o.is_neg() or t.is_conj() \
+                        or t.is_neg() or o.layout is not torch.strided \
+                        or t.layout is not torch.strided:
+                    break
+                if t._is_view():
+                    return o.as_strided(t.size(), t.stride(), t.storage_offset())
+                d = o.detach()  # (its counter, no view of it)
+                if d.size() != t.size() or d.stride() != t.stride() \
+                        or d.storage_offset() != t.storage_offset():
+                    with _same_version(d):
+                        d.set_(o.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+                return d
+    return t.data
+
+
+_same_version = torch.autograd._unsafe_preserve_version_counter
 
 
 def _handed_static(action) -> torch.Tensor | None:

@@ -131,8 +131,6 @@ def chain(g):
 # -- findings ---------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: a returned subclass alias (as_subclass) of the "
-                   "kept tensor comes back as a plain torch.Tensor (_shared_again's as_strided)")
 def test_finding1_subclass_alias_of_kept_output_keeps_its_class(sim):
     def body(m, x):
         h = m.lin(x)
@@ -147,9 +145,6 @@ def test_finding1_subclass_alias_of_kept_output_keeps_its_class(sim):
     assert all(a is b is Sub for a, b in seen), seen
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2: returned (h, h.view(int32)) with h kept: "
-                   "out[0] becomes the moved alias, out[1] stays a view of the dropped copy, so "
-                   "the two outputs no longer share memory (they did before ed312f8)")
 def test_finding2_outputs_on_one_memory_stay_aliased_when_one_is_kept(sim):
     def body(m, x):
         h = m.lin(x)
@@ -167,8 +162,6 @@ def test_finding2_outputs_on_one_memory_stay_aliased_when_one_is_kept(sim):
     replayed(g)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 3: a returned view of the kept tensor with another "
-                   "dtype (or a conj view) is a copy: a write through it misses the kept tensor")
 @pytest.mark.parametrize("how", ["int32", "conj"])
 def test_finding3_other_dtype_or_conj_view_of_kept_shares_its_memory(sim, how):
     dtype = torch.cfloat if how == "conj" else None
@@ -189,9 +182,6 @@ def test_finding3_other_dtype_or_conj_view_of_kept_shares_its_memory(sim, how):
     replayed(g)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 4: outputs of a non-lone slot (a piece returning y "
-                   "and y[0]) returned by different calls share one version counter (the static's, "
-                   "through detach()): a write to a later result bumps an earlier one's _version")
 def test_finding4_results_of_calls_have_their_own_version_counters(sim):
     ref, g = twins(PairRoot("a"))
     res = run(ref, g)
@@ -202,8 +192,6 @@ def test_finding4_results_of_calls_have_their_own_version_counters(sim):
     assert [og._version for og, _ in res] == [ow._version for _, ow in res]
 
 
-@pytest.mark.xfail(strict=True, reason="finding 4: a backward that saved an earlier result raises "
-                   "'modified by an inplace operation' after a later result is written (eager: no)")
 def test_finding4_backward_saving_an_earlier_result_survives_a_write_to_a_later_one(sim):
     ref, g = twins(PairRoot("a"))
     inputs = xs()
@@ -309,8 +297,6 @@ def test_finding6_one_container_returned_twice_is_one(sim):
     assert all(s == (True, True) for s in same), same
 
 
-@pytest.mark.xfail(strict=True, reason="finding 7: a torch.Size in an output with a piece's tensor "
-                   "comes back as a tuple (owned_outputs' pytree round trip)")
 @pytest.mark.parametrize("kept", [True, False])
 def test_finding7_torch_size_in_output_stays_a_size(sim, kept):
     def body(m, x):
