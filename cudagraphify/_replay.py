@@ -10,6 +10,7 @@ memory (zero copy, overwritten by the next call), as a new tensor object each ca
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -214,28 +215,43 @@ def of_this_call(t: torch.Tensor, outs: list | None) -> torch.Tensor:
     """A static output ``t`` that shares its memory with another output of its graph, handed
     out with the version counter of this call's output already made on that memory (``outs``,
     the call's outputs so far), as eager's outputs on one memory share theirs, and with no
-    other call's: a view of it where ``t`` is a view in eager (the capture's run), else a
-    tensor of its own on that memory. The first (or one made of another dtype, or with a
-    conj/neg bit): ``.data``, a counter of its own. Never the static's counter
-    (``detach()``), which every call's would share: an in-place write to a later call's
-    output would move an earlier one's version."""
-    if outs:
-        ptr = t.untyped_storage().data_ptr()
-        for o in outs:
-            if type(o) is torch.Tensor and o.untyped_storage().data_ptr() == ptr:
-                if o.dtype != t.dtype or o.is_conj() or o.is_neg() or t.is_conj() \
-                        or t.is_neg() or o.layout is not torch.strided \
-                        or t.layout is not torch.strided:
-                    break
-                if t._is_view():
-                    return o.as_strided(t.size(), t.stride(), t.storage_offset())
-                d = o.detach()  # (its counter, no view of it)
-                if d.size() != t.size() or d.stride() != t.stride() \
-                        or d.storage_offset() != t.storage_offset():
-                    with _same_version(d):
-                        d.set_(o.untyped_storage(), t.storage_offset(), t.size(), t.stride())
-                return d
-    return t.data
+    other call's: a ``detach()`` of that output with ``t``'s layout, a tensor of its own
+    (autograd sees no view: no base that keeps the other alive, see ``_region.Slot.move``;
+    more permissive than eager's view, never less); in another dtype or with a conj/neg bit,
+    a view of such a ``detach()``. The first on that memory: ``.data``, a counter of its own.
+    Where neither can be made: ``detach()`` of ``t``, the static's counter, which every
+    call's share (an in-place write to a later call's output moves an earlier one's version:
+    a false alarm of autograd's at worst, never a write it misses)."""
+    if not outs:
+        return t.data
+    ptr = t.untyped_storage().data_ptr()
+    o = next((o for o in outs if type(o) is torch.Tensor
+              and o.untyped_storage().data_ptr() == ptr), None)
+    if o is None:
+        return t.data
+    if o.layout is not torch.strided or t.layout is not torch.strided:
+        return t.detach()
+    d = o.detach()  # (its counter; an inference tensor has none)
+    if d.dtype == t.dtype and not (d.is_conj() or d.is_neg() or t.is_conj() or t.is_neg()):
+        if d.size() != t.size() or d.stride() != t.stride() \
+                or d.storage_offset() != t.storage_offset():
+            with contextlib.nullcontext() if d.is_inference() else _same_version(d):
+                d.set_(d.untyped_storage(), t.storage_offset(), t.size(), t.stride())
+        return d
+    try:
+        if d.is_conj():  # (the memory's own values, then t's bits)
+            d = d.conj()
+        if d.is_neg():
+            d = torch._neg_view(d)
+        v = (d if d.dtype == t.dtype else d.view(t.dtype)).as_strided(
+            t.size(), t.stride(), t.storage_offset())
+    except RuntimeError:  # (another element size, the last dimension strided)
+        return t.detach()
+    if t.is_conj():
+        v = v.conj()
+    if t.is_neg():
+        v = torch._neg_view(v)
+    return v
 
 
 _same_version = torch.autograd._unsafe_preserve_version_counter

@@ -1,7 +1,8 @@
 """Outputs of one graph on one memory (``return y, y[0]``), handed out without a copy
 (``copy_outputs=False``, a ``graph_region``): each call's share one version counter, as eager's
-do, and no other call's (``_replay.of_this_call``); a view in eager is a view of this call's
-first output, a non-view (``y.detach()``) a tensor of its own on that memory.
+do, and no other call's (``_replay.of_this_call``): a tensor of its own on that memory (no view
+of this call's first output, whose base would keep it alive), a view in eager's dtype only where
+it has another dtype or a conj/neg bit.
 
 CPU, simulated backend (fixture ``sim``); each call compared with an eager twin, bitwise, and
 with eager's ``_version`` / ``_is_view`` / autograd behaviour."""
@@ -60,9 +61,8 @@ def test_one_calls_outputs_share_a_counter_and_no_other_calls_do(sim, how, mode)
             x = torch.randn(3, 4)
             og, ow = g(x), ref(x)
             assert all(torch.equal(a, b) for a, b in zip(og, ow))
-            views = [t._is_view() for t in og[1:]]
-            if how != "view_first":  # (y, its base, comes second: a tensor of its own)
-                assert views == [t._is_view() for t in ow[1:]]
+            # (a tensor of its own where eager's is a view: more permissive, never the reverse)
+            assert not any(a._is_view() and not b._is_view() for a, b in zip(og, ow))
             og[-1].add_(1)
             ow[-1].add_(1)
             assert [t._version for t in og] == [t._version for t in ow]

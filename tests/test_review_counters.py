@@ -5,7 +5,10 @@ pieces, share this call's version counter, as eager's do: a view in eager is
 ``o.detach()`` re-geometried by ``set_`` under ``_unsafe_preserve_version_counter``; another
 dtype, conj/neg bits: ``.data``).
 
-``test_finding*`` assert eager's behaviour and are strict xfails while the finding stands;
+``test_finding*`` assert eager's behaviour; they were strict xfails on 8f10ea2, and findings
+1-4 are fixed since (every output after the first on a memory is a ``detach()`` of the first
+with its own layout, no view of it; another dtype or a bit: a view of such a ``detach()``; an
+inference tensor: no counter to keep);
 ``test_control_*`` are scenarios checked and found right. Every graphed module is compared
 with an eager twin (``copy.deepcopy`` before graphify), bitwise, and the counters say that the
 graph path ran (``cg.stats(g).replays``).
@@ -64,10 +67,6 @@ _OTHER = {"conj": (lambda y: y.conj(), torch.cfloat),
           "int_view": (lambda y: y.view(torch.int32), torch.float32)}
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: an output of another dtype or with a conj bit "
-                   "on its base's memory (y, y.conj() / view_as_real(y) / y.real / y.view(int32)) "
-                   "gets .data, a version counter of its own: a write to y does not move it "
-                   "(eager: shared; before 8f10ea2: shared through the static)")
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("how", list(_OTHER))
 def test_finding1_other_dtype_view_shares_its_base_counter(sim, how, mode):
@@ -88,9 +87,6 @@ def test_finding1_other_dtype_view_shares_its_base_counter(sim, how, mode):
     assert vg == vw, (vg, vw)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 1: y, y.conj(): conj saved for backward, then y "
-                   "written in place: eager's backward refuses, the replay's computes a gradient "
-                   "from the overwritten values (silent wrong gradient)")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_finding1_write_to_base_of_saved_conj_output_is_caught(sim, mode):
     kw, scope = MODES[mode]
@@ -125,11 +121,6 @@ _INF = {"view": lambda y: (y, y[1]),
         "two_slices": lambda y: (y[0], y[1])}
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2: under torch.inference_mode() the statics are "
-                   "inference tensors (never _is_view()), so of_this_call takes the detach+set_ "
-                   "path and _unsafe_preserve_version_counter reads _version of an inference "
-                   "tensor: RuntimeError 'Inference tensors do not track version counter' on "
-                   "every replay (before 8f10ea2: fine)")
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("how", list(_INF))
 def test_finding2_inference_mode_outputs_on_one_memory(sim, how, mode):
@@ -189,8 +180,6 @@ class PairRoot(nn.Module):
         raise AssertionError(self.how)
 
 
-@pytest.mark.xfail(strict=True, reason="finding 2: a piecewise root whose piece returns (y, y[0]) "
-                   "crashes under torch.inference_mode() (Slot.hand_out -> of_this_call)")
 def test_finding2_inference_mode_piecewise_root(sim):
     torch.manual_seed(0)
     ref = PairRoot("a")
@@ -204,12 +193,6 @@ def test_finding2_inference_mode_piecewise_root(sim):
 
 # -- finding 3: a piecewise root keeping its piece's view output: no longer movable ----------
 
-@pytest.mark.xfail(strict=True, reason="finding 3: piece returns (y, y[0]) (or (y, y.t())), the "
-                   "root keeps and returns the view (self.last = b; return b): b is now "
-                   "o.as_strided of this call's y, whose TensorImpl b's _base keeps alive, so the "
-                   "slot has 2 extra users and Slot.move refuses: the caller gets a copy (a write "
-                   "through it misses self.last) and every other call runs eagerly (before "
-                   "8f10ea2: b moved, returned itself, every call replayed)")
 @pytest.mark.parametrize("piece", ["view", "t"])
 def test_finding3_kept_view_output_of_a_piece_is_the_output(sim, piece):
     torch.manual_seed(0)
@@ -233,9 +216,6 @@ def test_finding3_kept_view_output_of_a_piece_is_the_output(sim, piece):
 
 # -- finding 4: two outputs whose eager base is no output: the second a view of the first ----
 
-@pytest.mark.xfail(strict=True, reason="finding 4: z internal, return z[0], z[1]: the replay's "
-                   "z[1] is an as_strided view of its z[0] (eager: both views of z): "
-                   "z0.requires_grad_() makes z1 require grad (and collect a .grad)")
 @pytest.mark.parametrize("mode", list(MODES))
 def test_finding4_requires_grad_on_one_slice_stays_on_it(sim, mode):
     kw, scope = MODES[mode]
