@@ -218,7 +218,7 @@ def of_this_call(t: torch.Tensor, outs: list | None) -> torch.Tensor:
     other call's: a ``detach()`` of that output with ``t``'s layout, a tensor of its own
     (autograd sees no view: no base that keeps the other alive, see ``_region.Slot.move``;
     more permissive than eager's view, never less); in another dtype or with a conj/neg bit,
-    a view of such a ``detach()``. The first on that memory: ``.data``, a counter of its own.
+    a view of such a ``detach()`` (detached again where eager's is no view). The first on that memory: ``.data``, a counter of its own.
     Where neither can be made: ``detach()`` of ``t``, the static's counter, which every
     call's share (an in-place write to a later call's output moves an earlier one's version:
     a false alarm of autograd's at worst, never a write it misses)."""
@@ -251,7 +251,8 @@ def of_this_call(t: torch.Tensor, outs: list | None) -> torch.Tensor:
         v = v.conj()
     if t.is_neg():
         v = torch._neg_view(v)
-    return v
+    # (no view where eager's is none, ``view_as_real(y).detach()``: its counter all the same)
+    return v if t._is_view() else v.detach()
 
 
 _same_version = torch.autograd._unsafe_preserve_version_counter
