@@ -113,11 +113,17 @@ def test_a_conjugate_view_argument_is_copied_as_one(fn):
 def test_a_graph_blocked_anew_after_each_reassignment_is_captured_again_each_time():
     # F, then G reads F's output in place; a view of G's output is held across F's next call.
     # G's weight is reassigned six times: G is captured anew after F, which blocks F, which is
-    # captured again after G. Before, F ran eagerly for good from the fifth time on.
+    # captured again after G. Before, F ran eagerly for good from the fifth time on. (F has
+    # temporaries of its own, its hidden activation: a replay of a graph without any, one
+    # Linear, writes only its outputs and is never blocked by a later graph's held output)
     torch.manual_seed(0)
-    rf, rg = nn.Linear(64, 64).cuda(), nn.Linear(64, 64).cuda()
+    rf = nn.Sequential(nn.Linear(64, 4096), nn.GELU(), nn.Linear(4096, 64)).cuda()
+    rg = nn.Linear(64, 64).cuda()
     gf, gg = cg.graphify(copy.deepcopy(rf)), cg.graphify(copy.deepcopy(rg))
-    with torch.no_grad(), cg.graph_region():
+    with torch.no_grad(), cg.graph_region() as region:
+        gf(torch.randn(4, 64, device="cuda"))
+        (entry,) = region.cache_for(gf._cudagraphify_state).graphs()
+        assert entry.scratch, "F's capture freed no block: the test's premise fails"
         v = rv = None
         for t in range(240):
             if t % 40 == 20:

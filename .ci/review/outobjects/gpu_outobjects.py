@@ -55,8 +55,18 @@ def sync():
 RESULTS: list[tuple[str, bool]] = []
 
 
+# HF Llama as one graph runs its captured path (an explicit mask where eager runs SDPA's causal
+# kernel, see the README: trusted captured paths): rounding, measured on an H100 (2026-12-07)
+# up to 3.6e-7 in float32 logits and 2.9e-6 in gradients; GPT-2, and everything else, bitwise.
+# (llama() sets it for the check that made one; each check starts bitwise)
+CAPTURED_TOL = 1e-5
+TOL = [0.0]
+MAXDIFF = [0.0]  # (the largest difference a tolerance let through)
+
+
 def check(name):
     def deco(fn):
+        TOL[0] = 0.0
         try:
             with torch.no_grad():
                 fn()
@@ -74,7 +84,10 @@ def check(name):
 def eq(a, b, what):
     if not torch.equal(a, b):
         diff = (a.float() - b.float()).abs().max().item() if a.shape == b.shape else "shape"
-        raise AssertionError(f"{what}: {tuple(a.shape)} vs {tuple(b.shape)}, max diff {diff}")
+        if diff == "shape" or a.dtype != b.dtype or not diff <= TOL[0]:
+            raise AssertionError(f"{what}: {tuple(a.shape)} vs {tuple(b.shape)}, max diff "
+                                 f"{diff} (tolerance {TOL[0]})")
+        MAXDIFF[0] = max(MAXDIFF[0], diff)
 
 
 def same_cache(a, b, what):
@@ -106,6 +119,7 @@ def ids_of(b, n, seed, vocab=256):
 
 
 def llama(**kw):
+    TOL[0] = CAPTURED_TOL
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
                                    num_hidden_layers=4, num_attention_heads=4,
@@ -400,6 +414,8 @@ def _():
 
 
 fails = [n for n, ok in RESULTS if not ok]
+print(f"INFO largest difference from eager let through (HF Llama's captured path): "
+      f"{MAXDIFF[0]:.1e}")
 print(f"SUMMARY {len(RESULTS) - len(fails)}/{len(RESULTS)} passed in "
       f"{time.perf_counter() - T0:.1f} s" + (f"; failed: {', '.join(fails)}" if fails else ""))
 sys.exit(1 if fails else 0)
