@@ -84,15 +84,15 @@ def _handed_as(t: torch.Tensor, ptr: int) -> tuple:
             t.is_conj(), t.is_neg())
 
 
-def _shared_again(handed: tuple, ptr: int, alias: torch.Tensor, mine: Any) -> Any:
-    """``mine`` (what :meth:`GraphRegion.owned_outputs` made, see ``handed``) with the
-    copies of ``alias`` (moved off ``ptr`` since: held outside the output too) replaced by
-    ``alias`` itself, and the copies of the other tensors on that memory by views of it
+def _shared_again(handed: tuple, ptr: int, alias: torch.Tensor) -> bool:
+    """In the leaves of what :meth:`GraphRegion.owned_outputs` made (``handed``), in place:
+    the copies of ``alias`` (moved off ``ptr`` since: held outside the output too) replaced
+    by ``alias`` itself, and the copies of the other tensors on that memory by views of it
     again (its dtype, or another, conj/neg bits kept): eager's caller has the tensor its
     other holder has, not a copy of it. A subclass's copy stays (a view would lose its
-    class), and so does one that no view of ``alias`` can make."""
-    spec, leaves, records = handed
-    new = None
+    class), and so does one that no view of ``alias`` can make. Whether any was replaced."""
+    _, leaves, records = handed
+    done = False
     for k, (p, ref, plain, dtype, size, stride, offset, conj, neg) in records.items():
         if p != ptr:
             continue
@@ -110,12 +110,9 @@ def _shared_again(handed: tuple, ptr: int, alias: torch.Tensor, mine: Any) -> An
                 t = t.conj()
             if neg:
                 t = torch._neg_view(t)
-        if new is None:
-            new = list(leaves)
-        new[k] = t
-    if new is None:
-        return mine
-    return new[0] if spec is None else pytree.tree_unflatten(new, spec)
+        leaves[k] = t
+        done = True
+    return done
 
 
 def captured_among(backend, device, tokens) -> bool:
@@ -173,8 +170,8 @@ class Slot:
             self._first_baseline()
         # (``.data``: a version counter of its own, as eager's output has: an in-place write to
         # an earlier call's output must not move a later one's version; outputs of one call on
-        # one memory: views of the first, sharing its counter as eager's views of one another
-        # do, see ``_replay.of_this_call``)
+        # one memory: tensors of their own on it sharing the first's counter, as eager's views
+        # of one another share theirs, see ``_replay.of_this_call``)
         alias = self.tensor.data if self.lone else of_this_call(self.tensor, outs)
         self.alias = weakref.ref(alias)
         self.thread = threading.get_ident()
@@ -273,7 +270,8 @@ class GraphRegion:
         # a borrowed input's)
         self.blocked_by = -1
         # what owned_outputs copied last, for release_aliases: (the output's pytree spec, or
-        # None for a tensor; its leaves as returned; {leaf index: _handed_as of the original})
+        # None for a tensor; its leaves as returned, a list of its own; {leaf index:
+        # _handed_as of the original})
         self._handed: tuple | None = None
         self.held_elsewhere = False  # protect_before's last failure: another thread's alias
         # a callable's own region (see _pieces): the stream of each thread running the callable
@@ -365,6 +363,7 @@ class GraphRegion:
         if not live:
             return mine
         me = threading.get_ident()
+        shared = False
         for slot in tuple(live):
             if slot.thread == me:
                 extra = _use_count(slot.cdata) - slot.baseline
@@ -374,8 +373,11 @@ class GraphRegion:
                     ptr = slot.storage.data_ptr()
                     alias = slot.alias() if slot.alias is not None else None
                     if slot.move(extra) and handed is not None and alias is not None:
-                        mine = _shared_again(handed, ptr, alias, mine)
-        return mine
+                        shared |= _shared_again(handed, ptr, alias)
+        if not shared:
+            return mine
+        spec, leaves, _ = handed
+        return leaves[0] if spec is None else pytree.tree_unflatten(leaves, spec)
 
     # -- chaining ------------------------------------------------------------------------
 

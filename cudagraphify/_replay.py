@@ -198,9 +198,9 @@ def static_output(t: torch.Tensor, lone: bool = True) -> Callable:
     # the caller does to the one it got, ``t_()``, ``requires_grad_()``, an attribute, must not
     # reach the next call's output)
     # ``lone`` (no other output on its memory): ``.data``, an alias with a version counter of
-    # its own, as eager's new tensor has (cheaper to make than ``detach()``); else a view of
-    # this call's output on that memory, sharing its counter as eager's views of one another
-    # do (``of_this_call``)
+    # its own, as eager's new tensor has (cheaper to make than ``detach()``); else one that
+    # shares the counter of this call's first output on that memory, as eager's views of one
+    # another share theirs (``of_this_call``)
     if lone:
         f = lambda leaves, outs: t.data  # noqa: E731
         f.fresh = functools.partial(_data, t)  # (as ``clone_output``'s)
@@ -218,8 +218,8 @@ def of_this_call(t: torch.Tensor, outs: list | None) -> torch.Tensor:
     other call's: a ``detach()`` of that output with ``t``'s layout, a tensor of its own
     (autograd sees no view: no base that keeps the other alive, see ``_region.Slot.move``;
     more permissive than eager's view, never less); in another dtype or with a conj/neg bit,
-    a view of such a ``detach()`` (detached again where eager's is no view). The first on that memory: ``.data``, a counter of its own.
-    Where neither can be made: ``detach()`` of ``t``, the static's counter, which every
+    a view of such a ``detach()`` (detached again where eager's is no view). The first on that
+    memory: ``.data``, a counter of its own. Where neither can be made: ``detach()`` of ``t``, the static's counter, which every
     call's share (an in-place write to a later call's output moves an earlier one's version:
     a false alarm of autograd's at worst, never a write it misses)."""
     if not outs:

@@ -91,3 +91,34 @@ def _chain(g):
     """The implicit region the root's pieces run in (see _pieces.PieceRuns._chain_run)."""
     from cudagraphify.api import _state_of
     return _state_of(g)._chain
+
+
+class _KeepsTwo(nn.Module):
+    """Two pieces' outputs, each kept and both returned: both come back as the kept tensors."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        h, k = self.a(x), self.b(x)
+        self.first, self.second = h, k
+        return h, k
+
+
+def test_two_kept_outputs_of_two_pieces_are_both_the_kept_tensors(sim):
+    torch.manual_seed(0)
+    ref = _KeepsTwo()
+    g = cg.graphify(copy.deepcopy(ref))
+    with torch.no_grad():
+        for i in range(5):
+            x = torch.randn(3, 4)
+            (hg, kg), (hw, kw) = g(x), ref(x)
+            assert torch.equal(hg, hw) and torch.equal(kg, kw)
+            assert hg is g.first and kg is g.second
+            hg.add_(i)
+            kg.add_(i)
+            hw.add_(i)
+            kw.add_(i)
+            assert torch.equal(g.first, ref.first) and torch.equal(g.second, ref.second)
+    assert cg.stats(g.a).replays >= 3 and cg.stats(g.b).replays >= 3
