@@ -238,3 +238,35 @@ def test_a_pieces_output_returned_and_kept_is_one_tensor(monkeypatch, view):
         assert torch.equal(hg, hw)
     assert cg.stats(g.lin).replays >= 3
     assert g._cudagraphify_state._chain.moved_outputs == cg.stats(g.lin).replays
+
+
+class _KeepsTwo(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        h, k = self.a(x), self.b(x)
+        self.first, self.second = h, k
+        return h, k
+
+
+def test_two_pieces_outputs_returned_and_kept_are_the_kept_tensors(monkeypatch):
+    monkeypatch.setattr(_trial, "PLAN_TRIAL", False)
+    torch.manual_seed(0)
+    ref = _KeepsTwo().to(DEV).eval()
+    g = cg.graphify(copy.deepcopy(ref))
+    got = []
+    with torch.no_grad():
+        for i in range(6):
+            x = torch.randn(4, 16, device=DEV)
+            (hg, kg), (hw, kw) = g(x), ref(x)
+            assert torch.equal(hg, hw) and torch.equal(kg, kw)
+            assert hg is g.first and kg is g.second
+            for t in (hg, kg, hw, kw):
+                t.add_(i + 1)
+            assert torch.equal(g.first, ref.first) and torch.equal(g.second, ref.second)
+            got.append((hg, kg, hw, kw))
+    for hg, kg, hw, kw in got:  # (after the later replays)
+        assert torch.equal(hg, hw) and torch.equal(kg, kw)
+    assert cg.stats(g.a).replays >= 3 and cg.stats(g.b).replays >= 3
