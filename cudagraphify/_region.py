@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from ._cache import GraphCache
 from ._capture import MULTI_STREAM, collect_young, drain
 from ._copies import copies_of, copy_of
-from ._replay import _is_size, of_this_call
+from ._replay import _is_size, of_this_call, view_on
 from ._signature import leaf_kind
 from ._errors import CudagraphifyError, CudagraphifyUsageError
 from ._options import Stats
@@ -102,14 +102,9 @@ def _shared_again(handed: tuple, ptr: int, alias: torch.Tensor) -> bool:
             continue
         else:
             try:
-                t = (alias if dtype == alias.dtype else alias.view(dtype)).as_strided(
-                    size, stride, offset)
+                t = view_on(alias, dtype, size, stride, offset, conj, neg)
             except RuntimeError:  # (another element size, alias's last dimension strided)
                 continue
-            if conj:
-                t = t.conj()
-            if neg:
-                t = torch._neg_view(t)
         leaves[k] = t
         done = True
     return done
@@ -528,8 +523,8 @@ class GraphRegion:
         ptrs = {slot.storage.data_ptr() for slot in live}
         # (a torch.Size whole: pytree would rebuild it as a plain tuple)
         leaves, spec = pytree.tree_flatten(out, is_leaf=_is_size)
-        on = {k: _storage_ptr(t) for k, t in enumerate(leaves) if isinstance(t, torch.Tensor)}
-        on = {k: p for k, p in on.items() if p in ptrs}
+        on = {k: p for k, t in enumerate(leaves)
+              if isinstance(t, torch.Tensor) and (p := _storage_ptr(t)) in ptrs}
         if not on:
             return out
         copies = copies_of(leaves, ptrs)

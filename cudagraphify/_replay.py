@@ -243,16 +243,25 @@ def of_this_call(t: torch.Tensor, outs: list | None) -> torch.Tensor:
             d = d.conj()
         if d.is_neg():
             d = torch._neg_view(d)
-        v = (d if d.dtype == t.dtype else d.view(t.dtype)).as_strided(
-            t.size(), t.stride(), t.storage_offset())
+        v = view_on(d, t.dtype, t.size(), t.stride(), t.storage_offset(), t.is_conj(),
+                    t.is_neg())
     except RuntimeError:  # (another element size, the last dimension strided)
         return t.detach()
-    if t.is_conj():
-        v = v.conj()
-    if t.is_neg():
-        v = torch._neg_view(v)
     # (no view where eager's is none, ``view_as_real(y).detach()``: its counter all the same)
     return v if t._is_view() else v.detach()
+
+
+def view_on(base: torch.Tensor, dtype: torch.dtype, size, stride, offset: int, conj: bool,
+            neg: bool) -> torch.Tensor:
+    """A view of ``base``'s memory (``base`` without conj/neg bits) as ``dtype``, with that
+    layout (``offset`` in elements of ``dtype``) and those bits; RuntimeError where no view
+    can be (another element size, ``base``'s last dimension strided)."""
+    v = (base if base.dtype == dtype else base.view(dtype)).as_strided(size, stride, offset)
+    if conj:
+        v = v.conj()
+    if neg:
+        v = torch._neg_view(v)
+    return v
 
 
 _same_version = torch.autograd._unsafe_preserve_version_counter
