@@ -14,7 +14,10 @@ prints µs per forward, best of interleaved rounds, for:
 - ``pieces``: ``graphify`` (its piecewise plan, pieces chained);
 - ``segments``: ``graphify(segments=True)`` with the segments kept (no trial);
 
-then, with ``--profile``, a cProfile of the segments' replays (top functions by own time) and
+then, with ``--parts``, where the segments' forward spends its time (timers around the replay's
+parts, unprofiled: a timer pair costs about 0.1 µs): to its first torch call (the entry), the
+member calls met one by one, the boundaries run eagerly (a host sync's wait among them), the
+module calls answered whole, the graph launches, the output copy; with ``--profile``, a cProfile of the segments' replays (top functions by own time) and
 the total of the compiled member checks. On a machine without CUDA (or ``--cpu``) the CPU double
 (tests/conftest.py's SimBackend, its replay a no-op) stands in: host time only.
 """
@@ -41,6 +44,7 @@ p.add_argument("--dim", type=int, default=None)
 p.add_argument("--rounds", type=int, default=5)
 p.add_argument("--calls", type=int, default=30)
 p.add_argument("--profile", action="store_true")
+p.add_argument("--parts", action="store_true")
 opts = p.parse_args()
 warnings.simplefilter("ignore")
 
@@ -199,6 +203,8 @@ def main() -> None:
         for k, v in samples.items():
             print(f"  {k:<12} {min(v):8.0f} µs  ({min(v) / best_eager:.3f} of eager; "
                   f"{min(v) / len(outs):.2f} µs per call of the forward's {len(outs)})")
+        if opts.parts:
+            parts(variants["segments"], x)
         if opts.profile:
             g = variants["segments"]
             pr = cProfile.Profile()
@@ -212,6 +218,72 @@ def main() -> None:
             print(f"compiled member checks: {sum(v[1] for v in own)} calls, "
                   f"{sum(v[2] for v in own) / opts.calls * 1e6:.0f} µs a forward (profiled)")
             st.sort_stats("tottime").print_stats(22)
+
+
+def parts(g, x) -> None:
+    """Timers around the parts of the segments' replay (see the module's docstring)."""
+    from cudagraphify import _segmodes, _segrun
+    clock = time.perf_counter_ns
+    acc: dict[str, list[int]] = {}
+    first: list[int] = []
+    saved = []
+
+    def wrap(cls, name, key, split=None):
+        fn = cls.__dict__[name]
+        saved.append((cls, name, fn))
+        acc[key] = [0, 0]
+
+        def timed(*args, **kwargs):
+            which = split(args) if split else key
+            t = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                a = acc[which]
+                a[0] += clock() - t
+                a[1] += 1
+        setattr(cls, name, timed)
+
+    def member_or_boundary(args):
+        run = args[0].run
+        if not first:
+            first.append(clock())
+        calls = run.plan.calls
+        i = run.cursor
+        return "member calls" if i < len(calls) and calls[i].segment is not None \
+            and not run.diverged else "eager calls"
+    acc["member calls"] = [0, 0]
+    wrap(_segmodes._Replayer, "__torch_function__", "eager calls", member_or_boundary)
+    wrap(_segmodes._Replayer, "module", "module calls (inclusive)")
+    wrap(_segmodes._Run, "whole", "answered whole")
+    wrap(_segmodes._Run, "flush", "graph launches")
+    wrap(_segrun.SegmentPlan, "owned", "output copy")
+    try:
+        rounds = []
+        for _ in range(opts.rounds):
+            for a in acc.values():
+                a[:] = [0, 0]
+            entry = total = 0
+            for _ in range(opts.calls):
+                first.clear()
+                sync()
+                t = clock()
+                g(x)
+                sync()
+                total += clock() - t
+                entry += first[0] - t if first else 0
+            rounds.append((total, entry, {k: list(v) for k, v in acc.items()}))
+    finally:
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+    total, entry, best = min(rounds, key=lambda r: r[0])
+    n = opts.calls
+    print(f"segments' parts (the fastest of {opts.rounds} rounds; µs a forward, timers on):")
+    print(f"  total {total / n / 1e3:8.0f}")
+    print(f"  entry {entry / n / 1e3:8.0f}  (the call to its first torch call)")
+    for k, (ns, count) in best.items():
+        print(f"  {k:<26} {ns / n / 1e3:8.0f}  over {count / n:5.0f} a forward "
+              f"({ns / max(count, 1) / 1e3:.2f} µs each)")
 
 
 main()
