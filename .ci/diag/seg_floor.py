@@ -17,8 +17,9 @@ prints µs per forward, best of interleaved rounds, for:
 then, with ``--parts``, where the segments' forward spends its time (timers around the replay's
 parts, unprofiled: a timer pair costs about 0.1 µs): to its first torch call (the entry), the
 member calls met one by one, the boundaries run eagerly (a host sync's wait among them), the
-module calls answered whole, the graph launches, the output copy; with ``--profile``, a cProfile of the segments' replays (top functions by own time) and
-the total of the compiled member checks. On a machine without CUDA (or ``--cpu``) the CPU double
+module calls answered whole, the graph launches, the output copy; with ``--profile``, a
+cProfile of the segments' replays (top functions by own time) and the total of the compiled
+member checks. On a machine without CUDA (or ``--cpu``) the CPU double
 (tests/conftest.py's SimBackend, its replay a no-op) stands in: host time only.
 """
 from __future__ import annotations
