@@ -326,7 +326,7 @@ class _Member:
     plan's entry's guard, the global state its segment's)."""
 
     __slots__ = ("module", "start", "end", "segment", "name", "struct", "refs", "match",
-                 "out_struct", "out_refs", "hand")
+                 "out_struct", "out_refs", "hand", "lone")
 
     def __init__(self, frame: _Frame, segment: "_Segment", refs: list):
         self.module, self.start, self.end = frame.module, frame.start, frame.end
@@ -336,3 +336,6 @@ class _Member:
         self.out_struct, self.out_refs = frame.out_struct, frame.out_refs
         self.hand = sorted({j for j, _ in frame.out_refs})
         self.match = None
+        # (the call whose one output it returns, alone: the common case, handed without a
+        # walk over the structure; None otherwise)
+        self.lone: int | None = None

@@ -434,22 +434,27 @@ class _Run:
                 return _NO
             if self.entered is not seg:
                 self.start(seg)
-            elif self.pending is None and member.start <= seg.launch:
+            elif member.start <= seg.launch and self.pending is None:
                 self.pending = seg  # (see __torch_function__)
-            try:
-                for buf, leaf in copies:
-                    buf.copy_(leaf)
-            except RuntimeError:  # (a sparse tensor: its calls copy again, or diverge)
-                return _NO
-            if member.end > seg.launch:  # (its inputs all in: see _Segment.launch)
+            if copies:
+                try:
+                    for buf, leaf in copies:
+                        buf.copy_(leaf)
+                except RuntimeError:  # (a sparse tensor: its calls copy again, or diverge)
+                    return _NO
+            if self.pending is not None and member.end > seg.launch:  # (see _Segment.launch)
                 self.flush()
             self.cursor = member.end
+            plan.whole += 1
             handed, calls = self.handed, plan.calls
+            j = member.lone
+            if j is not None:
+                out = calls[j].outs[0].detach()
+                handed[j] = (out,)
+                return out
             for j in member.hand:
                 handed[j] = [t.detach() for t in calls[j].outs]
-            out = _build(member.out_struct, iter([handed[j][k] for j, k in member.out_refs]))
-            plan.whole += 1
-        return out
+            return _build(member.out_struct, iter([handed[j][k] for j, k in member.out_refs]))
 
     def diverge(self, func, args, kwargs) -> Any:
         self.flush()
@@ -497,8 +502,10 @@ class _Replayer(_Mode):
             return func(*args, **kwargs)
         plan = run.plan
         i = run.cursor
-        calls = plan.calls
-        call = calls[i] if i < len(calls) else None
+        try:
+            call = plan.calls[i]
+        except IndexError:  # (more calls than recorded)
+            call = None
         if call is None or call.func is not func:
             info = infos.get(id(func))
             if info is None or info[0] is not func:
@@ -531,16 +538,17 @@ class _Replayer(_Mode):
             if i != seg.first:  # (a segment is entered at its first call only)
                 return run.diverge(func, args, kwargs)
             run.start(seg)
-        elif run.pending is None and i <= seg.launch:
+        elif i <= seg.launch and run.pending is None:
             # (replayed before its launch, by a call of cudagraphify's own that needed real
             # values: its inputs were not all in; it replays again at its launch)
             run.pending = seg
-        try:
-            for buf, leaf in copies:
-                buf.copy_(leaf)
-        except RuntimeError:  # (a sparse tensor where a dense one was recorded)
-            return run.diverge(func, args, kwargs)
-        if i >= seg.launch:  # (its inputs all in: see _Segment.launch)
+        if copies:
+            try:
+                for buf, leaf in copies:
+                    buf.copy_(leaf)
+            except RuntimeError:  # (a sparse tensor where a dense one was recorded)
+                return run.diverge(func, args, kwargs)
+        if run.pending is not None and i >= seg.launch:  # (its inputs all in: _Segment.launch)
             run.flush()
         run.cursor = i + 1
         if call.same:  # (x.float() of a float x is x itself)

@@ -63,6 +63,8 @@ from ._segmodes import _Recorder, _Replayer, _Run, _profiler, canary, direct_lau
 
 __all__ = ["ENABLED", "SegmentPlan", "Segments", "VARYING", "direct_launch"]
 
+_storage_ptr = torch.UntypedStorage.data_ptr
+
 ENABLED = False  # experimental: off until it has been measured on a GPU (see issue 16)
 MIN_CALLS = 2  # a segment with fewer members runs eagerly (a replay would not pay)
 MAX_VOID = 16  # timings of the forward without segments voided before one is kept anyway
@@ -114,7 +116,7 @@ class SegmentPlan:
         self.last: int | None = None  # (CUDA) the stream that replayed the graphs last
         self.side: set[int] = set()  # (CUDA) other streams the last call's eager calls used
         # (storage, use count with only the plan's own references) of the graphs' memory
-        self._baselines: list[tuple[Any, int]] = []
+        self._baselines: tuple[list, list[int], list, list[int]] = ([], [], [], [])
         self.unseen: str | None = None  # why no segment can be graphed: work the mode misses
         self.seen_unseen = False  # the profiler found that work (a later record would too)
         # the first calls after the record alternate between the segments and the forward run
@@ -279,6 +281,9 @@ class SegmentPlan:
             else:
                 member = _Member(frame, seg, refs)
                 member.match = _Matcher(member, frame.start, seg, self.pool_ptrs, bufs).build()
+                if member.out_struct == 0 and type(member.out_struct) is int \
+                        and len(calls[member.hand[0]].outs) == 1:
+                    member.lone = member.hand[0]
                 self.members.setdefault(frame.start, []).append(member)
         for members in self.members.values():  # (the outermost first: explain lists them so)
             members.sort(key=lambda m: -m.end)
@@ -487,15 +492,19 @@ class SegmentPlan:
 
     # -- replay ---------------------------------------------------------------------------------
 
-    def _use_counts(self) -> list[tuple[Any, int]]:
+    def _use_counts(self) -> tuple[list, list[int], list, list[int]]:
+        """The storages on the graphs' memory that the segments' outputs and buffers hold, as
+        :meth:`held` compares them: (their ``_cdata``, their use counts, the storages, their
+        addresses)."""
         storages = {}
         for seg in self.segments:
             for t in [*(t for outs in seg.outs.values() for t in outs), *seg.bufs.values()]:
                 st = t.untyped_storage()
                 if st.data_ptr() in self.pool_ptrs:
                     storages[st.data_ptr()] = st
-        return [(st._cdata, _use_count(st._cdata), st, st.data_ptr())
-                for st in storages.values()]
+        held = list(storages.values())
+        cdatas = [st._cdata for st in held]
+        return (cdatas, list(map(_use_count, cdatas)), held, list(map(_storage_ptr, held)))
 
     def held(self) -> bool:
         """Whether a tensor on the graphs' memory outlived the call that handed it out (the
@@ -503,10 +512,10 @@ class SegmentPlan:
         a replay would overwrite it."""
         # (a storage resized or freed: the graph's memory is gone; a resize always moves its
         # data, a tensor's resize within its storage's bytes leaves the storage as it is)
-        for cdata, n, st, ptr in self._baselines:
-            if _use_count(cdata) != n or st.data_ptr() != ptr:
-                return True
-        return False
+        # (one C call per storage, no Python loop: paid on every call of the forward)
+        cdatas, counts, storages, ptrs = self._baselines
+        return list(map(_use_count, cdatas)) != counts \
+            or list(map(_storage_ptr, storages)) != ptrs
 
     def valid(self) -> bool:
         return self.flags is not None and self.flags.check() and self.state.statics.same() \
@@ -561,7 +570,7 @@ class SegmentPlan:
             call.outs, call.match, call.segment = [], None, None
         self.members, self.frames = {}, []
         self.pool = None
-        self._baselines = []
+        self._baselines = ([], [], [], [])
         self.ready = False
 
     def describe(self) -> list[str]:
