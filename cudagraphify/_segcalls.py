@@ -252,7 +252,7 @@ class _Call:
     """One recorded top-level call."""
 
     __slots__ = ("func", "name", "struct", "refs", "seg", "out_struct", "eager_out", "match",
-                 "single", "segment", "outs", "state", "views", "same", "metas", "alone")
+                 "single", "segment", "outs", "state", "views", "same", "metas", "alone", "flat")
 
     def __init__(self, func, name: str):
         self.func, self.name = func, name
@@ -268,6 +268,9 @@ class _Call:
         self.segment: _Segment | None = None
         self.outs: list[torch.Tensor] = []
         self.single = False
+        # (a tuple or list of its output tensors and nothing else, ``split``'s: that type, built
+        # from them without a walk over the structure; None otherwise)
+        self.flat: type | None = None
         self.state: _State | None = None  # the global state it ran under (a member)
         self.views: frozenset[int] = frozenset()  # tensor arguments whose memory it returns
         self.same: tuple[tuple[int, int], ...] = ()  # (output, argument): returned as is

@@ -567,5 +567,6 @@ class _Replayer(_Mode):
             handed[i] = (out,)
         else:
             outs = handed[i] = [t.detach() for t in call.outs]
-            out = _build(call.out_struct, iter(outs))
+            flat = call.flat
+            out = flat(outs) if flat is not None else _build(call.out_struct, iter(outs))
         return out

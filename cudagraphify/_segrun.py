@@ -211,6 +211,10 @@ class SegmentPlan:
                 call.segment, call.outs = seg, seg.outs[i]
                 call.match = _Matcher(call, i, seg, self.pool_ptrs).build()
                 call.single = call.out_struct == 0 and type(call.out_struct) is int
+                flat = call.out_struct
+                if type(flat) is tuple and (flat[0] is tuple or flat[0] is list) and all(
+                        s == 0 and type(s) is int for s in flat[1]):
+                    call.flat = flat[0]
         self._members()
         self._baselines = self._use_counts()
         self.ready = True

@@ -215,3 +215,41 @@ def test_a_graph_output_kept_inside_an_object_is_not_overwritten(segments):
         boxes = [g(x) for x in xs]
         for x, box in zip(xs, boxes):
             assert torch.equal(box.t, m(x).t)
+
+
+class _Splits(nn.Module):
+    """A call with several outputs (``split``: a tuple) whose tuple the forward returns as it
+    is, one of whose parts a later call reads, between two host syncs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.sum().item() > -1e9:
+            x = x + 1
+        parts = self.lin(x).split(4, dim=-1)
+        y = parts[0] * parts[1] + 2
+        z = (y * 3).relu()
+        if z.abs().amax().item() >= 0:
+            return parts, z
+        return parts, -z
+
+
+def test_a_calls_tuple_of_outputs_is_handed_as_a_tuple_of_this_calls_values(segments):
+    torch.manual_seed(0)
+    m = _Splits().eval()
+    g = _graphed(m)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for k in range(5):
+            x = torch.randn(3, 8) + k
+            got, want = g(x), m(x)
+            assert type(got[0]) is tuple and len(got[0]) == 2
+            for a, b in zip(got[0], want[0]):
+                assert torch.equal(a, b)
+            assert torch.equal(got[1], want[1])
+    plan = _plan(g)
+    assert plan.replays > 0 and plan.divergences == 0
+    split = next(c for c in plan.calls if c.name == "Tensor.split")
+    assert split.segment is not None and split.flat is tuple
