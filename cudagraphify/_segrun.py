@@ -42,6 +42,7 @@ or the parameters' addresses change (:class:`~._guards.FlagsGuard`, the statics'
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -64,6 +65,7 @@ from ._segmodes import _Recorder, _Replayer, _Run, _profiler, canary, direct_lau
 __all__ = ["ENABLED", "SegmentPlan", "Segments", "VARYING", "direct_launch"]
 
 _storage_ptr = torch.UntypedStorage.data_ptr
+_refcount = sys.getrefcount
 
 ENABLED = False  # experimental: off until it has been measured on a GPU (see issue 16)
 MIN_CALLS = 2  # a segment with fewer members runs eagerly (a replay would not pay)
@@ -116,7 +118,8 @@ class SegmentPlan:
         self.last: int | None = None  # (CUDA) the stream that replayed the graphs last
         self.side: set[int] = set()  # (CUDA) other streams the last call's eager calls used
         # (storage, use count with only the plan's own references) of the graphs' memory
-        self._baselines: tuple[list, list[int], list, list[int]] = ([], [], [], [])
+        self._baselines: tuple[list, list[int], list, list[int], list[int]] = \
+            ([], [], [], [], [])
         self.unseen: str | None = None  # why no segment can be graphed: work the mode misses
         self.seen_unseen = False  # the profiler found that work (a later record would too)
         # the first calls after the record alternate between the segments and the forward run
@@ -496,29 +499,38 @@ class SegmentPlan:
 
     # -- replay ---------------------------------------------------------------------------------
 
-    def _use_counts(self) -> tuple[list, list[int], list, list[int]]:
+    def _use_counts(self) -> tuple[list, list[int], list, list[int], list[int]]:
         """The storages on the graphs' memory that the segments' outputs and buffers hold, as
         :meth:`held` compares them: (their ``_cdata``, their use counts, the storages, their
-        addresses)."""
+        addresses, the storages' Python reference counts)."""
+        # (made in a call of its own: only ``held`` refers to them here, the reference counts
+        # below are its own)
+        held = self._storages()
+        cdatas = [x._cdata for x in held]
+        return (cdatas, list(map(_use_count, cdatas)), held, list(map(_storage_ptr, held)),
+                list(map(_refcount, held)))
+
+    def _storages(self) -> list:
         storages = {}
         for seg in self.segments:
             for t in [*(t for outs in seg.outs.values() for t in outs), *seg.bufs.values()]:
                 st = t.untyped_storage()
                 if st.data_ptr() in self.pool_ptrs:
                     storages[st.data_ptr()] = st
-        held = list(storages.values())
-        cdatas = [st._cdata for st in held]
-        return (cdatas, list(map(_use_count, cdatas)), held, list(map(_storage_ptr, held)))
+        return list(storages.values())
 
     def held(self) -> bool:
         """Whether a tensor on the graphs' memory outlived the call that handed it out (the
-        forward kept it, or returned it inside an object the output copy does not look into):
-        a replay would overwrite it."""
+        forward kept it, or returned it inside an object the output copy does not look into),
+        or the storage object of one (``h.untyped_storage()``: the very Python object the
+        baseline holds, PyObject preservation hands it out again, so only its reference count
+        shows it): a replay would overwrite it."""
         # (a storage resized or freed: the graph's memory is gone; a resize always moves its
         # data, a tensor's resize within its storage's bytes leaves the storage as it is)
         # (one C call per storage, no Python loop: paid on every call of the forward)
-        cdatas, counts, storages, ptrs = self._baselines
+        cdatas, counts, storages, ptrs, refs = self._baselines
         return list(map(_use_count, cdatas)) != counts \
+            or list(map(_refcount, storages)) != refs \
             or list(map(_storage_ptr, storages)) != ptrs
 
     def valid(self) -> bool:
@@ -574,7 +586,7 @@ class SegmentPlan:
             call.outs, call.match, call.segment = [], None, None
         self.members, self.frames = {}, []
         self.pool = None
-        self._baselines = ([], [], [], [])
+        self._baselines = ([], [], [], [], [])
         self.ready = False
 
     def describe(self) -> list[str]:

@@ -34,7 +34,8 @@ Finding (pre-existing, 203172a~1 as well; in ``held``, which the commit rewrote)
   ``a.storage()``) is not seen by ``held()``: ``_use_counts`` keeps the storages' Python objects,
   and PyObject preservation hands the forward that very object, so keeping it raises neither the
   StorageImpl's use count nor changes the address. The next call replays over it: a forward that
-  reads the last call's storage returns wrong values (``test_finding1*``).
+  reads the last call's storage returns wrong values (``test_finding1*``). Fixed: ``held``
+  compares the storages' reference counts too (the finding tests are plain tests since).
 
 Call counting: call 1 of a signature decides, call 2 records, calls 3+ replay.
 """
@@ -624,8 +625,8 @@ def test_control_held_lists_match_the_storages(seg):
     g, m = _twins(Host(lambda s, h: (s.inner(h) * 2).tanh() + s.other(h)))
     _run(g, m, _inputs())
     plan = _plan(g)
-    cdatas, counts, storages, ptrs = plan._baselines
-    assert len(cdatas) == len(counts) == len(storages) == len(ptrs) > 0
+    cdatas, counts, storages, ptrs, refs = plan._baselines
+    assert len(cdatas) == len(counts) == len(storages) == len(ptrs) == len(refs) > 0
     assert not plan.held()
     t = plan.calls[plan.segments[-1].last].outs[0]
     extra = t.detach()  # (one more holder of a graph storage)
@@ -636,11 +637,11 @@ def test_control_held_lists_match_the_storages(seg):
 
 # -- findings ---------------------------------------------------------------------------------
 
-_F1 = ("pre-existing (203172a~1 as well), in held(): a storage object of a graph output kept by "
-       "the forward (``a.untyped_storage()``) is the very Python object SegmentPlan._baselines "
-       "holds (PyObject preservation), so keeping it raises neither the StorageImpl's use count "
-       "nor moves its address: held() says False and the next replay overwrites the kept "
-       "storage (_segrun.py SegmentPlan._use_counts/held)")
+# F1 (fixed: held() compares the storage objects' reference counts too) was: a storage object
+# of a graph output kept by the forward (``a.untyped_storage()``) is the very Python object
+# SegmentPlan._baselines holds (PyObject preservation), so keeping it raised neither the
+# StorageImpl's use count nor moved its address: held() said False and the next replay
+# overwrote the kept storage.
 
 
 class PrevStorage(nn.Module):
@@ -665,7 +666,6 @@ class PrevStorage(nn.Module):
         return out
 
 
-@pytest.mark.xfail(strict=True, reason=_F1)
 def test_finding1_a_kept_storage_is_overwritten_by_the_next_replay(seg, wholes):
     STORE.clear()
     g, m = _twins(PrevStorage())
@@ -677,7 +677,6 @@ def test_finding1_a_kept_storage_is_overwritten_by_the_next_replay(seg, wholes):
         assert wholes and seg.replays > 0
 
 
-@pytest.mark.xfail(strict=True, reason=_F1)
 @pytest.mark.parametrize("keep", list(_STORAGE_KEEPS))
 def test_finding1_kept_storage_as_eager_left_it(seg, keep, helds, wholes):
     STORE.clear()
