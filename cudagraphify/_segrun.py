@@ -117,7 +117,7 @@ class SegmentPlan:
         self.token: int | None = None  # (CUDA) the stream the record's call ran on
         self.last: int | None = None  # (CUDA) the stream that replayed the graphs last
         self.side: set[int] = set()  # (CUDA) other streams the last call's eager calls used
-        # (storage, use count with only the plan's own references) of the graphs' memory
+        # the storages of the graphs' memory as the plan alone holds them (see _use_counts)
         self._baselines: tuple[list, list[int], list, list[int], list[int]] = \
             ([], [], [], [], [])
         self.unseen: str | None = None  # why no segment can be graphed: work the mode misses
