@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import operator
+import sys
 import threading
 import weakref
 from typing import Any, Callable
@@ -45,6 +46,7 @@ except ImportError:  # pragma: no cover - a torch without it
 _Tensor, _Parameter = torch.Tensor, torch.nn.Parameter
 _TensorGuards = torch._C._dynamo.guards.TensorGuards
 _Slot, _use_count = _region.Slot, torch._C._storage_Use_Count
+_refcount = sys.getrefcount
 _saved_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 _weakref = weakref.ref
 _get_ident = threading.get_ident
@@ -621,7 +623,8 @@ class Fast:
                         live = region._live
                         walk = False
                         if live and not (len(live) == 1 and slot in live
-                                         and _use_count(slot.cdata) == slot.baseline):
+                                         and _use_count(slot.cdata) == slot.baseline
+                                         and _refcount(slot.storage) <= slot.refs):
                             walk = region._live_top >= entry.seq
                         if walk:
                             if not region.protect_before(entry, args):
@@ -635,7 +638,8 @@ class Fast:
                                 for i, other in borrowed:
                                     if args[i].data_ptr() != other.tensor.data_ptr():
                                         if other.baseline is not None and \
-                                                _use_count(other.cdata) == other.baseline:
+                                                _use_count(other.cdata) == other.baseline \
+                                                and _refcount(other.storage) <= other.refs:
                                             other.live.pop(other, None)
                                         elif not other.protect():
                                             return _MISS

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import sys
 import threading
 import weakref
 from typing import Any, Callable
@@ -64,6 +65,7 @@ def all_open() -> list["GraphRegion"]:
 
 
 _use_count = torch._C._storage_Use_Count
+_refcount = sys.getrefcount
 _same_version = torch.autograd._unsafe_preserve_version_counter
 
 
@@ -123,7 +125,7 @@ class Slot:
     """A static output of a region graph, handed out as an alias instead of a copy."""
 
     __slots__ = ("region", "live", "tensor", "ptr", "storage", "cdata", "seq", "baseline",
-                 "alias", "lone", "thread", "firsts")
+                 "alias", "lone", "thread", "firsts", "refs")
 
     def __init__(self, region: "GraphRegion", tensor: torch.Tensor, seq: int, lone: bool = True,
                  firsts: dict | None = None):
@@ -140,6 +142,10 @@ class Slot:
         self.cdata = self.storage._cdata  # (valid while ``storage`` is held)
         self.seq = seq
         self.baseline: int | None = None
+        # the Python references to ``storage`` when the baseline was taken: a storage object
+        # the caller keeps (``h.untyped_storage()``) is this very object (PyTorch keeps one per
+        # storage), so it raises no use count, only this (see ``extra_users``)
+        self.refs = 0
         self.alias: weakref.ref | None = None
         self.thread = 0  # the thread its last alias was handed to
 
@@ -152,8 +158,15 @@ class Slot:
         return _use_count(self.cdata)
 
     def extra_users(self) -> int:
-        """Tensors sharing this memory beyond cudagraphify's own."""
-        return _use_count(self.cdata) - self.baseline
+        """Tensors sharing this memory beyond cudagraphify's own, and one more where its
+        storage object is kept beyond cudagraphify's own references (by the caller, the
+        forward: the memory is theirs too, and no alias of it can be moved for them)."""
+        return _use_count(self.cdata) - self.baseline \
+            + (_refcount(self.storage) > self.refs)
+
+    def free(self) -> bool:
+        """No tensor or storage object beyond cudagraphify's own holds this memory."""
+        return _use_count(self.cdata) == self.baseline and _refcount(self.storage) <= self.refs
 
     def own_more(self, n: int) -> None:
         """cudagraphify now holds ``n`` more (or fewer) tensors on this memory."""
@@ -186,6 +199,7 @@ class Slot:
             collect_young()
             n = self.firsts[self.cdata] = _use_count(self.cdata)
         self.baseline = n
+        self.refs = _refcount(self.storage)
 
     def protect(self) -> bool:
         """Before this memory is overwritten: move a held alias to a copy. False if impossible."""
@@ -361,7 +375,7 @@ class GraphRegion:
         shared = False
         for slot in tuple(live):
             if slot.thread == me:
-                extra = _use_count(slot.cdata) - slot.baseline
+                extra = slot.extra_users()
                 if extra == 0:
                     del live[slot]
                 else:
@@ -439,8 +453,8 @@ class GraphRegion:
                 extra = slot.extra_users()
                 if extra <= 0:
                     del self._live[slot]
-                elif not slot.protect():
-                    kept.append((slot, extra))
+                elif not slot.protect():  # (its tensors beyond ours: the baseline's refit)
+                    kept.append((slot, _use_count(slot.cdata) - slot.baseline))
 
         def refit():
             for slot, extra in kept:
@@ -468,7 +482,7 @@ class GraphRegion:
                     if slot.seq > top:
                         top = slot.seq
                     continue
-                if _use_count(slot.cdata) == slot.baseline:
+                if slot.free():
                     del live[slot]  # no alias left: nothing to protect (``protect``'s common case)
                 elif not slot.protect():
                     self.blocked_by = slot.seq
@@ -509,7 +523,7 @@ class GraphRegion:
         if not live:
             return out
         for slot in tuple(live):
-            if _use_count(slot.cdata) == slot.baseline:
+            if slot.free():
                 del live[slot]  # no alias left (the forward consumed it): nothing to copy
         if not live:
             return out

@@ -96,7 +96,10 @@ class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.ops: list[tuple] = []  # (func, args, kwargs, outputs) with tensors as _Ref
-        self.specs: list[tuple] = []  # (storage, offset, size, stride, dtype, conj, neg)
+        # (holder, offset, size, stride, dtype, conj, neg): ``holder`` a tensor on the storage
+        # (a CUDA graph holds no Python storage object, which a caller's ``untyped_storage()``
+        # would share: see _holder)
+        self.specs: list[tuple] = []
         self._index: dict[tuple, int] = {}
         self.storages: dict[int, torch.UntypedStorage] = {}  # StorageImpl address -> storage
         self.fresh_storages: set[int] = set()  # first seen as an op's output: the "pool"
@@ -116,7 +119,7 @@ class _Recorder(TorchDispatchMode):
         i = self._index.get(key)
         if i is None:
             i = self._index[key] = len(self.specs)
-            self.specs.append((s,) + key[1:])
+            self.specs.append((_holder(s),) + key[1:])
         return _Ref(i, False)
 
     def _keep(self, t: torch.Tensor) -> None:
@@ -158,10 +161,20 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
+def _holder(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A tensor on ``storage``, to hold its memory without holding its Python object: PyTorch
+    keeps one Python object per storage, the one a caller's ``untyped_storage()`` returns and
+    whose references cudagraphify counts (a held storage object is a holder of the memory); a
+    CUDA graph keeps none of them, nor must the double."""
+    with torch._C._DisableTorchDispatch():  # no device work: no mode records it
+        return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
 def _alias(spec: tuple) -> torch.Tensor:
     """A tensor on the memory ``spec`` describes (made from its storage: whatever later happens
     to the Python tensor that was there, this one reads the memory the capture saw)."""
-    storage, offset, size, stride, dtype, conj, neg = spec
+    holder, offset, size, stride, dtype, conj, neg = spec
+    storage = holder.untyped_storage()
     with torch._C._DisableTorchDispatch():  # no device work: no mode records it
         t = torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
     if conj:
@@ -183,10 +196,11 @@ class SimGraph:
         self.unreplayable = list(rec.unreplayable)
         # the storages, held, and where their memory was when the capture ended: a replay must
         # find it there
-        self._memory = [(s, s.data_ptr(), s.nbytes()) for s in rec.storages.values()]
+        # (held by tensors on them, not by their Python objects: see _holder)
+        self._memory = [(_holder(s), s.data_ptr(), s.nbytes()) for s in rec.storages.values()]
         self.pool_bytes = sum(rec.storages[k].nbytes() for k in rec.fresh_storages)
         # (the storages its ops made: what a CUDA capture's allocator hands out, _capture.RawGraph)
-        self.fresh = [rec.storages[k] for k in rec.fresh_storages]
+        self.fresh = [_holder(rec.storages[k]) for k in rec.fresh_storages]
         self._specs = rec.specs
         with torch.no_grad(), torch.inference_mode(False):
             self._aliases = [_alias(spec) for spec in rec.specs]
@@ -205,7 +219,8 @@ class SimGraph:
         assert not self.unreplayable, (
             f"the graph holds op(s) with non-tensor outputs, which a replay cannot reproduce "
             f"(a host sync that a CUDA capture would refuse): {', '.join(self.unreplayable)}")
-        for s, ptr, nbytes in self._memory:
+        for h, ptr, nbytes in self._memory:
+            s = h.untyped_storage()
             assert s.data_ptr() == ptr and s.nbytes() >= nbytes, (
                 f"stale replay: a storage the graph reads ({nbytes} bytes) was resized or freed "
                 "after capture; a CUDA graph would read the freed memory")
