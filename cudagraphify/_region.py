@@ -451,7 +451,9 @@ class GraphRegion:
                     del self._live[slot]
                     continue
                 extra = slot.extra_users()
-                if extra <= 0:
+                if extra <= 0 or slot.tensor.data_ptr() != slot.ptr:
+                    # (nothing beyond ours holds it, or its storage was grown, which moved it
+                    # off the pool: no replay writes where it lies now)
                     del self._live[slot]
                 elif not slot.protect():  # (its tensors beyond ours: the baseline's refit)
                     kept.append((slot, _use_count(slot.cdata) - slot.baseline))

@@ -200,6 +200,7 @@ class SimGraph:
         self._memory = [(_holder(s), s.data_ptr(), s.nbytes()) for s in rec.storages.values()]
         self.pool_bytes = sum(rec.storages[k].nbytes() for k in rec.fresh_storages)
         # (the storages its ops made: what a CUDA capture's allocator hands out, _capture.RawGraph)
+        # (tensors on them, as ``_memory``'s: ``h.untyped_storage()`` is the storage)
         self.fresh = [_holder(rec.storages[k]) for k in rec.fresh_storages]
         self._specs = rec.specs
         with torch.no_grad(), torch.inference_mode(False):
@@ -245,6 +246,7 @@ class SimGraph:
     def release(self):
         self.released = True
         self._ops, self._outs, self._aliases, self._specs, self._memory = [], [], [], [], []
+        self.fresh = []
 
 
 class SimBackend:

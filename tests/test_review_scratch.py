@@ -51,7 +51,8 @@ def _entry(region, g):
 def _beyond_outputs(entry) -> int:
     """Bytes of the storages the capture's ops made that are no output's storage."""
     outs = {storage_of(t) for t in entry.output_tensors()}
-    return sum(s.nbytes() for s in entry.raw.fresh if s.data_ptr() not in outs)
+    fresh = [h.untyped_storage() for h in entry.raw.fresh]  # (the double holds tensors on them)
+    return sum(s.nbytes() for s in fresh if s.data_ptr() not in outs)
 
 
 class _Norm(nn.Module):
